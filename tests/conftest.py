@@ -1,0 +1,41 @@
+"""Tiny real models for tests, made from configs (no hub, no downloads)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.workers.testing import save_tiny_llama
+
+# Keep tests quiet and single-threaded per process: CI has 2 cores and Ray tests start several processes.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(models_dir) -> str:
+    return save_tiny_llama(models_dir / "target", seed=0, layers=2, hidden=48)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(models_dir) -> str:
+    # A different seed: a poor draft, so rejections (recovered tokens) are exercised on every prompt.
+    return save_tiny_llama(models_dir / "draft", seed=1, layers=1, hidden=32, vocab_pad=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_target(models_dir) -> str:
+    return save_tiny_llama(models_dir / "tv_target", seed=10, layers=1, hidden=16, tiny_vocab=True, init_range=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_draft(models_dir) -> str:
+    return save_tiny_llama(models_dir / "tv_draft", seed=11, layers=1, hidden=16, tiny_vocab=True, init_range=0.5)

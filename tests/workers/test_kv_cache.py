@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.errors import KVCapacityError, RequestNotFoundError
+from specserve.workers.kv_cache import common_prefix_length
+from specserve.workers.loading import load_model
+from specserve.workers.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_model(ModelConfig(path=tiny_target, device="cpu"))
+
+
+def _full_logits(model, seq):
+    with torch.no_grad():
+        return model(torch.tensor([seq])).logits[0].float()
+
+
+def test_rollback_after_rejection_matches_full_recompute(target):
+    runner = ModelRunner(target, KVCacheConfig())
+    committed = [10, 20, 30, 40, 50]
+    drafted = [60, 70, 80, 90]
+    runner.logits_for("r", committed + drafted, len(drafted) + 1)
+    assert runner.store.get("r").length == len(committed) + len(drafted)
+
+    # Two drafted tokens accepted, the third rejected and replaced by a recovered token.
+    seq = committed + drafted[:2] + [33]
+    next_drafts = [44, 55]
+    logits = runner.logits_for("r", seq + next_drafts, len(next_drafts) + 1)
+    expected = _full_logits(target.model, seq + next_drafts)[-(len(next_drafts) + 1) :]
+    assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
+    # Only the new positions were computed: the cache kept the 7 agreeing positions.
+    assert runner.forward_positions == 9 + 3
+    assert runner.store.get("r").tokens == seq + next_drafts
+
+
+def test_explicit_rollback_then_extend_matches_full_recompute(target):
+    runner = ModelRunner(target, KVCacheConfig())
+    seq = list(range(3, 40))
+    runner.logits_for("r", seq, 1)
+    runner.store.rollback("r", 20)
+    assert runner.store.get("r").length == 20
+    assert runner.store.used_tokens == 20
+    logits = runner.logits_for("r", seq[:20] + [7, 8, 9], 3)
+    assert torch.allclose(logits, _full_logits(target.model, seq[:20] + [7, 8, 9])[-3:], atol=1e-5, rtol=0)
+
+
+def test_capacity_is_enforced_and_release_frees(target):
+    runner = ModelRunner(target, KVCacheConfig(capacity_tokens=16))
+    runner.logits_for("a", list(range(3, 13)), 1)  # 10 positions
+    with pytest.raises(KVCapacityError, match="capacity exceeded.*'b' needs 10 more positions, 10 of 16"):
+        runner.logits_for("b", list(range(3, 13)), 1)
+    assert runner.store.used_tokens == 10  # the failed request reserved nothing
+    assert runner.release("a")
+    assert runner.store.used_tokens == 0
+    runner.logits_for("b", list(range(3, 13)), 1)
+    assert runner.store.used_bytes == 10 * target.kv_bytes_per_token
+
+
+def test_unknown_request_is_a_distinct_error(target):
+    runner = ModelRunner(target, KVCacheConfig())
+    with pytest.raises(RequestNotFoundError, match="no KV cache for request 'ghost'"):
+        runner.store.rollback("ghost", 0)
+    assert not runner.release("ghost")
+
+
+@pytest.mark.parametrize("a, b, n", [([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 3], [1, 5, 3], 1), ([], [1], 0), ([4], [5], 0)])
+def test_common_prefix_length(a, b, n):
+    assert common_prefix_length(a, b) == n

@@ -1,0 +1,90 @@
+"""Validated configuration objects for the speculative core.
+
+Each component gets one pydantic model; raw dicts are validated where they enter (CLI, gRPC, HTTP) and the
+workers only ever see these objects. Validation failures become :class:`InvalidRequestError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from specserve.workers.errors import InvalidRequestError
+
+MAX_K = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingParams(_Strict):
+    """How the target's distribution is turned into tokens. temperature == 0 means greedy."""
+
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="Softmax temperature; 0 selects greedy decoding.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 disables top-k.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 disables top-p.")
+    max_new_tokens: int = Field(64, gt=0, le=1_000_000, description="Generate at most this many new tokens.")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling; None = random.")
+    stop_at_eos: bool = Field(True, description="Stop when the tokenizer's EOS token is generated.")
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+SpecMethod = Literal["draft", "ngram", "none"]
+
+
+class SpecParams(_Strict):
+    """Speculation options for one request."""
+
+    method: SpecMethod = Field("draft", description="draft: a draft model proposes; ngram: prompt lookup; none: off.")
+    k: int = Field(4, ge=1, le=MAX_K, description=f"Tokens drafted per round, 1..{MAX_K}.")
+
+
+class NgramConfig(_Strict):
+    """Prompt-lookup drafting: match the last n tokens against earlier text and propose what followed."""
+
+    max_ngram: int = Field(4, gt=0, le=16, description="Longest suffix n-gram to look up.")
+    min_ngram: int = Field(1, gt=0, le=16, description="Shortest suffix n-gram to look up.")
+
+
+class ModelConfig(_Strict):
+    """Where a model lives and how to host it."""
+
+    path: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM and its tokenizer.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA."
+    )
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
+
+
+class KVCacheConfig(_Strict):
+    """Capacity of a worker's per-request KV caches."""
+
+    capacity_tokens: int = Field(
+        262_144, gt=0, description="Total cached positions across all requests held by one worker."
+    )
+
+
+def validate(model: type[BaseModel], data: dict) -> BaseModel:
+    """Validate raw user data into `model`, turning pydantic's errors into one InvalidRequestError."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors()
+        names = [".".join(str(p) for p in err["loc"]) or model.__name__ for err in errors]
+        message = errors[0]["msg"]
+        if len(errors) > 1:
+            message += " (also: " + "; ".join(f"{n}: {err['msg']}" for n, err in zip(names[1:], errors[1:])) + ")"
+        raise InvalidRequestError(names[0], message) from None

@@ -1,0 +1,107 @@
+"""Drafters: propose k tokens for a request, with the distributions they were drawn from.
+
+Every drafter has the same interface, so the in-process engine and the distributed draft workers use them alike:
+`propose(request_id, tokens, k, params, generator) -> Proposal`, `feedback(request_id, num_accepted)`,
+`release(request_id)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specserve.workers.config import NgramConfig, SamplingParams
+from specserve.workers.runner import ModelRunner
+from specserve.workers.sampling import exponential_noise, logits_to_probs, sample_with_noise
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # drafted tokens, 0..k of them
+    # [len(tokens), V] distribution each drafted token was drawn from; None = deterministic (one-hot) proposals.
+    probs: torch.Tensor | None
+
+    def dense_probs(self, vocab_size: int) -> torch.Tensor:
+        """[len(tokens), V] draft distributions, one-hot for deterministic proposals."""
+        if self.probs is not None:
+            return self.probs
+        return torch.nn.functional.one_hot(torch.tensor(self.tokens, dtype=torch.long), vocab_size).float()
+
+
+class Drafter(Protocol):
+    def propose(
+        self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal: ...
+
+    def feedback(self, request_id: str, num_accepted: int) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class ModelDrafter:
+    """A small causal LM drafting autoregressively from its own KV cache, sampled like the target."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def propose(
+        self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        seq = list(tokens)
+        drafted: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.runner.logits_for(request_id, seq, 1)[0]  # [V]
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = logits_to_probs(logits, params)  # [V]
+                noise = exponential_noise(q.shape[-1], [generator], device=q.device)  # [1, V]
+                token = int(sample_with_noise(q.unsqueeze(0), noise)[0])
+                probs.append(q)
+            drafted.append(token)
+            seq.append(token)
+        return Proposal(tokens=drafted, probs=torch.stack(probs) if probs else None)
+
+    def feedback(self, request_id: str, num_accepted: int) -> None:
+        pass  # the KV cache rolls back lazily on the next call, by token comparison
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: find the latest earlier occurrence of the sequence's last n tokens (longest n first)
+    and propose the tokens that followed it. Deterministic, so its draft distributions are one-hot."""
+
+    def __init__(self, config: NgramConfig | None = None):
+        self.config = config or NgramConfig()
+
+    def propose(
+        self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        return Proposal(tokens=ngram_lookup(tokens, k, self.config.max_ngram, self.config.min_ngram), probs=None)
+
+    def feedback(self, request_id: str, num_accepted: int) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def ngram_lookup(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier match of the longest matching suffix n-gram."""
+    seq = list(tokens)
+    length = len(seq)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = seq[length - n :]
+        # Scan backwards for the most recent earlier occurrence (not the suffix itself).
+        for start in range(length - n - 1, -1, -1):
+            if seq[start : start + n] == suffix:
+                follow = seq[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []

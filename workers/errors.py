@@ -1,0 +1,28 @@
+"""Errors of the speculative core. Servers map them to status codes (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...)."""
+
+
+class SpecServeError(Exception):
+    """Base class of every error specserve raises on purpose."""
+
+
+class InvalidRequestError(SpecServeError, ValueError):
+    """A request field is invalid. `field` names it so clients can fix it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"invalid {field}: {message}")
+
+
+class ModelLoadError(SpecServeError):
+    """A model path is missing, is not a causal LM, or a draft/target pair is incompatible."""
+
+
+class KVCapacityError(SpecServeError):
+    """A worker's KV cache would exceed its configured capacity."""
+
+
+class RequestNotFoundError(SpecServeError, KeyError):
+    """A worker does not hold state for the request (never seen, released or evicted)."""
+
+    def __str__(self) -> str:  # KeyError's repr-style message is unhelpful
+        return str(self.args[0]) if self.args else "request not found"

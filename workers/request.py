@@ -1,0 +1,83 @@
+"""One request's decoding state and statistics, and how a verified round is committed to it.
+
+Shared by the in-process engine and the distributed scheduler, so both stop, truncate and count identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class RequestStats:
+    rounds: int = 0  # verification forward passes of the target
+    drafted: int = 0  # tokens proposed by the drafter
+    accepted: int = 0  # drafted tokens the target kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round: accepted ones plus the recovered or bonus token (1.0 without speculation)."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    tokens: list[int]  # prompt followed by every committed generated token
+    prompt_len: int
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - (len(self.tokens) - self.prompt_len)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def draft_budget(self, k: int) -> int:
+        """How many tokens may be drafted this round: a round commits at most k + 1 tokens."""
+        return max(0, min(k, self.remaining - 1))
+
+    def commit_round(self, drafted: list[int], num_accepted: int, next_token: int) -> list[int]:
+        """Apply a verified round; returns the tokens actually committed (cut at EOS or the length limit)."""
+        self.stats.rounds += 1
+        self.stats.drafted += len(drafted)
+        self.stats.accepted += num_accepted
+        new = drafted[:num_accepted] + [next_token]
+        committed: list[int] = []
+        for token in new:
+            if self.remaining <= 0:
+                break
+            self.tokens.append(token)
+            committed.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+                return committed
+        if self.remaining <= 0:
+            self.finish_reason = "length"
+        return committed

@@ -1,0 +1,86 @@
+"""Tiny random-weight Llama models with real tokenizers, made from configs: for tests and smoke runs only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = {"<unk>": 0, "<s>": 1, "</s>": 2}
+TINY_WORDS = ["a", "b", "c", "d", "e"]  # with the specials: an 8-token vocabulary
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges: every UTF-8 byte is one token (259 ids with the specials)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = dict(SPECIALS) | {c: i + len(SPECIALS) for i, c in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def tiny_vocab_tokenizer() -> PreTrainedTokenizerFast:
+    """Whitespace-separated words from an 8-token vocabulary, for distribution tests."""
+    vocab = dict(SPECIALS) | {w: i + len(SPECIALS) for i, w in enumerate(TINY_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def save_tiny_llama(
+    path: str | Path,
+    seed: int,
+    layers: int = 2,
+    hidden: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab_pad: int = 0,
+    tiny_vocab: bool = False,
+    init_range: float = 0.2,
+    max_positions: int = 512,
+) -> str:
+    """Save a random-init Llama causal LM + tokenizer at `path` in Hugging Face format; returns the path.
+
+    init_range is larger than Llama's default so logits are peaked: greedy argmaxes then have clear margins and
+    random pairs still disagree often.
+    """
+    path = Path(path)
+    tokenizer = tiny_vocab_tokenizer() if tiny_vocab else byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + vocab_pad,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=init_range,
+        bos_token_id=SPECIALS["<s>"],
+        eos_token_id=SPECIALS["</s>"],
+        pad_token_id=SPECIALS["<unk>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def save_perturbed_copy(source: str | Path, path: str | Path, noise: float, seed: int) -> str:
+    """Copy a saved model with Gaussian noise added to every weight: a draft that agrees with its source on
+    some tokens and not others, so accepted, recovered and bonus tokens all occur."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(path)
+    return str(path)
