@@ -6,10 +6,9 @@ workers only ever see these objects. Validation failures become :class:`InvalidR
 
 from __future__ import annotations
 
-import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specserve.workers.errors import InvalidRequestError
 
@@ -23,19 +22,16 @@ class _Strict(BaseModel):
 class SamplingParams(_Strict):
     """How the target's distribution is turned into tokens. temperature == 0 means greedy."""
 
-    temperature: float = Field(0.0, ge=0.0, le=100.0, description="Softmax temperature; 0 selects greedy decoding.")
+    temperature: float = Field(
+        0.0, ge=0.0, le=100.0, allow_inf_nan=False, description="Softmax temperature; 0 selects greedy decoding."
+    )
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 disables top-k.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 disables top-p.")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]; 1 disables top-p."
+    )
     max_new_tokens: int = Field(64, gt=0, le=1_000_000, description="Generate at most this many new tokens.")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling; None = random.")
     stop_at_eos: bool = Field(True, description="Stop when the tokenizer's EOS token is generated.")
-
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
 
     @property
     def greedy(self) -> bool:
@@ -49,7 +45,9 @@ class SpecParams(_Strict):
     """Speculation options for one request."""
 
     method: SpecMethod = Field("draft", description="draft: a draft model proposes; ngram: prompt lookup; none: off.")
-    k: int = Field(4, ge=1, le=MAX_K, description=f"Tokens drafted per round, 1..{MAX_K}.")
+    k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] = Field(
+        4, description=f"Tokens drafted per round, 1..{MAX_K}, or 'auto' to adapt k per round."
+    )
 
 
 class NgramConfig(_Strict):
@@ -77,14 +75,23 @@ class KVCacheConfig(_Strict):
     )
 
 
+def _field_name(loc: tuple, model: type[BaseModel]) -> str:
+    # Union members add segments such as "constrained-int" or "literal['auto']": not field names.
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("-" in p or "[" in p))]
+    return ".".join(parts) or model.__name__
+
+
 def validate(model: type[BaseModel], data: dict) -> BaseModel:
-    """Validate raw user data into `model`, turning pydantic's errors into one InvalidRequestError."""
+    """Validate raw user data into `model`, turning pydantic's errors into one InvalidRequestError naming the
+    first bad field (alternatives of a union are joined with 'or'; other bad fields are listed after it)."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        errors = e.errors()
-        names = [".".join(str(p) for p in err["loc"]) or model.__name__ for err in errors]
-        message = errors[0]["msg"]
-        if len(errors) > 1:
-            message += " (also: " + "; ".join(f"{n}: {err['msg']}" for n, err in zip(names[1:], errors[1:])) + ")"
-        raise InvalidRequestError(names[0], message) from None
+        by_field: dict[str, list[str]] = {}
+        for err in e.errors():
+            by_field.setdefault(_field_name(err["loc"], model), []).append(err["msg"])
+        (first, msgs), *others = by_field.items()
+        message = ", or ".join(msgs)
+        if others:
+            message += " (also: " + "; ".join(f"{name}: {', or '.join(m)}" for name, m in others) + ")"
+        raise InvalidRequestError(first, message) from None

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specserve.workers.adaptive_k import AdaptiveK
 from specserve.workers.config import KVCacheConfig, NgramConfig, SamplingParams, SpecParams
 from specserve.workers.drafters import Drafter, ModelDrafter, NgramDrafter
 from specserve.workers.errors import InvalidRequestError
@@ -69,11 +70,15 @@ class SpecEngine:
         draft: LoadedModel | None = None,
         kv_config: KVCacheConfig | None = None,
         ngram_config: NgramConfig | None = None,
+        cost_ratio: float = 0.1,
     ):
+        """cost_ratio: the assumed c = t_draft / t_target used by k='auto'. A fixed number, not a live timing, so
+        that a seeded request with k='auto' reproduces exactly."""
         kv_config = kv_config or KVCacheConfig()
         self.target = target
         self.verifier = TargetVerifier(ModelRunner(target, kv_config))
         self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram_config)}
+        self.cost_ratio = cost_ratio
         if draft is not None:
             check_compatible(target, draft)
             self.drafters["draft"] = ModelDrafter(ModelRunner(draft, kv_config, vocab_size=self.verifier.vocab_size))
@@ -107,9 +112,11 @@ class SpecEngine:
             eos_token_ids=frozenset(self.target.eos_token_ids) if params.stop_at_eos else frozenset(),
         )
         draft_gen, target_gen = make_generator(params.seed, DRAFT_SALT), make_generator(params.seed, TARGET_SALT)
+        adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
+        k_next = adaptive.k if adaptive else spec.k
         try:
             while not state.finished:
-                k = state.draft_budget(spec.k) if drafter is not None else 0
+                k = state.draft_budget(k_next) if drafter is not None else 0
                 proposal = drafter.propose(state.request_id, state.tokens, k, params, draft_gen) if k else None
                 drafted = proposal.tokens if proposal else []
                 num_accepted, next_token = self.verifier.verify(
@@ -122,6 +129,8 @@ class SpecEngine:
                 )
                 if drafter is not None and drafted:
                     drafter.feedback(state.request_id, num_accepted)
+                    if adaptive is not None:
+                        k_next = adaptive.observe(len(drafted), num_accepted)
                 state.commit_round(drafted, num_accepted, next_token)
         finally:
             self.verifier.release(state.request_id)

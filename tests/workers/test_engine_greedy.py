@@ -93,7 +93,9 @@ def test_ngram_greedy_identical_to_target_only(pairs, references):
         engine = pairs[name]
         for prompt in PROMPTS:
             for k in (1, 4):
-                result = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="ngram", k=k))
+                result = engine.generate(
+                    prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="ngram", k=k)
+                )
                 assert result.token_ids == references[(engine.target.path, prompt)]
                 drafted += result.stats.drafted
     assert drafted > 0

@@ -6,8 +6,6 @@ forward passes, and the engine's samples are tested against it with a chi-square
 `test_the_distribution_test_has_power` shows that the same test rejects a different distribution (the draft's)
 from fewer samples. (The pure rejection sampler is tested on 200k rows in test_verification.py.)"""
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -125,7 +123,5 @@ def test_seeded_request_is_reproducible_and_seed_matters(engine):
     a = engine.generate(PROMPT, params, spec)
     b = engine.generate(PROMPT, params, spec)
     assert a.token_ids == b.token_ids and a.stats == b.stats
-    outputs = {
-        tuple(engine.generate(PROMPT, params.model_copy(update={"seed": s}), spec).token_ids) for s in range(10)
-    }
+    outputs = {tuple(engine.generate(PROMPT, params.model_copy(update={"seed": s}), spec).token_ids) for s in range(10)}
     assert len(outputs) > 1

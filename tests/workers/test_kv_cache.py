@@ -66,6 +66,8 @@ def test_unknown_request_is_a_distinct_error(target):
     assert not runner.release("ghost")
 
 
-@pytest.mark.parametrize("a, b, n", [([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 3], [1, 5, 3], 1), ([], [1], 0), ([4], [5], 0)])
+@pytest.mark.parametrize(
+    "a, b, n", [([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 3], [1, 5, 3], 1), ([], [1], 0), ([4], [5], 0)]
+)
 def test_common_prefix_length(a, b, n):
     assert common_prefix_length(a, b) == n

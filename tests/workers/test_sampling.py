@@ -26,7 +26,12 @@ def test_top_k_keeps_k_tokens():
 
 @pytest.mark.parametrize(
     "top_p, kept",
-    [(0.45, [True, False, False, False]), (0.6, [True, True, False, False]), (0.9, [True, True, True, False]), (1.0, [True] * 4)],
+    [
+        (0.45, [True, False, False, False]),
+        (0.6, [True, True, False, False]),
+        (0.9, [True, True, True, False]),
+        (1.0, [True] * 4),
+    ],
 )
 def test_top_p_keeps_smallest_set_reaching_mass(top_p, kept):
     probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])

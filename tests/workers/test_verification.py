@@ -84,7 +84,10 @@ def test_rejection_seeded_determinism():
     outs = [_verify_with_seed(7, draft, q, p) for _ in range(3)]
     assert all(o.num_accepted.item() == outs[0].num_accepted.item() for o in outs)
     assert all(o.next_token.item() == outs[0].next_token.item() for o in outs)
-    others = {(_verify_with_seed(s, draft, q, p).num_accepted.item(), _verify_with_seed(s, draft, q, p).next_token.item()) for s in range(20)}
+    others = {
+        (_verify_with_seed(s, draft, q, p).num_accepted.item(), _verify_with_seed(s, draft, q, p).next_token.item())
+        for s in range(20)
+    }
     assert len(others) > 1  # the seed matters
 
 

@@ -1,0 +1,349 @@
+"""`specserve bench`: speculative decoding measured side by side with target-only decoding and Hugging Face assisted
+generation, in one run, on the same held-out prompts, pair and machine. Speed claims are ratios from this run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from specserve.workers.adaptive_k import fit_acceptance, leviathan_speedup
+from specserve.workers.config import KVCacheConfig, SamplingParams, SpecParams
+from specserve.workers.engine import SpecEngine
+from specserve.workers.loading import LoadedModel
+from specserve.workers.runner import ModelRunner
+
+
+@dataclass
+class BenchConfig:
+    prompts: int = 6
+    prompt_tokens: int = 96
+    max_new_tokens: int = 128
+    ks: tuple[int, ...] = (1, 2, 4, 6)
+    temperature: float = 0.8
+    seed: int = 1234
+    hf_rows: bool = True
+
+
+QUICK = BenchConfig(prompts=2, prompt_tokens=64, max_new_tokens=48, ks=(2, 4))
+
+
+@dataclass
+class Row:
+    name: str
+    method: str  # target-only | hf-generate | hf-assisted | draft | ngram
+    k: float | str | None
+    temperature: float
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    speedup: float = 1.0
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    t_draft_ms: float | None = None
+    t_target_ms: float | None = None
+    t_verify_ms: float | None = None
+    leviathan_bound: float | None = None
+    bound: float | None = None
+    ratio_to_bound: float | None = None
+    identical: bool | None = None  # greedy rows: same tokens as target-only; sampling rows: None (compare laws)
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Costs:
+    t_draft: float  # seconds per drafted token (draft model, cached, one token)
+    t_target: float  # seconds per target token (cached, one token)
+    t_verify: dict[int, float]  # seconds per target forward over k + 1 new positions
+
+
+def held_out_prompts(tokenizer, paths: list[str], n: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of the first n held-out files long enough to continue."""
+    prompts = []
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids = tokenizer(f.read(), add_special_tokens=False)["input_ids"]
+        if len(ids) >= length * 3:
+            prompts.append(ids[:length])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -> float:
+    """Median seconds of a cached forward over `new` fresh positions after `prompt`."""
+    times = []
+    for i in range(reps):
+        runner.logits_for("cost", prompt, 1)
+        seq = prompt + [(7 * i + j) % 200 + 3 for j in range(new)]
+        t0 = time.perf_counter()
+        runner.logits_for("cost", seq, new)
+        times.append(time.perf_counter() - t0)
+    runner.release("cost")
+    return sorted(times)[len(times) // 2]
+
+
+def measure_costs(target: LoadedModel, draft: LoadedModel, prompt: list[int], ks, reps: int = 15) -> Costs:
+    t_runner, d_runner = ModelRunner(target, KVCacheConfig()), ModelRunner(draft, KVCacheConfig())
+    return Costs(
+        t_draft=_time_forward(d_runner, prompt, 1, reps),
+        t_target=_time_forward(t_runner, prompt, 1, reps),
+        t_verify={k: _time_forward(t_runner, prompt, k + 1, reps) for k in sorted(set(ks) | {1, 2, 4, 6, 8})},
+    )
+
+
+def distinct_ngram_fraction(tokens: list[int], n: int = 4) -> float:
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def _fill_bounds(row: Row, costs: Costs, k: float) -> None:
+    """Leviathan's S(k) with a fitted a, and the cost-aware bound B(k) = E t_target / (k t_draft + t_verify(k+1))."""
+    E = row.mean_accepted_length
+    k_int = max(1, round(k))
+    t_verify = costs.t_verify.get(k_int) or costs.t_verify[min(costs.t_verify, key=lambda x: abs(x - k_int))]
+    t_draft = costs.t_draft if row.method == "draft" else 0.0
+    c = t_draft / costs.t_target
+    row.t_draft_ms, row.t_target_ms, row.t_verify_ms = t_draft * 1e3, costs.t_target * 1e3, t_verify * 1e3
+    row.leviathan_bound = leviathan_speedup(fit_acceptance(E, k), k, c)
+    row.bound = E * costs.t_target / (k * t_draft + t_verify)
+
+
+def run_bench(
+    engine: SpecEngine,
+    prompts: list[list[int]],
+    cfg: BenchConfig,
+    progress: bool = True,
+) -> tuple[list[Row], dict]:
+    target = engine.target
+    draft_runner = engine.drafters["draft"].runner
+    draft = draft_runner.loaded
+    costs = measure_costs(target, draft, prompts[0], cfg.ks)
+    greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+
+    plan: list[tuple[Row, Callable[[list[int], SamplingParams], tuple[list[int], dict | None]]]] = []
+
+    def spec_fn(method: str, k):
+        def run(prompt, params):
+            r = engine.generate(prompt, params, SpecParams(method=method, k=k))
+            return r.token_ids, r.stats
+
+        return run
+
+    def hf_fn(assistant_k: int | None, assisted: bool):
+        def run(prompt, params):
+            kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not params.greedy)
+            if not params.greedy:
+                kwargs["temperature"] = params.temperature
+                torch.manual_seed(params.seed or 0)
+            if assisted:
+                kwargs["assistant_model"] = draft.model
+                gc = draft.model.generation_config
+                saved = (getattr(gc, "num_assistant_tokens", None), getattr(gc, "num_assistant_tokens_schedule", None))
+                if assistant_k is not None:
+                    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = assistant_k, "constant"
+            try:
+                ids = torch.tensor([prompt], device=target.device)
+                out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            finally:
+                if assisted:
+                    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
+            return out[0, len(prompt) :].tolist(), None
+
+        return run
+
+    best_k = 4 if 4 in cfg.ks else cfg.ks[-1]
+    for temp in (0.0, cfg.temperature):
+        tag = "greedy" if temp == 0 else f"T={temp}"
+        plan.append((Row(f"target-only {tag}", "target-only", None, temp), spec_fn("none", 1)))
+        if cfg.hf_rows:
+            plan.append((Row(f"hf generate {tag}", "hf-generate", None, temp), hf_fn(None, False)))
+            plan.append((Row(f"hf assisted default {tag}", "hf-assisted", "hf-default", temp), hf_fn(None, True)))
+            plan.append((Row(f"hf assisted k={best_k} {tag}", "hf-assisted", best_k, temp), hf_fn(best_k, True)))
+        for k in cfg.ks if temp == 0 else (best_k,):
+            plan.append((Row(f"specserve k={k} {tag}", "draft", k, temp), spec_fn("draft", k)))
+        plan.append((Row(f"specserve k=auto {tag}", "draft", "auto", temp), spec_fn("draft", "auto")))
+        if temp == 0:
+            plan.append((Row(f"specserve ngram k={best_k} {tag}", "ngram", best_k, temp), spec_fn("ngram", best_k)))
+
+    # Warm up every code path once so the first measured row does not pay for lazy initialisation.
+    for _, fn in {id(fn): (r, fn) for r, fn in plan}.values():
+        fn(prompts[0][:16], greedy.model_copy(update={"max_new_tokens": 4}))
+
+    bar = tqdm(total=len(plan) * len(prompts), desc="bench", unit="gen", disable=not progress, file=sys.stderr)
+    for row, fn in plan:
+        drafted = accepted = rounds = 0
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            tokens, stats = fn(prompt, params_for(row, greedy, sampled))
+            row.seconds += time.perf_counter() - t0
+            row.tokens += len(tokens)
+            row.outputs.append(tokens)
+            if stats is not None:
+                drafted, accepted, rounds = drafted + stats.drafted, accepted + stats.accepted, rounds + stats.rounds
+            bar.update(1)
+        row.tokens_per_s = row.tokens / row.seconds
+        if row.method in ("draft", "ngram"):
+            row.acceptance_rate = accepted / drafted if drafted else 0.0
+            row.mean_accepted_length = 1 + accepted / rounds
+            _fill_bounds(row, costs, drafted / rounds if row.k == "auto" else float(row.k))
+    bar.close()
+
+    for temp in {r.temperature for r, _ in plan}:
+        base = next(r for r, _ in plan if r.method == "target-only" and r.temperature == temp)
+        for row, _ in plan:
+            if row.temperature != temp:
+                continue
+            row.speedup = row.tokens_per_s / base.tokens_per_s
+            if row.bound:
+                row.ratio_to_bound = row.speedup / row.bound
+            if temp == 0 and row is not base:
+                row.identical = row.outputs == base.outputs
+    rows = [r for r, _ in plan]
+    greedy_base = rows[0]
+    meta = {
+        "distinct_4gram_target_greedy": sum(distinct_ngram_fraction(o) for o in greedy_base.outputs)
+        / len(greedy_base.outputs),
+        "cost_ratio_c": costs.t_draft / costs.t_target,
+        "t_draft_ms": costs.t_draft * 1e3,
+        "t_target_ms": costs.t_target * 1e3,
+        "t_verify_ms": {k: v * 1e3 for k, v in costs.t_verify.items()},
+        "prompts": len(prompts),
+        "prompt_tokens": cfg.prompt_tokens,
+        "max_new_tokens": cfg.max_new_tokens,
+    }
+    return rows, meta
+
+
+def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> SamplingParams:
+    return greedy if row.temperature == 0 else sampled
+
+
+def machine_info() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _fmt(v, spec=".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def format_table(rows: list[Row], meta: dict) -> str:
+    head = ["row", "tok/s", "speedup", "accept", "E[tok/round]", "t_draft ms", "t_verify ms", "S(k)", "bound B(k)",
+            "ratio/bound", "identical"]  # fmt: skip
+    lines = [head]
+    for r in rows:
+        lines.append([
+            r.name, _fmt(r.tokens_per_s, ".1f"), _fmt(r.speedup) + "x", _fmt(r.acceptance_rate),
+            _fmt(r.mean_accepted_length), _fmt(r.t_draft_ms), _fmt(r.t_verify_ms), _fmt(r.leviathan_bound),
+            _fmt(r.bound), _fmt(r.ratio_to_bound), _fmt(r.identical) if r.temperature == 0 else "n/a (sampled)",
+        ])  # fmt: skip
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    out.append("")
+    out.append(
+        f"c = t_draft/t_target = {meta['cost_ratio_c']:.3f} (t_draft {meta['t_draft_ms']:.2f} ms, t_target "
+        f"{meta['t_target_ms']:.2f} ms); target greedy distinct 4-grams: {meta['distinct_4gram_target_greedy']:.0%}; "
+        f"{meta['prompts']} held-out prompts x {meta['max_new_tokens']} new tokens"
+    )
+    return "\n".join(out)
+
+
+def to_json(rows: list[Row], meta: dict) -> dict:
+    out_rows = []
+    for r in rows:
+        d = asdict(r)
+        d.pop("outputs")
+        out_rows.append(d)
+    return {"machine": machine_info(), "meta": meta, "rows": out_rows}
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec_rows = [r for r in rows if r.method == "draft" and isinstance(r.k, int) and r.temperature == 0]
+    ks = [r.k for r in spec_rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(ks, [r.speedup for r in spec_rows], "o-", label="measured speedup")
+    ax1.plot(ks, [r.bound for r in spec_rows], "s--", label="bound B(k)")
+    ax1.plot(ks, [r.leviathan_bound for r in spec_rows], "^:", label="Leviathan S(k)")
+    for r in rows:
+        if r.method == "hf-assisted" and r.temperature == 0 and isinstance(r.k, int):
+            ax1.axhline(r.speedup, color="gray", linestyle="-.", label=f"HF assisted k={r.k}")
+    ax1.axhline(1.0, color="black", linewidth=0.5)
+    ax1.set_xlabel("k (drafted tokens per round)")
+    ax1.set_ylabel("speedup over target-only greedy")
+    ax1.legend()
+    ax2.plot(ks, [r.acceptance_rate for r in spec_rows], "o-", label="acceptance rate")
+    ax2.plot(ks, [r.mean_accepted_length for r in spec_rows], "s-", label="tokens per round")
+    ax2.set_xlabel("k")
+    ax2.legend()
+    fig.suptitle("specserve bench (greedy, held-out code)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main_bench(args) -> int:
+    from specserve.workers.config import ModelConfig, validate
+    from specserve.workers.demo import ensure_demo_family
+    from specserve.workers.loading import load_model
+
+    cfg = QUICK if args.quick else BenchConfig()
+    if args.target:
+        target_path, draft_path = args.target, args.draft
+        held_out = args.prompts_from or []
+    else:
+        family = ensure_demo_family()
+        target_path, draft_path = family.target, family.draft
+        root = family.manifest["corpus_root"]
+        held_out = [os.path.join(root, p) for p in family.manifest["held_out_files"]]
+    if not draft_path:
+        raise SystemExit("specserve bench: --draft is required with --target")
+    target = load_model(validate(ModelConfig, {"path": target_path, "device": args.device}))
+    draft = load_model(validate(ModelConfig, {"path": draft_path, "device": args.device}))
+    engine = SpecEngine(target, draft)
+    prompts = held_out_prompts(target.tokenizer, held_out, cfg.prompts, cfg.prompt_tokens)
+    if not prompts:
+        raise SystemExit("specserve bench: no held-out prompts found (give --prompts-from FILES)")
+    rows, meta = run_bench(engine, prompts, cfg)
+    print(format_table(rows, meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(rows, meta), f, indent=2)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0

@@ -1,0 +1,115 @@
+"""The `specserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specserve.workers.errors import SpecServeError
+
+
+def _k_value(text: str) -> int | str:
+    """'auto' or an integer; anything else is passed on for validation to reject with a clear message."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion for PROMPT")
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--local", action="store_true", help="run in this process (no server)")
+    p.add_argument("--target", help="local path of the target model (default: the demo family's target)")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--draft", help="local path of a draft model, or 'ngram' for prompt-lookup drafting")
+    draft.add_argument("--no-spec", action="store_true", help="target-only decoding, no speculation")
+    p.add_argument("--k", type=_k_value, default=4, help="tokens drafted per round (1..16), or 'auto'")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, stats")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specserve.cluster.local import generate_local
+
+    if not args.local:
+        raise SpecServeError("only --local generation is available in this version")
+    result = generate_local(args)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.text)
+        s = result.stats
+        print(
+            f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, rounds={s.rounds}, "
+            f"acceptance={s.acceptance_rate:.2f}, mean accepted length={s.mean_accepted_length:.2f}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="measure speculative decoding against target-only and HF assisted generation")
+    p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts, rows and tokens (< 5 min)")
+    p.add_argument("--json", metavar="FILE", help="write {machine, meta, rows} as JSON")
+    p.add_argument("--plot", metavar="FILE", help="draw speedup and acceptance vs k (PNG)")
+    p.add_argument("--target", help="target model path (default: the demo family)")
+    p.add_argument("--draft", help="draft model path (required with --target)")
+    p.add_argument("--prompts-from", nargs="*", metavar="FILE", help="text files whose openings are the prompts")
+    p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specserve.cluster.bench import main_bench
+
+    return main_bench(args)
+
+
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="manage the demo model family")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    b = msub.add_parser("build-demo", help="build the demo tokenizer, target and draft (cached under SPECSERVE_HOME)")
+    b.add_argument("--tiny", action="store_true", help="a seconds-long toy build, for smoke tests")
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    b.set_defaults(func=_build_demo)
+
+
+def _build_demo(args: argparse.Namespace) -> int:
+    from specserve.workers.demo import TINY_SPEC, DemoSpec, build_demo_family, find_demo_family
+
+    spec = TINY_SPEC if args.tiny else DemoSpec()
+    family = None if args.force else find_demo_family(spec)
+    family = family or build_demo_family(spec)
+    print(json.dumps({"root": str(family.root), "target": family.target, "draft": family.draft}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Disaggregated speculative decoding on Ray Serve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    _add_models(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecServeError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The demo family builds end to end (at a tiny size), reproducibly, and loads like any user model."""
+
+import json
+
+import pytest
+
+from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.demo import TINY_SPEC, build_demo_family, ensure_demo_family, find_demo_family
+from specserve.workers.demo_corpus import stdlib_corpus
+from specserve.workers.engine import SpecEngine
+from specserve.workers.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_family(tmp_path_factory):
+    home = tmp_path_factory.mktemp("specserve_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECSERVE_HOME", str(home))
+    family = build_demo_family(TINY_SPEC, progress=False)
+    yield family
+    mp.undo()
+
+
+def test_corpus_split_is_stable_and_disjoint():
+    a, b = stdlib_corpus(), stdlib_corpus()
+    assert a.train == b.train and a.held_out == b.held_out
+    assert a.train and a.held_out
+    assert not set(a.train) & set(a.held_out)
+    assert all("/test/" not in p.as_posix() for p in a.train)
+
+
+def test_tiny_build_end_to_end(tiny_family):
+    manifest = tiny_family.manifest
+    assert manifest["spec"]["name"] == "tiny"
+    assert manifest["train_tokens"] > 1000
+    target = load_model(ModelConfig(path=tiny_family.target, device="cpu"))
+    draft = load_model(ModelConfig(path=tiny_family.draft, device="cpu"))
+    assert target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+    assert target.model.config.num_hidden_layers == TINY_SPEC.target_layers
+    engine = SpecEngine(target, draft)
+    spec = engine.generate("def f(x):", SamplingParams(max_new_tokens=16), SpecParams(k=3))
+    plain = engine.generate("def f(x):", SamplingParams(max_new_tokens=16), SpecParams(method="none"))
+    assert spec.token_ids == plain.token_ids
+
+
+def test_cached_family_is_found_not_rebuilt(tiny_family, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_HOME", str(tiny_family.root.parent.parent))
+    assert find_demo_family(TINY_SPEC) == tiny_family
+    monkeypatch.setattr("specserve.workers.demo.build_demo_family", lambda *a, **k: pytest.fail("rebuilt"))
+    assert ensure_demo_family(TINY_SPEC) == tiny_family
+
+
+def test_build_is_reproducible(tiny_family, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    again = build_demo_family(TINY_SPEC, progress=False)
+    for name in ("target", "draft"):
+        a = (tiny_family.root / name / "model.safetensors").read_bytes()
+        b = (again.root / name / "model.safetensors").read_bytes()
+        assert a == b, f"{name} weights differ between two builds of the same spec"
+
+
+def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
+    from specserve.cluster.cli import main
+
+    corpus = stdlib_corpus(max_files=TINY_SPEC.max_files)
+    files = [str(p) for p in corpus.train[:4]]
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = main(["bench", "--quick", "--target", tiny_family.target, "--draft", tiny_family.draft, "--device", "cpu",
+                 "--prompts-from", *files, "--json", str(out_json), "--plot", str(out_png)])  # fmt: skip
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "target-only greedy" in table and "specserve k=4 greedy" in table
+    report = json.loads(out_json.read_text())
+    assert {"machine", "rows"} <= set(report)
+    rows = {r["name"]: r for r in report["rows"]}
+    required = {"name", "method", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length", "bound",
+                "ratio_to_bound", "identical"}  # fmt: skip
+    assert all(required <= set(r) for r in rows.values())
+    assert any("hf" in name for name in rows)
+    for row in rows.values():
+        if row["temperature"] == 0 and row["method"] != "target-only":
+            assert row["identical"] is True, row["name"]  # lossless, and HF assisted agrees too
+        if row["method"] == "draft":
+            assert row["bound"] > 0 and 0 <= row["acceptance_rate"] <= 1
+    assert rows["target-only greedy"]["speedup"] == 1.0
+    assert out_png.stat().st_size > 1000

@@ -1,0 +1,166 @@
+"""The demo model family: tokenizer, target and distilled draft, built reproducibly offline and cached.
+
+`specserve models build-demo` builds it under $SPECSERVE_HOME (default ~/.cache/specserve); `ensure_demo_family`
+returns the cached family, building it first when missing. Saved in Hugging Face format, so it loads through the
+same path as any user model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+from specserve.workers.demo_corpus import stdlib_corpus
+from specserve.workers.demo_train import encode_stream, llama_config, train_lm, train_tokenizer
+
+
+class DemoSpec(BaseModel):
+    """Everything that determines the demo family. Changing any field builds a new family."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("demo", description="Family name, part of the cache directory.")
+    vocab_size: int = Field(4096, gt=256, description="BPE vocabulary size, specials included.")
+    target_layers: int = Field(24, gt=0, description="Target transformer layers.")
+    target_hidden: int = Field(128, gt=0, description="Target hidden width (multiple of 64).")
+    draft_layers: int = Field(1, gt=0, description="Draft transformer layers.")
+    draft_hidden: int = Field(128, gt=0, description="Draft hidden width (multiple of 64).")
+    max_positions: int = Field(2048, gt=0, description="Context length of both models.")
+    seq_len: int = Field(256, gt=0, description="Training window length.")
+    batch: int = Field(8, gt=0, description="Training windows per step.")
+    target_steps: int = Field(360, gt=0, description="Target training steps (cross-entropy on the corpus).")
+    draft_steps: int = Field(300, gt=0, description="Draft distillation steps (KL to the target's logits).")
+    lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
+    seed: int = Field(0, ge=0, description="Seed of every random choice.")
+    max_files: int | None = Field(None, gt=0, description="Use only the first N corpus files (tiny builds).")
+
+    def key(self) -> str:
+        return hashlib.sha1(self.model_dump_json().encode()).hexdigest()[:10]
+
+
+TINY_SPEC = DemoSpec(
+    name="tiny", vocab_size=300, target_layers=2, target_hidden=64, draft_layers=1, draft_hidden=64,
+    max_positions=512, seq_len=64, batch=4, target_steps=6, draft_steps=4, max_files=12,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DemoFamily:
+    root: Path
+
+    @property
+    def target(self) -> str:
+        return str(self.root / "target")
+
+    @property
+    def draft(self) -> str:
+        return str(self.root / "draft")
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads((self.root / "family.json").read_text())
+
+
+def specserve_home() -> Path:
+    return Path(os.environ.get("SPECSERVE_HOME") or Path.home() / ".cache" / "specserve")
+
+
+def family_dir(spec: DemoSpec) -> Path:
+    return specserve_home() / "models" / f"{spec.name}-{spec.key()}"
+
+
+def find_demo_family(spec: DemoSpec | None = None) -> DemoFamily | None:
+    root = family_dir(spec or DemoSpec())
+    return DemoFamily(root) if (root / "family.json").is_file() else None
+
+
+def ensure_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> DemoFamily:
+    """The cached family, built first if missing (with progress on stderr)."""
+    spec = spec or DemoSpec()
+    return find_demo_family(spec) or build_demo_family(spec, progress=progress)
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[specserve] {msg}", file=sys.stderr, flush=True)
+
+
+def build_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> DemoFamily:
+    """Build tokenizer, target and draft into a fresh directory, then move it into place atomically."""
+    spec = spec or DemoSpec()
+    final = family_dir(spec)
+    staging = final.with_name(final.name + f".building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    started = time.time()
+    torch.manual_seed(spec.seed)
+    _log(progress, f"building demo family {final.name} in {final.parent} (one-time; cached afterwards)")
+
+    corpus = stdlib_corpus(max_files=spec.max_files)
+    texts = corpus.read(corpus.train)
+    _log(progress, f"corpus: {len(corpus.train)} training files, {len(corpus.held_out)} held out, from {corpus.root}")
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    stream = encode_stream(tokenizer, texts)
+    _log(progress, f"tokenizer: {len(tokenizer)} tokens; corpus is {len(stream):,} tokens")
+
+    def make(layers: int, hidden: int):
+        from transformers import LlamaForCausalLM
+
+        cfg = llama_config(len(tokenizer), layers, hidden, spec.max_positions, tokenizer.eos_token_id,
+                           tokenizer.pad_token_id)  # fmt: skip
+        return LlamaForCausalLM(cfg)
+
+    target = make(spec.target_layers, spec.target_hidden)
+    target_losses = _train("target", target, stream, spec.target_steps, spec, None, progress)
+    draft = make(spec.draft_layers, spec.draft_hidden)
+    draft_losses = _train("draft", draft, stream, spec.draft_steps, spec, target, progress)
+
+    for name, model in (("target", target), ("draft", draft)):
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(staging / name)
+        tokenizer.save_pretrained(staging / name)
+    manifest = {
+        "spec": spec.model_dump(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "corpus_root": str(corpus.root),
+        "train_files": len(corpus.train),
+        "held_out_files": [p.relative_to(corpus.root).as_posix() for p in corpus.held_out],
+        "train_tokens": len(stream),
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "target_final_loss": sum(target_losses[-20:]) / len(target_losses[-20:]),
+        "draft_final_kl": sum(draft_losses[-20:]) / len(draft_losses[-20:]),
+        "build_seconds": round(time.time() - started, 1),
+    }
+    (staging / "family.json").write_text(json.dumps(manifest, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    _log(progress, f"demo family ready in {manifest['build_seconds']:.0f} s: {final}")
+    return DemoFamily(final)
+
+
+def _train(name, model, stream, steps, spec: DemoSpec, teacher, progress: bool) -> list[float]:
+    bar = tqdm(total=steps, desc=f"train {name}", unit="step", disable=not progress, file=sys.stderr)
+
+    def on_step(step: int, loss: float) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    try:
+        return train_lm(model, stream, steps, spec.batch, spec.seq_len, spec.lr, spec.seed + (1 if teacher else 0),
+                        teacher=teacher, on_step=on_step)  # fmt: skip
+    finally:
+        bar.close()
