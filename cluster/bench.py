@@ -92,6 +92,8 @@ def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -
 
 def measure_costs(target: LoadedModel, draft: LoadedModel, prompt: list[int], ks, reps: int = 15) -> Costs:
     t_runner, d_runner = ModelRunner(target, KVCacheConfig()), ModelRunner(draft, KVCacheConfig())
+    _time_forward(t_runner, prompt, 5, reps)  # warm-up: allocator and kernel caches
+    _time_forward(d_runner, prompt, 1, reps)
     return Costs(
         t_draft=_time_forward(d_runner, prompt, 1, reps),
         t_target=_time_forward(t_runner, prompt, 1, reps),
@@ -125,7 +127,6 @@ def run_bench(
     target = engine.target
     draft_runner = engine.drafters["draft"].runner
     draft = draft_runner.loaded
-    costs = measure_costs(target, draft, prompts[0], cfg.ks)
     greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
     sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
 
@@ -177,6 +178,7 @@ def run_bench(
     # Warm up every code path once so the first measured row does not pay for lazy initialisation.
     for _, fn in {id(fn): (r, fn) for r, fn in plan}.values():
         fn(prompts[0][:16], greedy.model_copy(update={"max_new_tokens": 4}))
+    costs = measure_costs(target, draft, prompts[0], cfg.ks)
 
     bar = tqdm(total=len(plan) * len(prompts), desc="bench", unit="gen", disable=not progress, file=sys.stderr)
     for row, fn in plan:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from specserve.workers.codec import sparsify
 from specserve.workers.config import NgramConfig, SamplingParams
 from specserve.workers.runner import ModelRunner
 from specserve.workers.sampling import exponential_noise, logits_to_probs, sample_with_noise
@@ -21,14 +22,9 @@ from specserve.workers.sampling import exponential_noise, logits_to_probs, sampl
 @dataclass
 class Proposal:
     tokens: list[int]  # drafted tokens, 0..k of them
-    # [len(tokens), V] distribution each drafted token was drawn from; None = deterministic (one-hot) proposals.
+    # [len(tokens), V] weights of the distribution each drafted token was drawn from (unnormalised, float16-exact,
+    # see workers/codec.py); None = deterministic (one-hot) proposals.
     probs: torch.Tensor | None
-
-    def dense_probs(self, vocab_size: int) -> torch.Tensor:
-        """[len(tokens), V] draft distributions, one-hot for deterministic proposals."""
-        if self.probs is not None:
-            return self.probs
-        return torch.nn.functional.one_hot(torch.tensor(self.tokens, dtype=torch.long), vocab_size).float()
 
 
 class Drafter(Protocol):
@@ -42,10 +38,14 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """A small causal LM drafting autoregressively from its own KV cache, sampled like the target."""
+    """A small causal LM drafting autoregressively from its own KV cache, sampled like the target.
 
-    def __init__(self, runner: ModelRunner):
+    Sampled requests draw from `sparsify(q)`: the draft distribution's high-mass support in float16, exactly what a
+    draft worker ships to the target over the wire, so in-process and distributed runs draft the same tokens."""
+
+    def __init__(self, runner: ModelRunner, max_support: int = 256):
         self.runner = runner
+        self.max_support = max_support
 
     def propose(
         self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
@@ -58,10 +58,10 @@ class ModelDrafter:
             if params.greedy:
                 token = int(logits.argmax())
             else:
-                q = logits_to_probs(logits, params)  # [V]
-                noise = exponential_noise(q.shape[-1], [generator], device=q.device)  # [1, V]
-                token = int(sample_with_noise(q.unsqueeze(0), noise)[0])
-                probs.append(q)
+                weights = sparsify(logits_to_probs(logits, params), self.max_support).cpu()  # [V]
+                noise = exponential_noise(weights.shape[-1], [generator])  # [1, V]
+                token = int(sample_with_noise(weights.unsqueeze(0), noise)[0])
+                probs.append(weights)
             drafted.append(token)
             seq.append(token)
         return Proposal(tokens=drafted, probs=torch.stack(probs) if probs else None)

@@ -111,12 +111,13 @@ class SpecEngine:
             max_new_tokens=params.max_new_tokens,
             eos_token_ids=frozenset(self.target.eos_token_ids) if params.stop_at_eos else frozenset(),
         )
-        draft_gen, target_gen = make_generator(params.seed, DRAFT_SALT), make_generator(params.seed, TARGET_SALT)
         adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
         k_next = adaptive.k if adaptive else spec.k
         try:
             while not state.finished:
                 k = state.draft_budget(k_next) if drafter is not None else 0
+                position = len(state.tokens)
+                draft_gen = make_generator(params.seed, DRAFT_SALT, position)
                 proposal = drafter.propose(state.request_id, state.tokens, k, params, draft_gen) if k else None
                 drafted = proposal.tokens if proposal else []
                 num_accepted, next_token = self.verifier.verify(
@@ -125,7 +126,7 @@ class SpecEngine:
                     drafted,
                     proposal.probs if proposal else None,
                     params,
-                    target_gen,
+                    make_generator(params.seed, TARGET_SALT, position),
                 )
                 if drafter is not None and drafted:
                     drafter.feedback(state.request_id, num_accepted)

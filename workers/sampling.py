@@ -41,14 +41,17 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return filtered / filtered.sum(-1, keepdim=True)
 
 
-def make_generator(seed: int | None, salt: int = 0) -> torch.Generator:
-    """A CPU generator for one request (noise is drawn on the CPU, so seeds reproduce across devices).
-    `salt` separates independent streams (draft vs target) of the same seed."""
+def make_generator(seed: int | None, salt: int = 0, position: int = 0) -> torch.Generator:
+    """A CPU generator for one round of one request (noise is drawn on the CPU, so seeds reproduce across devices).
+
+    `salt` separates independent streams (draft vs target) of the same seed; `position` (the committed length when
+    the round starts) makes each round's noise a function of where it is, not of how many calls came before, so a
+    retried, re-routed or pre-drafted round draws the same noise in any process."""
     g = torch.Generator()
     if seed is None:
         g.seed()
     else:
-        g.manual_seed((seed * 1_000_003 + salt) % (2**63))
+        g.manual_seed((seed * 1_000_003 + salt * 7_919 + position * 104_729) % (2**63))
     return g
 
 

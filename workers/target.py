@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.workers.codec import normalise
 from specserve.workers.config import SamplingParams
 from specserve.workers.runner import ModelRunner
 from specserve.workers.sampling import exponential_noise, logits_to_probs, uniform_noise
@@ -33,7 +34,8 @@ class TargetVerifier:
     ) -> tuple[int, int]:
         """Verify `drafted` as the continuation of committed `tokens`. Returns (num_accepted, next_token).
 
-        draft_probs: [len(drafted), V] distributions the drafted tokens were drawn from, or None for one-hot
+        draft_probs: [len(drafted), V] weights of the distributions the drafted tokens were drawn from (normalised
+        here), or None for one-hot
         (deterministic drafters, and greedy requests, where only the tokens matter).
         With nothing drafted this is plain target-only decoding: the next token is the bonus token from p.
         """
@@ -48,7 +50,7 @@ class TargetVerifier:
             if draft_probs is None:
                 q = torch.nn.functional.one_hot(draft_row, V).float()  # [1, k, V]
             else:
-                q = draft_probs.to(p.device, torch.float32).unsqueeze(0)  # [1, k, V]
+                q = normalise(draft_probs.to(p.device, torch.float32)).unsqueeze(0)  # [1, k, V]
             uniform = uniform_noise(k, [generator], device=p.device)  # [1, k]
             noise = exponential_noise(V, [generator], device=p.device)  # [1, V]
             out = rejection_verify(draft_row, q, p, uniform, noise)

@@ -1,0 +1,149 @@
+"""gRPC servicers for draft and target workers: thin typed wrappers that map protos to the plain worker classes and
+errors to status codes. Model work runs on one dedicated thread per worker, off the event loop, so the server keeps
+answering (health checks, new calls) while a forward pass runs."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from specserve.protos import specserve_pb2 as pb
+from specserve.protos import specserve_pb2_grpc as pb_grpc
+from specserve.workers.codec import decode_probs
+from specserve.workers.config import MAX_K, SamplingParams, validate
+from specserve.workers.draft_worker import DraftWorker
+from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
+from specserve.workers.target_worker import TargetWorker
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    data = {"temperature": msg.temperature, "top_k": msg.top_k, "top_p": msg.top_p or 1.0}
+    if msg.max_new_tokens:
+        data["max_new_tokens"] = msg.max_new_tokens
+    if msg.HasField("seed"):
+        data["seed"] = msg.seed
+    return validate(SamplingParams, data)
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, max_new_tokens=params.max_new_tokens
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+class _Servicer:
+    def __init__(self):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=type(self).__name__)
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn, *args):
+        """Run model work on the worker thread, mapping specserve errors to status codes."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, fn, *args)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestNotFoundError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except KVCapacityError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidRequestError("request_id", "must not be empty")
+
+
+class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
+    def __init__(self, worker: DraftWorker):
+        super().__init__()
+        self.worker = worker
+
+    def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
+        _check_request_id(request.request_id)
+        if not 1 <= request.k <= MAX_K:
+            raise InvalidRequestError("k", f"must be in 1..{MAX_K}, got {request.k}")
+        drafted, weights, seconds = self.worker.propose(
+            request.request_id,
+            request.committed_len,
+            list(request.new_tokens),
+            request.k,
+            sampling_from_proto(request.sampling),
+        )
+        return pb.ProposeResponse(
+            drafted=drafted, draft_probs=weights, vocab_size=self.worker.vocab_size, compute_seconds=seconds
+        )
+
+    async def Propose(self, request, context):
+        return await self._run(context, self._propose, request)
+
+    async def Release(self, request, context):
+        return pb.ReleaseResponse(released=await self._run(context, self.worker.release, request.request_id))
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(**self.worker.health())
+
+
+class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
+    def __init__(self, worker: TargetWorker):
+        super().__init__()
+        self.worker = worker
+
+    def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        _check_request_id(request.request_id)
+        weights = decode_probs(request.draft_probs, self.worker.vocab_size)
+        if weights is not None and weights.shape[0] != len(request.drafted):
+            raise InvalidRequestError("draft_probs", f"{weights.shape[0]} rows for {len(request.drafted)} drafted")
+        accepted, next_token, seconds = self.worker.verify(
+            request.request_id,
+            request.committed_len,
+            list(request.new_tokens),
+            list(request.drafted),
+            weights,
+            sampling_from_proto(request.sampling),
+        )
+        return pb.VerifyResponse(
+            accepted=accepted, next_token=next_token, bonus=accepted == len(request.drafted), compute_seconds=seconds
+        )
+
+    async def Verify(self, request, context):
+        return await self._run(context, self._verify, request)
+
+    async def Prefill(self, request, context):
+        cached = await self._run(context, self.worker.prefill, request.request_id, list(request.tokens))
+        return pb.PrefillResponse(cached_len=cached)
+
+    async def Release(self, request, context):
+        return pb.ReleaseResponse(released=await self._run(context, self.worker.release, request.request_id))
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(**self.worker.health())
+
+
+async def create_server(servicer: _Servicer, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server for a draft or target servicer; returns (server, bound port). Port 0 picks a free one."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    if isinstance(servicer, DraftWorkerServicer):
+        pb_grpc.add_DraftWorkerServicer_to_server(servicer, server)
+    else:
+        pb_grpc.add_TargetWorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind a gRPC server to {address}")
+    await server.start()
+    return server, port

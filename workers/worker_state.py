@@ -1,0 +1,65 @@
+"""What a draft or target worker knows of each request: its committed tokens, kept in step with the scheduler by the
+KV state protocol (see protos/specserve.proto), plus LRU eviction when the KV cache is full."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from specserve.workers.errors import KVCapacityError, RequestNotFoundError
+
+T = TypeVar("T")
+
+
+class CommittedTokens:
+    """Request id -> committed token sequence, least recently used first."""
+
+    def __init__(self):
+        self._tokens: OrderedDict[str, list[int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tokens
+
+    def advance(self, request_id: str, committed_len: int, new_tokens: Sequence[int]) -> list[int]:
+        """Apply a call's (committed_len, new_tokens): the committed sequence is what the worker already knew up to
+        committed_len - len(new_tokens), followed by new_tokens. Raises RequestNotFoundError when the worker knows
+        less than that (restarted or evicted): the caller must re-send the whole committed sequence."""
+        start = committed_len - len(new_tokens)
+        if start < 0:
+            raise ValueError(f"committed_len {committed_len} is shorter than the {len(new_tokens)} new tokens")
+        known = self._tokens.get(request_id)
+        if known is None and start > 0 or known is not None and len(known) < start:
+            have = 0 if known is None else len(known)
+            raise RequestNotFoundError(
+                f"worker holds {have} committed tokens of request {request_id!r}, the call assumes {start}: "
+                "re-send the committed sequence"
+            )
+        tokens = (known[:start] if known else []) + [int(t) for t in new_tokens]
+        self._tokens[request_id] = tokens
+        self._tokens.move_to_end(request_id)
+        return tokens
+
+    def release(self, request_id: str) -> bool:
+        return self._tokens.pop(request_id, None) is not None
+
+    def least_recent(self) -> list[str]:
+        return list(self._tokens)
+
+
+def with_eviction(
+    committed: CommittedTokens, request_id: str, work: Callable[[], T], release: Callable[[str], bool]
+) -> T:
+    """Run `work`; when the KV cache is full, evict idle requests least recently used first and retry. Evicted
+    requests answer NOT_FOUND on their next call and are re-sent by the scheduler, so nothing is lost."""
+    while True:
+        try:
+            return work()
+        except KVCapacityError:
+            victims = [rid for rid in committed.least_recent() if rid != request_id]
+            if not victims:
+                raise
+            release(victims[0])
