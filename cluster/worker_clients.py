@@ -1,26 +1,28 @@
-"""Async gRPC clients of draft and target workers, with the KV state protocol's client side: send only the committed
-tokens a worker has not seen, and re-send the whole committed sequence when it answers NOT_FOUND."""
+"""Async gRPC clients of draft and target workers: they execute the scheduler's Calls with explicit deadlines and
+turn the KV state protocol's NOT_FOUND into WorkerLostRequest, so the caller can re-send the whole prefix."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import grpc
 
+from specserve.cluster.scheduler import Call
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import SamplingParams
 from specserve.workers.grpc_service import GRPC_OPTIONS, sampling_to_proto
 
 
-@dataclass
-class WorkerView:
-    """How much of each request's committed sequence a worker has been sent."""
+class WorkerLostRequest(Exception):
+    """The worker does not hold (enough of) the request: re-send the committed sequence."""
 
-    sent: dict[str, int] = field(default_factory=dict)
 
-    def tail(self, request_id: str, committed: list[int]) -> list[int]:
-        return committed[self.sent.get(request_id, 0) :]
+class WorkerUnavailable(Exception):
+    """The worker cannot be reached or failed the call; its requests must move elsewhere."""
+
+
+_LOST = {grpc.StatusCode.NOT_FOUND}
+_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+         grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # fmt: skip
 
 
 class _Client:
@@ -28,27 +30,22 @@ class _Client:
         self.address = address
         self.timeout_s = timeout_s
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-        self.view = WorkerView()
-        self.resends = 0
 
-    async def _with_resend(self, request_id: str, committed: list[int], call):
-        """call(new_tokens) -> response; on NOT_FOUND the worker lost the request: send everything again."""
+    async def _invoke(self, method, message):
         try:
-            response = await call(self.view.tail(request_id, committed))
+            return await method(message, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            self.resends += 1
-            response = await call(list(committed))
-        self.view.sent[request_id] = len(committed)
-        return response
+            if e.code() in _LOST:
+                raise WorkerLostRequest(e.details()) from None
+            if e.code() in _DOWN:
+                raise WorkerUnavailable(f"{self.address}: {e.code().name}: {e.details()}") from None
+            raise
 
     async def release(self, request_id: str) -> bool:
-        self.view.sent.pop(request_id, None)
-        return (await self.stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=self.timeout_s)).released
+        return (await self._invoke(self.stub.Release, pb.ReleaseRequest(request_id=request_id))).released
 
     async def health(self) -> pb.HealthResponse:
-        return await self.stub.Health(pb.HealthRequest(), timeout=self.timeout_s)
+        return await self._invoke(self.stub.Health, pb.HealthRequest())
 
     async def close(self) -> None:
         await self.channel.close()
@@ -59,23 +56,19 @@ class DraftClient(_Client):
         super().__init__(address, timeout_s)
         self.stub = pb_grpc.DraftWorkerStub(self.channel)
 
-    async def propose(self, request_id: str, committed: list[int], k: int, params: SamplingParams):
-        """(drafted tokens, encoded draft weights, vocabulary size)."""
-
-        async def call(new_tokens):
-            return await self.stub.Propose(
-                pb.ProposeRequest(
-                    request_id=request_id,
-                    committed_len=len(committed),
-                    new_tokens=new_tokens,
-                    k=k,
-                    sampling=sampling_to_proto(params),
-                ),
-                timeout=self.timeout_s,
-            )
-
-        response = await self._with_resend(request_id, committed, call)
-        return list(response.drafted), response.draft_probs, response.vocab_size
+    async def propose(self, call: Call, params: SamplingParams) -> tuple[list[int], bytes]:
+        """(drafted tokens, encoded draft weights)."""
+        response = await self._invoke(
+            self.stub.Propose,
+            pb.ProposeRequest(
+                request_id=call.request_id,
+                committed_len=call.committed_len,
+                new_tokens=call.new_tokens,
+                k=call.k,
+                sampling=sampling_to_proto(params),
+            ),
+        )
+        return list(response.drafted), response.draft_probs
 
 
 class TargetClient(_Client):
@@ -83,21 +76,17 @@ class TargetClient(_Client):
         super().__init__(address, timeout_s)
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
-    async def verify(
-        self, request_id: str, committed: list[int], drafted: list[int], draft_probs: bytes, params: SamplingParams
-    ) -> tuple[int, int]:
-        async def call(new_tokens):
-            return await self.stub.Verify(
-                pb.VerifyRequest(
-                    request_id=request_id,
-                    committed_len=len(committed),
-                    new_tokens=new_tokens,
-                    drafted=drafted,
-                    draft_probs=draft_probs,
-                    sampling=sampling_to_proto(params),
-                ),
-                timeout=self.timeout_s,
-            )
-
-        response = await self._with_resend(request_id, committed, call)
+    async def verify(self, call: Call, params: SamplingParams) -> tuple[int, int]:
+        """(accepted, next token: recovered or bonus)."""
+        response = await self._invoke(
+            self.stub.Verify,
+            pb.VerifyRequest(
+                request_id=call.request_id,
+                committed_len=call.committed_len,
+                new_tokens=call.new_tokens,
+                drafted=call.drafted,
+                draft_probs=call.draft_probs,
+                sampling=sampling_to_proto(params),
+            ),
+        )
         return response.accepted, response.next_token

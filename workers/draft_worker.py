@@ -8,10 +8,8 @@ from collections.abc import Sequence
 from specserve.workers.codec import encode_probs
 from specserve.workers.config import SamplingParams
 from specserve.workers.drafters import Drafter
-from specserve.workers.engine import DRAFT_SALT
 from specserve.workers.kv_cache import KVCacheStore
-from specserve.workers.sampling import make_generator
-from specserve.workers.worker_state import CommittedTokens, with_eviction
+from specserve.workers.worker_state import CommittedTokens, check_token_ids, with_eviction
 
 
 class DraftWorker:
@@ -27,12 +25,12 @@ class DraftWorker:
     ) -> tuple[list[int], bytes, float]:
         """(drafted tokens, encoded draft weights, compute seconds). Raises RequestNotFoundError (re-send)."""
         t0 = time.perf_counter()
+        check_token_ids("new_tokens", new_tokens, self.vocab_size)
         tokens = self.committed.advance(request_id, committed_len, new_tokens)
-        generator = make_generator(params.seed, DRAFT_SALT, len(tokens))
         proposal = with_eviction(
             self.committed,
             request_id,
-            lambda: self.drafter.propose(request_id, tokens, k, params, generator),
+            lambda: self.drafter.propose(request_id, tokens, k, params),
             self.release,
         )
         return proposal.tokens, encode_probs(proposal.probs), time.perf_counter() - t0

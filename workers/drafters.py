@@ -1,7 +1,7 @@
 """Drafters: propose k tokens for a request, with the distributions they were drawn from.
 
 Every drafter has the same interface, so the in-process engine and the distributed draft workers use them alike:
-`propose(request_id, tokens, k, params, generator) -> Proposal`, `feedback(request_id, num_accepted)`,
+`propose(request_id, tokens, k, params) -> Proposal`, `feedback(request_id, num_accepted)`,
 `release(request_id)`.
 """
 
@@ -16,7 +16,7 @@ import torch
 from specserve.workers.codec import sparsify
 from specserve.workers.config import NgramConfig, SamplingParams
 from specserve.workers.runner import ModelRunner
-from specserve.workers.sampling import exponential_noise, logits_to_probs, sample_with_noise
+from specserve.workers.sampling import DRAFT_SALT, exponential_noise, logits_to_probs, make_generator, sample_with_noise
 
 
 @dataclass
@@ -28,9 +28,7 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    def propose(
-        self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal: ...
+    def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal: ...
 
     def feedback(self, request_id: str, num_accepted: int) -> None: ...
 
@@ -47,9 +45,7 @@ class ModelDrafter:
         self.runner = runner
         self.max_support = max_support
 
-    def propose(
-        self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
+    def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
         seq = list(tokens)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
@@ -59,6 +55,9 @@ class ModelDrafter:
                 token = int(logits.argmax())
             else:
                 weights = sparsify(logits_to_probs(logits, params), self.max_support).cpu()  # [V]
+                # Noise keyed by the drafted token's absolute position: a token drafted early (pipelined) or again
+                # (after a restart) is drawn with the same noise, so seeded requests reproduce in every mode.
+                generator = make_generator(params.seed, DRAFT_SALT, len(seq))
                 noise = exponential_noise(weights.shape[-1], [generator])  # [1, V]
                 token = int(sample_with_noise(weights.unsqueeze(0), noise)[0])
                 probs.append(weights)
@@ -80,9 +79,7 @@ class NgramDrafter:
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()
 
-    def propose(
-        self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
+    def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
         return Proposal(tokens=ngram_lookup(tokens, k, self.config.max_ngram, self.config.min_ngram), probs=None)
 
     def feedback(self, request_id: str, num_accepted: int) -> None:

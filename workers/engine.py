@@ -14,10 +14,9 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.loading import LoadedModel, check_compatible
 from specserve.workers.request import FinishReason, RequestState, RequestStats
 from specserve.workers.runner import ModelRunner
-from specserve.workers.sampling import make_generator
+from specserve.workers.sampling import TARGET_SALT, make_generator
 from specserve.workers.target import TargetVerifier
-
-DRAFT_SALT, TARGET_SALT = 1, 2
+from specserve.workers.worker_state import check_token_ids
 
 
 @dataclass
@@ -49,9 +48,7 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int | None) -> None:
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_token_ids("prompt", prompt_ids, vocab_size)
     if max_positions is not None and len(prompt_ids) + params.max_new_tokens > max_positions:
         room = max_positions - len(prompt_ids)
         raise InvalidRequestError(
@@ -117,8 +114,7 @@ class SpecEngine:
             while not state.finished:
                 k = state.draft_budget(k_next) if drafter is not None else 0
                 position = len(state.tokens)
-                draft_gen = make_generator(params.seed, DRAFT_SALT, position)
-                proposal = drafter.propose(state.request_id, state.tokens, k, params, draft_gen) if k else None
+                proposal = drafter.propose(state.request_id, state.tokens, k, params) if k else None
                 drafted = proposal.tokens if proposal else []
                 num_accepted, next_token = self.verifier.verify(
                     state.request_id,

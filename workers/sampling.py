@@ -41,6 +41,9 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return filtered / filtered.sum(-1, keepdim=True)
 
 
+DRAFT_SALT, TARGET_SALT = 1, 2  # independent noise streams of one seed
+
+
 def make_generator(seed: int | None, salt: int = 0, position: int = 0) -> torch.Generator:
     """A CPU generator for one round of one request (noise is drawn on the CPU, so seeds reproduce across devices).
 

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from specserve.workers.config import SamplingParams
-from specserve.workers.engine import TARGET_SALT
-from specserve.workers.sampling import make_generator
+from specserve.workers.sampling import TARGET_SALT, make_generator
 from specserve.workers.target import TargetVerifier
-from specserve.workers.worker_state import CommittedTokens, with_eviction
+from specserve.workers.worker_state import CommittedTokens, check_token_ids, with_eviction
 
 
 class TargetWorker:
@@ -35,6 +34,8 @@ class TargetWorker:
     ) -> tuple[int, int, float]:
         """(accepted, next_token, compute seconds). Raises RequestNotFoundError (re-send the committed sequence)."""
         t0 = time.perf_counter()
+        check_token_ids("new_tokens", new_tokens, self.vocab_size)
+        check_token_ids("drafted", drafted, self.vocab_size)
         tokens = self.committed.advance(request_id, committed_len, new_tokens)
         generator = make_generator(params.seed, TARGET_SALT, len(tokens))
         accepted, next_token = with_eviction(
@@ -47,6 +48,7 @@ class TargetWorker:
 
     def prefill(self, request_id: str, tokens: Sequence[int]) -> int:
         """Cache all but the last token of a committed sequence (the first verify feeds the last one)."""
+        check_token_ids("tokens", tokens, self.vocab_size)
         seq = self.committed.advance(request_id, len(tokens), tokens)
         if len(seq) > 1:
             with_eviction(

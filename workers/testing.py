@@ -84,3 +84,61 @@ def save_perturbed_copy(source: str | Path, path: str | Path, noise: float, seed
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(path)
     return str(path)
+
+
+class LocalWorkers:
+    """Draft and target workers for tests, each behind its own real gRPC server on a free localhost port.
+
+    `async with LocalWorkers(target, [draft, ...], n_targets) as w:` gives w.draft_addresses and w.target_addresses
+    (name -> host:port) and the plain worker objects, so a test can make a worker forget a request or stop a server.
+    """
+
+    def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000):
+        from specserve.workers.config import KVCacheConfig
+        from specserve.workers.draft_worker import DraftWorker
+        from specserve.workers.drafters import ModelDrafter
+        from specserve.workers.runner import ModelRunner
+        from specserve.workers.target import TargetVerifier
+        from specserve.workers.target_worker import TargetWorker
+
+        self.drafts = {}
+        for i, draft in enumerate(drafts):
+            runner = ModelRunner(draft, KVCacheConfig(), vocab_size=target.vocab_size)
+            self.drafts[f"draft-{i}"] = DraftWorker(ModelDrafter(runner), target.vocab_size, draft.path, runner.store)
+        self.targets = {
+            f"target-{i}": TargetWorker(
+                TargetVerifier(ModelRunner(target, KVCacheConfig(capacity_tokens=target_capacity))), target.path
+            )
+            for i in range(n_targets)
+        }
+        self.servers = {}
+        self.servicers = []
+
+    async def __aenter__(self):
+        from specserve.workers.grpc_service import DraftWorkerServicer, TargetWorkerServicer, create_server
+
+        self.addresses = {}
+        for name, worker in {**self.drafts, **self.targets}.items():
+            servicer = DraftWorkerServicer(worker) if name.startswith("draft") else TargetWorkerServicer(worker)
+            server, port = await create_server(servicer)
+            self.servers[name] = server
+            self.servicers.append(servicer)
+            self.addresses[name] = f"127.0.0.1:{port}"
+        return self
+
+    @property
+    def draft_addresses(self) -> dict[str, str]:
+        return {n: a for n, a in self.addresses.items() if n.startswith("draft")}
+
+    @property
+    def target_addresses(self) -> dict[str, str]:
+        return {n: a for n, a in self.addresses.items() if n.startswith("target")}
+
+    async def stop(self, name: str) -> None:
+        await self.servers[name].stop(grace=None)
+
+    async def __aexit__(self, *exc):
+        for server in self.servers.values():
+            await server.stop(grace=1)
+        for servicer in self.servicers:
+            servicer.close()

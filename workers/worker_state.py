@@ -7,9 +7,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from specserve.workers.errors import KVCapacityError, RequestNotFoundError
+from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
 
 T = TypeVar("T")
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 class CommittedTokens:

@@ -1,0 +1,138 @@
+"""Executes the scheduler's plans over gRPC, pipelined two ways:
+
+1. across requests: every request runs its own rounds concurrently, so while the target verifies request A the draft
+   worker drafts for request B (each worker serialises its own model work; the overlap is between workers);
+2. within a request (PEARL-style): while the target verifies round r, the draft worker already drafts round r + 1
+   assuming all of round r is accepted; the pre-draft is used when that held, dropped otherwise.
+
+Faults: a worker that lost a request's cache (NOT_FOUND) gets the whole committed prefix again; a worker that cannot
+be reached is marked unhealthy and its requests move to another worker (a draft failure falls back to target-only
+decoding until another draft worker is available). Outputs do not change either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from specserve.cluster.scheduler import Call, PreDraft, SchedRequest, Scheduler
+from specserve.cluster.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.drafters import NgramDrafter
+
+
+@dataclass
+class RoundTimes:
+    orchestration_s: float = 0.0  # round wall time not spent awaiting workers: the scheduler's own overhead
+    rounds: int = 0
+
+
+class Pipeline:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        drafts: dict[str, DraftClient],
+        targets: dict[str, TargetClient],
+        predraft: bool = True,
+    ):
+        self.scheduler = scheduler
+        self.drafts = drafts
+        self.targets = targets
+        self.predraft = predraft
+        self.ngram = NgramDrafter()  # prompt lookup needs no model: it runs here, next to the committed tokens
+        self.times = RoundTimes()
+
+    async def _call(self, req: SchedRequest, call: Call, fn):
+        try:
+            return await fn(call)
+        except WorkerLostRequest:
+            return await fn(self.scheduler.resend(req, call))
+
+    async def _propose(self, req: SchedRequest, call: Call) -> tuple[list[int], bytes]:
+        return await self._call(req, call, lambda c: self.drafts[c.worker].propose(c, req.params))
+
+    async def _verify(self, req: SchedRequest, call: Call) -> tuple[int, int]:
+        return await self._call(req, call, lambda c: self.targets[c.worker].verify(c, req.params))
+
+    async def rounds(self, req: SchedRequest) -> AsyncIterator[list[int]]:
+        """Run the request's rounds; yields the tokens each round commits."""
+        sched = self.scheduler
+        pre: PreDraft | None = None
+        try:
+            while not req.state.finished:
+                round_start, waited = time.perf_counter(), 0.0
+                k = sched.k_for(req)
+                reused = sched.use_predraft(req, pre) if k else None
+                drafted, probs = [], b""
+                if reused is not None:
+                    drafted, probs = reused
+                    req.pipelined_rounds += 1
+                elif k and req.spec.method == "ngram":
+                    drafted = self.ngram.propose(req.request_id, req.state.tokens, k, req.params).tokens  # no model
+                elif k:
+                    w0 = time.perf_counter()
+                    draft_call = sched.plan_draft(req, k)
+                    try:
+                        drafted, probs = await self._propose(req, draft_call)
+                    except WorkerUnavailable:
+                        sched.mark_unhealthy(draft_call.worker)  # this round: target-only; later: another drafter
+                    waited += time.perf_counter() - w0
+                verify_call = sched.plan_verify(req, drafted, probs)
+                verify = asyncio.ensure_future(self._verify(req, verify_call))
+                pre_task = None
+                if self.predraft and drafted:
+                    pre_call = sched.plan_predraft(req, drafted, k)
+                    if pre_call is not None:
+                        pre_task = asyncio.ensure_future(self._propose(req, pre_call))
+                w0 = time.perf_counter()
+                try:
+                    accepted, next_token = await verify
+                except WorkerUnavailable:
+                    await _cancel(pre_task)
+                    sched.mark_unhealthy(verify_call.worker)
+                    continue  # the round is re-planned on another target worker: nothing was committed
+                finally:
+                    waited += time.perf_counter() - w0
+                committed = sched.apply_verify(req, drafted, accepted, next_token)
+                pre = None
+                if pre_task is not None:
+                    if accepted == len(drafted) and not req.state.finished:
+                        w0 = time.perf_counter()
+                        try:
+                            pre_drafted, pre_probs = await pre_task
+                            pre = PreDraft(after=req.state.tokens[:-1], drafted=pre_drafted, draft_probs=pre_probs)
+                        except (WorkerUnavailable, WorkerLostRequest):
+                            pre = None
+                        waited += time.perf_counter() - w0
+                    else:
+                        await _cancel(pre_task)
+                self.times.orchestration_s += time.perf_counter() - round_start - waited
+                self.times.rounds += 1
+                yield committed
+        finally:
+            await self.release(req)
+
+    async def release(self, req: SchedRequest) -> None:
+        for worker in self.scheduler.finish(req):
+            client = self.drafts.get(worker) or self.targets.get(worker)
+            with contextlib.suppress(Exception):  # best effort: a dead worker holds nothing anyway
+                await client.release(req.request_id)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, spec: SpecParams, eos: frozenset[int]
+    ) -> SchedRequest:
+        req = self.scheduler.add(prompt_ids, params, spec, eos)
+        async for _ in self.rounds(req):
+            pass
+        return req
+
+
+async def _cancel(task: asyncio.Future | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, WorkerUnavailable, WorkerLostRequest):
+        await task
