@@ -225,6 +225,48 @@ def run_bench(
     return rows, meta
 
 
+def distributed_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg: BenchConfig, k: int,
+                     device: str, base: Row) -> tuple[list[Row], dict]:  # fmt: skip
+    """The disaggregated path on a local Ray cluster: a draft worker actor and a target worker actor over gRPC,
+    driven by the scheduler actor. One stream (within-request pipelining only) and all prompts at once."""
+    import ray
+
+    from specserve.cluster.builders import deploy
+    from specserve.cluster.config import local_config
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    deployment = deploy(local_config(target_path, draft_path, device=device))
+    sampling, spec = {"max_new_tokens": cfg.max_new_tokens}, {"method": "draft", "k": k}
+    rows = []
+    try:
+        ray.get(deployment.scheduler.generate.remote(prompts[0][:16], {"max_new_tokens": 4}, spec))  # warm-up
+        one = Row(f"disaggregated k={k} greedy, 1 stream", "disaggregated", k, 0.0)
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            out = ray.get(deployment.scheduler.generate.remote(prompt, sampling, spec))
+            one.seconds += time.perf_counter() - t0
+            one.outputs.append(out["token_ids"])
+        many = Row(f"disaggregated k={k} greedy, {len(prompts)} streams", "disaggregated", k, 0.0)
+        t0 = time.perf_counter()
+        outs = ray.get([deployment.scheduler.generate.remote(p, sampling, spec) for p in prompts])
+        many.seconds = time.perf_counter() - t0
+        many.outputs = [o["token_ids"] for o in outs]
+        status = ray.get(deployment.scheduler.status.remote())
+    finally:
+        deployment.shutdown()
+        if started:
+            ray.shutdown()
+    for row in (one, many):
+        row.tokens = sum(len(o) for o in row.outputs)
+        row.tokens_per_s = row.tokens / row.seconds
+        row.speedup = row.tokens_per_s / base.tokens_per_s
+        row.identical = row.outputs == base.outputs
+        rows.append(row)
+    return rows, status
+
+
 def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> SamplingParams:
     return greedy if row.temperature == 0 else sampled
 
@@ -273,6 +315,13 @@ def format_table(rows: list[Row], meta: dict) -> str:
     out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     out.append("")
+    if "disaggregated" in meta:
+        d = meta["disaggregated"]
+        out.append(
+            f"disaggregated vs in-process (same k): {d['vs_in_process_1_stream']:.2f}x with 1 stream, "
+            f"{d['vs_in_process_all_streams']:.2f}x with all streams at once; scheduler overhead p50 "
+            f"{d['orchestration_ms_p50']:.2f} ms per round; {d['wire_bytes_per_round']:.0f} bytes on the wire per round"
+        )
     out.append(
         f"c = t_draft/t_target = {meta['cost_ratio_c']:.3f} (t_draft {meta['t_draft_ms']:.2f} ms, t_target "
         f"{meta['t_target_ms']:.2f} ms); target greedy distinct 4-grams: {meta['distinct_4gram_target_greedy']:.0%}; "
@@ -325,6 +374,8 @@ def main_bench(args) -> int:
     from specserve.workers.loading import load_model
 
     cfg = QUICK if args.quick else BenchConfig()
+    if args.distributed is None:
+        args.distributed = not args.quick
     if args.target:
         target_path, draft_path = args.target, args.draft
         held_out = args.prompts_from or []
@@ -342,6 +393,17 @@ def main_bench(args) -> int:
     if not prompts:
         raise SystemExit("specserve bench: no held-out prompts found (give --prompts-from FILES)")
     rows, meta = run_bench(engine, prompts, cfg)
+    if args.distributed:
+        k = 4 if 4 in cfg.ks else cfg.ks[-1]
+        in_process = next(r for r in rows if r.method == "draft" and r.k == k and r.temperature == 0)
+        extra, status = distributed_rows(target_path, draft_path, prompts, cfg, k, args.device, rows[0])
+        rows[rows.index(in_process) + 1 : rows.index(in_process) + 1] = extra
+        meta["disaggregated"] = {
+            "vs_in_process_1_stream": extra[0].tokens_per_s / in_process.tokens_per_s,
+            "vs_in_process_all_streams": extra[1].tokens_per_s / in_process.tokens_per_s,
+            "orchestration_ms_p50": status["orchestration_ms_p50"],
+            "wire_bytes_per_round": status["wire_bytes_per_round"],
+        }
     print(format_table(rows, meta))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,7 +20,12 @@ def _k_value(text: str) -> int | str:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for PROMPT")
     p.add_argument("prompt", help="prompt text")
-    p.add_argument("--local", action="store_true", help="run in this process (no server)")
+    p.add_argument("--local", action="store_true", help="run on this machine (no server)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="with --local: draft and target workers as separate Ray actors on a local Ray cluster, over gRPC",
+    )
     p.add_argument("--target", help="local path of the target model (default: the demo family's target)")
     draft = p.add_mutually_exclusive_group()
     draft.add_argument("--draft", help="local path of a draft model, or 'ngram' for prompt-lookup drafting")
@@ -38,19 +43,19 @@ def _add_generate(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specserve.cluster.local import generate_local
+    from specserve.cluster.local import generate_distributed, generate_local
 
     if not args.local:
         raise SpecServeError("only --local generation is available in this version")
-    result = generate_local(args)
+    out = generate_distributed(args) if args.distributed else generate_local(args).to_dict()
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps(out))
     else:
-        print(result.text)
-        s = result.stats
+        print(out["text"])
+        s = out["stats"]
         print(
-            f"[{len(result.token_ids)} tokens, finish={result.finish_reason}, rounds={s.rounds}, "
-            f"acceptance={s.acceptance_rate:.2f}, mean accepted length={s.mean_accepted_length:.2f}]",
+            f"[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, rounds={s['rounds']}, "
+            f"acceptance={s['acceptance_rate']:.2f}, mean accepted length={s['mean_accepted_length']:.2f}]",
             file=sys.stderr,
         )
     return 0
@@ -65,6 +70,12 @@ def _add_bench(sub) -> None:
     p.add_argument("--draft", help="draft model path (required with --target)")
     p.add_argument("--prompts-from", nargs="*", metavar="FILE", help="text files whose openings are the prompts")
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    p.add_argument(
+        "--distributed",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add rows for the disaggregated path on a local Ray cluster (default: on, off with --quick)",
+    )
     p.set_defaults(func=_bench)
 
 

@@ -49,6 +49,31 @@ def model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
     return target, default_draft
 
 
+def generate_distributed(args: argparse.Namespace) -> dict:
+    """Run one request through a local Ray cluster: a target worker actor, a draft worker actor and the scheduler
+    actor, talking over gRPC. Returns the same JSON contract as the in-process path."""
+    import ray
+
+    from specserve.cluster.builders import deploy
+    from specserve.cluster.config import local_config
+
+    sampling, spec = request_params(args)
+    target_path, draft_path = model_paths(args)
+    config = local_config(target_path, draft_path, device=args.device, dtype=args.dtype)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    deployment = deploy(config)
+    try:
+        out = ray.get(deployment.scheduler.generate.remote(args.prompt, sampling.model_dump(), spec.model_dump()))
+    finally:
+        deployment.shutdown()
+        if started_ray:
+            ray.shutdown()
+    out.pop("scheduling", None)
+    return out
+
+
 def generate_local(args: argparse.Namespace) -> GenerationResult:
     sampling, spec = request_params(args)
     target_path, draft_path = model_paths(args)

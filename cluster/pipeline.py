@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.cluster.scheduler import Call, PreDraft, SchedRequest, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
@@ -28,6 +30,10 @@ from specserve.workers.drafters import NgramDrafter
 class RoundTimes:
     orchestration_s: float = 0.0  # round wall time not spent awaiting workers: the scheduler's own overhead
     rounds: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # per-round orchestration seconds
+
+    def p50_ms(self) -> float:
+        return 1e3 * statistics.median(self.recent) if self.recent else 0.0
 
 
 class Pipeline:
@@ -109,11 +115,16 @@ class Pipeline:
                         waited += time.perf_counter() - w0
                     else:
                         await _cancel(pre_task)
-                self.times.orchestration_s += time.perf_counter() - round_start - waited
+                overhead = time.perf_counter() - round_start - waited
+                self.times.orchestration_s += overhead
+                self.times.recent.append(overhead)
                 self.times.rounds += 1
                 yield committed
         finally:
             await self.release(req)
+
+    def wire_bytes(self) -> int:
+        return sum(c.wire_bytes for c in (*self.drafts.values(), *self.targets.values()))
 
     async def release(self, req: SchedRequest) -> None:
         for worker in self.scheduler.finish(req):

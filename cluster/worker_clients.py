@@ -30,10 +30,13 @@ class _Client:
         self.address = address
         self.timeout_s = timeout_s
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.wire_bytes = 0  # serialized request + response bytes of every call
 
     async def _invoke(self, method, message):
         try:
-            return await method(message, timeout=self.timeout_s)
+            response = await method(message, timeout=self.timeout_s)
+            self.wire_bytes += message.ByteSize() + response.ByteSize()
+            return response
         except grpc.aio.AioRpcError as e:
             if e.code() in _LOST:
                 raise WorkerLostRequest(e.details()) from None

@@ -1,0 +1,139 @@
+"""Ray actor bodies: plain classes (no decorator) that host a worker's gRPC server or the scheduler inside an async
+actor's event loop. `cluster/builders.py` applies `ray.remote` with resources; tests can use the classes directly."""
+
+from __future__ import annotations
+
+import socket
+
+from specserve.cluster.config import DistributedConfig, PoolConfig
+from specserve.workers.config import SamplingParams, SpecParams, validate
+
+
+def _node() -> dict:
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+
+def _host() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return socket.gethostbyname("localhost")
+
+
+class DraftWorkerActor:
+    """A draft model behind a DraftWorker gRPC server."""
+
+    def __init__(self, pool: PoolConfig, target_vocab_size: int):
+        from specserve.workers.draft_worker import DraftWorker
+        from specserve.workers.drafters import ModelDrafter
+        from specserve.workers.loading import load_model
+        from specserve.workers.runner import ModelRunner
+
+        loaded = load_model(pool.model)
+        runner = ModelRunner(loaded, pool.kv_cache, vocab_size=target_vocab_size)
+        self.worker = DraftWorker(ModelDrafter(runner), target_vocab_size, pool.model.path, runner.store)
+        self.server = None
+
+    async def start(self) -> str:
+        """Start the gRPC server on this node; returns its address."""
+        from specserve.workers.grpc_service import DraftWorkerServicer, create_server
+
+        self.servicer = DraftWorkerServicer(self.worker)
+        self.server, port = await create_server(self.servicer, "0.0.0.0:0")
+        return f"{_host()}:{port}"
+
+    async def node(self) -> dict:
+        return _node()
+
+
+class TargetWorkerActor:
+    """A target model behind a TargetWorker gRPC server."""
+
+    def __init__(self, pool: PoolConfig):
+        from specserve.workers.loading import load_model
+        from specserve.workers.runner import ModelRunner
+        from specserve.workers.target import TargetVerifier
+        from specserve.workers.target_worker import TargetWorker
+
+        loaded = load_model(pool.model)
+        self.worker = TargetWorker(TargetVerifier(ModelRunner(loaded, pool.kv_cache)), pool.model.path)
+        self.server = None
+
+    async def start(self) -> str:
+        from specserve.workers.grpc_service import TargetWorkerServicer, create_server
+
+        self.servicer = TargetWorkerServicer(self.worker)
+        self.server, port = await create_server(self.servicer, "0.0.0.0:0")
+        return f"{_host()}:{port}"
+
+    async def node(self) -> dict:
+        return _node()
+
+
+class SchedulerActor:
+    """The scheduler: validates requests, tokenizes, and runs them through the pipelined driver."""
+
+    def __init__(self, config: DistributedConfig, draft_addresses: dict[str, str], target_addresses: dict[str, str]):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        self.draft_addresses = draft_addresses
+        self.target_addresses = target_addresses
+        self.tokenizer = AutoTokenizer.from_pretrained(config.target.model.path, local_files_only=True)
+        self.eos = frozenset({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        model_config = AutoConfig.from_pretrained(config.target.model.path, local_files_only=True)
+        self.max_positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+        self.pipeline = None
+
+    def _ensure_pipeline(self):
+        # gRPC channels belong to the actor's event loop, so they are made on the first call, inside it.
+        if self.pipeline is None:
+            from specserve.cluster.pipeline import Pipeline
+            from specserve.cluster.scheduler import Scheduler
+            from specserve.cluster.worker_clients import DraftClient, TargetClient
+
+            timeout = self.config.call_timeout_s
+            drafts = {n: DraftClient(a, timeout) for n, a in self.draft_addresses.items()}
+            targets = {n: TargetClient(a, timeout) for n, a in self.target_addresses.items()}
+            scheduler = Scheduler(list(drafts), list(targets), cost_ratio=self.config.cost_ratio)
+            self.pipeline = Pipeline(scheduler, drafts, targets, predraft=self.config.predraft)
+        return self.pipeline
+
+    async def generate(self, prompt: str | list[int], sampling: dict, speculation: dict) -> dict:
+        """One request; returns the CLI's JSON contract plus scheduling stats."""
+        from specserve.workers.engine import check_request, encode_prompt
+
+        params = validate(SamplingParams, sampling)
+        spec = validate(SpecParams, speculation)
+        ids = encode_prompt(self.tokenizer, prompt)
+        check_request(ids, params, len(self.tokenizer), self.max_positions)
+        pipeline = self._ensure_pipeline()
+        req = await pipeline.generate(ids, params, spec, self.eos)
+        generated = req.state.generated
+        return {
+            "text": self.tokenizer.decode(generated, skip_special_tokens=True),
+            "token_ids": generated,
+            "finish_reason": req.state.finish_reason,
+            "stats": req.state.stats.to_dict(),
+            "scheduling": {
+                "pipelined_rounds": req.pipelined_rounds,
+                "resent": req.resent,
+                "draft_worker": req.draft_worker,
+                "target_worker": req.target_worker,
+            },
+        }
+
+    async def status(self) -> dict:
+        pipeline = self._ensure_pipeline()
+        rounds = max(1, pipeline.times.rounds)
+        return {
+            "unhealthy": sorted(pipeline.scheduler.unhealthy),
+            "rounds": pipeline.times.rounds,
+            "orchestration_ms_mean": 1e3 * pipeline.times.orchestration_s / rounds,
+            "orchestration_ms_p50": pipeline.times.p50_ms(),
+            "wire_bytes_per_round": pipeline.wire_bytes() / rounds,
+        }

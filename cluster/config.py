@@ -1,0 +1,42 @@
+"""Validated configuration of a distributed deployment: the draft and target pools and the scheduler."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specserve.workers.config import KVCacheConfig, ModelConfig
+
+
+class PoolConfig(BaseModel):
+    """A pool of identical workers hosting one model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelConfig = Field(..., description="The model every worker of the pool hosts.")
+    replicas: int = Field(1, gt=0, le=1024, description="Workers in the pool.")
+    resource: str = Field(..., min_length=1, description="Ray custom resource each worker asks for (one unit).")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per worker.")
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache capacity per worker.")
+
+
+class DistributedConfig(BaseModel):
+    """Disaggregated speculative decoding: separate draft and target pools driven by one scheduler."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: PoolConfig = Field(..., description="Target workers (large models, big GPUs).")
+    draft: PoolConfig | None = Field(None, description="Draft workers (small models, cheap GPUs); None: n-gram only.")
+    predraft: bool = Field(True, description="Within-request pipelining: draft round r+1 while round r verifies.")
+    cost_ratio: float = Field(0.1, gt=0, le=10, description="Assumed t_draft / t_target for k='auto'.")
+    call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")
+
+
+def local_config(
+    target_path: str, draft_path: str | None, device: str = "auto", dtype: str = "float32"
+) -> DistributedConfig:
+    """One draft and one target worker on this machine, asking for the default custom resources."""
+    target = PoolConfig(model=ModelConfig(path=target_path, device=device, dtype=dtype), resource="target_gpu")
+    draft = None
+    if draft_path:
+        draft = PoolConfig(model=ModelConfig(path=draft_path, device=device, dtype=dtype), resource="draft_gpu")
+    return DistributedConfig(target=target, draft=draft)

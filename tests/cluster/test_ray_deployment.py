@@ -1,0 +1,102 @@
+"""The disaggregated deployment on real Ray clusters: worker actors placed by custom resources on their own nodes,
+greedy outputs identical to target-only decoding with concurrent requests, and killed actors mid-request."""
+
+import json
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from specserve.cluster.builders import deploy
+from specserve.cluster.config import DistributedConfig, PoolConfig
+from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.engine import SpecEngine
+from specserve.workers.loading import load_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def add(a, b):", "class Stack:", "for i in range(3):", "import json", "x = [", "while True:", "# x", "y ="]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head, a "cheap GPU" node offering draft_gpu and a "big GPU" node offering target_gpu."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    draft_node = c.add_node(num_cpus=1, resources={"draft_gpu": 1})
+    target_node = c.add_node(num_cpus=2, resources={"target_gpu": 2})
+    ray.init(address=c.address)
+    c.wait_for_nodes()
+    yield c, draft_node.node_id, target_node.node_id
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config(tiny_target, tiny_draft):
+    return DistributedConfig(
+        target=PoolConfig(model=ModelConfig(path=tiny_target, device="cpu"), resource="target_gpu", replicas=2),
+        draft=PoolConfig(model=ModelConfig(path=tiny_draft, device="cpu"), resource="draft_gpu"),
+        call_timeout_s=20,
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_target):
+    engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
+    params, spec = SamplingParams(max_new_tokens=40), SpecParams(method="none")
+    return [engine.generate(p, params, spec).token_ids for p in PROMPTS]
+
+
+def generate_all(deployment, k=4, method="draft"):
+    return [
+        deployment.scheduler.generate.remote(p, {"max_new_tokens": 40}, {"method": method, "k": k}) for p in PROMPTS
+    ]
+
+
+def test_actors_run_on_their_resource_nodes_and_outputs_are_lossless(cluster, config, expected):
+    _, draft_node, target_node = cluster
+    deployment = deploy(config)
+    try:
+        nodes = {
+            name: ray.get(h.node.remote())["node_id"] for name, h in {**deployment.drafts, **deployment.targets}.items()
+        }
+        assert nodes == {"draft-0": draft_node, "target-0": target_node, "target-1": target_node}
+        for method in ("draft", "ngram"):
+            results = ray.get(generate_all(deployment, method=method), timeout=300)
+            assert [r["token_ids"] for r in results] == expected
+        assert {r["scheduling"]["target_worker"] for r in results} == {"target-0", "target-1"}
+    finally:
+        deployment.shutdown()
+
+
+def test_killed_workers_mid_request_change_nothing(cluster, config, expected):
+    deployment = deploy(config)
+    try:
+        refs = generate_all(deployment)
+        time.sleep(0.5)
+        ray.kill(deployment.drafts["draft-0"], no_restart=True)  # requests fall back to target-only decoding
+        time.sleep(0.5)
+        ray.kill(deployment.targets["target-1"], no_restart=True)  # requests re-prefill on target-0
+        results = ray.get(refs, timeout=300)
+        later = ray.get(generate_all(deployment), timeout=300)  # new requests avoid the dead workers
+        status = ray.get(deployment.scheduler.status.remote())
+    finally:
+        deployment.shutdown()
+    assert [r["token_ids"] for r in results] == expected
+    assert [r["token_ids"] for r in later] == expected
+    assert set(status["unhealthy"]) == {"draft-0", "target-1"}
+    assert {r["scheduling"]["target_worker"] for r in later} == {"target-0"}
+
+
+def test_cli_distributed_json_contract(cluster, tiny_target, tiny_draft, capsys):
+    from specserve.cluster.cli import main
+
+    code = main(["generate", PROMPTS[0], "--local", "--distributed", "--target", tiny_target, "--draft", tiny_draft,
+                 "--max-new-tokens", "12", "--json", "--device", "cpu"])  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+    engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
+    reference = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12), SpecParams(method="none"))
+    assert out["token_ids"] == reference.token_ids
