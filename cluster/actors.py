@@ -24,7 +24,25 @@ def _host() -> str:
         return socket.gethostbyname("localhost")
 
 
-class DraftWorkerActor:
+class _WorkerActor:
+    """Hosts `self.worker` behind the gRPC servicer made by `_servicer()`."""
+
+    def _servicer(self):
+        raise NotImplementedError
+
+    async def start(self) -> str:
+        """Start the gRPC server on this node (inside the actor's event loop); returns its address."""
+        from specserve.workers.grpc_service import create_server
+
+        self.servicer = self._servicer()
+        self.server, port = await create_server(self.servicer, "0.0.0.0:0")
+        return f"{_host()}:{port}"
+
+    async def node(self) -> dict:
+        return _node()
+
+
+class DraftWorkerActor(_WorkerActor):
     """A draft model behind a DraftWorker gRPC server."""
 
     def __init__(self, pool: PoolConfig, target_vocab_size: int):
@@ -36,21 +54,14 @@ class DraftWorkerActor:
         loaded = load_model(pool.model)
         runner = ModelRunner(loaded, pool.kv_cache, vocab_size=target_vocab_size)
         self.worker = DraftWorker(ModelDrafter(runner), target_vocab_size, pool.model.path, runner.store)
-        self.server = None
 
-    async def start(self) -> str:
-        """Start the gRPC server on this node; returns its address."""
-        from specserve.workers.grpc_service import DraftWorkerServicer, create_server
+    def _servicer(self):
+        from specserve.workers.grpc_service import DraftWorkerServicer
 
-        self.servicer = DraftWorkerServicer(self.worker)
-        self.server, port = await create_server(self.servicer, "0.0.0.0:0")
-        return f"{_host()}:{port}"
-
-    async def node(self) -> dict:
-        return _node()
+        return DraftWorkerServicer(self.worker)
 
 
-class TargetWorkerActor:
+class TargetWorkerActor(_WorkerActor):
     """A target model behind a TargetWorker gRPC server."""
 
     def __init__(self, pool: PoolConfig):
@@ -61,17 +72,11 @@ class TargetWorkerActor:
 
         loaded = load_model(pool.model)
         self.worker = TargetWorker(TargetVerifier(ModelRunner(loaded, pool.kv_cache)), pool.model.path)
-        self.server = None
 
-    async def start(self) -> str:
-        from specserve.workers.grpc_service import TargetWorkerServicer, create_server
+    def _servicer(self):
+        from specserve.workers.grpc_service import TargetWorkerServicer
 
-        self.servicer = TargetWorkerServicer(self.worker)
-        self.server, port = await create_server(self.servicer, "0.0.0.0:0")
-        return f"{_host()}:{port}"
-
-    async def node(self) -> dict:
-        return _node()
+        return TargetWorkerServicer(self.worker)
 
 
 class SchedulerActor:

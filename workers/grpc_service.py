@@ -43,7 +43,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 
 class _Servicer:
-    def __init__(self):
+    def __init__(self, worker: DraftWorker | TargetWorker):
+        self.worker = worker
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=type(self).__name__)
 
     async def _run(self, context: grpc.aio.ServicerContext, fn, *args):
@@ -63,6 +64,12 @@ class _Servicer:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    async def Release(self, request, context):
+        return pb.ReleaseResponse(released=await self._run(context, self.worker.release, request.request_id))
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(**self.worker.health())
+
 
 def _check_request_id(request_id: str) -> None:
     if not request_id:
@@ -70,10 +77,6 @@ def _check_request_id(request_id: str) -> None:
 
 
 class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
-    def __init__(self, worker: DraftWorker):
-        super().__init__()
-        self.worker = worker
-
     def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
         _check_request_id(request.request_id)
         if not 1 <= request.k <= MAX_K:
@@ -92,18 +95,8 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
     async def Propose(self, request, context):
         return await self._run(context, self._propose, request)
 
-    async def Release(self, request, context):
-        return pb.ReleaseResponse(released=await self._run(context, self.worker.release, request.request_id))
-
-    async def Health(self, request, context):
-        return pb.HealthResponse(**self.worker.health())
-
 
 class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
-    def __init__(self, worker: TargetWorker):
-        super().__init__()
-        self.worker = worker
-
     def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         _check_request_id(request.request_id)
         weights = decode_probs(request.draft_probs, self.worker.vocab_size)
@@ -127,12 +120,6 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
     async def Prefill(self, request, context):
         cached = await self._run(context, self.worker.prefill, request.request_id, list(request.tokens))
         return pb.PrefillResponse(cached_len=cached)
-
-    async def Release(self, request, context):
-        return pb.ReleaseResponse(released=await self._run(context, self.worker.release, request.request_id))
-
-    async def Health(self, request, context):
-        return pb.HealthResponse(**self.worker.health())
 
 
 async def create_server(servicer: _Servicer, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
