@@ -89,3 +89,26 @@ def test_verify_status_codes_and_health(models):
     assert ok.accepted == 0 and ok.bonus  # nothing drafted: the next token is the bonus token
     assert health.healthy and health.requests == 1 and health.kv_used_tokens == 2
     assert released.released and after.requests == 0 and after.kv_used_tokens == 0
+
+
+def test_prefill_then_verify_sends_no_tokens_again(models):
+    """Prefill caches a committed sequence; the next Verify names its length and sends no tokens, and the result
+    equals a Verify that sends the whole sequence to a fresh worker."""
+
+    async def main():
+        async with LocalWorkers(models[0], [models[1]]) as w:
+            async with grpc.aio.insecure_channel(w.target_addresses["target-0"]) as channel:
+                stub = pb_grpc.TargetWorkerStub(channel)
+                prefill = await stub.Prefill(pb.PrefillRequest(request_id="p", tokens=[5, 6, 7, 8]), timeout=10)
+                warm = await stub.Verify(
+                    pb.VerifyRequest(request_id="p", committed_len=4, new_tokens=[], drafted=[9, 10]), timeout=10
+                )
+                cold = await stub.Verify(
+                    pb.VerifyRequest(request_id="q", committed_len=4, new_tokens=[5, 6, 7, 8], drafted=[9, 10]),
+                    timeout=10,
+                )
+                return prefill, warm, cold
+
+    prefill, warm, cold = asyncio.run(main())
+    assert prefill.cached_len == 3  # all but the last token, which the first Verify feeds
+    assert (warm.accepted, warm.next_token) == (cold.accepted, cold.next_token)
