@@ -31,12 +31,15 @@ class _WorkerActor:
         raise NotImplementedError
 
     async def start(self) -> str:
-        """Start the gRPC server on this node (inside the actor's event loop); returns its address."""
+        """Start the gRPC server on this node (inside the actor's event loop) unless it runs; returns its address.
+        Called again after Ray restarts the actor, which comes back with a fresh process and a new port."""
         from specserve.workers.grpc_service import create_server
 
-        self.servicer = self._servicer()
-        self.server, port = await create_server(self.servicer, "0.0.0.0:0")
-        return f"{_host()}:{port}"
+        if getattr(self, "address", None) is None:
+            self.servicer = self._servicer()
+            self.server, port = await create_server(self.servicer, "0.0.0.0:0")
+            self.address = f"{_host()}:{port}"
+        return self.address
 
     async def node(self) -> dict:
         return _node()
@@ -82,12 +85,20 @@ class TargetWorkerActor(_WorkerActor):
 class SchedulerActor:
     """The scheduler: validates requests, tokenizes, and runs them through the pipelined driver."""
 
-    def __init__(self, config: DistributedConfig, draft_addresses: dict[str, str], target_addresses: dict[str, str]):
+    def __init__(
+        self,
+        config: DistributedConfig,
+        draft_addresses: dict[str, str],
+        target_addresses: dict[str, str],
+        workers: dict | None = None,
+    ):
+        """workers: name -> actor handle, to reach a worker again after Ray restarts it."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
         self.draft_addresses = draft_addresses
         self.target_addresses = target_addresses
+        self.workers = workers or {}
         self.tokenizer = AutoTokenizer.from_pretrained(config.target.model.path, local_files_only=True)
         self.eos = frozenset({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         model_config = AutoConfig.from_pretrained(config.target.model.path, local_files_only=True)
@@ -105,8 +116,26 @@ class SchedulerActor:
             drafts = {n: DraftClient(a, timeout) for n, a in self.draft_addresses.items()}
             targets = {n: TargetClient(a, timeout) for n, a in self.target_addresses.items()}
             scheduler = Scheduler(list(drafts), list(targets), cost_ratio=self.config.cost_ratio)
-            self.pipeline = Pipeline(scheduler, drafts, targets, predraft=self.config.predraft)
+            self.pipeline = Pipeline(
+                scheduler, drafts, targets, predraft=self.config.predraft, reconnect=self._reconnect
+            )
         return self.pipeline
+
+    async def _reconnect(self, worker: str) -> str | None:
+        """The address of the worker's restarted actor, or None when Ray will not restart it."""
+        import asyncio
+
+        handle = self.workers.get(worker)
+        if handle is None:
+            return None
+
+        async def restarted() -> str:
+            return await handle.start.remote()
+
+        try:
+            return await asyncio.wait_for(restarted(), self.config.restart_timeout_s)
+        except Exception:  # noqa: BLE001 - a dead actor, a failed restart or a timeout all mean "gone"
+            return None
 
     async def generate(self, prompt: str | list[int], sampling: dict, speculation: dict) -> dict:
         """One request; returns the CLI's JSON contract plus scheduling stats."""
@@ -138,6 +167,7 @@ class SchedulerActor:
         return {
             "unhealthy": sorted(pipeline.scheduler.unhealthy),
             "rounds": pipeline.times.rounds,
+            "restarts": pipeline.restarts,
             "orchestration_ms_mean": 1e3 * pipeline.times.orchestration_s / rounds,
             "orchestration_ms_p50": pipeline.times.p50_ms(),
             "wire_bytes_per_round": pipeline.wire_bytes() / rounds,

@@ -15,7 +15,7 @@ def actor_options(pool: PoolConfig) -> dict:
     """Ask for the pool's custom resource when the cluster has it (draft_gpu / target_gpu nodes), else a GPU when
     the model runs on CUDA, else plain CPUs: the same config runs on a laptop and on a KubeRay cluster."""
     available = ray.cluster_resources()
-    options: dict = {"num_cpus": pool.num_cpus}
+    options: dict = {"num_cpus": pool.num_cpus, "max_restarts": pool.max_restarts}
     if available.get(pool.resource, 0) > 0:
         options["resources"] = {pool.resource: 1}
     elif pool.model.device == "cuda" and available.get("GPU", 0) > 0:
@@ -64,5 +64,9 @@ def deploy(config: DistributedConfig, timeout_s: float = 300.0) -> Deployment:
         }
     target_addresses = _start(targets, timeout_s)
     draft_addresses = _start(drafts, timeout_s)
-    scheduler = ray.remote(SchedulerActor).options(num_cpus=0).remote(config, draft_addresses, target_addresses)
+    scheduler = (
+        ray.remote(SchedulerActor)
+        .options(num_cpus=0)
+        .remote(config, draft_addresses, target_addresses, {**drafts, **targets})
+    )
     return Deployment(scheduler, drafts, targets, draft_addresses, target_addresses)

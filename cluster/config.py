@@ -17,6 +17,7 @@ class PoolConfig(BaseModel):
     resource: str = Field(..., min_length=1, description="Ray custom resource each worker asks for (one unit).")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per worker.")
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache capacity per worker.")
+    max_restarts: int = Field(3, ge=-1, description="Times Ray restarts a dead worker (-1: always).")
 
 
 class DistributedConfig(BaseModel):
@@ -29,6 +30,7 @@ class DistributedConfig(BaseModel):
     predraft: bool = Field(True, description="Within-request pipelining: draft round r+1 while round r verifies.")
     cost_ratio: float = Field(0.1, gt=0, le=10, description="Assumed t_draft / t_target for k='auto'.")
     call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")
+    restart_timeout_s: float = Field(120.0, gt=0, description="How long to wait for a restarted worker.")
 
 
 def local_config(

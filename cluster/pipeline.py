@@ -17,7 +17,7 @@ import contextlib
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from specserve.cluster.scheduler import Call, PreDraft, SchedRequest, Scheduler
@@ -43,13 +43,35 @@ class Pipeline:
         drafts: dict[str, DraftClient],
         targets: dict[str, TargetClient],
         predraft: bool = True,
+        reconnect: Callable[[str], Awaitable[str | None]] | None = None,
     ):
+        """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none."""
         self.scheduler = scheduler
         self.drafts = drafts
         self.targets = targets
         self.predraft = predraft
+        self.reconnect = reconnect
+        self.restarts = 0
+        self._failure_locks: dict[str, asyncio.Lock] = {}
         self.ngram = NgramDrafter()  # prompt lookup needs no model: it runs here, next to the committed tokens
         self.times = RoundTimes()
+
+    async def _worker_failed(self, worker: str, failed_client) -> None:
+        """A call found `worker` down: connect to its restarted replacement (which holds no caches, so every request
+        re-sends its prefix there), or mark it unhealthy so its requests move elsewhere. Once per failure."""
+        lock = self._failure_locks.setdefault(worker, asyncio.Lock())
+        async with lock:
+            clients = self.drafts if worker in self.drafts else self.targets
+            if clients.get(worker) is not failed_client or worker in self.scheduler.unhealthy:
+                return  # another request already dealt with this failure
+            address = await self.reconnect(worker) if self.reconnect is not None else None
+            if address is None:
+                self.scheduler.mark_unhealthy(worker)
+                return
+            clients[worker] = type(failed_client)(address, failed_client.timeout_s)
+            await failed_client.close()
+            self.scheduler.forget_worker(worker)
+            self.restarts += 1
 
     async def _call(self, req: SchedRequest, call: Call, fn):
         try:
@@ -81,12 +103,14 @@ class Pipeline:
                 elif k:
                     w0 = time.perf_counter()
                     draft_call = sched.plan_draft(req, k)
+                    client = self.drafts[draft_call.worker]
                     try:
                         drafted, probs = await self._propose(req, draft_call)
-                    except WorkerUnavailable:
-                        sched.mark_unhealthy(draft_call.worker)  # this round: target-only; later: another drafter
+                    except WorkerUnavailable:  # this round: target-only; later: the restarted or another drafter
+                        await self._worker_failed(draft_call.worker, client)
                     waited += time.perf_counter() - w0
                 verify_call = sched.plan_verify(req, drafted, probs)
+                client = self.targets[verify_call.worker]
                 verify = asyncio.ensure_future(self._verify(req, verify_call))
                 pre_task = None
                 if self.predraft and drafted:
@@ -98,8 +122,8 @@ class Pipeline:
                     accepted, next_token = await verify
                 except WorkerUnavailable:
                     await _cancel(pre_task)
-                    sched.mark_unhealthy(verify_call.worker)
-                    continue  # the round is re-planned on another target worker: nothing was committed
+                    await self._worker_failed(verify_call.worker, client)
+                    continue  # the round is re-planned on the restarted or another target: nothing was committed
                 finally:
                     waited += time.perf_counter() - w0
                 committed = sched.apply_verify(req, drafted, accepted, next_token)

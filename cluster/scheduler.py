@@ -129,6 +129,11 @@ class Scheduler:
                 req.target_worker = replacement
             req.told.pop(worker, None)
 
+    def forget_worker(self, worker: str) -> None:
+        """The worker was replaced by a fresh process: it has been told nothing."""
+        for req in self.requests.values():
+            req.told.pop(worker, None)
+
     # -- planning ---------------------------------------------------------------------------------------------------
 
     def k_for(self, req: SchedRequest) -> int:

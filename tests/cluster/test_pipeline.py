@@ -34,11 +34,11 @@ def reference(models):
     return {p: engine.generate(p, params, spec).token_ids for p in PROMPTS}
 
 
-async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None):
+async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, reconnect=None):
     """Generate every (prompt, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers."""
     drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
     targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
-    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft)
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect)
     tokenizer = next(iter(w.targets.values())).verifier.runner.loaded.tokenizer
     eos = frozenset({tokenizer.eos_token_id})
     jobs = [pipeline.generate(tokenizer(p)["input_ids"], params, spec, eos) for p, params, spec in requests]
@@ -152,3 +152,30 @@ def test_dead_workers_requests_finish_elsewhere_with_identical_output(models, re
     assert [r.state.generated for r in results] == list(reference.values()) * 2
     assert unhealthy == {"draft-0", "target-1"}
     assert {r.target_worker for r in results} == {"target-0"}
+
+
+def test_restarted_workers_are_reconnected_with_identical_output(models, reference):
+    """Both workers die mid-generation and come back as fresh processes at new addresses (as Ray restarts actors):
+    the scheduler reconnects, re-sends every request's prefix, and nothing changes."""
+
+    async def main():
+        async with LocalWorkers(models[0], [models[1]]) as w, LocalWorkers(models[0], [models[1]]) as fresh:
+
+            async def reconnect(name):
+                return fresh.addresses[name]
+
+            async def kill(pipeline):
+                await asyncio.sleep(0.05)
+                await w.stop("target-0")
+                await w.stop("draft-0")
+
+            results, pipeline = await run_pipeline(
+                w, [(p, *greedy()) for p in PROMPTS], during=kill, reconnect=reconnect
+            )
+            served = {name: len(worker.committed) for name, worker in {**fresh.drafts, **fresh.targets}.items()}
+            return results, pipeline, served
+
+    results, pipeline, served = asyncio.run(main())
+    assert [r.state.generated for r in results] == list(reference.values())
+    assert pipeline.restarts == 2 and not pipeline.scheduler.unhealthy
+    assert served == {"draft-0": 0, "target-0": 0}  # the replacements served the rest, then released everything

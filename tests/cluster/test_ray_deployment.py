@@ -89,6 +89,21 @@ def test_killed_workers_mid_request_change_nothing(cluster, config, expected):
     assert {r["scheduling"]["target_worker"] for r in later} == {"target-0"}
 
 
+def test_killed_actor_is_restarted_by_ray_and_its_requests_continue(cluster, config, expected):
+    single = config.model_copy(update={"target": config.target.model_copy(update={"replicas": 1})})
+    deployment = deploy(single)
+    try:
+        refs = generate_all(deployment)
+        time.sleep(0.5)
+        ray.kill(deployment.targets["target-0"], no_restart=False)  # Ray restarts it: a fresh process, new port
+        results = ray.get(refs, timeout=300)
+        status = ray.get(deployment.scheduler.status.remote())
+    finally:
+        deployment.shutdown()
+    assert [r["token_ids"] for r in results] == expected
+    assert status["restarts"] >= 1 and status["unhealthy"] == []
+
+
 def test_cli_distributed_json_contract(cluster, tiny_target, tiny_draft, capsys):
     from specserve.cluster.cli import main
 
