@@ -69,7 +69,8 @@ class Pipeline:
                 self.scheduler.mark_unhealthy(worker)
                 return
             clients[worker] = type(failed_client)(address, failed_client.timeout_s)
-            await failed_client.close()
+            # The old channel is left open: other requests' in-flight calls on it fail as UNAVAILABLE and are
+            # retried; closing it would cancel them instead.
             self.scheduler.forget_worker(worker)
             self.restarts += 1
 
