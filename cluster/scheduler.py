@@ -14,9 +14,8 @@ import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
-import msgpack
-
 from specserve.workers.adaptive_k import AdaptiveK
+from specserve.workers.codec import slice_rows
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.kv_cache import common_prefix_length
 from specserve.workers.request import RequestState
@@ -59,14 +58,6 @@ class SchedRequest:
     @property
     def request_id(self) -> str:
         return self.state.request_id
-
-
-def drop_first_row(draft_probs: bytes) -> bytes:
-    """Encoded draft weights without their first row (see workers/codec.py)."""
-    if not draft_probs:
-        return b""
-    rows = msgpack.unpackb(draft_probs, raw=False)
-    return msgpack.packb(rows[1:], use_bin_type=True) if len(rows) > 1 else b""
 
 
 class Scheduler:
@@ -185,10 +176,7 @@ class Scheduler:
             return None
         budget = self.k_for(req)
         drafted = pre.drafted[1 : 1 + budget]
-        probs = drop_first_row(pre.draft_probs)
-        if probs and len(drafted) < len(pre.drafted) - 1:
-            rows = msgpack.unpackb(probs, raw=False)[: len(drafted)]
-            probs = msgpack.packb(rows, use_bin_type=True)
+        probs = slice_rows(pre.draft_probs, 1, 1 + len(drafted))
         return (drafted, probs) if drafted else None
 
     def finish(self, req: SchedRequest) -> list[str]:

@@ -59,3 +59,11 @@ def decode_probs(data: bytes, vocab_size: int) -> torch.Tensor | None:
             raise ValueError(f"draft distribution index out of range for vocabulary of {vocab_size}")
         out[i, idx] = torch.from_numpy(np.frombuffer(prob_bytes, dtype="<f2").astype(np.float32))
     return out
+
+
+def slice_rows(data: bytes, start: int, stop: int) -> bytes:
+    """Encoded weights of rows start..stop-1, without decoding them (b"" stays b"": one-hot proposals)."""
+    if not data:
+        return b""
+    rows = msgpack.unpackb(data, raw=False)[start:stop]
+    return msgpack.packb(rows, use_bin_type=True) if rows else b""

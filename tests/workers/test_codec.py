@@ -2,7 +2,7 @@ import msgpack
 import pytest
 import torch
 
-from specserve.workers.codec import decode_probs, encode_probs, normalise, sparsify
+from specserve.workers.codec import decode_probs, encode_probs, normalise, slice_rows, sparsify
 
 
 def _dist(V, seed, temperature=1.0):
@@ -40,3 +40,10 @@ def test_out_of_range_index_is_rejected():
     bad = msgpack.packb([[torch.tensor([12], dtype=torch.int32).numpy().tobytes(), b"\x00\x3c"]])
     with pytest.raises(ValueError, match="out of range"):
         decode_probs(bad, 10)
+
+
+def test_slice_rows_matches_slicing_decoded_rows():
+    weights = torch.stack([sparsify(_dist(300, s)) for s in range(4)])
+    data = encode_probs(weights)
+    assert torch.equal(decode_probs(slice_rows(data, 1, 3), 300), weights[1:3])
+    assert slice_rows(data, 4, 6) == b"" and slice_rows(b"", 0, 2) == b""
