@@ -21,6 +21,9 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for PROMPT")
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--local", action="store_true", help="run on this machine (no server)")
+    p.add_argument("--address", default="127.0.0.1:9000", help="gRPC address of a running `specserve serve`")
+    p.add_argument("--stream", action="store_true", help="print tokens as each round commits them (server mode)")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline of the call, seconds (server mode)")
     p.add_argument(
         "--distributed",
         action="store_true",
@@ -30,7 +33,7 @@ def _add_generate(sub) -> None:
     draft = p.add_mutually_exclusive_group()
     draft.add_argument("--draft", help="local path of a draft model, or 'ngram' for prompt-lookup drafting")
     draft.add_argument("--no-spec", action="store_true", help="target-only decoding, no speculation")
-    p.add_argument("--k", type=_k_value, default=4, help="tokens drafted per round (1..16), or 'auto'")
+    p.add_argument("--k", type=_k_value, default=None, help="tokens drafted per round (1..16), or 'auto' (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -43,21 +46,98 @@ def _add_generate(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if not args.local:
+        return _generate_remote(args)
     from specserve.cluster.local import generate_distributed, generate_local
 
-    if not args.local:
-        raise SpecServeError("only --local generation is available in this version")
+    if args.k is None:
+        args.k = 4
     out = generate_distributed(args) if args.distributed else generate_local(args).to_dict()
-    if args.json:
+    _print_result(out, args.json)
+    return 0
+
+
+def _print_result(out: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(out))
-    else:
-        print(out["text"])
-        s = out["stats"]
-        print(
-            f"[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, rounds={s['rounds']}, "
-            f"acceptance={s['acceptance_rate']:.2f}, mean accepted length={s['mean_accepted_length']:.2f}]",
-            file=sys.stderr,
-        )
+        return
+    print(out["text"])
+    _print_stats(out)
+
+
+def _print_stats(out: dict) -> None:
+    s = out["stats"]
+    print(
+        f"[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, rounds={s['rounds']}, "
+        f"acceptance={s['acceptance_rate']:.2f}, mean accepted length={s['mean_accepted_length']:.2f}]",
+        file=sys.stderr,
+    )
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Call a running server's SpecServe gRPC service; same output contract as --local."""
+    import grpc
+
+    from specserve.cluster.client import SpecServeClient
+
+    if args.target or args.draft or args.distributed:
+        raise SpecServeError("--target, --draft and --distributed apply to --local; a server has its models")
+    kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+          "top_k": args.top_k, "seed": args.seed}  # fmt: skip
+    if args.no_spec:
+        kw["method"] = "none"
+    if args.k is not None:
+        kw["k"] = args.k
+    try:
+        with SpecServeClient(args.address, timeout_s=args.timeout) as client:
+            if not args.stream:
+                _print_result(client.generate(args.prompt, **kw), args.json)
+                return 0
+            out = {"text": "", "token_ids": [], "finish_reason": None, "stats": {}}
+            for chunk in client.generate_stream(args.prompt, **kw):
+                if args.json:
+                    print(json.dumps(chunk), flush=True)
+                else:
+                    print(chunk["text"], end="", flush=True)
+                out["text"] += chunk["text"]
+                out["token_ids"] += chunk["token_ids"]
+                out["finish_reason"], out["stats"] = chunk["finish_reason"], chunk["stats"]
+            if not args.json and out["stats"]:
+                print()
+                _print_stats(out)
+            return 0
+    except grpc.RpcError as e:
+        raise SpecServeError(f"{args.address}: {e.code().name}: {e.details()}") from None
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run the Serve app locally: gRPC + OpenAI-compatible HTTP (Ctrl-C stops it)")
+    p.add_argument("--config", help="a Serve config file (YAML) with specserve's app args (default: the demo family)")
+    p.add_argument("--grpc-port", type=int, default=None, help="gRPC proxy port (default: the config's, 9000)")
+    p.add_argument("--http-port", type=int, default=None, help="HTTP proxy port (default: the config's, 8000)")
+    p.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus metrics port")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.cluster.server import serve_forever
+
+    return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port)
+
+
+def _add_config(sub) -> None:
+    p = sub.add_parser("config", help="print the default Serve config file (YAML) to start from")
+    p.add_argument("--grpc-port", type=int, default=9000)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.set_defaults(func=_config)
+
+
+def _config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from specserve.cluster.app_config import serve_config
+
+    print(yaml.safe_dump(serve_config(grpc_port=args.grpc_port, http_port=args.http_port), sort_keys=False), end="")
     return 0
 
 
@@ -108,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Disaggregated speculative decoding on Ray Serve")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
+    _add_config(sub)
     _add_bench(sub)
     _add_models(sub)
     return parser

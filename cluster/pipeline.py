@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from specserve.cluster.scheduler import Call, PreDraft, SchedRequest, Scheduler
+from specserve.cluster.scheduler import Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.drafters import NgramDrafter
@@ -124,6 +124,11 @@ class Pipeline:
                 except WorkerUnavailable:
                     await _cancel(pre_task)
                     await self._worker_failed(verify_call.worker, client)
+                    if sched.stranded(req):
+                        raise NoTargetWorker(
+                            f"target worker {verify_call.worker} failed mid-request and no healthy target worker "
+                            f"is left; {len(req.state.generated)} tokens were generated before the failure"
+                        ) from None
                     continue  # the round is re-planned on the restarted or another target: nothing was committed
                 finally:
                     waited += time.perf_counter() - w0

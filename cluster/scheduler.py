@@ -60,10 +60,13 @@ class SchedRequest:
         return self.state.request_id
 
 
+class NoTargetWorker(RuntimeError):
+    """No healthy target worker is left to run a request on."""
+
+
 class Scheduler:
     def __init__(self, draft_workers: list[str], target_workers: list[str], cost_ratio: float = 0.1):
-        if not target_workers:
-            raise ValueError("the scheduler needs at least one target worker")
+        """Workers may also join later (`add_worker`): a Serve pool scales while the scheduler runs."""
         self.draft_workers = list(draft_workers)
         self.target_workers = list(target_workers)
         self.cost_ratio = cost_ratio
@@ -93,7 +96,7 @@ class Scheduler:
     ) -> SchedRequest:
         target = self._least_loaded(self.target_workers, "target_worker")
         if target is None:
-            raise RuntimeError("no healthy target worker")
+            raise NoTargetWorker("no healthy target worker")
         draft = self._least_loaded(self.draft_workers, "draft_worker") if spec.method == "draft" else None
         state = RequestState(
             request_id=request_id or uuid.uuid4().hex,
@@ -114,11 +117,30 @@ class Scheduler:
             if req.draft_worker == worker:
                 req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")  # None: target-only
             if req.target_worker == worker:
-                replacement = self._least_loaded(self.target_workers, "target_worker")
-                if replacement is None:
-                    raise RuntimeError(f"target worker {worker} failed and no healthy target worker is left")
-                req.target_worker = replacement
+                # No replacement: the request stays stranded on the failed worker and its driver fails it.
+                req.target_worker = self._least_loaded(self.target_workers, "target_worker") or worker
             req.told.pop(worker, None)
+
+    def add_worker(self, kind: str, worker: str) -> None:
+        """A new worker joined its pool (or a replaced one came back under the same name)."""
+        workers = self.draft_workers if kind == "draft" else self.target_workers
+        if worker not in workers:
+            workers.append(worker)
+        self.unhealthy.discard(worker)
+        self.forget_worker(worker)
+
+    def remove_worker(self, worker: str) -> None:
+        """The worker left its pool: its requests move to the others, as for a failure."""
+        if worker in self.draft_workers or worker in self.target_workers:
+            self.mark_unhealthy(worker)
+        for workers in (self.draft_workers, self.target_workers):
+            if worker in workers:
+                workers.remove(worker)
+        self.unhealthy.discard(worker)
+
+    def healthy(self, kind: str) -> list[str]:
+        workers = self.draft_workers if kind == "draft" else self.target_workers
+        return [w for w in workers if w not in self.unhealthy]
 
     def forget_worker(self, worker: str) -> None:
         """The worker was replaced by a fresh process: it has been told nothing."""
@@ -127,7 +149,13 @@ class Scheduler:
 
     # -- planning ---------------------------------------------------------------------------------------------------
 
+    def stranded(self, req: SchedRequest) -> bool:
+        """The request's target worker failed and no healthy one was left to take it."""
+        return req.target_worker in self.unhealthy
+
     def k_for(self, req: SchedRequest) -> int:
+        if req.spec.method == "draft" and req.draft_worker is None:  # re-attach once a draft worker is back
+            req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
         if req.spec.method == "none" or (req.spec.method == "draft" and req.draft_worker is None):
             return 0
         k = req.adaptive.k if req.adaptive else req.spec.k

@@ -38,7 +38,7 @@ class DemoSpec(BaseModel):
     max_positions: int = Field(2048, gt=0, description="Context length of both models.")
     seq_len: int = Field(256, gt=0, description="Training window length.")
     batch: int = Field(8, gt=0, description="Training windows per step.")
-    target_steps: int = Field(560, gt=0, description="Target training steps (cross-entropy on the corpus).")
+    target_steps: int = Field(480, gt=0, description="Target training steps (cross-entropy on the corpus).")
     draft_steps: int = Field(300, gt=0, description="Draft distillation steps (KL to the target's logits).")
     lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
     seed: int = Field(0, ge=0, description="Seed of every random choice.")

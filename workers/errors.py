@@ -10,7 +10,11 @@ class InvalidRequestError(SpecServeError, ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.message = message
         super().__init__(f"invalid {field}: {message}")
+
+    def __reduce__(self):  # picklable across Ray processes (Serve's proxy re-raises it)
+        return type(self), (self.field, self.message)
 
 
 class ModelLoadError(SpecServeError):
@@ -26,3 +30,7 @@ class RequestNotFoundError(SpecServeError, KeyError):
 
     def __str__(self) -> str:  # KeyError's repr-style message is unhelpful
         return str(self.args[0]) if self.args else "request not found"
+
+
+class UnavailableError(SpecServeError):
+    """No worker can serve the request right now (pools starting, or every worker of a pool failed): retry later."""

@@ -1,0 +1,163 @@
+"""The Serve application's one configuration: a Ray Serve config file whose application `args` are an `AppConfig`.
+
+The same YAML file is read by `specserve serve --config FILE`, by `serve run FILE` / `serve deploy FILE` (its
+`import_path` is `specserve.cluster.serve_app:build_app`, which validates `args` into an AppConfig) and is embedded as
+a RayService's `serveConfigV2`, so there is no second copy to drift.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specserve.workers.config import MAX_K, KVCacheConfig, validate
+from specserve.workers.errors import InvalidRequestError
+
+DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
+IMPORT_PATH = "specserve.cluster.serve_app:build_app"
+APP_NAME = "specserve"
+GRPC_SERVICER = "specserve.protos.specserve_pb2_grpc.add_SpecServeServicer_to_server"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve's autoscaling_config for one pool (the fields specserve sets; Serve validates the rest)."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas.")
+    max_replicas: int = Field(1, gt=0, description="Most replicas.")
+    target_ongoing_requests: float = Field(4.0, gt=0, description="Ongoing requests per replica Serve aims for.")
+    upscale_delay_s: float = Field(10.0, ge=0, description="Sustained demand before adding replicas.")
+    downscale_delay_s: float = Field(120.0, ge=0, description="Sustained idleness before removing replicas.")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class WorkerPoolConfig(_Strict):
+    """One pool of model workers (a Serve deployment)."""
+
+    replicas: int = Field(1, gt=0, le=1024, description="Fixed replica count (ignored when autoscaling is set).")
+    autoscaling: AutoscalingConfig | None = Field(None, description="Scale the pool with load instead.")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per replica (0 on CPU machines).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources per replica, e.g. {target_gpu: 1} on KubeRay."
+    )
+    tensor_parallel_size: int = Field(1, gt=0, le=1, description="Ranks per replica (tensor parallelism: issue 6).")
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache capacity per replica.")
+
+
+class ModelPairConfig(_Strict):
+    """One served model: a target and how it is drafted for."""
+
+    name: str = Field(DEMO, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="Served name.")
+    target: str = Field(DEMO, min_length=1, description="Target model directory, or 'demo' for the demo family.")
+    draft: str = Field(DEMO, min_length=1, description="Draft model directory, 'ngram', 'none', or 'demo'.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="Model dtype.")
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
+    k: int | Literal["auto"] = Field(4, description=f"Default tokens drafted per round (1..{MAX_K}) or 'auto'.")
+    cost_ratio: float = Field(0.1, gt=0, le=10, description="Assumed t_draft / t_target for k='auto'.")
+    predraft: bool = Field(True, description="Draft round r + 1 while round r verifies.")
+    target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
+    draft_pool: WorkerPoolConfig = Field(
+        default_factory=lambda: WorkerPoolConfig(num_cpus=0.5), description="Draft workers (unused for ngram/none)."
+    )
+
+    @model_validator(mode="after")
+    def _k(self):
+        if self.k != "auto" and not 1 <= self.k <= MAX_K:
+            raise ValueError(f"k must be 1..{MAX_K} or 'auto', got {self.k}")
+        return self
+
+    @property
+    def drafts_with_model(self) -> bool:
+        return self.draft not in ("ngram", "none")
+
+
+class LimitsConfig(_Strict):
+    """Per-request limits, enforced at the ingress before any model work."""
+
+    max_prompt_tokens: int = Field(8192, gt=0, description="Longest prompt accepted, in tokens.")
+    max_new_tokens: int = Field(4096, gt=0, description="Largest max_tokens accepted.")
+    default_max_new_tokens: int = Field(64, gt=0, description="max_tokens when a request does not say.")
+    max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest HTTP request body accepted.")
+
+
+class IngressConfig(_Strict):
+    replicas: int = Field(1, gt=0, le=64, description="Ingress (scheduler) replicas.")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
+    max_ongoing_requests: int = Field(256, gt=0, description="Concurrent requests per ingress replica.")
+    call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")
+    worker_wait_s: float = Field(600.0, gt=0, description="How long a request waits for the pools to come up.")
+
+
+class AppConfig(_Strict):
+    """Everything `build_app` needs: the served models, their pools, limits and the ingress."""
+
+    models: list[ModelPairConfig] = Field(default_factory=lambda: [ModelPairConfig()], min_length=1)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @model_validator(mode="after")
+    def _unique(self):
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        return self
+
+    def model(self, name: str) -> ModelPairConfig:
+        """The named model, the first one for an empty name."""
+        if not name:
+            return self.models[0]
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise InvalidRequestError("model", f"unknown model {name!r}; served: {', '.join(m.name for m in self.models)}")
+
+
+def serve_config(app: AppConfig | None = None, grpc_port: int = 9000, http_port: int = 8000) -> dict[str, Any]:
+    """A Ray Serve config file (ServeDeploySchema) running specserve with `app` as its args."""
+    app = app or AppConfig()
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "0.0.0.0", "port": http_port},
+        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        "applications": [
+            {
+                "name": APP_NAME,
+                "route_prefix": "/",
+                "import_path": IMPORT_PATH,
+                "args": app.model_dump(mode="json", exclude_defaults=True),
+            }
+        ],
+    }
+
+
+def load_serve_config(path: str | Path) -> dict[str, Any]:
+    """Read a Serve config file and validate specserve's application args in it (clear errors, not tracebacks)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise InvalidRequestError("config", f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("applications"), list):
+        raise InvalidRequestError("config", f"{path} is not a Ray Serve config file (no 'applications' list)")
+    apps = [a for a in data["applications"] if isinstance(a, dict) and a.get("import_path") == IMPORT_PATH]
+    if len(apps) != 1:
+        raise InvalidRequestError("config", f"{path} must have exactly one application with import_path {IMPORT_PATH}")
+    app_config(apps[0].get("args") or {})
+    return data
+
+
+def app_config(args: dict[str, Any] | AppConfig) -> AppConfig:
+    if isinstance(args, AppConfig):
+        return args
+    return validate(AppConfig, args)

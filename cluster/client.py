@@ -1,0 +1,112 @@
+"""Python client of the public SpecServe gRPC service (through Ray Serve's gRPC proxy).
+
+    with SpecServeClient("localhost:9000") as client:
+        out = client.generate("def fib(n):", max_new_tokens=32)          # dict: text, token_ids, finish_reason, stats
+        for chunk in client.generate_stream("def fib(n):"):               # one chunk per round
+            print(chunk["text"], end="")
+
+Every call has a deadline. Generate is idempotent (a request holds no server-side state once it fails), so UNAVAILABLE
+answers (a restarting ingress or proxy) are retried with backoff; streams are not retried once a chunk has arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from specserve.cluster.app_config import APP_NAME
+from specserve.protos import specserve_pb2 as pb
+from specserve.protos import specserve_pb2_grpc as pb_grpc
+from specserve.workers.grpc_service import GRPC_OPTIONS
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+
+
+class SpecServeClient:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 300.0,
+        retries: int = 3,
+        app_name: str = APP_NAME,
+        token: str | None = None,
+    ):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.metadata = [("application", app_name)]
+        if token:
+            self.metadata.append(("authorization", f"Bearer {token}"))
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.SpecServeStub(self.channel)
+
+    def __enter__(self) -> SpecServeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    @staticmethod
+    def request(
+        prompt: str | list[int],
+        max_new_tokens: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        method: str = "",
+        k: int | str | None = None,
+        model: str = "",
+    ) -> pb.GenerateRequest:
+        sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+        if seed is not None:
+            sampling.seed = seed
+        req = pb.GenerateRequest(model=model, sampling=sampling)
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids.extend(prompt)
+        if method or k is not None:
+            req.speculation.method = method
+            req.speculation.k = 0 if k in (None, "auto") else int(k)
+        return req
+
+    def generate(self, prompt: str | list[int], **kw) -> dict:
+        req = self.request(prompt, **kw)
+        delay = 0.5
+        for attempt in range(self.retries + 1):
+            try:
+                return _to_dict(self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata))
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE or attempt == self.retries:
+                    raise
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def generate_stream(self, prompt: str | list[int], **kw) -> Iterator[dict]:
+        req = self.request(prompt, **kw)
+        for chunk in self.stub.GenerateStream(req, timeout=self.timeout_s, metadata=self.metadata):
+            if chunk.token_ids or chunk.finish_reason:  # Serve may send an empty first message
+                yield _to_dict(chunk)
+
+
+def _to_dict(msg: pb.GenerateResponse) -> dict:
+    s = msg.stats
+    return {
+        "text": msg.text,
+        "token_ids": list(msg.token_ids),
+        "finish_reason": msg.finish_reason or None,
+        "stats": {
+            "rounds": s.rounds,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+        },
+    }

@@ -1,0 +1,59 @@
+"""The public SpecServe gRPC messages <-> the service's plain request and chunk values, and errors -> status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from specserve.protos import specserve_pb2 as pb
+from specserve.workers.errors import InvalidRequestError, KVCapacityError, UnavailableError
+
+
+def request_fields(request: pb.GenerateRequest) -> tuple[str, str | list[int], dict, dict]:
+    """(model, prompt, sampling, speculation) as the service's `prepare` takes them. Zero/empty fields mean "unset"
+    as the proto documents."""
+    has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
+    if has_text == has_ids:
+        raise InvalidRequestError("prompt", "set exactly one of prompt and prompt_token_ids")
+    prompt = request.prompt if has_text else list(request.prompt_token_ids)
+    s = request.sampling
+    sampling: dict = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p or 1.0}
+    if s.max_new_tokens:
+        sampling["max_new_tokens"] = s.max_new_tokens
+    if s.HasField("seed"):
+        sampling["seed"] = s.seed
+    speculation: dict = {}
+    if request.HasField("speculation"):
+        if request.speculation.method:
+            speculation["method"] = request.speculation.method
+        speculation["k"] = request.speculation.k or "auto"
+    return request.model, prompt, sampling, speculation
+
+
+def stats_proto(stats: dict) -> pb.RequestStats:
+    return pb.RequestStats(**stats)
+
+
+def response(text: str, token_ids: list[int], finish_reason: str | None, stats: dict) -> pb.GenerateResponse:
+    return pb.GenerateResponse(text=text, token_ids=token_ids, finish_reason=finish_reason or "",
+                               stats=stats_proto(stats))  # fmt: skip
+
+
+def status_for(error: BaseException) -> grpc.StatusCode:
+    if isinstance(error, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, UnavailableError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, KVCapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc.StatusCode.INTERNAL
+
+
+def http_status_for(error: BaseException) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type)."""
+    if isinstance(error, InvalidRequestError):
+        return 400, "invalid_request_error"
+    if isinstance(error, UnavailableError):
+        return 503, "service_unavailable"
+    if isinstance(error, KVCapacityError):
+        return 429, "rate_limit_exceeded"
+    return 500, "internal_error"

@@ -1,0 +1,304 @@
+"""The Ray Serve application: a draft pool and a target pool deployment per served model, and an ingress deployment
+that runs the scheduler and answers the public SpecServe gRPC service (through Serve's gRPC proxy) and the
+OpenAI-compatible HTTP API (FastAPI).
+
+`build_app(args)` is the import path of the Serve config file (`serve run`, `serve deploy`, RayService
+serveConfigV2); `specserve serve` calls it too. Pool replicas host a worker's own gRPC server (the scheduler calls it
+directly, per request, with the KV state protocol) and register its address in the app's registry actor.
+"""
+
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from specserve.cluster import openai_api as oai
+from specserve.cluster.app_config import APP_NAME, DEMO, AppConfig, ModelPairConfig, app_config
+from specserve.cluster.public_proto import http_status_for, request_fields, response, status_for
+from specserve.cluster.registry import registry_actor
+from specserve.workers.errors import InvalidRequestError, SpecServeError
+
+HEARTBEAT_S = 5.0
+POLL_S = 1.0
+
+
+def resolve_paths(model: ModelPairConfig) -> tuple[str, str | None]:
+    """(target directory, draft directory or None); 'demo' means the demo family, built here if missing."""
+    family = None
+    if DEMO in (model.target, model.draft):
+        from specserve.workers.demo import ensure_demo_family
+
+        family = ensure_demo_family()
+    target = family.target if model.target == DEMO else model.target
+    if not model.drafts_with_model:
+        return target, None
+    return target, family.draft if model.draft == DEMO else model.draft
+
+
+def _app_name() -> str:
+    try:
+        return serve.get_replica_context().app_name or APP_NAME
+    except Exception:  # noqa: BLE001 - outside a replica
+        return APP_NAME
+
+
+class PoolWorker:
+    """One replica of a draft or target pool: loads the model, serves it over its own gRPC server and keeps its
+    address registered (a heartbeat, so a restarted registry relearns it)."""
+
+    async def __init__(self, model: dict, kind: str):
+        import ray
+
+        from specserve.cluster.actors import DraftWorkerActor, TargetWorkerActor, _host
+        from specserve.cluster.config import PoolConfig
+        from specserve.cluster.metrics import WorkerMetrics
+        from specserve.workers.config import ModelConfig
+
+        cfg = ModelPairConfig.model_validate(model)
+        target_path, draft_path = resolve_paths(cfg)
+        pool_cfg = cfg.target_pool if kind == "target" else cfg.draft_pool
+        path = target_path if kind == "target" else draft_path
+        pool = PoolConfig(model=ModelConfig(path=path, dtype=cfg.dtype, device=cfg.device), resource=f"{kind}_gpu",
+                          kv_cache=pool_cfg.kv_cache)  # fmt: skip
+        if kind == "target":
+            self.body = TargetWorkerActor(pool)
+            self.store = self.body.worker.verifier.runner.store
+        else:
+            from transformers import AutoConfig
+
+            vocab = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config().vocab_size
+            self.body = DraftWorkerActor(pool, vocab)
+            self.store = self.body.worker.store
+        self.address = await self.body.start()
+        self.model, self.kind = cfg.name, kind
+        ctx = serve.get_replica_context()
+        self.worker_id = f"{kind}-{cfg.name}-{ctx.replica_id.unique_id}"
+        self.node = ray.get_runtime_context().get_node_id()
+        self.host = _host()
+        self.registry = registry_actor(_app_name())
+        self.metrics = WorkerMetrics()
+        await self._register()
+        self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def _register(self) -> None:
+        await self.registry.register.remote(self.model, self.kind, self.worker_id, self.address)
+        if self.store is not None:
+            self.metrics.report(self.model, self.kind, self.worker_id, self.store)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            with contextlib.suppress(Exception):  # the registry restarting: the next beat registers again
+                await self._register()
+
+    async def info(self) -> dict:
+        return {"worker_id": self.worker_id, "address": self.address, "node_id": self.node, "kind": self.kind}
+
+    async def check_health(self) -> None:
+        if self._beat.done():
+            raise RuntimeError("the worker's heartbeat stopped")
+
+    async def __del__(self):
+        with contextlib.suppress(Exception):
+            self._beat.cancel()
+            await self.registry.unregister.remote(self.worker_id)
+            await self.body.server.stop(grace=2.0)
+
+
+http_app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding", docs_url=None)
+
+
+class SpecServeIngress:
+    """The scheduler and both public APIs. Pool handles are passed in only so Serve deploys the pools with the app;
+    requests go to the workers over their own gRPC servers."""
+
+    def __init__(self, app_args: dict, *pools: Any):
+        from specserve.cluster.metrics import ServiceMetrics
+        from specserve.cluster.service import SpecService
+
+        self.config: AppConfig = app_config(app_args)
+        paths = {m.name: resolve_paths(m) for m in self.config.models}
+        self.service = SpecService(self.config, paths, metrics=ServiceMetrics())
+        self.created = int(time.time())
+        self._poller: asyncio.Task | None = None
+        self._version = -1
+
+    # -- worker membership ---------------------------------------------------------------------------------------
+
+    async def _ensure_polling(self) -> None:
+        if self._poller is None or self._poller.done():
+            self.registry = registry_actor(_app_name())
+            await self._poll_once()
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll_once(self) -> None:
+        version, rows = await self.registry.members.remote()
+        if version != self._version:
+            self.service.sync_workers(rows)
+            self._version = version
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S)
+            with contextlib.suppress(Exception):
+                await self._poll_once()
+
+    async def check_health(self) -> None:
+        await self._ensure_polling()
+
+    async def status(self) -> dict:
+        await self._ensure_polling()
+        return self.service.status()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await self._ensure_polling()
+        for m in self.config.models:
+            await self.service.wait_ready(m.name, timeout_s)
+
+    # -- gRPC: the public SpecServe service ------------------------------------------------------------------------
+
+    async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method name
+        try:
+            await self._ensure_polling()
+            prepared = self.service.prepare(*request_fields(request))
+            out = await self.service.generate(prepared)
+            return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"])
+        except Exception as e:
+            _set_grpc_error(grpc_context, e)
+            raise
+
+    async def GenerateStream(self, request, grpc_context):  # noqa: N802 - gRPC method name
+        try:
+            await self._ensure_polling()
+            prepared = self.service.prepare(*request_fields(request))
+            async for chunk in self.service.run(prepared):
+                yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats)
+        except Exception as e:
+            _set_grpc_error(grpc_context, e)
+            raise
+
+    # -- HTTP: OpenAI-compatible -----------------------------------------------------------------------------------
+
+    @http_app.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        return JSONResponse(oai.models_list([m.name for m in self.config.models], self.created))
+
+    @http_app.get("/health")
+    async def health(self) -> JSONResponse:
+        await self._ensure_polling()
+        return JSONResponse(self.service.status())
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._openai(request, chat=False)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._openai(request, chat=True)
+
+    async def _openai(self, request: Request, chat: bool):
+        try:
+            await self._ensure_polling()
+            body = await _json_body(request, self.config.limits.max_request_bytes)
+            if chat:
+                model = self.config.model(body.get("model", "") if isinstance(body, dict) else "").name
+                parsed = oai.parse_chat(body, self.service.models[model].tokenizer)
+            else:
+                parsed = oai.parse_completion(body)
+            prepared = self.service.prepare(parsed.model, parsed.prompt, parsed.sampling, parsed.speculation)
+            rid = oai.new_id("chatcmpl" if chat else "cmpl")
+            if not parsed.stream:
+                out = await self.service.generate(prepared)
+                return JSONResponse(oai.completion_response(rid, prepared.model, out, chat))
+            await self.service.wait_ready(prepared.model)
+            return StreamingResponse(self._sse(rid, prepared, parsed.include_usage, chat),
+                                     media_type="text/event-stream")  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
+            return _http_error(e)
+
+    async def _sse(self, rid: str, prepared, include_usage: bool, chat: bool) -> AsyncIterator[str]:
+        generated, stats = 0, {}
+        try:
+            async for chunk in self.service.run(prepared):
+                generated += len(chunk.token_ids)
+                stats = chunk.stats
+                if chunk.text or chunk.finish_reason:
+                    yield oai.stream_chunk(rid, prepared.model, chunk.text, chunk.finish_reason, chat, chunk.first)
+            if include_usage:
+                yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, stats, chat)
+            yield oai.sse("[DONE]")
+        except Exception as e:  # noqa: BLE001 - headers are sent: report the error as an event
+            status, kind = http_status_for(e)
+            yield oai.sse(oai.error_body(str(e), kind, getattr(e, "field", None)))
+
+
+# Applied at import time in every process: Serve pickles the ingress class by reference to this module, and the
+# FastAPI routes must be rebound to the class in the replica's copy of `http_app` too.
+IngressDeployment = serve.ingress(http_app)(SpecServeIngress)
+
+
+def _set_grpc_error(grpc_context, error: BaseException) -> None:
+    if grpc_context is not None:
+        grpc_context.set_code(status_for(error))
+        grpc_context.set_details(str(error) if isinstance(error, SpecServeError) else f"internal error: {error!r}")
+
+
+async def _json_body(request: Request, max_bytes: int) -> Any:
+    import json
+
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise InvalidRequestError("body", f"{len(raw)} bytes exceed the limit of {max_bytes}")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InvalidRequestError("body", "is not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError("body", f"is not valid JSON: {e.msg} at position {e.pos}") from None
+
+
+def _http_error(error: BaseException) -> JSONResponse:
+    status, kind = http_status_for(error)
+    message = str(error) if isinstance(error, SpecServeError) else f"internal error: {error!r}"
+    code = "model_not_found" if getattr(error, "field", None) == "model" else None
+    return JSONResponse(oai.error_body(message, kind, getattr(error, "field", None), code), status_code=status)
+
+
+def _pool_options(name: str, pool) -> dict:
+    actor: dict = {"num_cpus": pool.num_cpus}
+    if pool.num_gpus:
+        actor["num_gpus"] = pool.num_gpus
+    if pool.resources:
+        actor["resources"] = dict(pool.resources)
+    options: dict = {"name": name, "ray_actor_options": actor, "max_ongoing_requests": 16}
+    if pool.autoscaling is not None:
+        options["autoscaling_config"] = pool.autoscaling.model_dump()
+    else:
+        options["num_replicas"] = pool.replicas
+    return options
+
+
+def build_app(args: dict | AppConfig | None = None):
+    """The Serve application for `args` (an AppConfig or its dict; the Serve config file's `args`)."""
+    app = app_config(args or {})
+    pools = []
+    for m in app.models:
+        model = m.model_dump(mode="json")
+        pools.append(serve.deployment(PoolWorker).options(**_pool_options(f"target-{m.name}", m.target_pool))
+                     .bind(model, "target"))  # fmt: skip
+        if m.drafts_with_model:
+            pools.append(serve.deployment(PoolWorker).options(**_pool_options(f"draft-{m.name}", m.draft_pool))
+                         .bind(model, "draft"))  # fmt: skip
+    ingress = serve.deployment(IngressDeployment).options(
+        name="ingress",
+        num_replicas=app.ingress.replicas,
+        max_ongoing_requests=app.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": app.ingress.num_cpus},
+    )
+    return ingress.bind(app.model_dump(mode="json"), *pools)

@@ -1,0 +1,97 @@
+"""`specserve serve`: a local Ray + Serve running the application from a Serve config file (or the embedded default:
+the demo family on CPU), until SIGINT/SIGTERM, then a clean shutdown of Serve and of the Ray it started."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Any
+
+from specserve.cluster.app_config import APP_NAME, DEMO, app_config, load_serve_config, serve_config
+
+
+def _log(msg: str) -> None:
+    print(f"[specserve] {msg}", file=sys.stderr, flush=True)
+
+
+def prepare_config(config_path: str | None, grpc_port: int | None, http_port: int | None) -> dict[str, Any]:
+    """The Serve config to run: the file's, or the default, with port overrides applied."""
+    config = load_serve_config(config_path) if config_path else serve_config()
+    if grpc_port is not None:
+        config.setdefault("grpc_options", {})["port"] = grpc_port
+    if http_port is not None:
+        config.setdefault("http_options", {})["port"] = http_port
+    return config
+
+
+def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout_s: float = 1800.0) -> dict:
+    """Start Ray (unless connected), Serve and the app; returns once every pool serves. Returns the addresses."""
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from specserve.cluster.serve_app import build_app
+
+    app_entry = next(a for a in config["applications"] if a.get("import_path", "").startswith("specserve."))
+    app = app_config(app_entry.get("args") or {})
+    if any(DEMO in (m.target, m.draft) for m in app.models):
+        from specserve.workers.demo import ensure_demo_family
+
+        ensure_demo_family()  # with progress, before any replica looks for it
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        init: dict = {"include_dashboard": False, "configure_logging": False, "log_to_driver": False}
+        if metrics_port is not None:
+            init["_metrics_export_port"] = metrics_port
+        ray.init(**init)
+    http = config.get("http_options") or {}
+    grpc_opts = config.get("grpc_options") or {}
+    serve.start(
+        http_options=HTTPOptions(host=http.get("host", "127.0.0.1"), port=http.get("port", 8000)),
+        grpc_options=gRPCOptions(**grpc_opts),
+    )
+    name = app_entry.get("name", APP_NAME)
+    _log(f"starting application {name!r}: {len(app.models)} model(s) ...")
+    handle = serve.run(build_app(app), name=name, route_prefix=app_entry.get("route_prefix", "/"))
+    handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
+    host = "127.0.0.1" if http.get("host", "127.0.0.1") in ("0.0.0.0", "127.0.0.1") else http["host"]
+    return {
+        "app": name,
+        "grpc": f"{host}:{grpc_opts.get('port', 9000)}",
+        "http": f"http://{host}:{http.get('port', 8000)}",
+        "metrics": f"http://{host}:{metrics_port}/metrics" if metrics_port else None,
+        "started_ray": started_ray,
+    }
+
+
+def stop(info: dict) -> None:
+    import ray
+    from ray import serve
+
+    from specserve.cluster.registry import kill_registry
+
+    serve.shutdown()
+    kill_registry(info["app"])
+    if info.get("started_ray"):
+        ray.shutdown()
+
+
+def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int | None,
+                  metrics_port: int | None) -> int:  # fmt: skip
+    stop_event = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop_event.set())
+    info = start(prepare_config(config_path, grpc_port, http_port), metrics_port)
+    try:
+        print(f"specserve is serving: gRPC {info['grpc']} (specserve.v1.SpecServe, reflection on), "
+              f"HTTP {info['http']}/v1 (OpenAI-compatible)"
+              + (f", metrics {info['metrics']}" if info["metrics"] else ""), flush=True)  # fmt: skip
+        _log("Ctrl-C (SIGINT) or SIGTERM stops it")
+        while not stop_event.wait(0.5):
+            pass
+        _log("shutting down ...")
+    finally:
+        stop(info)
+    _log("stopped")
+    return 0

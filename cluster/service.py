@@ -1,0 +1,274 @@
+"""The public service behind both ingresses (Serve gRPC and OpenAI HTTP): validates a request against the app's
+limits, runs it through the model's scheduler and pipelined driver, and streams what each round commits.
+
+Framework-free: `cluster/serve_app.py` wraps it in a Serve deployment, tests drive it directly. Workers join and leave
+through `sync_workers` (fed from the registry), so pools can scale while requests run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.cluster.app_config import AppConfig, ModelPairConfig
+from specserve.cluster.pipeline import Pipeline
+from specserve.cluster.scheduler import NoTargetWorker, Scheduler
+from specserve.cluster.worker_clients import DraftClient, TargetClient
+from specserve.workers.config import SamplingParams, SpecParams, validate
+from specserve.workers.engine import check_request, encode_prompt
+from specserve.workers.errors import InvalidRequestError, UnavailableError
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to run."""
+
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecParams
+
+
+@dataclass
+class Chunk:
+    """What one round committed. text: the new text (incrementally detokenized, so chunks concatenate to the full
+    completion); stats: cumulative RequestStats so far."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: dict
+    prompt_tokens: int
+    first: bool = False
+
+
+class IncrementalText:
+    """Turns a growing token list into text deltas whose concatenation equals decoding all tokens at once: a delta
+    is held back while the text ends in an incomplete UTF-8 sequence (decoded as U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.emitted = ""
+
+    def delta(self, tokens: list[int], final: bool) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if not final and (text.endswith("\ufffd") or not text.startswith(self.emitted)):
+            return ""
+        out = text[len(self.emitted) :] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return out
+
+
+@dataclass
+class ModelServing:
+    """One served model: its tokenizer, its scheduler and the clients of its workers."""
+
+    config: ModelPairConfig
+    tokenizer: Any
+    vocab_size: int
+    max_positions: int | None
+    eos: frozenset[int]
+    pipeline: Pipeline
+    addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.pipeline.scheduler
+
+
+class SpecService:
+    def __init__(self, app: AppConfig, resolved_paths: dict[str, tuple[str, str | None]], metrics=None):
+        """resolved_paths: model name -> (target directory, draft directory or None), demo paths already resolved.
+        metrics: a `ServiceMetrics` (cluster/metrics.py) or None."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.app = app
+        self.metrics = metrics
+        self.models: dict[str, ModelServing] = {}
+        for m in app.models:
+            target_path, _ = resolved_paths[m.name]
+            tok = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
+            text_cfg = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config()
+            scheduler = Scheduler([], [], cost_ratio=m.cost_ratio)
+            pipeline = Pipeline(scheduler, {}, {}, predraft=m.predraft, reconnect=self._reconnect_for(m.name))
+            self.models[m.name] = ModelServing(
+                config=m,
+                tokenizer=tok,
+                vocab_size=text_cfg.vocab_size,
+                max_positions=getattr(text_cfg, "max_position_embeddings", None),
+                eos=frozenset({tok.eos_token_id} if tok.eos_token_id is not None else set()),
+                pipeline=pipeline,
+            )
+
+    # -- membership ----------------------------------------------------------------------------------------------
+
+    def sync_workers(self, members: list[dict]) -> None:
+        """Make each model's workers match the registry's members (rows of model, kind, worker_id, address)."""
+        timeout = self.app.ingress.call_timeout_s
+        for name, serving in self.models.items():
+            rows = {r["worker_id"]: r for r in members if r["model"] == name}
+            for worker_id in list(serving.addresses):
+                if worker_id not in rows:
+                    serving.addresses.pop(worker_id)
+                    serving.scheduler.remove_worker(worker_id)
+                    serving.pipeline.drafts.pop(worker_id, None)
+                    serving.pipeline.targets.pop(worker_id, None)
+            for worker_id, row in rows.items():
+                if serving.addresses.get(worker_id) == row["address"]:
+                    continue
+                serving.addresses[worker_id] = row["address"]
+                if row["kind"] == "draft":
+                    serving.pipeline.drafts[worker_id] = DraftClient(row["address"], timeout)
+                else:
+                    serving.pipeline.targets[worker_id] = TargetClient(row["address"], timeout)
+                serving.scheduler.add_worker(row["kind"], worker_id)
+            serving.changed.set()
+            serving.changed = asyncio.Event()
+
+    def _reconnect_for(self, model: str) -> Callable:
+        async def reconnect(worker: str) -> str | None:
+            """A failed target worker's requests wait for another healthy target (Serve restarts a dead replica
+            under a new id, which registers and joins); a failed draft worker's requests go target-only now."""
+            serving = self.models[model]
+            if worker in serving.pipeline.drafts:
+                return None
+            deadline = time.monotonic() + self.app.ingress.worker_wait_s
+            while time.monotonic() < deadline:
+                if [w for w in serving.scheduler.healthy("target") if w != worker]:
+                    return None
+                await _wait(serving, deadline)
+            return None
+
+        return reconnect
+
+    async def wait_ready(self, model: str, timeout_s: float | None = None) -> None:
+        """Until the model has a healthy target worker (and a draft worker, if it drafts with a model)."""
+        serving = self.models[model]
+        deadline = time.monotonic() + (self.app.ingress.worker_wait_s if timeout_s is None else timeout_s)
+        while not self._ready(serving):
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"model {model!r} has no healthy target worker yet; retry later")
+            await _wait(serving, deadline)
+
+    @staticmethod
+    def _ready(serving: ModelServing) -> bool:
+        if not serving.scheduler.healthy("target"):
+            return False
+        return not serving.config.drafts_with_model or bool(serving.scheduler.healthy("draft"))
+
+    def status(self) -> dict:
+        return {
+            name: {
+                "targets": s.scheduler.healthy("target"),
+                "drafts": s.scheduler.healthy("draft"),
+                "active_requests": len(s.scheduler.requests),
+                "rounds": s.pipeline.times.rounds,
+                "orchestration_ms_p50": s.pipeline.times.p50_ms(),
+            }
+            for name, s in self.models.items()
+        }
+
+    # -- requests --------------------------------------------------------------------------------------------------
+
+    def prepare(self, model: str, prompt: str | list[int], sampling: dict, speculation: dict) -> Prepared:
+        """Validate one request. Raises InvalidRequestError naming the bad field."""
+        cfg = self.app.model(model)
+        serving = self.models[cfg.name]
+        limits = self.app.limits
+        sampling = {"max_new_tokens": limits.default_max_new_tokens, **sampling}
+        params = validate(SamplingParams, sampling)
+        if params.max_new_tokens > limits.max_new_tokens:
+            raise InvalidRequestError(
+                "max_new_tokens", f"{params.max_new_tokens} exceeds this server's limit of {limits.max_new_tokens}"
+            )
+        method = "draft" if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
+        speculation = {"method": method, "k": cfg.k, **{k: v for k, v in speculation.items() if v is not None}}
+        spec = validate(SpecParams, speculation)
+        if spec.method == "draft" and not cfg.drafts_with_model:
+            raise InvalidRequestError("speculation.method", f"model {cfg.name!r} has no draft model (use ngram/none)")
+        if isinstance(prompt, str) and len(prompt) > 16 * limits.max_prompt_tokens:
+            raise InvalidRequestError("prompt", f"{len(prompt)} characters is over the limit")
+        ids = encode_prompt(serving.tokenizer, prompt)
+        if len(ids) > limits.max_prompt_tokens:
+            raise InvalidRequestError("prompt", f"{len(ids)} tokens exceed this server's limit of "
+                                                f"{limits.max_prompt_tokens}")  # fmt: skip
+        check_request(ids, params, serving.vocab_size, serving.max_positions)
+        return Prepared(cfg.name, ids, params, spec)
+
+    async def run(self, req: Prepared) -> AsyncIterator[Chunk]:
+        """Run a prepared request; yields one Chunk per round (the last one carries finish_reason)."""
+        serving = self.models[req.model]
+        started = time.perf_counter()
+        status = "error"
+        if self.metrics:
+            self.metrics.request_started(req.model)
+        try:
+            await self.wait_ready(req.model)
+            try:
+                sched_req = serving.scheduler.add(req.prompt_ids, req.params, req.spec, serving.eos)
+            except NoTargetWorker as e:
+                raise UnavailableError(str(e)) from None
+            text = IncrementalText(serving.tokenizer)
+            last = time.perf_counter()
+            prev = sched_req.state.stats.to_dict()
+            first = True
+            try:
+                async for committed in serving.pipeline.rounds(sched_req):
+                    now = time.perf_counter()
+                    state = sched_req.state
+                    stats = state.stats.to_dict()
+                    if self.metrics:
+                        self.metrics.round(req.model, prev, stats, len(committed), now - last, first, now - started)
+                    prev, last = stats, now
+                    yield Chunk(
+                        text=text.delta(state.generated, final=state.finished),
+                        token_ids=committed,
+                        finish_reason=state.finish_reason,
+                        stats=stats,
+                        prompt_tokens=len(req.prompt_ids),
+                        first=first,
+                    )
+                    first = False
+            except NoTargetWorker as e:
+                raise UnavailableError(str(e)) from None
+            status = "ok"
+        except InvalidRequestError:
+            status = "invalid"
+            raise
+        except UnavailableError:
+            status = "unavailable"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        finally:
+            if self.metrics:
+                self.metrics.request_finished(req.model, status)
+
+    async def generate(self, req: Prepared) -> dict:
+        """The whole completion: the CLI's JSON contract (text, token_ids, finish_reason, stats) plus usage."""
+        text, tokens, chunk = [], [], None
+        async for chunk in self.run(req):
+            text.append(chunk.text)
+            tokens.extend(chunk.token_ids)
+        return {
+            "model": req.model,
+            "text": "".join(text),
+            "token_ids": tokens,
+            "finish_reason": chunk.finish_reason,
+            "stats": chunk.stats,
+            "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(tokens)},
+        }
+
+
+async def _wait(serving: ModelServing, deadline: float) -> None:
+    """Until the model's membership changes or the deadline (re-checked at least every second)."""
+    timeout = max(0.0, min(1.0, deadline - time.monotonic()))
+    try:
+        await asyncio.wait_for(serving.changed.wait(), timeout)
+    except TimeoutError:
+        pass

@@ -1,0 +1,233 @@
+"""The Serve application end to end on a local Ray: the public gRPC service through Serve's gRPC proxy (unary,
+streaming, reflection, errors), the OpenAI-compatible HTTP API through the real `openai` package, Prometheus
+metrics, and the CLI client. Greedy outputs must equal target-only decoding."""
+
+import json
+import re
+import socket
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+import ray
+
+from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.client import SpecServeClient
+from specserve.cluster.server import start, stop
+from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.engine import SpecEngine
+from specserve.workers.loading import load_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def add(a, b):", "class Stack:", "for i in range(3):", "import json"]
+N = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_draft):
+    metrics_port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False)
+    pool = {"num_cpus": 0.5}
+    app = AppConfig.model_validate(
+        {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
+                     "target_pool": pool, "draft_pool": pool}],
+         "ingress": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
+    )  # fmt: skip
+    config = serve_config(app, grpc_port=free_port(), http_port=free_port())
+    config["http_options"]["host"] = "127.0.0.1"
+    info = start(config, metrics_port=metrics_port, ready_timeout_s=300)
+    yield info
+    stop({**info, "started_ray": False})
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
+    out = {}
+    for p in PROMPTS:
+        r = engine.generate(p, SamplingParams(max_new_tokens=N), SpecParams(method="none"))
+        out[p] = (r.token_ids, r.text)
+    return out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with SpecServeClient(server["grpc"], timeout_s=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_grpc_generate_is_lossless_for_concurrent_requests(client, reference):
+    with ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        draft = list(pool.map(lambda p: client.generate(p, max_new_tokens=N, k=3), PROMPTS))
+        ngram = list(pool.map(lambda p: client.generate(p, max_new_tokens=N, method="ngram", k=2), PROMPTS))
+    for p, d, g in zip(PROMPTS, draft, ngram, strict=True):
+        assert d["token_ids"] == reference[p][0] == g["token_ids"]
+        assert d["text"] == reference[p][1]
+        assert d["finish_reason"] in ("length", "stop")
+        assert d["stats"]["drafted"] > 0 and d["stats"]["rounds"] < len(d["token_ids"]) + 1
+
+
+def test_grpc_stream_chunks_concatenate_to_the_unary_result(client, reference):
+    unary = client.generate(PROMPTS[1], max_new_tokens=N, k=4)
+    chunks = list(client.generate_stream(PROMPTS[1], max_new_tokens=N, k=4))
+    assert len(chunks) == unary["stats"]["rounds"] > 1  # one chunk per round
+    assert sum((c["token_ids"] for c in chunks), []) == unary["token_ids"] == reference[PROMPTS[1]][0]
+    assert "".join(c["text"] for c in chunks) == unary["text"]
+    assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["finish_reason"] == unary["finish_reason"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "temperature": -1.0}, "temperature"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "k": 99}, "k"),
+        ({"prompt": "x", "method": "magic"}, "method"),
+        ({"prompt": "x", "model": "nope"}, "model"),
+        ({"prompt": [10**6]}, "prompt"),
+        ({"prompt": "x", "max_new_tokens": 10**6}, "max_new_tokens"),
+    ],
+)
+def test_grpc_bad_input_is_invalid_argument_and_the_server_keeps_serving(client, reference, kwargs, field):
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(prompt, **kwargs)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+    assert client.generate(PROMPTS[0], max_new_tokens=N)["token_ids"] == reference[PROMPTS[0]][0]
+
+
+def test_grpc_reflection_lists_the_public_service(server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(server["grpc"]) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        answer = next(stub.ServerReflectionInfo(iter([req]), timeout=30))
+    assert "specserve.v1.SpecServe" in {s.name for s in answer.list_services_response.service}
+
+
+def test_openai_completions_greedy_and_stream(oai, reference):
+    p = PROMPTS[2]
+    out = oai.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0)
+    assert out.choices[0].text == reference[p][1]
+    assert out.usage.completion_tokens == len(reference[p][0]) and out.usage.prompt_tokens > 0
+    stream = oai.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, stream=True,
+                                    stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == reference[p][1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_openai_chat_models_and_errors(oai, server):
+    chat = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0
+    pieces = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == chat.choices[0].message.content
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="x", temperature=-0.5)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    bad = [(b'{"prompt": "x", "temperature": NaN}', "temperature"), (b'{"prompt": "x", "bogus": 1}', "bogus"),
+           (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens"), (b"[1, 2]", "body")]  # fmt: skip
+    for body, param in bad:
+        raw = urllib.request.Request(server["http"] + "/v1/completions", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(raw, timeout=30)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="nope", prompt="x")
+    assert e.value.body["code"] == "model_not_found"
+    raw = urllib.request.Request(server["http"] + "/v1/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(raw, timeout=30)
+    assert e.value.code == 400 and "not valid JSON" in json.loads(e.value.read())["error"]["message"]
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(ray_specserve_\w+)\{([^}]*)\} ([0-9.e+-]+)$", line)
+        if m and 'model="tiny"' in m.group(2):
+            key = m.group(1) + ("" if "position" not in m.group(2) else re.search(r'position="(\d+)"', m.group(2))[0])
+            values[key] = values.get(key, 0.0) + float(m.group(3))
+    return values
+
+
+def _scrape_when(url: str, health: str, timeout_s: float = 90.0) -> dict[str, float]:
+    """Ray exports metrics every few seconds: scrape until the exported round count equals the ingress's own."""
+    deadline = time.time() + timeout_s
+    while True:
+        rounds = json.loads(urllib.request.urlopen(health, timeout=10).read())["tiny"]["rounds"]
+        values = _scrape(url)
+        if values.get("ray_specserve_rounds_total", 0) == rounds or time.time() > deadline:
+            return values
+        time.sleep(2)
+
+
+def test_metrics_move_by_the_expected_amounts(server, client):
+    url, health = server["metrics"], server["http"] + "/health"
+    before = _scrape_when(url, health)
+    out = client.generate(PROMPTS[3], max_new_tokens=N, k=4)
+    after = _scrape_when(url, health)
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    def positions(key):
+        return sum(delta(f'{key}total position="{i}"'.replace(" ", "")) for i in range(1, 17))
+
+    s = out["stats"]
+    assert delta("ray_specserve_rounds_total") == s["rounds"]
+    assert (
+        delta("ray_specserve_drafted_tokens_total") == s["drafted"] == positions("ray_specserve_position_drafted_total")
+    )
+    assert (
+        delta("ray_specserve_accepted_tokens_total")
+        == s["accepted"]
+        == positions("ray_specserve_position_accepted_total")
+    )
+    assert delta("ray_specserve_generated_tokens_total") == len(out["token_ids"])
+    assert delta("ray_specserve_ttft_seconds_count") == 1
+    assert delta("ray_specserve_per_token_latency_seconds_count") == s["rounds"]
+    assert delta("ray_specserve_requests_total") == 1
+    assert after["ray_specserve_kv_cache_capacity_tokens"] > 0 and 0 <= after["ray_specserve_acceptance_rate"] <= 1
+
+
+def test_cli_generate_against_the_server(server, reference, capsys):
+    from specserve.cluster.cli import main
+
+    p = PROMPTS[0]
+    assert main(["generate", p, "--address", server["grpc"], "--max-new-tokens", str(N), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats"} and out["token_ids"] == reference[p][0]
+    assert main(["generate", p, "--address", server["grpc"], "--max-new-tokens", str(N), "--stream", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert sum((c["token_ids"] for c in lines), []) == reference[p][0]
+    assert main(["generate", p, "--address", server["grpc"], "--temperature", "-2"]) == 2
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
