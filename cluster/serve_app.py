@@ -7,7 +7,6 @@ serveConfigV2); `specserve serve` calls it too. Pool replicas host a worker's ow
 directly, per request, with the KV state protocol) and register its address in the app's registry actor.
 """
 
-
 import asyncio
 import contextlib
 import time

@@ -80,10 +80,11 @@ def stop(info: dict) -> None:
 def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int | None,
                   metrics_port: int | None) -> int:  # fmt: skip
     stop_event = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop_event.set())
     info = start(prepare_config(config_path, grpc_port, http_port), metrics_port)
     try:
+        # After start(): ray.init installs its own fatal-signal handler for SIGTERM.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop_event.set())
         print(f"specserve is serving: gRPC {info['grpc']} (specserve.v1.SpecServe, reflection on), "
               f"HTTP {info['http']}/v1 (OpenAI-compatible)"
               + (f", metrics {info['metrics']}" if info["metrics"] else ""), flush=True)  # fmt: skip

@@ -1,0 +1,48 @@
+"""The scheduler's worker membership alone (CPU-only state machine, no I/O): workers joining and leaving a pool,
+requests moving off a worker that left, re-attaching to a draft worker that came back, stranded requests."""
+
+import pytest
+
+from specserve.cluster.scheduler import NoTargetWorker, Scheduler
+from specserve.workers.config import SamplingParams, SpecParams
+
+PARAMS, SPEC = SamplingParams(max_new_tokens=8), SpecParams(method="draft", k=2)
+
+
+def test_workers_join_and_requests_spread_over_them():
+    s = Scheduler([], [])
+    with pytest.raises(NoTargetWorker):
+        s.add([1, 2], PARAMS, SPEC, frozenset())
+    s.add_worker("target", "t1")
+    s.add_worker("target", "t2")
+    s.add_worker("draft", "d1")
+    a, b = (s.add([1, 2], PARAMS, SPEC, frozenset()) for _ in range(2))
+    assert {a.target_worker, b.target_worker} == {"t1", "t2"} and a.draft_worker == b.draft_worker == "d1"
+
+
+def test_a_worker_that_leaves_hands_its_requests_over_and_told_state_is_dropped():
+    s = Scheduler(["d1"], ["t1", "t2"])
+    req = s.add([1, 2, 3], PARAMS, SPEC, frozenset())
+    call = s.plan_verify(req, [], b"")
+    assert req.told[call.worker] == [1, 2, 3]
+    s.remove_worker(call.worker)
+    assert req.target_worker != call.worker and call.worker not in req.told
+    assert s.healthy("target") == [req.target_worker]
+
+
+def test_requests_reattach_to_a_draft_worker_that_joins_later():
+    s = Scheduler(["d1"], ["t1"])
+    req = s.add([1, 2], PARAMS, SPEC, frozenset())
+    s.remove_worker("d1")
+    assert req.draft_worker is None and s.k_for(req) == 0  # target-only rounds meanwhile
+    s.add_worker("draft", "d2")
+    assert s.k_for(req) == 2 and req.draft_worker == "d2"
+
+
+def test_a_request_whose_only_target_fails_is_stranded():
+    s = Scheduler([], ["t1"])
+    req = s.add([1, 2], PARAMS, SpecParams(method="none"), frozenset())
+    s.mark_unhealthy("t1")
+    assert s.stranded(req)
+    s.add_worker("target", "t1")  # the same worker came back
+    assert not s.stranded(req)

@@ -1,0 +1,88 @@
+"""`specserve serve` as users run it: a subprocess that starts Ray + Serve from a config file, prints its addresses,
+serves, and on SIGTERM shuts everything it started down, leaving no process behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+import yaml
+
+from specserve.cluster.app_config import AppConfig, load_serve_config, serve_config
+from specserve.cluster.client import SpecServeClient
+from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.engine import SpecEngine
+from specserve.workers.errors import InvalidRequestError
+from specserve.workers.loading import load_model
+
+from .test_serve_app import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    procs = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("SPECSERVE_TEST_MARKER") == marker:
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return procs
+
+
+def test_serve_starts_serves_and_stops_cleanly_on_sigterm(tmp_path, tiny_target, tiny_draft):
+    app = AppConfig.model_validate(
+        {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu",
+                     "target_pool": {"num_cpus": 0.5}}], "ingress": {"num_cpus": 0.5}}
+    )  # fmt: skip
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(yaml.safe_dump(serve_config(app)))
+    grpc_port, http_port = free_port(), free_port()
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "SPECSERVE_TEST_MARKER": marker, "SPECSERVE_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--config", str(config_file),
+           "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(free_port())]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        deadline = time.time() + 400
+        while "specserve is serving" not in line and time.time() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "specserve is serving" in line, f"no ready line (exit code {proc.poll()})"
+        assert f"127.0.0.1:{grpc_port}" in line and f"http://127.0.0.1:{http_port}" in line
+        with SpecServeClient(f"127.0.0.1:{grpc_port}", timeout_s=120) as client:
+            out = client.generate("def add(a, b):", max_new_tokens=16, k=2)
+        engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
+        ref = engine.generate("def add(a, b):", SamplingParams(max_new_tokens=16), SpecParams(method="none"))
+        assert out["token_ids"] == ref.token_ids
+        assert len(_marked(marker)) > 3  # the CLI, GCS, raylet, Serve's controller, proxy and replicas
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        deadline = time.time() + 60
+        while _marked(marker) and time.time() < deadline:
+            time.sleep(1)
+        assert [p.name() for p in _marked(marker)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in _marked(marker):
+            p.kill()
+
+
+def test_config_file_round_trips_and_rejects_bad_args(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(serve_config(grpc_port=9100)))
+    assert load_serve_config(good)["grpc_options"]["port"] == 9100
+    bad = serve_config()
+    bad["applications"][0]["args"] = {"models": [{"name": "m", "k": 99}]}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(InvalidRequestError, match="k must be 1..16"):
+        load_serve_config(tmp_path / "bad.yaml")
+    (tmp_path / "notserve.yaml").write_text("models: []\n")
+    with pytest.raises(InvalidRequestError, match="not a Ray Serve config"):
+        load_serve_config(tmp_path / "notserve.yaml")
