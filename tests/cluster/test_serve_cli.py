@@ -45,8 +45,8 @@ def test_serve_starts_serves_and_stops_cleanly_on_sigterm(tmp_path, tiny_target,
     grpc_port, http_port = free_port(), free_port()
     marker = uuid.uuid4().hex
     env = {**os.environ, "SPECSERVE_TEST_MARKER": marker, "SPECSERVE_HOME": str(tmp_path / "home")}
-    cmd = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--config", str(config_file),
-           "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(free_port())]  # fmt: skip
+    ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(free_port())]
+    cmd = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--config", str(config_file), *ports]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = ""
