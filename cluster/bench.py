@@ -404,6 +404,12 @@ def main_bench(args) -> int:
             "orchestration_ms_p50": status["orchestration_ms_p50"],
             "wire_bytes_per_round": status["wire_bytes_per_round"],
         }
+        from specserve.cluster.bench_serve import serve_rows
+
+        served = serve_rows(target_path, draft_path, prompts, cfg, k, args.device, rows[0])
+        at = rows.index(extra[-1]) + 1
+        rows[at:at] = served
+        meta["disaggregated"]["serve_vs_in_process_1_stream"] = served[0].tokens_per_s / in_process.tokens_per_s
     print(format_table(rows, meta))
     if args.json:
         with open(args.json, "w") as f:

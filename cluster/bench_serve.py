@@ -1,0 +1,64 @@
+"""The benchmark's end-to-end rows: requests through Ray Serve's gRPC proxy to the Serve application (ingress with
+the scheduler, a draft pool and a target pool replica), with the public client, one stream and all at once."""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from specserve.cluster.bench import BenchConfig, Row
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg: BenchConfig, k: int, device: str,
+               base: Row) -> list[Row]:  # fmt: skip
+    import ray
+
+    from specserve.cluster.app_config import AppConfig, serve_config
+    from specserve.cluster.client import SpecServeClient
+    from specserve.cluster.server import start, stop
+
+    app = AppConfig.model_validate(
+        {"models": [{"name": "bench", "target": target_path, "draft": draft_path, "device": device, "k": k,
+                     "target_pool": {"num_cpus": 0.5}, "draft_pool": {"num_cpus": 0.5}}],
+         "ingress": {"num_cpus": 0.5}}
+    )  # fmt: skip
+    config = serve_config(app, grpc_port=_free_port(), http_port=_free_port())
+    config["http_options"]["host"] = "127.0.0.1"
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    info = start(config, ready_timeout_s=600)
+    try:
+        with SpecServeClient(info["grpc"], timeout_s=600) as client:
+
+            def one_request(prompt: list[int]) -> list[int]:
+                return client.generate(prompt, max_new_tokens=cfg.max_new_tokens, k=k)["token_ids"]
+
+            client.generate(prompts[0][:16], max_new_tokens=4, k=k)  # warm-up
+            one = Row(f"serve gRPC e2e k={k} greedy, 1 stream", "serve", k, 0.0)
+            for prompt in prompts:
+                t0 = time.perf_counter()
+                one.outputs.append(one_request(prompt))
+                one.seconds += time.perf_counter() - t0
+            many = Row(f"serve gRPC e2e k={k} greedy, {len(prompts)} streams", "serve", k, 0.0)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                many.outputs = list(pool.map(one_request, prompts))
+            many.seconds = time.perf_counter() - t0
+    finally:
+        stop({**info, "started_ray": False})
+        if started:
+            ray.shutdown()
+    for row in (one, many):
+        row.tokens = sum(len(o) for o in row.outputs)
+        row.tokens_per_s = row.tokens / row.seconds
+        row.speedup = row.tokens_per_s / base.tokens_per_s
+        row.identical = row.outputs == base.outputs
+    return [one, many]
