@@ -124,19 +124,22 @@ class AppConfig(_Strict):
         raise InvalidRequestError("model", f"unknown model {name!r}; served: {', '.join(m.name for m in self.models)}")
 
 
-def serve_config(app: AppConfig | None = None, grpc_port: int = 9000, http_port: int = 8000) -> dict[str, Any]:
-    """A Ray Serve config file (ServeDeploySchema) running specserve with `app` as its args."""
+def serve_config(
+    app: AppConfig | None = None, grpc_port: int = 9000, http_port: int = 8000, http_host: str = "127.0.0.1"
+) -> dict[str, Any]:
+    """A Ray Serve config file (ServeDeploySchema) running specserve with `app` as its args. HTTP listens on
+    localhost by default; a cluster deployment (RayService) sets 0.0.0.0."""
     app = app or AppConfig()
     return {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": "0.0.0.0", "port": http_port},
+        "http_options": {"host": http_host, "port": http_port},
         "grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
         "applications": [
             {
                 "name": APP_NAME,
                 "route_prefix": "/",
                 "import_path": IMPORT_PATH,
-                "args": app.model_dump(mode="json", exclude_defaults=True),
+                "args": app.model_dump(mode="json"),
             }
         ],
     }

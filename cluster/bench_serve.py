@@ -30,7 +30,6 @@ def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg:
          "ingress": {"num_cpus": 0.5}}
     )  # fmt: skip
     config = serve_config(app, grpc_port=_free_port(), http_port=_free_port())
-    config["http_options"]["host"] = "127.0.0.1"
     started = not ray.is_initialized()
     if started:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)

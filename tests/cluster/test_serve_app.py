@@ -44,7 +44,6 @@ def server(tiny_target, tiny_draft):
          "ingress": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
     )  # fmt: skip
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())
-    config["http_options"]["host"] = "127.0.0.1"
     info = start(config, metrics_port=metrics_port, ready_timeout_s=300)
     yield info
     stop({**info, "started_ray": False})

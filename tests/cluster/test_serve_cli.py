@@ -75,6 +75,9 @@ def test_serve_starts_serves_and_stops_cleanly_on_sigterm(tmp_path, tiny_target,
 
 
 def test_config_file_round_trips_and_rejects_bad_args(tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(serve_config())  # a valid Serve config file, as serve run / RayService read it
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump(serve_config(grpc_port=9100)))
     assert load_serve_config(good)["grpc_options"]["port"] == 9100
