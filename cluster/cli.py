@@ -184,12 +184,27 @@ def _build_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_manifests(sub) -> None:
+    p = sub.add_parser("manifests", help="KubeRay manifests rendered from manifests/serve-*.yaml")
+    msub = p.add_subparsers(dest="manifests_command", required=True)
+    msub.add_parser("render", help="write manifests/rayservice-{gpu,cpu}.yaml").set_defaults(func=_render_manifests)
+
+
+def _render_manifests(args: argparse.Namespace) -> int:
+    from specserve.cluster.manifests import write_all
+
+    for path in write_all():
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Disaggregated speculative decoding on Ray Serve")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
     _add_config(sub)
+    _add_manifests(sub)
     _add_bench(sub)
     _add_models(sub)
     return parser

@@ -1,0 +1,184 @@
+"""KubeRay manifests rendered from the Serve config files, so `serveConfigV2` is never a second copy to drift.
+
+`manifests/serve-<variant>.yaml` is the source (a Serve config file with specserve's app args, also usable with
+`specserve serve --config`); `specserve manifests render` writes `manifests/rayservice-<variant>.yaml` from it, and a
+test fails when the committed RayService is stale.
+
+Variants: `gpu` (draft workers on a pool of cheap GPU nodes, target workers on large GPU nodes) and `cpu` (the same
+shape on CPU nodes, for kind/minikube). Worker groups declare the Ray custom resources `draft_gpu` / `target_gpu`
+through the group's `resources` field; the pools' Serve replicas ask for one unit, so each pool lands on its group.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel
+
+from specserve.cluster.app_config import load_serve_config
+
+Variant = Literal["gpu", "cpu"]
+VARIANTS: tuple[Variant, ...] = ("gpu", "cpu")
+RAY_VERSION = "2.60.0"
+IMAGE = "ghcr.io/specserve/specserve:0.1.0"
+MANIFEST_DIR = Path(__file__).resolve().parent.parent / "manifests"
+
+_HEAD_PORTS = [
+    {"containerPort": 6379, "name": "gcs-server"},
+    {"containerPort": 8265, "name": "dashboard"},
+    {"containerPort": 10001, "name": "client"},
+    {"containerPort": 8000, "name": "serve"},  # KubeRay's serve service exposes the HTTP proxy by this name
+    {"containerPort": 9000, "name": "serve-grpc"},  # ... and the gRPC proxy by this one
+    {"containerPort": 8080, "name": "metrics"},
+]
+
+_GROUPS: dict[Variant, list[dict]] = {
+    "gpu": [
+        {"name": "draft", "resource": "draft_gpu", "cpu": "4", "memory": "16Gi", "gpus": 1, "min": 1, "max": 8,
+         "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}},
+        {"name": "target", "resource": "target_gpu", "cpu": "8", "memory": "64Gi", "gpus": 1, "min": 1, "max": 4,
+         "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}},
+    ],
+    "cpu": [
+        {"name": "draft", "resource": "draft_gpu", "cpu": "1", "memory": "2Gi", "gpus": 0, "min": 1, "max": 2,
+         "node_selector": {}},
+        {"name": "target", "resource": "target_gpu", "cpu": "2", "memory": "4Gi", "gpus": 0, "min": 1, "max": 2,
+         "node_selector": {}},
+    ],
+}  # fmt: skip
+
+
+def source_path(variant: Variant) -> Path:
+    return MANIFEST_DIR / f"serve-{variant}.yaml"
+
+
+def output_path(variant: Variant) -> Path:
+    return MANIFEST_DIR / f"rayservice-{variant}.yaml"
+
+
+def _container(name: str, cpu: str, memory: str, gpus: int, ports: list | None = None) -> dict:
+    limits: dict[str, Any] = {"cpu": cpu, "memory": memory}
+    if gpus:
+        limits["nvidia.com/gpu"] = gpus
+    c: dict[str, Any] = {
+        "name": name,
+        "image": IMAGE,
+        "env": [{"name": "SPECSERVE_HOME", "value": "/models/specserve-home"}],
+        "resources": {"limits": dict(limits), "requests": dict(limits)},
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+    }
+    if ports:
+        c["ports"] = ports
+    return c
+
+
+def _pod(container: dict, node_selector: dict, gpus: int) -> dict:
+    spec: dict[str, Any] = {
+        "containers": [container],
+        # Models come from a volume (a PVC filled once, or a baked image): nothing is downloaded at run time.
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "specserve-models"}}],
+    }
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    if gpus:
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {"spec": spec}
+
+
+def rayservice(serve_config: dict, variant: Variant) -> dict:
+    groups = []
+    for g in _GROUPS[variant]:
+        container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"])
+        groups.append({
+            "groupName": g["name"],
+            "replicas": g["min"],
+            "minReplicas": g["min"],
+            "maxReplicas": g["max"],
+            "rayStartParams": {},
+            # Ray resources of each node of the group; with this field, rayStartParams carries no num-cpus/num-gpus/
+            # memory/resources (KubeRay rejects both at once).
+            "resources": {"CPU": g["cpu"], **({"GPU": str(g["gpus"])} if g["gpus"] else {}),
+                          g["resource"]: str(max(g["gpus"], 1))},
+            "template": _pod(container, g["node_selector"], g["gpus"]),
+        })  # fmt: skip
+    head = _container("ray-head", "2", "8Gi", 0, ports=_HEAD_PORTS)
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": f"specserve-{variant}", "labels": {"app.kubernetes.io/name": "specserve"}},
+        "spec": {
+            "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 120},
+                "authOptions": {"mode": "token"},  # Ray's token authentication stays on
+                "headGroupSpec": {
+                    # No model work on the head: Serve's controller, proxies and the ingress only.
+                    "rayStartParams": {"num-cpus": "2", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"},
+                    "template": _pod(head, {}, 0),
+                },
+                "workerGroupSpecs": groups,
+            },
+        },
+    }
+
+
+class _LiteralStr(str):
+    pass
+
+
+def _literal(dumper, data):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|")
+
+
+yaml.SafeDumper.add_representer(_LiteralStr, _literal)
+
+
+def render(variant: Variant) -> str:
+    config = load_serve_config(source_path(variant))
+    manifest = rayservice(config, variant)
+    manifest["spec"]["serveConfigV2"] = _LiteralStr(manifest["spec"]["serveConfigV2"])
+    header = (f"# Generated by `specserve manifests render` from manifests/serve-{variant}.yaml: edit that file, "
+              "then re-render.\n")  # fmt: skip
+    return header + yaml.safe_dump(manifest, sort_keys=False, width=120)
+
+
+def write_all() -> list[Path]:
+    paths = []
+    for v in VARIANTS:
+        output_path(v).write_text(render(v))
+        paths.append(output_path(v))
+    return paths
+
+
+def unknown_keys(model: type[BaseModel], data: Any, path: str = "") -> list[str]:
+    """Keys of `data` that `model` (a pydantic schema such as Ray's ServeDeploySchema, which ignores unknown keys)
+    does not define, recursively through nested models and lists of models."""
+    if not isinstance(data, dict):
+        return []
+    fields = {}
+    for name, f in model.model_fields.items():
+        fields[name] = f
+        if f.alias:
+            fields[f.alias] = f
+    found = []
+    for key, value in data.items():
+        if key not in fields:
+            found.append(f"{path}{key}")
+            continue
+        for sub in _models_in(fields[key].annotation):
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                suffix = f"[{i}]" if isinstance(value, list) else ""
+                found += unknown_keys(sub, item, f"{path}{key}{suffix}.")
+    return found
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]

@@ -1,0 +1,100 @@
+"""KubeRay manifests: rendered from the Serve config files (stale -> fail), valid against the KubeRay v1.7.0 CRDs with
+unknown fields rejected, KubeRay's own rules, and serveConfigV2 valid for Ray Serve with no unknown keys."""
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from specserve.cluster.app_config import IMPORT_PATH, app_config
+from specserve.cluster.manifests import VARIANTS, output_path, render, unknown_keys
+
+CRDS = Path(__file__).resolve().parents[2].parent / "shared" / "k8s" / "crds"
+
+
+def strict(schema):
+    """additionalProperties: false on every object schema that lists properties (and allows nothing else)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node and not (
+                node.get("x-kubernetes-preserve-unknown-fields")
+            ):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+@pytest.fixture(scope="module")
+def rayservice_schema():
+    path = CRDS / "ray.io_rayservices.yaml"
+    if not path.is_file():
+        pytest.skip(f"KubeRay CRDs not found at {path} (../shared is absent in a user's own clone)")
+    crd = yaml.safe_load(path.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return strict(version["schema"]["openAPIV3Schema"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_committed_manifest_is_rendered_from_its_serve_config(variant):
+    assert output_path(variant).read_text() == render(variant), "stale: run `specserve manifests render`"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_manifest_validates_against_the_kuberay_crd(variant, rayservice_schema):
+    manifest = yaml.safe_load(output_path(variant).read_text())
+    jsonschema.validate(manifest, rayservice_schema)
+
+
+def test_strict_schema_catches_a_typo(rayservice_schema):
+    manifest = yaml.safe_load(output_path("gpu").read_text())
+    manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    with pytest.raises(jsonschema.ValidationError, match="maxReplica"):
+        jsonschema.validate(manifest, rayservice_schema)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kuberay_rules_and_serve_config(variant):
+    manifest = yaml.safe_load(output_path(variant).read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True and cluster["authOptions"]["mode"] == "token"
+    head_ports = {p["name"]: p["containerPort"] for p in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+                  ["ports"]}  # fmt: skip
+    assert head_ports["serve"] == 8000 and head_ports["serve-grpc"] == 9000
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"draft", "target"}
+    for group in (cluster["headGroupSpec"], *groups.values()):
+        if group.get("resources"):
+            clash = {"num-cpus", "num-gpus", "memory", "resources"} & set(group.get("rayStartParams") or {})
+            assert not clash, f"rayStartParams {clash} conflict with the group's resources field"
+    serve = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve)
+    assert unknown_keys(ServeDeploySchema, serve) == []
+    (app,) = [a for a in serve["applications"] if a["import_path"] == IMPORT_PATH]
+    cfg = app_config(app["args"])
+    grpc_port = serve["grpc_options"]["port"]
+    assert grpc_port == head_ports["serve-grpc"] and serve["http_options"]["port"] == head_ports["serve"]
+    for model in cfg.models:  # each pool asks for the custom resource its worker group offers
+        assert "target_gpu" in groups["target"]["resources"] and model.target_pool.resources == {"target_gpu": 1}
+        assert "draft_gpu" in groups["draft"]["resources"] and model.draft_pool.resources == {"draft_gpu": 1}
+        if variant == "gpu":
+            limits = groups["target"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+            assert limits["nvidia.com/gpu"] >= model.target_pool.num_gpus > 0
+
+
+def test_unknown_keys_finds_nested_typos():
+    serve = {"applications": [{"import_path": "a:b", "nmae": "x", "deployments": [{"name": "d", "num_replica": 2}]}],
+             "http_option": {}}  # fmt: skip
+    assert sorted(unknown_keys(ServeDeploySchema, serve)) == [
+        "applications[0].deployments[0].num_replica", "applications[0].nmae", "http_option"
+    ]
