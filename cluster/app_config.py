@@ -19,6 +19,7 @@ from specserve.workers.errors import InvalidRequestError
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
 IMPORT_PATH = "specserve.cluster.serve_app:build_app"
 APP_NAME = "specserve"
+AUTOSCALING_POLICY = "specserve.cluster.policies:PoolAutoscalingPolicy"
 GRPC_SERVICER = "specserve.protos.specserve_pb2_grpc.add_SpecServeServicer_to_server"
 
 
@@ -34,6 +35,8 @@ class AutoscalingConfig(_Strict):
     target_ongoing_requests: float = Field(4.0, gt=0, description="Ongoing requests per replica Serve aims for.")
     upscale_delay_s: float = Field(10.0, ge=0, description="Sustained demand before adding replicas.")
     downscale_delay_s: float = Field(120.0, ge=0, description="Sustained idleness before removing replicas.")
+    metrics_interval_s: float = Field(10.0, gt=0, description="How often replicas report autoscaling metrics.")
+    look_back_period_s: float = Field(30.0, gt=0, description="Window the reported metrics are averaged over.")
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -67,6 +70,11 @@ class ModelPairConfig(_Strict):
     k: int | Literal["auto"] = Field(4, description=f"Default tokens drafted per round (1..{MAX_K}) or 'auto'.")
     cost_ratio: float = Field(0.1, gt=0, le=10, description="Assumed t_draft / t_target for k='auto'.")
     predraft: bool = Field(True, description="Draft round r + 1 while round r verifies.")
+    saturation_requests: int | None = Field(
+        None, gt=0, description="Concurrent requests per target replica at which its forward passes become "
+        "compute-bound, so verifying more tokens costs more and k='auto' requests speculate less (or not at all). "
+        "None: verification cost does not grow with load (this version's workers run one request per forward)."
+    )  # fmt: skip
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(
         default_factory=lambda: WorkerPoolConfig(num_cpus=0.5), description="Draft workers (unused for ngram/none)."
@@ -106,6 +114,9 @@ class AppConfig(_Strict):
     models: list[ModelPairConfig] = Field(default_factory=lambda: [ModelPairConfig()], min_length=1)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    autoscaling_goal_busy_fraction: float = Field(
+        0.7, gt=0, le=1, description="Busy fraction the pool autoscaling policy sizes each pool's replicas for."
+    )
 
     @model_validator(mode="after")
     def _unique(self):
@@ -130,18 +141,23 @@ def serve_config(
     """A Ray Serve config file (ServeDeploySchema) running specserve with `app` as its args. HTTP listens on
     localhost by default; a cluster deployment (RayService) sets 0.0.0.0."""
     app = app or AppConfig()
+    application: dict[str, Any] = {
+        "name": APP_NAME,
+        "route_prefix": "/",
+        "import_path": IMPORT_PATH,
+        "args": app.model_dump(mode="json"),
+    }
+    if any(p.autoscaling for m in app.models for p in (m.target_pool, m.draft_pool)):
+        # Scale each model's draft and target pools together from the replicas' busy time (cluster/policies.py).
+        application["autoscaling_policy"] = {
+            "policy_function": AUTOSCALING_POLICY,
+            "policy_kwargs": {"goal_busy_fraction": app.autoscaling_goal_busy_fraction},
+        }
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": http_host, "port": http_port},
         "grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
-        "applications": [
-            {
-                "name": APP_NAME,
-                "route_prefix": "/",
-                "import_path": IMPORT_PATH,
-                "args": app.model_dump(mode="json"),
-            }
-        ],
+        "applications": [application],
     }
 
 

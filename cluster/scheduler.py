@@ -72,6 +72,9 @@ class Scheduler:
         self.cost_ratio = cost_ratio
         self.requests: dict[str, SchedRequest] = {}
         self.unhealthy: set[str] = set()
+        # Upper bound on k for k='auto' requests, set by the load-aware speculation policy (0: no speculation while
+        # the target pool is saturated). Fixed-k requests keep the k they asked for.
+        self.auto_k_cap: int | None = None
 
     # -- placement -------------------------------------------------------------------------------------------------
 
@@ -158,8 +161,11 @@ class Scheduler:
             req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
         if req.spec.method == "none" or (req.spec.method == "draft" and req.draft_worker is None):
             return 0
-        k = req.adaptive.k if req.adaptive else req.spec.k
-        return req.state.draft_budget(k)
+        if req.adaptive is not None:
+            k = req.adaptive.k if self.auto_k_cap is None else min(req.adaptive.k, self.auto_k_cap)
+        else:
+            k = req.spec.k
+        return req.state.draft_budget(k) if k else 0
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])

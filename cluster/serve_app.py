@@ -99,6 +99,14 @@ class PoolWorker:
     async def info(self) -> dict:
         return {"worker_id": self.worker_id, "address": self.address, "node_id": self.node, "kind": self.kind}
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics (Serve sees no handle traffic to pools: requests come over gRPC)."""
+        now, busy = time.monotonic(), self.body.servicer.busy_s
+        last_t, last_busy = getattr(self, "_last_stats", (now, busy))
+        self._last_stats = (now, busy)
+        fraction = (busy - last_busy) / (now - last_t) if now > last_t else 0.0
+        return {"busy_fraction": min(1.0, max(0.0, fraction)), "requests": float(len(self.store or ()))}
+
     async def check_health(self) -> None:
         if self._beat.done():
             raise RuntimeError("the worker's heartbeat stopped")

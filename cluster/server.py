@@ -31,8 +31,6 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from specserve.cluster.serve_app import build_app
-
     app_entry = next(a for a in config["applications"] if a.get("import_path", "").startswith("specserve."))
     app = app_config(app_entry.get("args") or {})
     if any(DEMO in (m.target, m.draft) for m in app.models):
@@ -53,7 +51,14 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     )
     name = app_entry.get("name", APP_NAME)
     _log(f"starting application {name!r}: {len(app.models)} model(s) ...")
-    handle = serve.run(build_app(app), name=name, route_prefix=app_entry.get("route_prefix", "/"))
+    # Deployed from the config, as `serve deploy` and KubeRay do, so every key of the file applies (deployment
+    # overrides, the application-level autoscaling policy), not only specserve's args.
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+    _wait_running(name, ready_timeout_s)
+    handle = serve.get_app_handle(name)
     handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
     host = "127.0.0.1" if http.get("host", "127.0.0.1") in ("0.0.0.0", "127.0.0.1") else http["host"]
     return {
@@ -63,6 +68,22 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
         "metrics": f"http://{host}:{metrics_port}/metrics" if metrics_port else None,
         "started_ray": started_ray,
     }
+
+
+def _wait_running(name: str, timeout_s: float) -> None:
+    import time
+
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(name)
+        status = str(app.status) if app else "NOT_STARTED"
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED") or time.monotonic() > deadline:
+            raise RuntimeError(f"application {name!r} did not start ({status}): {app.message if app else ''}")
+        time.sleep(1)
 
 
 def stop(info: dict) -> None:

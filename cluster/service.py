@@ -15,6 +15,7 @@ from typing import Any
 
 from specserve.cluster.app_config import AppConfig, ModelPairConfig
 from specserve.cluster.pipeline import Pipeline
+from specserve.cluster.policies import ModelLoad, SpeculationPolicy, target_utilisation
 from specserve.cluster.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import SamplingParams, SpecParams, validate
@@ -72,6 +73,8 @@ class ModelServing:
     max_positions: int | None
     eos: frozenset[int]
     pipeline: Pipeline
+    load: ModelLoad = field(default_factory=ModelLoad)
+    policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -168,9 +171,22 @@ class SpecService:
                 "active_requests": len(s.scheduler.requests),
                 "rounds": s.pipeline.times.rounds,
                 "orchestration_ms_p50": s.pipeline.times.p50_ms(),
+                "auto_k_cap": s.scheduler.auto_k_cap,
             }
             for name, s in self.models.items()
         }
+
+    @staticmethod
+    def _update_policy(serving: ModelServing) -> None:
+        """The load-aware cap on k for k='auto' requests: the policy's k for the model's recent acceptance, its cost
+        ratio and how saturated its target pool is."""
+        a = serving.load.acceptance()
+        if a is None:
+            return
+        sched = serving.scheduler
+        saturation = serving.config.saturation_requests
+        u = target_utilisation(len(sched.requests), len(sched.healthy("target")), saturation) if saturation else 0.0
+        sched.auto_k_cap = serving.policy.update(a, serving.config.cost_ratio, u)
 
     # -- requests --------------------------------------------------------------------------------------------------
 
@@ -223,6 +239,8 @@ class SpecService:
                     stats = state.stats.to_dict()
                     if self.metrics:
                         self.metrics.round(req.model, prev, stats, len(committed), now - last, first, now - started)
+                    serving.load.observe(stats["drafted"] - prev["drafted"], stats["accepted"] - prev["accepted"])
+                    self._update_policy(serving)
                     prev, last = stats, now
                     yield Chunk(
                         text=text.delta(state.generated, final=state.finished),

@@ -5,6 +5,7 @@ answering (health checks, new calls) while a forward pass runs."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -46,12 +47,20 @@ class _Servicer:
     def __init__(self, worker: DraftWorker | TargetWorker):
         self.worker = worker
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=type(self).__name__)
+        self.busy_s = 0.0  # seconds of model work done: busy fraction for autoscaling
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_s += time.perf_counter() - start
 
     async def _run(self, context: grpc.aio.ServicerContext, fn, *args):
         """Run model work on the worker thread, mapping specserve errors to status codes."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, fn, *args)
+            return await loop.run_in_executor(self._executor, self._timed, fn, *args)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestNotFoundError as e:

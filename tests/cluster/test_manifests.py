@@ -21,8 +21,11 @@ def strict(schema):
 
     def walk(node):
         if isinstance(node, dict):
-            if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node and not (
-                node.get("x-kubernetes-preserve-unknown-fields")
+            if (
+                node.get("type") == "object"
+                and "properties" in node
+                and "additionalProperties" not in node
+                and not (node.get("x-kubernetes-preserve-unknown-fields"))
             ):
                 node["additionalProperties"] = False
             for value in node.values():
@@ -96,5 +99,7 @@ def test_unknown_keys_finds_nested_typos():
     serve = {"applications": [{"import_path": "a:b", "nmae": "x", "deployments": [{"name": "d", "num_replica": 2}]}],
              "http_option": {}}  # fmt: skip
     assert sorted(unknown_keys(ServeDeploySchema, serve)) == [
-        "applications[0].deployments[0].num_replica", "applications[0].nmae", "http_option"
+        "applications[0].deployments[0].num_replica",
+        "applications[0].nmae",
+        "http_option",
     ]

@@ -46,3 +46,14 @@ def test_a_request_whose_only_target_fails_is_stranded():
     assert s.stranded(req)
     s.add_worker("target", "t1")  # the same worker came back
     assert not s.stranded(req)
+
+
+def test_auto_k_cap_limits_only_auto_requests_and_zero_turns_speculation_off():
+    s = Scheduler(["d1"], ["t1"])
+    auto = s.add([1, 2], SamplingParams(max_new_tokens=50), SpecParams(method="draft", k="auto"), frozenset())
+    fixed = s.add([1, 2], SamplingParams(max_new_tokens=50), SpecParams(method="draft", k=5), frozenset())
+    uncapped = s.k_for(auto)
+    s.auto_k_cap = 1
+    assert s.k_for(auto) == min(1, uncapped) and s.k_for(fixed) == 5
+    s.auto_k_cap = 0
+    assert s.k_for(auto) == 0 and s.k_for(fixed) == 5

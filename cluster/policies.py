@@ -1,0 +1,134 @@
+"""Speculation and autoscaling policies: pure functions (and one small stateful class for hysteresis) over measured
+numbers, unit-tested with synthetic inputs.
+
+Speculation. Leviathan's speedup S(k) = E(k) / (k c + 1), with E(k) = (1 - a^(k+1)) / (1 - a) tokens per round,
+assumes verifying k + 1 tokens costs one target step: true while the target is memory-bound (idle). A saturated
+target is compute-bound and verification costs grow with the tokens verified, so we model
+t_verify(k) = t_target (1 + u k) for target utilisation u in [0, 1]: S(k, u) = E(k) / (k c + 1 + u k). The policy
+picks the k that maximises it, moves k at most one step per update and only for a clear gain (hysteresis), and turns
+speculation off when even the best k would not beat plain decoding: speculation never costs throughput under load.
+
+Autoscaling. Pool replicas report `busy_fraction` (time computing) through Serve's `record_autoscaling_stats`. The
+application-level policy sizes each model's target pool to its busy time, and its draft pool to the target demand
+times the measured draft/target busy-time ratio, so draft replicas follow the target's demand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specserve.workers.adaptive_k import expected_tokens_per_round as expected_tokens
+from specserve.workers.adaptive_k import fit_acceptance
+from specserve.workers.config import MAX_K
+
+
+def speedup(a: float, c: float, k: int, utilisation: float = 0.0) -> float:
+    """S(k, u): throughput of speculation relative to target-only decoding (k = 0 gives 1)."""
+    return expected_tokens(a, k) / (k * c + 1.0 + utilisation * k)
+
+
+def best_k(a: float, c: float, utilisation: float = 0.0, max_k: int = MAX_K) -> tuple[int, float]:
+    """(k, S) maximising S(k, u) over 0..max_k; k = 0 means "do not speculate"."""
+    best = (0, 1.0)
+    for k in range(1, max_k + 1):
+        s = speedup(a, c, k, utilisation)
+        if s > best[1]:
+            best = (k, s)
+    return best
+
+
+@dataclass
+class SpeculationPolicy:
+    """k for one model's requests from measured acceptance a, cost ratio c and target utilisation u, with
+    hysteresis: k moves by one step at a time towards the best k, only when that gains more than `margin`; off
+    (k = 0) when speculation would lose by more than `margin`, back on when it wins by more than `margin`."""
+
+    max_k: int = MAX_K
+    margin: float = 0.05
+    k: int = 4
+
+    def update(self, a: float, c: float, utilisation: float) -> int:
+        target_k, s_best = best_k(a, c, utilisation, self.max_k)
+        s_now = speedup(a, c, self.k, utilisation) if self.k else 1.0
+        if self.k == 0:
+            if s_best > 1.0 + self.margin:  # back on at the smallest k that wins; later updates walk it up
+                self.k = next(k for k in range(1, target_k + 1) if speedup(a, c, k, utilisation) > 1.0)
+        elif s_now < 1.0 - self.margin and s_best <= 1.0 + self.margin:
+            self.k = 0
+        elif target_k != self.k and s_best > s_now * (1.0 + self.margin):
+            self.k += 1 if target_k > self.k else -1
+        return self.k
+
+
+@dataclass
+class ModelLoad:
+    """A model's recent speculation outcome (decayed sums) and load, from which its policy k is updated."""
+
+    decay: float = 0.98
+    rounds: float = 0.0  # rounds that drafted
+    drafted: float = 0.0
+    committed: float = 0.0  # tokens those rounds committed (accepted + 1 each)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rounds = self.rounds * self.decay + 1
+            self.drafted = self.drafted * self.decay + drafted
+            self.committed = self.committed * self.decay + accepted + 1
+
+    def acceptance(self) -> float | None:
+        """Per-position acceptance a fitted to the recent tokens per round (None before any drafted round)."""
+        if self.rounds < 1:
+            return None
+        return fit_acceptance(self.committed / self.rounds, self.drafted / self.rounds)
+
+
+def target_utilisation(active_requests: int, healthy_targets: int, saturation_requests: int) -> float:
+    """Fraction of the target pool's capacity in use: requests per target over the per-target saturation point."""
+    if healthy_targets <= 0:
+        return 1.0
+    return min(1.0, active_requests / (healthy_targets * saturation_requests))
+
+
+# -- autoscaling ---------------------------------------------------------------------------------------------------
+
+
+def _busy(ctx) -> float:
+    """Sum of the replicas' busy fractions (replica-equivalents of work) from the aggregated custom metric."""
+    per_replica = (ctx.aggregated_metrics or {}).get("busy_fraction") or {}
+    return float(sum(per_replica.values()))
+
+
+def pool_sizes(target_busy: float, draft_busy: float | None, goal: float) -> tuple[int, int | None]:
+    """(target replicas, draft replicas or None) so that each replica is busy `goal` of the time on average.
+    Drafts follow the target: the draft work per unit of target work (the measured busy ratio) times the target pool
+    that is being asked for, so a saturated target pool that grows brings its drafts along."""
+    targets = max(1, math.ceil(target_busy / goal - 1e-9))
+    if draft_busy is None:
+        return targets, None
+    ratio = draft_busy / target_busy if target_busy > 0 else 0.0
+    drafts = max(1, math.ceil(max(draft_busy / goal, ratio * targets) - 1e-9))
+    return targets, drafts
+
+
+class PoolAutoscalingPolicy:
+    """Serve application-level autoscaling policy (`autoscaling_policy.policy_function` in the Serve config):
+    scales every model's `target-<model>` and `draft-<model>` deployments together."""
+
+    def __init__(self, goal_busy_fraction: float = 0.7):
+        if not 0 < goal_busy_fraction <= 1:
+            raise ValueError(f"goal_busy_fraction must be in (0, 1], got {goal_busy_fraction}")
+        self.goal = goal_busy_fraction
+
+    def __call__(self, contexts: dict) -> tuple[dict, dict]:
+        by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
+        decisions: dict = {}
+        for name, (dep_id, ctx) in by_name.items():
+            if not name.startswith("target-"):
+                continue
+            draft = by_name.get("draft-" + name[len("target-") :])
+            targets, drafts = pool_sizes(_busy(ctx), _busy(draft[1]) if draft else None, self.goal)
+            decisions[dep_id] = targets
+            if draft is not None:
+                decisions[draft[0]] = drafts
+        return decisions, {}

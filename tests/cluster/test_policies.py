@@ -1,0 +1,87 @@
+"""Speculation and autoscaling policies alone, over synthetic measurements and Serve autoscaling contexts."""
+
+import math
+
+import pytest
+from ray.serve.config import AutoscalingContext
+
+from specserve.cluster.policies import (
+    PoolAutoscalingPolicy,
+    SpeculationPolicy,
+    best_k,
+    expected_tokens,
+    pool_sizes,
+    speedup,
+    target_utilisation,
+)
+
+
+def test_leviathan_formulas():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert speedup(0.8, 0.1, 0) == 1.0
+    assert speedup(0.8, 0.1, 3) == pytest.approx((1 - 0.8**4) / 0.2 / 1.3)
+
+
+def test_best_k_grows_with_acceptance_and_shrinks_with_cost_and_load():
+    ks = [best_k(a, 0.05)[0] for a in (0.5, 0.7, 0.9)]
+    assert ks == sorted(ks) and ks[0] < ks[-1]
+    assert best_k(0.8, 0.3)[0] < best_k(0.8, 0.02)[0]
+    assert best_k(0.8, 0.05, utilisation=1.0)[0] < best_k(0.8, 0.05, utilisation=0.0)[0]
+    assert best_k(0.1, 0.2)[0] == 0  # a useless draft: do not speculate
+    assert best_k(0.6, 0.05, utilisation=1.0) == (0, 1.0)  # saturated target, mediocre draft: off
+
+
+def test_policy_moves_k_one_step_at_a_time_with_hysteresis():
+    policy = SpeculationPolicy(k=1)
+    seen = [policy.update(0.85, 0.05, 0.0) for _ in range(10)]
+    _, s_best = best_k(0.85, 0.05)
+    assert all(abs(b - a) <= 1 for a, b in zip([1, *seen[:-1]], seen, strict=True))  # smooth
+    assert seen[-1] > 1 and speedup(0.85, 0.05, seen[-1]) * (1 + policy.margin) >= s_best  # settled near the best
+    # a measurement that barely changes the optimum leaves k alone (no flapping)
+    assert policy.update(0.849, 0.05, 0.0) == seen[-1]
+
+
+def test_policy_turns_off_under_saturation_and_back_on_when_load_drops():
+    policy = SpeculationPolicy(k=4)
+    ks = [policy.update(0.6, 0.05, 1.0) for _ in range(6)]
+    assert ks[-1] == 0
+    for k in ks:  # never a k that loses throughput by more than the margin at this load, except while stepping down
+        assert k == 0 or speedup(0.6, 0.05, k, 1.0) > 0.8
+    assert policy.update(0.6, 0.05, 0.0) > 0
+
+
+def test_target_utilisation():
+    assert target_utilisation(0, 2, 8) == 0.0
+    assert target_utilisation(8, 2, 8) == 0.5
+    assert target_utilisation(100, 2, 8) == 1.0 and target_utilisation(1, 0, 8) == 1.0
+
+
+def test_pool_sizes_follow_target_demand():
+    assert pool_sizes(0.0, 0.0, 0.7) == (1, 1)
+    assert pool_sizes(2.1, None, 0.7) == (3, None)
+    # targets saturated (2 busy replicas worth) with drafts at 0.4 busy: 4 targets, drafts scale with them
+    targets, drafts = pool_sizes(2.0, 0.4, 0.5)
+    assert targets == 4 and drafts == math.ceil(0.2 * 4)
+    assert pool_sizes(1.0, 1.8, 0.6) == (2, 4)  # a slow draft model: more drafts than targets
+
+
+def _ctx(name: str, busy: list[float]) -> AutoscalingContext:
+    return AutoscalingContext(
+        deployment_id=name, deployment_name=name, app_name="specserve", current_num_replicas=len(busy),
+        target_num_replicas=len(busy), running_replicas=[f"{name}-{i}" for i in range(len(busy))],
+        total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics={"busy_fraction": {f"{name}-{i}": b for i, b in enumerate(busy)}}, raw_metrics={},
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8, policy_state={},
+        last_scale_up_time=None, last_scale_down_time=None, current_time=0.0, config=None,
+    )  # fmt: skip
+
+
+def test_app_policy_scales_draft_and_target_pools_together():
+    contexts = {n: _ctx(n, b) for n, b in (("target-m", [0.95, 0.9]), ("draft-m", [0.5]), ("ingress", []))}
+    decisions, state = PoolAutoscalingPolicy(goal_busy_fraction=0.7)(contexts)
+    assert decisions == {"target-m": 3, "draft-m": math.ceil(0.5 / 1.85 * 3)} and "ingress" not in decisions
+    idle = {n: _ctx(n, b) for n, b in (("target-m", [0.05, 0.0]), ("draft-m", [0.01, 0.0]))}
+    assert PoolAutoscalingPolicy()(idle)[0] == {"target-m": 1, "draft-m": 1}
+    with pytest.raises(ValueError):
+        PoolAutoscalingPolicy(goal_busy_fraction=0)
