@@ -30,14 +30,15 @@ class _WorkerActor:
     def _servicer(self):
         raise NotImplementedError
 
-    async def start(self) -> str:
+    async def start(self, secret: str | None = None) -> str:
         """Start the gRPC server on this node (inside the actor's event loop) unless it runs; returns its address.
-        Called again after Ray restarts the actor, which comes back with a fresh process and a new port."""
+        Called again after Ray restarts the actor, which comes back with a fresh process and a new port. With
+        `secret`, the server accepts only calls carrying it (the deployment's shared secret)."""
         from specserve.workers.grpc_service import create_server
 
         if getattr(self, "address", None) is None:
             self.servicer = self._servicer()
-            self.server, port = await create_server(self.servicer, "0.0.0.0:0")
+            self.server, port = await create_server(self.servicer, "0.0.0.0:0", secret)
             self.address = f"{_host()}:{port}"
         return self.address
 
@@ -91,8 +92,11 @@ class SchedulerActor:
         draft_addresses: dict[str, str],
         target_addresses: dict[str, str],
         workers: dict | None = None,
+        secret: str | None = None,
     ):
-        """workers: name -> actor handle, to reach a worker again after Ray restarts it."""
+        """workers: name -> actor handle, to reach a worker again after Ray restarts it. secret: the workers'
+        shared secret, sent with every call."""
+        self.secret = secret
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
@@ -113,8 +117,8 @@ class SchedulerActor:
             from specserve.cluster.worker_clients import DraftClient, TargetClient
 
             timeout = self.config.call_timeout_s
-            drafts = {n: DraftClient(a, timeout) for n, a in self.draft_addresses.items()}
-            targets = {n: TargetClient(a, timeout) for n, a in self.target_addresses.items()}
+            drafts = {n: DraftClient(a, timeout, self.secret) for n, a in self.draft_addresses.items()}
+            targets = {n: TargetClient(a, timeout, self.secret) for n, a in self.target_addresses.items()}
             scheduler = Scheduler(list(drafts), list(targets), cost_ratio=self.config.cost_ratio)
             self.pipeline = Pipeline(
                 scheduler, drafts, targets, predraft=self.config.predraft, reconnect=self._reconnect
@@ -130,7 +134,7 @@ class SchedulerActor:
             return None
 
         async def restarted() -> str:
-            return await handle.start.remote()
+            return await handle.start.remote(self.secret)
 
         try:
             return await asyncio.wait_for(restarted(), self.config.restart_timeout_s)

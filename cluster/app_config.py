@@ -108,12 +108,23 @@ class IngressConfig(_Strict):
     worker_wait_s: float = Field(600.0, gt=0, description="How long a request waits for the pools to come up.")
 
 
+class AuthConfig(_Strict):
+    """Who may call the public endpoints."""
+
+    api_key_env: str | None = Field(
+        "SPECSERVE_API_KEY", min_length=1, description="Environment variable holding the API key. When it is set "
+        "(non-empty) on the ingress, gRPC and HTTP calls need 'authorization: Bearer <key>' (UNAUTHENTICATED / 401 "
+        "otherwise); keys never go in this file. None: no API key, whatever the environment says."
+    )  # fmt: skip
+
+
 class AppConfig(_Strict):
     """Everything `build_app` needs: the served models, their pools, limits and the ingress."""
 
     models: list[ModelPairConfig] = Field(default_factory=lambda: [ModelPairConfig()], min_length=1)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     autoscaling_goal_busy_fraction: float = Field(
         0.7, gt=0, le=1, description="Busy fraction the pool autoscaling policy sizes each pool's replicas for."
     )

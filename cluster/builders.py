@@ -3,6 +3,7 @@ the cluster offers, so the actor bodies in cluster/actors.py stay plain classes.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import ray
@@ -42,8 +43,8 @@ def target_vocab_size(config: DistributedConfig) -> int:
     return AutoConfig.from_pretrained(config.target.model.path, local_files_only=True).get_text_config().vocab_size
 
 
-def _start(handles: dict[str, ray.actor.ActorHandle], timeout_s: float) -> dict[str, str]:
-    addresses = ray.get([h.start.remote() for h in handles.values()], timeout=timeout_s)
+def _start(handles: dict[str, ray.actor.ActorHandle], timeout_s: float, secret: str) -> dict[str, str]:
+    addresses = ray.get([h.start.remote(secret) for h in handles.values()], timeout=timeout_s)
     return dict(zip(handles, addresses, strict=True))
 
 
@@ -62,11 +63,12 @@ def deploy(config: DistributedConfig, timeout_s: float = 300.0) -> Deployment:
             f"draft-{i}": draft_cls.options(**actor_options(config.draft)).remote(config.draft, vocab)
             for i in range(config.draft.replicas)
         }
-    target_addresses = _start(targets, timeout_s)
-    draft_addresses = _start(drafts, timeout_s)
+    secret = secrets.token_urlsafe(32)  # worker ports accept only this deployment's scheduler
+    target_addresses = _start(targets, timeout_s, secret)
+    draft_addresses = _start(drafts, timeout_s, secret)
     scheduler = (
         ray.remote(SchedulerActor)
         .options(num_cpus=0)
-        .remote(config, draft_addresses, target_addresses, {**drafts, **targets})
+        .remote(config, draft_addresses, target_addresses, {**drafts, **targets}, secret)
     )
     return Deployment(scheduler, drafts, targets, draft_addresses, target_addresses)

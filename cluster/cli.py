@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from specserve.workers.errors import SpecServeError
@@ -24,6 +25,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--address", default="127.0.0.1:9000", help="gRPC address of a running `specserve serve`")
     p.add_argument("--stream", action="store_true", help="print tokens as each round commits them (server mode)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the call, seconds (server mode)")
+    p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+                   help="the server's API key (default: $SPECSERVE_API_KEY)")  # fmt: skip
     p.add_argument(
         "--distributed",
         action="store_true",
@@ -89,7 +92,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     if args.k is not None:
         kw["k"] = args.k
     try:
-        with SpecServeClient(args.address, timeout_s=args.timeout) as client:
+        with SpecServeClient(args.address, timeout_s=args.timeout, token=args.api_key) as client:
             if not args.stream:
                 _print_result(client.generate(args.prompt, **kw), args.json)
                 return 0

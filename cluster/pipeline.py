@@ -68,7 +68,7 @@ class Pipeline:
             if address is None:
                 self.scheduler.mark_unhealthy(worker)
                 return
-            clients[worker] = type(failed_client)(address, failed_client.timeout_s)
+            clients[worker] = type(failed_client)(address, failed_client.timeout_s, failed_client.secret)
             # The old channel is left open: other requests' in-flight calls on it fail as UNAVAILABLE and are
             # retried; closing it would cancel them instead.
             self.scheduler.forget_worker(worker)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.errors import InvalidRequestError, KVCapacityError, UnavailableError
+from specserve.workers.errors import InvalidRequestError, KVCapacityError, UnauthenticatedError, UnavailableError
 
 
 def request_fields(request: pb.GenerateRequest) -> tuple[str, str | list[int], dict, dict]:
@@ -43,6 +43,8 @@ def status_for(error: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(error, KVCapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
@@ -54,6 +56,8 @@ def http_status_for(error: BaseException) -> tuple[int, str]:
         return 400, "invalid_request_error"
     if isinstance(error, UnavailableError):
         return 503, "service_unavailable"
+    if isinstance(error, UnauthenticatedError):
+        return 401, "authentication_error"
     if isinstance(error, KVCapacityError):
         return 429, "rate_limit_exceeded"
     return 500, "internal_error"

@@ -8,6 +8,7 @@ it (`registry_actor`); the class itself is plain and unit-tested alone.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import asdict, dataclass
 
@@ -31,6 +32,12 @@ class WorkerRegistry:
         self._members: dict[str, Member] = {}
         self._seen: dict[str, float] = {}
         self.version = 0  # bumped on every change, so pollers can skip unchanged snapshots
+        self._secret = secrets.token_urlsafe(32)
+
+    def secret(self) -> str:
+        """The app's worker secret: pool replicas require it on their gRPC ports, the ingress sends it. It lives
+        only in this actor (reachable through Ray's authenticated control plane), never in a config file."""
+        return self._secret
 
     def register(self, model: str, kind: str, worker_id: str, address: str) -> int:
         if kind not in ("draft", "target"):

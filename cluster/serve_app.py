@@ -9,6 +9,8 @@ directly, per request, with the KV state protocol) and register its address in t
 
 import asyncio
 import contextlib
+import hmac
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +23,7 @@ from specserve.cluster import openai_api as oai
 from specserve.cluster.app_config import APP_NAME, DEMO, AppConfig, ModelPairConfig, app_config
 from specserve.cluster.public_proto import http_status_for, request_fields, response, status_for
 from specserve.cluster.registry import registry_actor
-from specserve.workers.errors import InvalidRequestError, SpecServeError
+from specserve.workers.errors import InvalidRequestError, SpecServeError, UnauthenticatedError
 
 HEARTBEAT_S = 5.0
 POLL_S = 1.0
@@ -74,13 +76,13 @@ class PoolWorker:
             vocab = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config().vocab_size
             self.body = DraftWorkerActor(pool, vocab)
             self.store = self.body.worker.store
-        self.address = await self.body.start()
+        self.registry = registry_actor(_app_name())
+        self.address = await self.body.start(await self.registry.secret.remote())
         self.model, self.kind = cfg.name, kind
         ctx = serve.get_replica_context()
         self.worker_id = f"{kind}-{cfg.name}-{ctx.replica_id.unique_id}"
         self.node = ray.get_runtime_context().get_node_id()
         self.host = _host()
-        self.registry = registry_actor(_app_name())
         self.metrics = WorkerMetrics()
         await self._register()
         self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
@@ -133,6 +135,8 @@ class SpecServeIngress:
         paths = {m.name: resolve_paths(m) for m in self.config.models}
         self.service = SpecService(self.config, paths, metrics=ServiceMetrics())
         self.created = int(time.time())
+        env = self.config.auth.api_key_env
+        self._api_key = (os.environ.get(env) or None) if env else None
         self._poller: asyncio.Task | None = None
         self._version = -1
 
@@ -141,6 +145,7 @@ class SpecServeIngress:
     async def _ensure_polling(self) -> None:
         if self._poller is None or self._poller.done():
             self.registry = registry_actor(_app_name())
+            self.service.secret = await self.registry.secret.remote()
             await self._poll_once()
             self._poller = asyncio.get_running_loop().create_task(self._poll())
 
@@ -168,10 +173,22 @@ class SpecServeIngress:
         for m in self.config.models:
             await self.service.wait_ready(m.name, timeout_s)
 
+    def _check_key(self, authorization: str | None) -> None:
+        if self._api_key is None:
+            return
+        sent = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(sent.encode(), self._api_key.encode()):
+            raise UnauthenticatedError("missing or wrong API key (send 'authorization: Bearer <key>')")
+
+    def _check_grpc_key(self, grpc_context) -> None:
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        self._check_key(metadata.get("authorization"))
+
     # -- gRPC: the public SpecServe service ------------------------------------------------------------------------
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method name
         try:
+            self._check_grpc_key(grpc_context)
             await self._ensure_polling()
             prepared = self.service.prepare(*request_fields(request))
             out = await self.service.generate(prepared)
@@ -182,6 +199,7 @@ class SpecServeIngress:
 
     async def GenerateStream(self, request, grpc_context):  # noqa: N802 - gRPC method name
         try:
+            self._check_grpc_key(grpc_context)
             await self._ensure_polling()
             prepared = self.service.prepare(*request_fields(request))
             async for chunk in self.service.run(prepared):
@@ -193,7 +211,11 @@ class SpecServeIngress:
     # -- HTTP: OpenAI-compatible -----------------------------------------------------------------------------------
 
     @http_app.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._check_key(request.headers.get("authorization"))
+        except UnauthenticatedError as e:
+            return _http_error(e)
         return JSONResponse(oai.models_list([m.name for m in self.config.models], self.created))
 
     @http_app.get("/health")
@@ -211,6 +233,7 @@ class SpecServeIngress:
 
     async def _openai(self, request: Request, chat: bool):
         try:
+            self._check_key(request.headers.get("authorization"))
             await self._ensure_polling()
             body = await _json_body(request, self.config.limits.max_request_bytes)
             if chat:

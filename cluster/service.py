@@ -91,6 +91,7 @@ class SpecService:
 
         self.app = app
         self.metrics = metrics
+        self.secret: str | None = None  # the workers' shared secret, sent with every worker call
         self.models: dict[str, ModelServing] = {}
         for m in app.models:
             target_path, _ = resolved_paths[m.name]
@@ -125,9 +126,9 @@ class SpecService:
                     continue
                 serving.addresses[worker_id] = row["address"]
                 if row["kind"] == "draft":
-                    serving.pipeline.drafts[worker_id] = DraftClient(row["address"], timeout)
+                    serving.pipeline.drafts[worker_id] = DraftClient(row["address"], timeout, self.secret)
                 else:
-                    serving.pipeline.targets[worker_id] = TargetClient(row["address"], timeout)
+                    serving.pipeline.targets[worker_id] = TargetClient(row["address"], timeout, self.secret)
                 serving.scheduler.add_worker(row["kind"], worker_id)
             serving.changed.set()
             serving.changed = asyncio.Event()

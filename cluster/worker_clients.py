@@ -9,7 +9,7 @@ from specserve.cluster.scheduler import Call
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import SamplingParams
-from specserve.workers.grpc_service import GRPC_OPTIONS, sampling_to_proto
+from specserve.workers.grpc_service import GRPC_OPTIONS, SECRET_METADATA, sampling_to_proto
 
 
 class WorkerLostRequest(Exception):
@@ -21,20 +21,23 @@ class WorkerUnavailable(Exception):
 
 
 _LOST = {grpc.StatusCode.NOT_FOUND}
+# UNAUTHENTICATED: the worker does not share our secret (a replica of another deployment): not usable either.
 _DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-         grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # fmt: skip
+         grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAUTHENTICATED}  # fmt: skip
 
 
 class _Client:
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, secret: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
+        self.secret = secret
+        self.metadata = ((SECRET_METADATA, secret),) if secret else None
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.wire_bytes = 0  # serialized request + response bytes of every call
 
     async def _invoke(self, method, message):
         try:
-            response = await method(message, timeout=self.timeout_s)
+            response = await method(message, timeout=self.timeout_s, metadata=self.metadata)
             self.wire_bytes += message.ByteSize() + response.ByteSize()
             return response
         except grpc.aio.AioRpcError as e:
@@ -55,8 +58,8 @@ class _Client:
 
 
 class DraftClient(_Client):
-    def __init__(self, address: str, timeout_s: float = 30.0):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None):
+        super().__init__(address, timeout_s, secret)
         self.stub = pb_grpc.DraftWorkerStub(self.channel)
 
     async def propose(self, call: Call, params: SamplingParams) -> tuple[list[int], bytes]:
@@ -75,8 +78,8 @@ class DraftClient(_Client):
 
 
 class TargetClient(_Client):
-    def __init__(self, address: str, timeout_s: float = 30.0):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None):
+        super().__init__(address, timeout_s, secret)
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
     async def verify(self, call: Call, params: SamplingParams) -> tuple[int, int]:

@@ -34,3 +34,7 @@ class RequestNotFoundError(SpecServeError, KeyError):
 
 class UnavailableError(SpecServeError):
     """No worker can serve the request right now (pools starting, or every worker of a pool failed): retry later."""
+
+
+class UnauthenticatedError(SpecServeError):
+    """A public call without the configured API key (gRPC UNAUTHENTICATED, HTTP 401)."""

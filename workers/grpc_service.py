@@ -5,6 +5,7 @@ answering (health checks, new calls) while a forward pass runs."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -131,9 +132,35 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
         return pb.PrefillResponse(cached_len=cached)
 
 
-async def create_server(servicer: _Servicer, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server for a draft or target servicer; returns (server, bound port). Port 0 picks a free one."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+SECRET_METADATA = "x-specserve-secret"
+
+
+class SecretInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call that does not carry the cluster's shared secret (UNAUTHENTICATED): worker ports accept
+    only the scheduler, never a stray client on the network."""
+
+    def __init__(self, secret: str):
+        self._secret = secret.encode()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        sent = dict(handler_call_details.invocation_metadata or ()).get(SECRET_METADATA, "")
+        if hmac.compare_digest(str(sent).encode(), self._secret):
+            return await continuation(handler_call_details)
+        return self._deny
+
+
+async def create_server(
+    servicer: _Servicer, address: str = "127.0.0.1:0", secret: str | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server for a draft or target servicer; returns (server, bound port). Port 0 picks a free one.
+    With `secret`, calls without it are rejected (UNAUTHENTICATED)."""
+    interceptors = [SecretInterceptor(secret)] if secret else []
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     if isinstance(servicer, DraftWorkerServicer):
         pb_grpc.add_DraftWorkerServicer_to_server(servicer, server)
     else:

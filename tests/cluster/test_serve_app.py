@@ -199,7 +199,7 @@ def test_metrics_move_by_the_expected_amounts(server, client):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     def positions(key):
-        return sum(delta(f"{key}total" + f'position="{i}"') for i in range(1, 17))
+        return sum(delta(key + f'position="{i}"') for i in range(1, 17))
 
     s = out["stats"]
     assert delta("ray_specserve_rounds_total") == s["rounds"]

@@ -8,7 +8,7 @@ import pytest
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.config import ModelConfig
+from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.loading import load_model
 from specserve.workers.testing import LocalWorkers
 
@@ -112,3 +112,36 @@ def test_prefill_then_verify_sends_no_tokens_again(models):
     prefill, warm, cold = asyncio.run(main())
     assert prefill.cached_len == 3  # all but the last token, which the first Verify feeds
     assert (warm.accepted, warm.next_token) == (cold.accepted, cold.next_token)
+
+
+def test_worker_with_a_secret_rejects_calls_without_it(models):
+    from specserve.cluster.worker_clients import DraftClient
+    from specserve.workers.draft_worker import DraftWorker
+    from specserve.workers.drafters import ModelDrafter
+    from specserve.workers.grpc_service import DraftWorkerServicer, create_server
+    from specserve.workers.runner import ModelRunner
+
+    target, draft = models
+
+    async def main():
+        runner = ModelRunner(draft, KVCacheConfig(), vocab_size=target.vocab_size)
+        worker = DraftWorker(ModelDrafter(runner), target.vocab_size, "draft", runner.store)
+        server, port = await create_server(DraftWorkerServicer(worker), "127.0.0.1:0", secret="s3cret")
+        address = f"127.0.0.1:{port}"
+        try:
+            codes = []
+            for secret in (None, "wrong"):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    metadata = (("x-specserve-secret", secret),) if secret else None
+                    try:
+                        await pb_grpc.DraftWorkerStub(channel).Health(pb.HealthRequest(), timeout=10, metadata=metadata)
+                    except grpc.aio.AioRpcError as e:
+                        codes.append((e.code(), e.details()))
+            health = await DraftClient(address, 10, "s3cret").health()
+            return codes, health
+        finally:
+            await server.stop(None)
+
+    codes, health = asyncio.run(main())
+    assert codes == [(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")] * 2
+    assert health.healthy
