@@ -103,7 +103,11 @@ class LimitsConfig(_Strict):
 class IngressConfig(_Strict):
     replicas: int = Field(1, gt=0, le=64, description="Ingress (scheduler) replicas.")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
-    max_ongoing_requests: int = Field(256, gt=0, description="Concurrent requests per ingress replica.")
+    max_ongoing_requests: int = Field(256, gt=0, description="Requests Serve routes to one ingress replica.")
+    max_active_requests: int = Field(
+        128, gt=0, description="Requests one ingress replica runs at once; more get RESOURCE_EXHAUSTED / 429 with a "
+        "retry hint instead of queueing without bound."
+    )  # fmt: skip
     call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")
     worker_wait_s: float = Field(600.0, gt=0, description="How long a request waits for the pools to come up.")
 

@@ -45,9 +45,10 @@ class ServiceMetrics:
         self._inflight[model] = self._inflight.get(model, 0) + 1
         self.queue_depth.set(self._inflight[model], tags={"model": model})
 
-    def request_finished(self, model: str, status: str) -> None:
-        self._inflight[model] = max(0, self._inflight.get(model, 0) - 1)
-        self.queue_depth.set(self._inflight[model], tags={"model": model})
+    def request_finished(self, model: str, status: str, started: bool = True) -> None:
+        if started:
+            self._inflight[model] = max(0, self._inflight.get(model, 0) - 1)
+            self.queue_depth.set(self._inflight[model], tags={"model": model})
         self.requests.inc(1, tags={"model": model, "status": status})
 
     def round(self, model: str, before: dict, after: dict, committed: int, seconds: float, first: bool,

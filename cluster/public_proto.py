@@ -5,7 +5,13 @@ from __future__ import annotations
 import grpc
 
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.errors import InvalidRequestError, KVCapacityError, UnauthenticatedError, UnavailableError
+from specserve.workers.errors import (
+    InvalidRequestError,
+    KVCapacityError,
+    OverloadedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 
 
 def request_fields(request: pb.GenerateRequest) -> tuple[str, str | list[int], dict, dict]:
@@ -45,7 +51,7 @@ def status_for(error: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(error, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED
-    if isinstance(error, KVCapacityError):
+    if isinstance(error, KVCapacityError | OverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
 
@@ -58,6 +64,6 @@ def http_status_for(error: BaseException) -> tuple[int, str]:
         return 503, "service_unavailable"
     if isinstance(error, UnauthenticatedError):
         return 401, "authentication_error"
-    if isinstance(error, KVCapacityError):
+    if isinstance(error, KVCapacityError | OverloadedError):
         return 429, "rate_limit_exceeded"
     return 500, "internal_error"

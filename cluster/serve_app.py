@@ -10,6 +10,7 @@ directly, per request, with the KV state protocol) and register its address in t
 import asyncio
 import contextlib
 import hmac
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from specserve.cluster import openai_api as oai
 from specserve.cluster.app_config import APP_NAME, DEMO, AppConfig, ModelPairConfig, app_config
 from specserve.cluster.public_proto import http_status_for, request_fields, response, status_for
 from specserve.cluster.registry import registry_actor
-from specserve.workers.errors import InvalidRequestError, SpecServeError, UnauthenticatedError
+from specserve.workers.errors import InvalidRequestError, OverloadedError, SpecServeError, UnauthenticatedError
 
 HEARTBEAT_S = 5.0
 POLL_S = 1.0
@@ -247,6 +248,7 @@ class SpecServeIngress:
                 out = await self.service.generate(prepared)
                 return JSONResponse(oai.completion_response(rid, prepared.model, out, chat))
             await self.service.wait_ready(prepared.model)
+            self.service.check_capacity(prepared.model)  # before the 200 and its headers are sent
             return StreamingResponse(self._sse(rid, prepared, parsed.include_usage, chat),
                                      media_type="text/event-stream")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
@@ -297,7 +299,9 @@ def _http_error(error: BaseException) -> JSONResponse:
     status, kind = http_status_for(error)
     message = str(error) if isinstance(error, SpecServeError) else f"internal error: {error!r}"
     code = "model_not_found" if getattr(error, "field", None) == "model" else None
-    return JSONResponse(oai.error_body(message, kind, getattr(error, "field", None), code), status_code=status)
+    headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if isinstance(error, OverloadedError) else None
+    body = oai.error_body(message, kind, getattr(error, "field", None), code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _pool_options(name: str, pool) -> dict:

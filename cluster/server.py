@@ -46,7 +46,7 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     http = config.get("http_options") or {}
     grpc_opts = config.get("grpc_options") or {}
     serve.start(
-        http_options=HTTPOptions(host=http.get("host", "127.0.0.1"), port=http.get("port", 8000)),
+        http_options=HTTPOptions(**{"host": "127.0.0.1", "port": 8000, **http}),  # TLS: ssl_keyfile/ssl_certfile
         grpc_options=gRPCOptions(**grpc_opts),
     )
     name = app_entry.get("name", APP_NAME)
@@ -64,7 +64,7 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     return {
         "app": name,
         "grpc": f"{host}:{grpc_opts.get('port', 9000)}",
-        "http": f"http://{host}:{http.get('port', 8000)}",
+        "http": f"{'https' if http.get('ssl_certfile') else 'http'}://{host}:{http.get('port', 8000)}",
         "metrics": f"http://{host}:{metrics_port}/metrics" if metrics_port else None,
         "started_ray": started_ray,
     }

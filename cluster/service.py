@@ -20,7 +20,7 @@ from specserve.cluster.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import SamplingParams, SpecParams, validate
 from specserve.workers.engine import check_request, encode_prompt
-from specserve.workers.errors import InvalidRequestError, UnavailableError
+from specserve.workers.errors import InvalidRequestError, OverloadedError, UnavailableError
 
 
 @dataclass
@@ -92,6 +92,7 @@ class SpecService:
         self.app = app
         self.metrics = metrics
         self.secret: str | None = None  # the workers' shared secret, sent with every worker call
+        self.active = 0  # requests running now (admission control)
         self.models: dict[str, ModelServing] = {}
         for m in app.models:
             target_path, _ = resolved_paths[m.name]
@@ -216,9 +217,19 @@ class SpecService:
         check_request(ids, params, serving.vocab_size, serving.max_positions)
         return Prepared(cfg.name, ids, params, spec)
 
+    def check_capacity(self, model: str) -> None:
+        """Admission control: OverloadedError (RESOURCE_EXHAUSTED / 429 with a retry hint) at the replica's limit."""
+        limit = self.app.ingress.max_active_requests
+        if self.active >= limit:
+            if self.metrics:
+                self.metrics.request_finished(model, "rejected", started=False)
+            raise OverloadedError(f"{self.active} requests are running, the limit of this replica is {limit}")
+
     async def run(self, req: Prepared) -> AsyncIterator[Chunk]:
         """Run a prepared request; yields one Chunk per round (the last one carries finish_reason)."""
         serving = self.models[req.model]
+        self.check_capacity(req.model)
+        self.active += 1
         started = time.perf_counter()
         status = "error"
         if self.metrics:
@@ -265,6 +276,7 @@ class SpecService:
             status = "cancelled"
             raise
         finally:
+            self.active -= 1
             if self.metrics:
                 self.metrics.request_finished(req.model, status)
 

@@ -38,3 +38,15 @@ class UnavailableError(SpecServeError):
 
 class UnauthenticatedError(SpecServeError):
     """A public call without the configured API key (gRPC UNAUTHENTICATED, HTTP 401)."""
+
+
+class OverloadedError(SpecServeError):
+    """The server is at its configured capacity: retry after `retry_after_s` (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        self.retry_after_s = retry_after_s
+        self.message = message
+        super().__init__(f"{message}; retry after {retry_after_s:g} s")
+
+    def __reduce__(self):
+        return type(self), (self.message, self.retry_after_s)

@@ -1,0 +1,133 @@
+"""Security and admission on a running Serve app: the public gRPC and HTTP endpoints require the API key when one is
+set (UNAUTHENTICATED / 401 otherwise), HTTP over TLS, the pools' worker ports reject calls without the app's shared
+secret, and requests above the configured capacity get RESOURCE_EXHAUSTED / 429 with a retry hint, never a hang."""
+
+import datetime
+import ipaddress
+import json
+import ssl
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+
+from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.client import SpecServeClient
+from specserve.cluster.registry import REGISTRY_NAMESPACE, registry_name
+from specserve.cluster.server import start, stop
+from specserve.protos import specserve_pb2 as pb
+from specserve.protos import specserve_pb2_grpc as pb_grpc
+
+from .test_serve_app import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def self_signed(tmp_path) -> tuple[str, str]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    key_file, cert_file = tmp_path / "key.pem", tmp_path / "cert.pem"
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))  # fmt: skip
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(key_file), str(cert_file)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECSERVE_TEST_API_KEY", "k-123")  # inherited by the local Ray's workers
+    app = AppConfig.model_validate(
+        {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu",
+                     "target_pool": {"num_cpus": 0.5}}],
+         "ingress": {"num_cpus": 0.5, "max_active_requests": 2}, "auth": {"api_key_env": "SPECSERVE_TEST_API_KEY"}}
+    )  # fmt: skip
+    config = serve_config(app, grpc_port=free_port(), http_port=free_port())
+    key_file, cert_file = self_signed(tmp_path_factory.mktemp("tls"))
+    config["http_options"].update(ssl_keyfile=key_file, ssl_certfile=cert_file)
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    info = start(config, ready_timeout_s=300)
+    info["tls"] = ssl.create_default_context(cafile=cert_file)
+    yield info
+    stop({**info, "started_ray": False})
+    ray.shutdown()
+    mp.undo()
+
+
+def post(server, path: str, body: dict, key: str | None) -> tuple[int, dict, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(server["http"] + path, json.dumps(body).encode(), headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120, context=server["tls"]) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_grpc_requires_the_api_key(server):
+    for token in (None, "wrong"):
+        with SpecServeClient(server["grpc"], timeout_s=60, token=token) as client, pytest.raises(grpc.RpcError) as e:
+            client.generate("def f(x):", max_new_tokens=4)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
+    with SpecServeClient(server["grpc"], timeout_s=60, token="k-123") as client:
+        assert len(client.generate("def f(x):", max_new_tokens=4)["token_ids"]) == 4
+
+
+def test_https_requires_the_api_key(server):
+    assert server["http"].startswith("https://")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 0}
+    for key in (None, "wrong"):
+        status, _, out = post(server, "/v1/completions", body, key)
+        assert status == 401 and out["error"]["type"] == "authentication_error"
+    status, _, out = post(server, "/v1/completions", body, "k-123")
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # an untrusting client
+        urllib.request.urlopen(server["http"] + "/health", timeout=30, context=ssl.create_default_context())
+
+
+def test_above_capacity_requests_are_told_to_retry_and_the_rest_complete(server):
+    def grpc_call(_):
+        with SpecServeClient(server["grpc"], timeout_s=120, token="k-123", retries=0) as client:
+            try:
+                return client.generate("def f(x):", max_new_tokens=150, method="none")["token_ids"]
+            except grpc.RpcError as e:
+                return e.code(), e.details()
+
+    def http_call(_):
+        return post(server, "/v1/completions", {"model": "tiny", "prompt": "def f(x):", "max_tokens": 150,
+                                                "temperature": 0}, "k-123")  # fmt: skip
+
+    with ThreadPoolExecutor(12) as pool:
+        grpc_results = list(pool.map(grpc_call, range(6)))
+        http_results = list(pool.map(http_call, range(6)))
+    done = [r for r in grpc_results if isinstance(r, list)]
+    rejected = [r for r in grpc_results if not isinstance(r, list)]
+    assert done and all(r == done[0] for r in done)
+    assert rejected and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in d for code, d in rejected)
+    assert {s for s, _, _ in http_results} <= {200, 429} and 429 in {s for s, _, _ in http_results}
+    assert all(h["retry-after"] == "1" for s, h, _ in http_results if s == 429)
+    with SpecServeClient(server["grpc"], timeout_s=120, token="k-123") as client:  # still serving
+        assert client.generate("def f(x):", max_new_tokens=150, method="none")["token_ids"] == done[0]
+
+
+def test_worker_ports_reject_calls_without_the_app_secret(server):
+    registry = ray.get_actor(registry_name("specserve"), namespace=REGISTRY_NAMESPACE)
+    _, members = ray.get(registry.members.remote())
+    (target,) = [m for m in members if m["kind"] == "target"]
+    with grpc.insecure_channel(target["address"]) as channel, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.TargetWorkerStub(channel).Health(pb.HealthRequest(), timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
