@@ -295,7 +295,12 @@ async def _json_body(request: Request, max_bytes: int) -> Any:
         raise InvalidRequestError("body", f"is not valid JSON: {e.msg} at position {e.pos}") from None
 
 
+_HTTP_FIELD_NAMES = {"max_new_tokens": "max_tokens"}  # OpenAI's names for the fields it names differently
+
+
 def _http_error(error: BaseException) -> JSONResponse:
+    if isinstance(error, InvalidRequestError) and error.field in _HTTP_FIELD_NAMES:
+        error = InvalidRequestError(_HTTP_FIELD_NAMES[error.field], error.message)
     status, kind = http_status_for(error)
     message = str(error) if isinstance(error, SpecServeError) else f"internal error: {error!r}"
     code = "model_not_found" if getattr(error, "field", None) == "model" else None
