@@ -6,7 +6,8 @@
             print(chunk["text"], end="")
 
 Every call has a deadline. Generate is idempotent (a request holds no server-side state once it fails), so UNAVAILABLE
-answers (a restarting ingress or proxy) are retried with backoff; streams are not retried once a chunk has arrived.
+answers and ingress replicas dying mid-call are retried with backoff; streams are never retried (they may have
+delivered chunks already): they end with an error status instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.grpc_service import GRPC_OPTIONS
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+# Serve's proxy reports an ingress replica that died mid-call as INTERNAL naming Ray's actor error: the call did not
+# complete, so an idempotent Generate is retried like UNAVAILABLE.
+_DIED = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
+
+
+def _retryable(error: grpc.RpcError) -> bool:
+    if error.code() in _RETRYABLE:
+        return True
+    return error.code() == grpc.StatusCode.INTERNAL and any(m in (error.details() or "") for m in _DIED)
 
 
 class SpecServeClient:
@@ -83,7 +93,7 @@ class SpecServeClient:
             try:
                 return _to_dict(self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata))
             except grpc.RpcError as e:
-                if e.code() not in _RETRYABLE or attempt == self.retries:
+                if not _retryable(e) or attempt == self.retries:
                     raise
                 time.sleep(delay)
                 delay *= 2

@@ -315,7 +315,10 @@ def _pool_options(name: str, pool) -> dict:
         actor["num_gpus"] = pool.num_gpus
     if pool.resources:
         actor["resources"] = dict(pool.resources)
-    options: dict = {"name": name, "ray_actor_options": actor, "max_ongoing_requests": 16}
+    # A short health-check period: Serve notices a dead pool replica and starts its replacement within seconds
+    # (requests meanwhile run target-only or on the other target replicas).
+    options: dict = {"name": name, "ray_actor_options": actor, "max_ongoing_requests": 16,
+                     "health_check_period_s": 2.0, "health_check_timeout_s": 20.0}  # fmt: skip
     if pool.autoscaling is not None:
         options["autoscaling_config"] = pool.autoscaling.model_dump()
     else:
