@@ -108,7 +108,10 @@ class PoolWorker:
         last_t, last_busy = getattr(self, "_last_stats", (now, busy))
         self._last_stats = (now, busy)
         fraction = (busy - last_busy) / (now - last_t) if now > last_t else 0.0
-        return {"busy_fraction": min(1.0, max(0.0, fraction)), "requests": float(len(self.store or ()))}
+        return {
+            "busy_fraction": min(1.0, max(0.0, fraction)),
+            "requests": float(len(self.store) if self.store is not None else 0),
+        }
 
     async def check_health(self) -> None:
         if self._beat.done():

@@ -43,7 +43,7 @@ class DraftWorker:
         return {
             "healthy": True,
             "requests": len(self.committed),
-            "kv_used_tokens": self.store.used_tokens if self.store else 0,
-            "kv_capacity_tokens": self.store.capacity_tokens if self.store else 0,
+            "kv_used_tokens": self.store.used_tokens if self.store is not None else 0,
+            "kv_capacity_tokens": self.store.capacity_tokens if self.store is not None else 0,
             "model": self.model_name,
         }

@@ -144,4 +144,4 @@ def test_worker_with_a_secret_rejects_calls_without_it(models):
 
     codes, health = asyncio.run(main())
     assert codes == [(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")] * 2
-    assert health.healthy
+    assert health.healthy and health.kv_capacity_tokens == KVCacheConfig().capacity_tokens  # also when empty
