@@ -239,7 +239,6 @@ def distributed_rows(target_path: str, draft_path: str, prompts: list[list[int]]
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     deployment = deploy(local_config(target_path, draft_path, device=device))
     sampling, spec = {"max_new_tokens": cfg.max_new_tokens}, {"method": "draft", "k": k}
-    rows = []
     try:
         ray.get(deployment.scheduler.generate.remote(prompts[0][:16], {"max_new_tokens": 4}, spec))  # warm-up
         one = Row(f"disaggregated k={k} greedy, 1 stream", "disaggregated", k, 0.0)
@@ -258,13 +257,17 @@ def distributed_rows(target_path: str, draft_path: str, prompts: list[list[int]]
         deployment.shutdown()
         if started:
             ray.shutdown()
-    for row in (one, many):
+    return finish_stream_rows([one, many], base), status
+
+
+def finish_stream_rows(rows: list[Row], base: Row) -> list[Row]:
+    """Fill in throughput, speedup over `base` and the identical check of rows that recorded outputs and seconds."""
+    for row in rows:
         row.tokens = sum(len(o) for o in row.outputs)
         row.tokens_per_s = row.tokens / row.seconds
         row.speedup = row.tokens_per_s / base.tokens_per_s
         row.identical = row.outputs == base.outputs
-        rows.append(row)
-    return rows, status
+    return rows
 
 
 def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> SamplingParams:

@@ -7,7 +7,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from specserve.cluster.bench import BenchConfig, Row
+from specserve.cluster.bench import BenchConfig, Row, finish_stream_rows
 
 
 def _free_port() -> int:
@@ -55,9 +55,4 @@ def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg:
         stop({**info, "started_ray": False})
         if started:
             ray.shutdown()
-    for row in (one, many):
-        row.tokens = sum(len(o) for o in row.outputs)
-        row.tokens_per_s = row.tokens / row.seconds
-        row.speedup = row.tokens_per_s / base.tokens_per_s
-        row.identical = row.outputs == base.outputs
-    return [one, many]
+    return finish_stream_rows([one, many], base)
