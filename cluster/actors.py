@@ -126,20 +126,27 @@ class SchedulerActor:
         return self.pipeline
 
     async def _reconnect(self, worker: str) -> str | None:
-        """The address of the worker's restarted actor, or None when Ray will not restart it."""
+        """The address of the worker's restarted actor, or None when Ray will not restart it. A call that reaches
+        the actor while Ray is still restarting it fails fast (ActorUnavailableError): retried until the deadline."""
         import asyncio
+        import time
 
         handle = self.workers.get(worker)
         if handle is None:
             return None
 
-        async def restarted() -> str:
-            return await handle.start.remote(self.secret)
+        from ray.exceptions import ActorDiedError
 
-        try:
-            return await asyncio.wait_for(restarted(), self.config.restart_timeout_s)
-        except Exception:  # noqa: BLE001 - a dead actor, a failed restart or a timeout all mean "gone"
-            return None
+        deadline = time.monotonic() + self.config.restart_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                remaining = max(1.0, deadline - time.monotonic())
+                return await asyncio.wait_for(handle.start.remote(self.secret), remaining)
+            except ActorDiedError:
+                return None  # out of restarts (or killed for good): the worker is gone
+            except Exception:  # noqa: BLE001 - restarting (ActorUnavailableError), or start failed: try again
+                await asyncio.sleep(0.5)
+        return None
 
     async def generate(self, prompt: str | list[int], sampling: dict, speculation: dict) -> dict:
         """One request; returns the CLI's JSON contract plus scheduling stats."""
