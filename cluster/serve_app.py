@@ -57,7 +57,7 @@ class PoolWorker:
     async def __init__(self, model: dict, kind: str):
         import ray
 
-        from specserve.cluster.actors import DraftWorkerActor, TargetWorkerActor, _host
+        from specserve.cluster.actors import DraftWorkerActor, TargetWorkerActor
         from specserve.cluster.config import PoolConfig
         from specserve.cluster.metrics import WorkerMetrics
         from specserve.workers.config import ModelConfig
@@ -83,7 +83,6 @@ class PoolWorker:
         ctx = serve.get_replica_context()
         self.worker_id = f"{kind}-{cfg.name}-{ctx.replica_id.unique_id}"
         self.node = ray.get_runtime_context().get_node_id()
-        self.host = _host()
         self.metrics = WorkerMetrics()
         await self._register()
         self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
