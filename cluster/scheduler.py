@@ -32,6 +32,9 @@ class Call:
     k: int = 0  # draft calls
     drafted: list[int] = field(default_factory=list)  # verify calls
     draft_probs: bytes = b""  # verify calls
+    # The whole sequence committed_len counts (never sent unless the worker lost the request). Kept on the call
+    # because a concurrent restart may clear what the scheduler remembers telling the worker.
+    sequence: list[int] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -170,13 +173,15 @@ class Scheduler:
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])
         start = common_prefix_length(told, sequence)
-        req.told[worker] = list(sequence)
-        return Call(worker, req.request_id, len(sequence), sequence[start:], **kw)
+        sequence = list(sequence)
+        req.told[worker] = sequence
+        return Call(worker, req.request_id, len(sequence), sequence[start:], sequence=sequence, **kw)
 
     def resend(self, req: SchedRequest, call: Call) -> Call:
         """The worker lost the request: the same call with the whole sequence."""
         req.resent += 1
-        return dataclasses.replace(call, new_tokens=list(req.told[call.worker]))
+        req.told[call.worker] = call.sequence
+        return dataclasses.replace(call, new_tokens=list(call.sequence))
 
     def plan_draft(self, req: SchedRequest, k: int) -> Call:
         return self._call(req, req.draft_worker, req.state.tokens, k=k)

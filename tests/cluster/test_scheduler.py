@@ -30,6 +30,20 @@ def test_a_worker_that_leaves_hands_its_requests_over_and_told_state_is_dropped(
     assert s.healthy("target") == [req.target_worker]
 
 
+def test_a_call_in_flight_when_its_worker_is_replaced_resends_its_whole_sequence():
+    """A restart elsewhere clears what the scheduler told the worker while this call is on the wire; the fresh worker
+    answers "lost", and the re-sent call still carries the whole sequence the call was planned on."""
+    s = Scheduler(["d1"], ["t1"])
+    req = s.add([1, 2, 3], PARAMS, SPEC, frozenset())
+    s.plan_verify(req, [], b"")
+    req.state.commit_round([], 0, 4)
+    call = s.plan_verify(req, [], b"")
+    assert call.new_tokens == [4] and call.committed_len == 4
+    s.forget_worker("t1")
+    again = s.resend(req, call)
+    assert again.new_tokens == [1, 2, 3, 4] and again.committed_len == 4 and req.told["t1"] == [1, 2, 3, 4]
+
+
 def test_requests_reattach_to_a_draft_worker_that_joins_later():
     s = Scheduler(["d1"], ["t1"])
     req = s.add([1, 2], PARAMS, SPEC, frozenset())
