@@ -9,14 +9,16 @@ import torch
 from specserve.workers.config import KVCacheConfig
 from specserve.workers.kv_cache import KVCacheStore
 from specserve.workers.loading import LoadedModel
+from specserve.workers.slot_cache import BatchPlan, batch_mask
 
 
 class ModelRunner:
-    """Runs one model for many requests, each with its own KV cache.
+    """Runs one model for many requests, each with its own KV cache (a slot of one shared buffer).
 
-    The single primitive is `logits_for(request_id, sequence, n)`: the model's logits at the last n positions of
-    `sequence`, computing only the positions the request's cache does not already hold. Rejected draft tokens left in
-    a cache are detected by token comparison and rolled back before anything is fed on top of them.
+    The primitive is `logits_for_batch([(request_id, sequence, n), ...])`: for each row, the model's logits at the
+    last n positions of `sequence`, computing only the positions the request's cache does not already hold, all rows
+    in one forward pass. Rejected draft tokens left in a cache are detected by token comparison and rolled back
+    before anything is fed on top of them.
     """
 
     def __init__(self, loaded: LoadedModel, kv_config: KVCacheConfig, vocab_size: int | None = None):
@@ -27,29 +29,68 @@ class ModelRunner:
         self.store = KVCacheStore(kv_config, bytes_per_token=loaded.kv_bytes_per_token)
         self.forward_calls = 0
         self.forward_positions = 0
+        self.batch_rows = 0  # rows over all forward passes: batch_rows / forward_calls is the mean batch size
 
-    @torch.inference_mode()
     def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
         """Logits predicting the token after each of the last n positions of `sequence`: [n, vocab_size] float32."""
-        if not 1 <= n <= len(sequence):
-            raise ValueError(f"need 1 <= n <= len(sequence), got n={n}, len={len(sequence)}")
-        entry = self.store.sync(request_id, sequence, keep_at_most=len(sequence) - n)
-        start = entry.length
-        new = list(sequence[start:])
-        self.store.reserve(request_id, len(new))
-        input_ids = torch.tensor([new], dtype=torch.long, device=self.device)  # [1, T]
-        positions = torch.arange(start, start + len(new), device=self.device).unsqueeze(0)  # [1, T]
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            past_key_values=entry.cache,
-            use_cache=True,
-            logits_to_keep=n,
+        return self.logits_for_batch([(request_id, sequence, n)])[0]
+
+    @torch.inference_mode()
+    def logits_for_batch(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
+        """One forward pass for many requests: rows of (request_id, sequence, n) -> each row's [n, vocab_size] logits.
+
+        Rows are ragged (own cached length, own number of new tokens) and independent: a row's logits are those it
+        would get alone. Raises KVCapacityError, reserving nothing, when the batch's new positions do not fit."""
+        ids = [rid for rid, _, _ in rows]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a request may appear only once in a batch")
+        for _, sequence, n in rows:
+            if not 1 <= n <= len(sequence):
+                raise ValueError(f"need 1 <= n <= len(sequence), got n={n}, len={len(sequence)}")
+        entries = [self.store.sync(rid, seq, keep_at_most=len(seq) - n) for rid, seq, n in rows]
+        starts = [e.length for e in entries]
+        news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts)]
+        self.store.reserve_batch(ids, [len(new) for new in news])
+        width = max(len(new) for new in news)
+        B = len(rows)
+        input_ids = torch.zeros((B, width), dtype=torch.long)  # [B, T], left-padded
+        positions = torch.zeros((B, width), dtype=torch.long)  # [B, T]
+        writes = torch.empty((B, width), dtype=torch.long)  # [B, T]
+        for b, (new, start) in enumerate(zip(news, starts)):
+            pad = width - len(new)
+            input_ids[b, pad:] = torch.tensor(new)
+            positions[b, pad:] = torch.arange(start, start + len(new))
+            writes[b, pad:] = positions[b, pad:]
+            writes[b, :pad] = torch.arange(start + len(new), start + width)  # dead positions past the row's end
+        slots = [e.slot for e in entries]
+        kv_len = max(start + len(new) for start, new in zip(starts, news))
+        consecutive = slots == list(range(slots[0], slots[0] + B))
+        plan = BatchPlan(
+            slots=torch.tensor(slots, device=self.device),
+            write_positions=writes.to(self.device),
+            kv_len=kv_len,
+            contiguous=slice(slots[0], slots[0] + B) if consecutive else None,
         )
-        self.store.commit(request_id, new)
+        cache = self.store.cache
+        cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
+        lengths = [len(new) for new in news]
+        mask = batch_mask(starts, lengths, width, kv_len, self.model.dtype, self.device)
+        keep = max(n for _, _, n in rows)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        for rid, new in zip(ids, news):
+            self.store.commit(rid, new)
         self.forward_calls += 1
-        self.forward_positions += len(new)
-        return self._fit_vocab(out.logits[0, -n:].float())  # [n, V]
+        self.forward_positions += sum(lengths)
+        self.batch_rows += B
+        logits = out.logits[:, -keep:].float()  # [B, keep, V]
+        return [self._fit_vocab(logits[b, keep - n :]) for b, (_, _, n) in enumerate(rows)]  # each [n, V]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[n, V_model] -> [n, vocab_size]: drop padded rows, or pad with -inf (never sampled)."""

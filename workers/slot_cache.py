@@ -1,0 +1,123 @@
+"""A slot-based KV buffer for continuous batching: one slot per request, per-row lengths, rollback by length.
+
+Each layer keeps keys and values as [slots, max_len, kv_heads, head_dim]. A forward pass over a batch of requests
+writes each row's new keys/values at that row's own positions of its own slot and attends over the first `kv_len`
+positions of the batch's slots, under a 4D mask that hides what lies beyond each row's length. Rolling a request back
+is just forgetting positions (the caller tracks lengths); nothing is copied. Buffers grow by doubling, in slots and in
+length, and shrink back when the requests holding them are released.
+
+This plugs into transformers as a `Cache` (its `update` is what the attention layers call), so any causal LM whose
+layers all use full attention runs batched, ragged and unmodified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+
+@dataclass
+class BatchPlan:
+    """Where the next forward pass reads and writes. B rows, T input columns (left-padded)."""
+
+    slots: torch.Tensor  # [B] long: each row's slot
+    write_positions: torch.Tensor  # [B, T] long: cache position each input column's keys/values go to
+    kv_len: int  # attend over positions [0, kv_len) of each row's slot
+    contiguous: slice | None  # the slots as a slice when they are consecutive (reads are views, not copies)
+
+
+class SlotKVCache(Cache):
+    def __init__(self, initial_slots: int = 4, initial_length: int = 256):
+        super().__init__(layers=[])
+        self._keys: list[torch.Tensor] = []  # per layer: [S, L, H_kv, D]
+        self._values: list[torch.Tensor] = []
+        self._initial = (initial_slots, initial_length)
+        self._slots, self._length = self._initial
+        self._plan: BatchPlan | None = None
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(slots, positions per slot) currently allocated."""
+        return self._slots, self._length
+
+    def plan(self, plan: BatchPlan, max_slot: int, max_position: int) -> None:
+        """Set the batch for the next forward pass, growing the buffers to hold slot `max_slot` and position
+        `max_position` (both inclusive)."""
+        slots, length = self._slots, self._length
+        while slots <= max_slot:
+            slots *= 2
+        while length <= max_position:
+            length *= 2
+        self._resize(slots, length)
+        self._plan = plan
+
+    def shrink(self, slots: int, length: int) -> None:
+        """Give memory back: keep only the first `slots` slots and `length` positions (callers make sure nothing
+        beyond them is live)."""
+        self._resize(max(1, slots), max(1, length))
+
+    def _resize(self, slots: int, length: int) -> None:
+        if (slots, length) == (self._slots, self._length):
+            return
+        for buffers in (self._keys, self._values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros((slots, length, *old.shape[2:]))
+                s, n = min(slots, old.shape[0]), min(length, old.shape[1])
+                new[:s, :n] = old[:s, :n]
+                buffers[i] = new
+        self._slots, self._length = slots, length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states: [B, H_kv, T, D] for the planned rows. Returns [B, H_kv, kv_len, D] keys and values."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("SlotKVCache.plan() must be called before each forward pass")
+        while len(self._keys) <= layer_idx:
+            shape = (self._slots, self._length, key_states.shape[1], key_states.shape[3])
+            self._keys.append(key_states.new_zeros(shape))
+            self._values.append(value_states.new_zeros(shape))
+        rows = plan.slots.unsqueeze(1)  # [B, 1]
+        out = []
+        for buffer, states in ((self._keys[layer_idx], key_states), (self._values[layer_idx], value_states)):
+            buffer[rows, plan.write_positions] = states.transpose(1, 2).to(buffer.dtype)  # [B, T, H_kv, D]
+            if plan.contiguous is not None:
+                read = buffer[plan.contiguous, : plan.kv_len]  # a view
+            else:
+                read = buffer[plan.slots, : plan.kv_len]  # [B, kv_len, H_kv, D]
+            out.append(read.transpose(1, 2))
+        return out[0], out[1]
+
+    # transformers asks these of a cache; with an explicit 4D mask and position ids they only describe the batch.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self._plan is None else self._plan.kv_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return (query_length if self._plan is None else self._plan.kv_len), 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Free every buffer (no request is live)."""
+        self._keys.clear()
+        self._values.clear()
+        self._slots, self._length = self._initial
+        self._plan = None
+
+
+def batch_mask(starts: list[int], lengths: list[int], width: int, kv_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive attention mask [B, 1, width, kv_len] for left-padded rows: row b's input columns
+    width - lengths[b] .. width - 1 are its new tokens at cache positions starts[b] ..; each sees its row's cache up to
+    and including itself. Padding columns see position 0 only (their outputs are discarded)."""
+    B = len(starts)
+    starts_t = torch.tensor(starts, device=device).view(B, 1, 1)
+    lengths_t = torch.tensor(lengths, device=device).view(B, 1, 1)
+    column = torch.arange(width, device=device).view(1, width, 1)
+    key = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+    position = starts_t + column - (width - lengths_t)  # [B, width, 1]: the column's cache position
+    allowed = key <= position.clamp(min=0)
+    mask = torch.zeros((B, width, kv_len), dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1)
