@@ -110,7 +110,7 @@ class KVCacheStore:
     def reserve_batch(self, request_ids: Sequence[str], new_tokens: Sequence[int]) -> None:
         """Check that a batch's new positions fit together; KVCapacityError names the first row that does not."""
         used = self._used
-        for rid, n in zip(request_ids, new_tokens):
+        for rid, n in zip(request_ids, new_tokens, strict=False):
             if used + n > self.capacity_tokens:
                 self.reserve(rid, n + used - self._used)
             used += n

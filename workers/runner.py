@@ -49,21 +49,21 @@ class ModelRunner:
                 raise ValueError(f"need 1 <= n <= len(sequence), got n={n}, len={len(sequence)}")
         entries = [self.store.sync(rid, seq, keep_at_most=len(seq) - n) for rid, seq, n in rows]
         starts = [e.length for e in entries]
-        news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts)]
+        news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts, strict=False)]
         self.store.reserve_batch(ids, [len(new) for new in news])
         width = max(len(new) for new in news)
         B = len(rows)
         input_ids = torch.zeros((B, width), dtype=torch.long)  # [B, T], left-padded
         positions = torch.zeros((B, width), dtype=torch.long)  # [B, T]
         writes = torch.empty((B, width), dtype=torch.long)  # [B, T]
-        for b, (new, start) in enumerate(zip(news, starts)):
+        for b, (new, start) in enumerate(zip(news, starts, strict=False)):
             pad = width - len(new)
             input_ids[b, pad:] = torch.tensor(new)
             positions[b, pad:] = torch.arange(start, start + len(new))
             writes[b, pad:] = positions[b, pad:]
             writes[b, :pad] = torch.arange(start + len(new), start + width)  # dead positions past the row's end
         slots = [e.slot for e in entries]
-        kv_len = max(start + len(new) for start, new in zip(starts, news))
+        kv_len = max(start + len(new) for start, new in zip(starts, news, strict=False))
         consecutive = slots == list(range(slots[0], slots[0] + B))
         plan = BatchPlan(
             slots=torch.tensor(slots, device=self.device),
@@ -84,7 +84,7 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=keep,
         )
-        for rid, new in zip(ids, news):
+        for rid, new in zip(ids, news, strict=False):
             self.store.commit(rid, new)
         self.forward_calls += 1
         self.forward_positions += sum(lengths)

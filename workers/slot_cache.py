@@ -107,7 +107,9 @@ class SlotKVCache(Cache):
         self._plan = None
 
 
-def batch_mask(starts: list[int], lengths: list[int], width: int, kv_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+def batch_mask(
+    starts: list[int], lengths: list[int], width: int, kv_len: int, dtype: torch.dtype, device
+) -> torch.Tensor:
     """Additive attention mask [B, 1, width, kv_len] for left-padded rows: row b's input columns
     width - lengths[b] .. width - 1 are its new tokens at cache positions starts[b] ..; each sees its row's cache up to
     and including itself. Padding columns see position 0 only (their outputs are discarded)."""

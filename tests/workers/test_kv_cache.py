@@ -87,7 +87,7 @@ def test_a_ragged_batch_gives_every_row_its_own_logits(target):
     before = runner.forward_calls
     out = runner.logits_for_batch(rows)
     assert runner.forward_calls == before + 1
-    for (rid, seq, n), logits in zip(rows, out):
+    for (rid, seq, n), logits in zip(rows, out, strict=False):
         assert logits.shape == (n, runner.vocab_size)
         assert torch.allclose(logits, _full_logits(target.model, seq)[-n:], atol=1e-5, rtol=0), rid
         assert runner.store.get(rid).tokens == seq
