@@ -58,11 +58,12 @@ class DraftWorkerActor(_WorkerActor):
         loaded = load_model(pool.model)
         runner = ModelRunner(loaded, pool.kv_cache, vocab_size=target_vocab_size)
         self.worker = DraftWorker(ModelDrafter(runner), target_vocab_size, pool.model.path, runner.store)
+        self.batching = pool.batching
 
     def _servicer(self):
         from specserve.workers.grpc_service import DraftWorkerServicer
 
-        return DraftWorkerServicer(self.worker)
+        return DraftWorkerServicer(self.worker, self.batching)
 
 
 class TargetWorkerActor(_WorkerActor):
@@ -76,11 +77,12 @@ class TargetWorkerActor(_WorkerActor):
 
         loaded = load_model(pool.model)
         self.worker = TargetWorker(TargetVerifier(ModelRunner(loaded, pool.kv_cache)), pool.model.path)
+        self.batching = pool.batching
 
     def _servicer(self):
         from specserve.workers.grpc_service import TargetWorkerServicer
 
-        return TargetWorkerServicer(self.worker)
+        return TargetWorkerServicer(self.worker, self.batching)
 
 
 class SchedulerActor:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specserve.workers.config import MAX_K, KVCacheConfig, validate
+from specserve.workers.config import MAX_K, BatchingConfig, KVCacheConfig, validate
 from specserve.workers.errors import InvalidRequestError
 
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
@@ -57,6 +57,7 @@ class WorkerPoolConfig(_Strict):
     )
     tensor_parallel_size: int = Field(1, gt=0, le=1, description="Ranks per replica (tensor parallelism: issue 6).")
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache capacity per replica.")
+    batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Continuous batching per replica.")
 
 
 class ModelPairConfig(_Strict):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
 
 
 class PoolConfig(BaseModel):
@@ -17,6 +17,7 @@ class PoolConfig(BaseModel):
     resource: str = Field(..., min_length=1, description="Ray custom resource each worker asks for (one unit).")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per worker.")
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache capacity per worker.")
+    batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Continuous batching per worker.")
     max_restarts: int = Field(3, ge=-1, description="Times Ray restarts a dead worker (-1: always).")
 
 

@@ -67,7 +67,7 @@ class PoolWorker:
         pool_cfg = cfg.target_pool if kind == "target" else cfg.draft_pool
         path = target_path if kind == "target" else draft_path
         pool = PoolConfig(model=ModelConfig(path=path, dtype=cfg.dtype, device=cfg.device), resource=f"{kind}_gpu",
-                          kv_cache=pool_cfg.kv_cache)  # fmt: skip
+                          kv_cache=pool_cfg.kv_cache, batching=pool_cfg.batching)  # fmt: skip
         if kind == "target":
             self.body = TargetWorkerActor(pool)
             self.store = self.body.worker.verifier.runner.store

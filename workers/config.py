@@ -95,3 +95,15 @@ def validate(model: type[BaseModel], data: dict) -> BaseModel:
         if others:
             message += " (also: " + "; ".join(f"{name}: {', or '.join(m)}" for name, m in others) + ")"
         raise InvalidRequestError(first, message) from None
+
+
+class BatchingConfig(_Strict):
+    """Continuous batching on a worker: calls that arrive while a forward pass runs join the next one."""
+
+    max_batch_size: int = Field(32, gt=0, le=4096, description="Most requests in one forward pass.")
+    max_batch_tokens: int = Field(
+        4096,
+        gt=0,
+        description="Most new positions one batch may feed (prefills count their whole uncached prompt); a single "
+        "call larger than this still runs, alone.",
+    )

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from specserve.workers.codec import encode_probs
 from specserve.workers.config import SamplingParams
-from specserve.workers.drafters import Drafter
+from specserve.workers.drafters import Drafter, Proposal
+from specserve.workers.errors import InvalidRequestError, RequestNotFoundError
 from specserve.workers.kv_cache import KVCacheStore
-from specserve.workers.worker_state import CommittedTokens, check_token_ids, with_eviction
+from specserve.workers.worker_state import CommittedTokens, check_token_ids, run_batch
+
+
+@dataclass
+class ProposeCall:
+    """One request's drafting, as the KV state protocol delivers it."""
+
+    request_id: str
+    committed_len: int
+    new_tokens: list[int]
+    k: int
+    params: SamplingParams
 
 
 class DraftWorker:
@@ -24,16 +37,47 @@ class DraftWorker:
         self, request_id: str, committed_len: int, new_tokens: Sequence[int], k: int, params: SamplingParams
     ) -> tuple[list[int], bytes, float]:
         """(drafted tokens, encoded draft weights, compute seconds). Raises RequestNotFoundError (re-send)."""
+        result = self.propose_batch([ProposeCall(request_id, committed_len, list(new_tokens), k, params)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[tuple[list[int], bytes, float] | Exception]:
+        """Draft for many requests at once (one draft forward pass per step); each call gets its own result or its
+        own error. Request ids must be distinct."""
         t0 = time.perf_counter()
-        check_token_ids("new_tokens", new_tokens, self.vocab_size)
-        tokens = self.committed.advance(request_id, committed_len, new_tokens)
-        proposal = with_eviction(
-            self.committed,
-            request_id,
-            lambda: self.drafter.propose(request_id, tokens, k, params),
-            self.release,
-        )
-        return proposal.tokens, encode_probs(proposal.probs), time.perf_counter() - t0
+        results: list[tuple[list[int], bytes, float] | Exception | None] = [None] * len(calls)
+        rows, ready = [], []
+        for i, call in enumerate(calls):
+            try:
+                check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
+                tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
+            except (InvalidRequestError, RequestNotFoundError, ValueError) as e:
+                results[i] = e
+                continue
+            rows.append((call.request_id, tokens, call.k, call.params))
+            ready.append(i)
+        if rows:
+            outcomes = run_batch(
+                self.committed,
+                [row[0] for row in rows],
+                lambda idx: self._propose_rows([rows[j] for j in idx]),
+                self.release,
+            )
+            seconds = time.perf_counter() - t0
+            for i, outcome in zip(ready, outcomes, strict=True):
+                results[i] = (
+                    outcome
+                    if isinstance(outcome, Exception)
+                    else (outcome.tokens, encode_probs(outcome.probs), seconds)
+                )
+        return results
+
+    def _propose_rows(self, rows) -> list[Proposal]:
+        batched = getattr(self.drafter, "propose_batch", None)
+        if batched is not None:
+            return batched(rows)
+        return [self.drafter.propose(*row) for row in rows]
 
     def release(self, request_id: str) -> bool:
         self.drafter.release(request_id)

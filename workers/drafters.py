@@ -46,24 +46,38 @@ class ModelDrafter:
         self.max_support = max_support
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
-        seq = list(tokens)
-        drafted: list[int] = []
-        probs: list[torch.Tensor] = []
-        for _ in range(k):
-            logits = self.runner.logits_for(request_id, seq, 1)[0]  # [V]
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                weights = sparsify(logits_to_probs(logits, params), self.max_support).cpu()  # [V]
-                # Noise keyed by the drafted token's absolute position: a token drafted early (pipelined) or again
-                # (after a restart) is drawn with the same noise, so seeded requests reproduce in every mode.
-                generator = make_generator(params.seed, DRAFT_SALT, len(seq))
-                noise = exponential_noise(weights.shape[-1], [generator])  # [1, V]
-                token = int(sample_with_noise(weights.unsqueeze(0), noise)[0])
-                probs.append(weights)
-            drafted.append(token)
-            seq.append(token)
-        return Proposal(tokens=drafted, probs=torch.stack(probs) if probs else None)
+        return self.propose_batch([(request_id, tokens, k, params)])[0]
+
+    def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]:
+        """Draft for many requests at once: one forward pass per drafting step over every row still drafting (rows
+        leave as they reach their own k). Each row's tokens are those it would draft alone."""
+        seqs = [list(tokens) for _, tokens, _, _ in rows]
+        drafted: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        while True:
+            active = [b for b, (_, _, k, _) in enumerate(rows) if len(drafted[b]) < k]
+            if not active:
+                break
+            logits = self.runner.logits_for_batch([(rows[b][0], seqs[b], 1) for b in active])
+            for b, row_logits in zip(active, logits, strict=True):
+                params = rows[b][3]
+                token, weights = self._draw(row_logits[0], params, len(seqs[b]))
+                if weights is not None:
+                    probs[b].append(weights)
+                drafted[b].append(token)
+                seqs[b].append(token)
+        return [Proposal(tokens=d, probs=torch.stack(p) if p else None) for d, p in zip(drafted, probs, strict=True)]
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, position: int) -> tuple[int, torch.Tensor | None]:
+        """logits: [V]. The drafted token at absolute `position`, and the weights it was drawn from (None: greedy)."""
+        if params.greedy:
+            return int(logits.argmax()), None
+        weights = sparsify(logits_to_probs(logits, params), self.max_support).cpu()  # [V]
+        # Noise keyed by the drafted token's absolute position: a token drafted early (pipelined) or again (after a
+        # restart) is drawn with the same noise, so seeded requests reproduce in every mode.
+        generator = make_generator(params.seed, DRAFT_SALT, position)
+        noise = exponential_noise(weights.shape[-1], [generator])  # [1, V]
+        return int(sample_with_noise(weights.unsqueeze(0), noise)[0]), weights
 
     def feedback(self, request_id: str, num_accepted: int) -> None:
         pass  # the KV cache rolls back lazily on the next call, by token comparison

@@ -1,6 +1,7 @@
 """gRPC servicers for draft and target workers: thin typed wrappers that map protos to the plain worker classes and
 errors to status codes. Model work runs on one dedicated thread per worker, off the event loop, so the server keeps
-answering (health checks, new calls) while a forward pass runs."""
+answering (health checks, new calls) while a forward pass runs; Propose and Verify calls that arrive meanwhile are
+batched into the next forward pass (workers/batcher.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import grpc
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
+from specserve.workers.batcher import Batcher
 from specserve.workers.codec import decode_probs
-from specserve.workers.config import MAX_K, SamplingParams, validate
-from specserve.workers.draft_worker import DraftWorker
+from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams, validate
+from specserve.workers.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
-from specserve.workers.target_worker import TargetWorker
+from specserve.workers.target_worker import TargetWorker, VerifyCall
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [
@@ -45,10 +47,34 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 
 class _Servicer:
-    def __init__(self, worker: DraftWorker | TargetWorker):
+    def __init__(self, worker: DraftWorker | TargetWorker, batching: BatchingConfig | None = None):
         self.worker = worker
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=type(self).__name__)
         self.busy_s = 0.0  # seconds of model work done: busy fraction for autoscaling
+        self.batcher = Batcher(self._executor, self._run_batch, batching or BatchingConfig(), self._count_batch)
+
+    def _count_batch(self, rows: int, seconds: float) -> None:
+        self.busy_s += seconds
+
+    def _run_batch(self, items: list) -> list:
+        raise NotImplementedError
+
+    async def _batched(self, context: grpc.aio.ServicerContext, key: str, item, cost: int):
+        """Queue one call for the next batch; its own error becomes its own status code."""
+        try:
+            return await self.batcher.submit(key, item, cost)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code below
+            await self._abort(context, e)
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, error: Exception):
+        if isinstance(error, (InvalidRequestError, ValueError)) and not isinstance(error, RequestNotFoundError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if isinstance(error, RequestNotFoundError):
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        if isinstance(error, KVCapacityError):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        raise error
 
     def _timed(self, fn, *args):
         start = time.perf_counter()
@@ -87,45 +113,55 @@ def _check_request_id(request_id: str) -> None:
 
 
 class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
-    def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
-        _check_request_id(request.request_id)
-        if not 1 <= request.k <= MAX_K:
-            raise InvalidRequestError("k", f"must be in 1..{MAX_K}, got {request.k}")
-        drafted, weights, seconds = self.worker.propose(
-            request.request_id,
-            request.committed_len,
-            list(request.new_tokens),
-            request.k,
-            sampling_from_proto(request.sampling),
-        )
+    def _run_batch(self, calls: list[ProposeCall]) -> list:
+        return self.worker.propose_batch(calls)
+
+    async def Propose(self, request, context):
+        try:
+            _check_request_id(request.request_id)
+            if not 1 <= request.k <= MAX_K:
+                raise InvalidRequestError("k", f"must be in 1..{MAX_K}, got {request.k}")
+            call = ProposeCall(
+                request.request_id,
+                request.committed_len,
+                list(request.new_tokens),
+                request.k,
+                sampling_from_proto(request.sampling),
+            )
+        except ValueError as e:
+            await self._abort(context, e)
+        drafted, weights, seconds = await self._batched(context, call.request_id, call, len(call.new_tokens) + call.k)
         return pb.ProposeResponse(
             drafted=drafted, draft_probs=weights, vocab_size=self.worker.vocab_size, compute_seconds=seconds
         )
 
-    async def Propose(self, request, context):
-        return await self._run(context, self._propose, request)
-
 
 class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
-    def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        _check_request_id(request.request_id)
-        weights = decode_probs(request.draft_probs, self.worker.vocab_size)
-        if weights is not None and weights.shape[0] != len(request.drafted):
-            raise InvalidRequestError("draft_probs", f"{weights.shape[0]} rows for {len(request.drafted)} drafted")
-        accepted, next_token, seconds = self.worker.verify(
-            request.request_id,
-            request.committed_len,
-            list(request.new_tokens),
-            list(request.drafted),
-            weights,
-            sampling_from_proto(request.sampling),
-        )
-        return pb.VerifyResponse(
-            accepted=accepted, next_token=next_token, bonus=accepted == len(request.drafted), compute_seconds=seconds
-        )
+    def _run_batch(self, calls: list[VerifyCall]) -> list:
+        return self.worker.verify_batch(calls)
 
     async def Verify(self, request, context):
-        return await self._run(context, self._verify, request)
+        try:
+            _check_request_id(request.request_id)
+            weights = decode_probs(request.draft_probs, self.worker.vocab_size)
+            if weights is not None and weights.shape[0] != len(request.drafted):
+                raise InvalidRequestError("draft_probs", f"{weights.shape[0]} rows for {len(request.drafted)} drafted")
+            call = VerifyCall(
+                request.request_id,
+                request.committed_len,
+                list(request.new_tokens),
+                list(request.drafted),
+                weights,
+                sampling_from_proto(request.sampling),
+            )
+        except ValueError as e:
+            await self._abort(context, e)
+        accepted, next_token, seconds = await self._batched(
+            context, call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1
+        )
+        return pb.VerifyResponse(
+            accepted=accepted, next_token=next_token, bonus=accepted == len(call.drafted), compute_seconds=seconds
+        )
 
     async def Prefill(self, request, context):
         cached = await self._run(context, self.worker.prefill, request.request_id, list(request.tokens))

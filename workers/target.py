@@ -39,9 +39,32 @@ class TargetVerifier:
         (deterministic drafters, and greedy requests, where only the tokens matter).
         With nothing drafted this is plain target-only decoding: the next token is the bonus token from p.
         """
+        return self.verify_batch([(request_id, tokens, drafted, draft_probs, params, generator)])[0]
+
+    def verify_batch(
+        self,
+        rows: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor | None, SamplingParams, torch.Generator]],
+    ) -> list[tuple[int, int]]:
+        """Verify many requests' proposals in one forward pass; rows are (request_id, tokens, drafted, draft_probs,
+        params, generator) as for `verify`, and each row is verified alone, with its own generator."""
+        logits = self.runner.logits_for_batch(
+            [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows]
+        )
+        return [
+            self._verify_row(list(drafted), probs, params, generator, row_logits)
+            for (_, _, drafted, probs, params, generator), row_logits in zip(rows, logits, strict=True)
+        ]
+
+    def _verify_row(
+        self,
+        drafted: list[int],
+        draft_probs: torch.Tensor | None,
+        params: SamplingParams,
+        generator: torch.Generator,
+        logits: torch.Tensor,  # [k+1, V]
+    ) -> tuple[int, int]:
         k = len(drafted)
-        logits = self.runner.logits_for(request_id, list(tokens) + list(drafted), k + 1)  # [k+1, V]
-        draft_row = torch.tensor([list(drafted)], dtype=torch.long, device=logits.device)  # [1, k]
+        draft_row = torch.tensor([drafted], dtype=torch.long, device=logits.device)  # [1, k]
         if params.greedy:
             out = greedy_verify(draft_row, logits.argmax(-1).unsqueeze(0))
         else:

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from specserve.workers.config import SamplingParams
+from specserve.workers.errors import InvalidRequestError, RequestNotFoundError
 from specserve.workers.sampling import TARGET_SALT, make_generator
 from specserve.workers.target import TargetVerifier
-from specserve.workers.worker_state import CommittedTokens, check_token_ids, with_eviction
+from specserve.workers.worker_state import CommittedTokens, check_token_ids, run_batch, with_eviction
+
+
+@dataclass
+class VerifyCall:
+    """One request's verification, as the KV state protocol delivers it."""
+
+    request_id: str
+    committed_len: int
+    new_tokens: list[int]
+    drafted: list[int]
+    draft_weights: torch.Tensor | None  # [len(drafted), V], None = one-hot
+    params: SamplingParams
 
 
 class TargetWorker:
@@ -33,18 +47,41 @@ class TargetWorker:
         params: SamplingParams,
     ) -> tuple[int, int, float]:
         """(accepted, next_token, compute seconds). Raises RequestNotFoundError (re-send the committed sequence)."""
+        call = VerifyCall(request_id, committed_len, list(new_tokens), list(drafted), draft_weights, params)
+        result = self.verify_batch([call])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[tuple[int, int, float] | Exception]:
+        """Verify many requests in one target forward pass. Each call gets its own (accepted, next_token, compute
+        seconds) or its own error (bad input, lost request, no KV room), never another row's. Request ids must be
+        distinct."""
         t0 = time.perf_counter()
-        check_token_ids("new_tokens", new_tokens, self.vocab_size)
-        check_token_ids("drafted", drafted, self.vocab_size)
-        tokens = self.committed.advance(request_id, committed_len, new_tokens)
-        generator = make_generator(params.seed, TARGET_SALT, len(tokens))
-        accepted, next_token = with_eviction(
-            self.committed,
-            request_id,
-            lambda: self.verifier.verify(request_id, tokens, list(drafted), draft_weights, params, generator),
-            self.release,
-        )
-        return accepted, next_token, time.perf_counter() - t0
+        results: list[tuple[int, int, float] | Exception | None] = [None] * len(calls)
+        rows, ready = [], []
+        for i, call in enumerate(calls):
+            try:
+                check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
+                check_token_ids("drafted", call.drafted, self.vocab_size)
+                tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
+            except (InvalidRequestError, RequestNotFoundError, ValueError) as e:
+                results[i] = e
+                continue
+            generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
+            rows.append((call.request_id, tokens, call.drafted, call.draft_weights, call.params, generator))
+            ready.append(i)
+        if rows:
+            outcomes = run_batch(
+                self.committed,
+                [row[0] for row in rows],
+                lambda idx: self.verifier.verify_batch([rows[j] for j in idx]),
+                self.release,
+            )
+            seconds = time.perf_counter() - t0
+            for i, outcome in zip(ready, outcomes, strict=True):
+                results[i] = outcome if isinstance(outcome, Exception) else (*outcome, seconds)
+        return results
 
     def prefill(self, request_id: str, tokens: Sequence[int]) -> int:
         """Cache all but the last token of a committed sequence (the first verify feeds the last one)."""

@@ -93,7 +93,7 @@ class LocalWorkers:
     (name -> host:port) and the plain worker objects, so a test can make a worker forget a request or stop a server.
     """
 
-    def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000):
+    def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000, batching=None):
         from specserve.workers.config import KVCacheConfig
         from specserve.workers.draft_worker import DraftWorker
         from specserve.workers.drafters import ModelDrafter
@@ -112,17 +112,19 @@ class LocalWorkers:
             for i in range(n_targets)
         }
         self.servers = {}
-        self.servicers = []
+        self.servicers = {}  # name -> servicer
+        self.batching = batching  # a BatchingConfig; None: the default
 
     async def __aenter__(self):
         from specserve.workers.grpc_service import DraftWorkerServicer, TargetWorkerServicer, create_server
 
         self.addresses = {}
         for name, worker in {**self.drafts, **self.targets}.items():
-            servicer = DraftWorkerServicer(worker) if name.startswith("draft") else TargetWorkerServicer(worker)
+            kind = DraftWorkerServicer if name.startswith("draft") else TargetWorkerServicer
+            servicer = kind(worker, self.batching)
             server, port = await create_server(servicer)
             self.servers[name] = server
-            self.servicers.append(servicer)
+            self.servicers[name] = servicer
             self.addresses[name] = f"127.0.0.1:{port}"
         return self
 
@@ -140,5 +142,5 @@ class LocalWorkers:
     async def __aexit__(self, *exc):
         for server in self.servers.values():
             await server.stop(grace=1)
-        for servicer in self.servicers:
+        for servicer in self.servicers.values():
             servicer.close()

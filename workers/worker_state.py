@@ -69,3 +69,32 @@ def with_eviction(
             if not victims:
                 raise
             release(victims[0])
+
+
+def run_batch(
+    committed: CommittedTokens,
+    request_ids: Sequence[str],
+    batch_work: Callable[[Sequence[int]], list[T]],
+    release: Callable[[str], bool],
+) -> list[T | Exception]:
+    """Run rows `request_ids` as one batch (`batch_work(row indices)`). When the KV cache is full, evict idle
+    requests (least recently used, never a row of this batch) and retry; when the batch cannot fit even so, run the
+    rows one at a time, each evicting whatever else it needs as a lone call would, so that each row gets its own
+    result or its own error."""
+    rows = list(range(len(request_ids)))
+    in_batch = set(request_ids)
+    while True:
+        try:
+            return list(batch_work(rows))
+        except KVCapacityError:
+            victims = [rid for rid in committed.least_recent() if rid not in in_batch]
+            if not victims:
+                break
+            release(victims[0])
+    results: list[T | Exception] = []
+    for i in rows:
+        try:
+            results.append(with_eviction(committed, request_ids[i], lambda i=i: batch_work([i])[0], release))
+        except KVCapacityError as e:
+            results.append(e)
+    return results

@@ -1,0 +1,67 @@
+"""The continuous batcher alone: batches respect the size and token budget, never hold a request twice, take late
+arrivals into the next forward pass, and give each call its own result or error."""
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from specserve.workers.batcher import Batcher
+from specserve.workers.config import BatchingConfig
+
+
+def _batcher(config, gate=None):
+    seen: list[list] = []
+
+    def run(items):
+        if gate is not None:
+            gate.wait(5)
+        seen.append(list(items))
+        return [ValueError(f"bad {x}") if x == "bad" else x * 2 for x in items]
+
+    return Batcher(ThreadPoolExecutor(1), run, config), seen
+
+
+def test_calls_arriving_during_a_batch_join_the_next_one_within_size_and_token_budget():
+    async def main():
+        gate = threading.Event()
+        batcher, seen = _batcher(BatchingConfig(max_batch_size=3, max_batch_tokens=10), gate)
+        first = asyncio.ensure_future(batcher.submit("r0", 0, 1))
+        await asyncio.sleep(0.05)  # r0 is running alone; the rest queue behind it
+        rest = [asyncio.ensure_future(batcher.submit(f"r{i}", i, 4)) for i in range(1, 6)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await first, await asyncio.gather(*rest), seen
+
+    first, rest, seen = asyncio.run(main())
+    assert first == 0 and rest == [2, 4, 6, 8, 10]
+    # r1..r5 cost 4 tokens each: the 10-token budget admits two per batch (the size limit, 3, never binds).
+    assert seen == [[0], [1, 2], [3, 4], [5]]
+
+
+def test_a_request_never_appears_twice_in_one_batch_and_errors_stay_with_their_call():
+    async def main():
+        gate = threading.Event()
+        batcher, seen = _batcher(BatchingConfig(max_batch_size=8), gate)
+        blocker = asyncio.ensure_future(batcher.submit("x", 100, 1))
+        await asyncio.sleep(0.05)
+        jobs = [batcher.submit("a", 1, 1), batcher.submit("a", 2, 1), batcher.submit("b", "bad", 1)]
+        futures = [asyncio.ensure_future(j) for j in jobs]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        return results, seen
+
+    results, seen = asyncio.run(main())
+    assert results[:2] == [2, 4]
+    assert isinstance(results[2], ValueError) and "bad" in str(results[2])
+    assert seen == [[100], [1, "bad"], [2]]
+
+
+def test_a_single_call_larger_than_the_token_budget_still_runs_alone():
+    async def main():
+        batcher, seen = _batcher(BatchingConfig(max_batch_tokens=4))
+        return await batcher.submit("big", 21, 50), seen
+
+    result, seen = asyncio.run(main())
+    assert result == 42 and seen == [[21]]

@@ -1,0 +1,72 @@
+"""A worker's batch entry points alone: each row gets its own result or its own error, and a batch that cannot fit
+in the KV cache falls back to rows one at a time instead of failing them all."""
+
+import pytest
+import torch
+
+from specserve.workers.codec import decode_probs
+from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams
+from specserve.workers.draft_worker import DraftWorker, ProposeCall
+from specserve.workers.drafters import ModelDrafter
+from specserve.workers.errors import InvalidRequestError, RequestNotFoundError
+from specserve.workers.loading import load_model
+from specserve.workers.runner import ModelRunner
+from specserve.workers.target import TargetVerifier
+from specserve.workers.target_worker import TargetWorker, VerifyCall
+
+GREEDY = SamplingParams(max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_model(ModelConfig(path=tiny_target, device="cpu"))
+
+
+def _worker(target, capacity=100_000):
+    return TargetWorker(TargetVerifier(ModelRunner(target, KVCacheConfig(capacity_tokens=capacity))), "t")
+
+
+def test_verify_batch_rows_fail_alone(target):
+    worker = _worker(target)
+    calls = [
+        VerifyCall("ok", 5, [3, 4, 5, 6, 7], [8, 9], None, GREEDY),
+        VerifyCall("lost", 9, [4], [], None, GREEDY),  # the worker never saw the first 8 tokens
+        VerifyCall("bad", 2, [3, 10**6], [], None, GREEDY),
+    ]
+    ok, lost, bad = worker.verify_batch(calls)
+    assert isinstance(lost, RequestNotFoundError) and isinstance(bad, InvalidRequestError)
+    alone = _worker(target).verify("ok", 5, [3, 4, 5, 6, 7], [8, 9], None, GREEDY)
+    assert ok[:2] == alone[:2]
+
+
+def test_a_batch_too_big_for_the_cache_runs_row_by_row(target):
+    worker = _worker(target, capacity=30)
+    calls = [VerifyCall(f"r{i}", 12, list(range(3 + i, 15 + i)), [], None, GREEDY) for i in range(3)]  # 36 > 30
+    results = worker.verify_batch(calls)
+    assert all(not isinstance(r, Exception) for r in results)
+    for i, result in enumerate(results):
+        assert result[:2] == _worker(target).verify(f"r{i}", 12, list(range(3 + i, 15 + i)), [], None, GREEDY)[:2]
+    assert worker.verifier.runner.store.used_tokens <= 30
+
+
+def test_propose_batch_drafts_what_each_row_drafts_alone(target):
+    def drafter():
+        runner = ModelRunner(target, KVCacheConfig())
+        return DraftWorker(ModelDrafter(runner), target.vocab_size, "d", runner.store)
+
+    sampled = SamplingParams(temperature=1.0, seed=7, max_new_tokens=8)
+    calls = [
+        ProposeCall("a", 3, [3, 4, 5], 4, GREEDY),
+        ProposeCall("b", 9, list(range(20, 29)), 1, sampled),
+        ProposeCall("c", 6, list(range(40, 46)), 6, sampled),
+    ]
+    batched = drafter().propose_batch(calls)
+    for call, got in zip(calls, batched, strict=True):
+        alone = drafter().propose(call.request_id, call.committed_len, call.new_tokens, call.k, call.params)
+        assert got[0] == alone[0] and len(got[0]) == call.k
+        # Batched kernels may round differently in the last bit; float16 weights then differ by at most one ulp.
+        if call.params.greedy:
+            assert got[1] == alone[1] == b""
+        else:
+            a, b = decode_probs(got[1], target.vocab_size), decode_probs(alone[1], target.vocab_size)
+            assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-7)

@@ -1,0 +1,95 @@
+"""Continuous batching for a worker's model thread: calls queue up while a batch runs and the next batch takes as
+many as fit (batch size and token budget), oldest first. Requests join and leave between forward passes; a request
+never appears twice in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.workers.config import BatchingConfig
+
+
+@dataclass
+class _Job:
+    key: str  # the request id
+    item: Any
+    cost: int  # new positions it feeds
+    future: asyncio.Future = field(repr=False)
+
+
+class Batcher:
+    """`await submit(key, item, cost)` -> that item's result from `run(items)`, which runs on `executor` and returns
+    one result or exception per item, in order."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        run: Callable[[Sequence[Any]], list[Any]],
+        config: BatchingConfig,
+        on_batch: Callable[[int, float], None] | None = None,
+    ):
+        self._executor = executor
+        self._run = run
+        self.config = config
+        self._on_batch = on_batch  # (rows, seconds) after each batch
+        self._queue: list[_Job] = []
+        self._drainer: asyncio.Task | None = None
+        self.batches = 0
+        self.rows = 0
+        self.largest = 0  # most rows one batch held
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, key: str, item: Any, cost: int) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append(_Job(key, item, cost, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        result = await future
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _take(self) -> list[_Job]:
+        batch, keys, tokens, rest = [], set(), 0, []
+        for job in self._queue:
+            if job.future.done():  # the caller gave up (deadline, cancellation)
+                continue
+            fits = len(batch) < self.config.max_batch_size and (
+                not batch or tokens + job.cost <= self.config.max_batch_tokens
+            )
+            if fits and job.key not in keys:
+                batch.append(job)
+                keys.add(job.key)
+                tokens += job.cost
+            else:
+                rest.append(job)
+        self._queue = rest
+        return batch
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = self._take()
+            if not batch:
+                return
+            start = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._executor, self._run, [job.item for job in batch])
+            except BaseException as e:  # noqa: BLE001 - a failed batch fails its rows, never the drainer
+                results = [e] * len(batch)
+            self.batches += 1
+            self.rows += len(batch)
+            self.largest = max(self.largest, len(batch))
+            if self._on_batch is not None:
+                self._on_batch(len(batch), time.perf_counter() - start)
+            for job, result in zip(batch, results, strict=True):
+                if not job.future.done():
+                    job.future.set_result(result)
