@@ -74,7 +74,7 @@ class ModelPairConfig(_Strict):
     saturation_requests: int | None = Field(
         None, gt=0, description="Concurrent requests per target replica at which its forward passes become "
         "compute-bound, so verifying more tokens costs more and k='auto' requests speculate less (or not at all). "
-        "None: verification cost does not grow with load (this version's workers run one request per forward)."
+        "None: measured from the target workers' batch timings (seconds per batched forward vs tokens fed)."
     )  # fmt: skip
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from specserve.cluster.policies import VerifyCostModel
 from specserve.cluster.scheduler import Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
 from specserve.workers.config import SamplingParams, SpecParams
@@ -47,6 +48,7 @@ class Pipeline:
     ):
         """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none."""
         self.scheduler = scheduler
+        self.verify_costs = VerifyCostModel()  # the target's batched step cost, for the speculation policy
         self.drafts = drafts
         self.targets = targets
         self.predraft = predraft
@@ -120,7 +122,8 @@ class Pipeline:
                         pre_task = asyncio.ensure_future(self._propose(req, pre_call))
                 w0 = time.perf_counter()
                 try:
-                    accepted, next_token = await verify
+                    accepted, next_token, batch_tokens, batch_seconds = await verify
+                    self.verify_costs.observe(batch_tokens, batch_seconds)
                 except WorkerUnavailable:
                     await _cancel(pre_task)
                     await self._worker_failed(verify_call.worker, client)

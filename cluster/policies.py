@@ -83,11 +83,69 @@ class ModelLoad:
         return fit_acceptance(self.committed / self.rounds, self.drafted / self.rounds)
 
 
+@dataclass
+class VerifyCostModel:
+    """The target's measured cost of a batched forward pass, seconds = t0 + t1 * tokens, fitted by decayed least
+    squares to what target workers report per verify (compute_seconds and batch_tokens of the batch it ran in).
+
+    With B requests per target, target-only decoding steps cost t0 + t1 B and verifying k drafted tokens per request
+    adds t1 B k: so the policy's utilisation is u = t1 B / (t0 + t1 B), 0 for an idle memory-bound target (a step
+    costs the same whatever it verifies) and towards 1 for a saturated compute-bound one."""
+
+    decay: float = 0.99
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        d = self.decay
+        self.w, self.sx, self.sy = self.w * d + 1, self.sx * d + tokens, self.sy * d + seconds
+        self.sxx, self.sxy = self.sxx * d + tokens * tokens, self.sxy * d + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(t0, t1), or None until batches of different sizes have been seen."""
+        det = self.w * self.sxx - self.sx * self.sx
+        if self.w < 2 or det <= 1e-9 * max(1.0, self.w * self.sxx):
+            return None
+        t1 = max(0.0, (self.w * self.sxy - self.sx * self.sy) / det)
+        t0 = max(0.0, (self.sy - t1 * self.sx) / self.w)
+        return t0, t1
+
+    def utilisation(self, requests_per_target: float) -> float | None:
+        fit = self.fit()
+        if fit is None or requests_per_target <= 0:
+            return None
+        t0, t1 = fit
+        step = t0 + t1 * requests_per_target
+        return 0.0 if step <= 0 else min(1.0, t1 * requests_per_target / step)
+
+
 def target_utilisation(active_requests: int, healthy_targets: int, saturation_requests: int) -> float:
     """Fraction of the target pool's capacity in use: requests per target over the per-target saturation point."""
     if healthy_targets <= 0:
         return 1.0
     return min(1.0, active_requests / (healthy_targets * saturation_requests))
+
+
+def update_speculation(
+    pipeline, load: ModelLoad, policy: SpeculationPolicy, cost_ratio: float, saturation_requests: int | None
+) -> None:
+    """Set the pipeline's cap on k for k='auto' requests: the policy's k for the recent acceptance, the draft cost
+    ratio and the target pool's utilisation (from `saturation_requests` when configured, else measured)."""
+    a = load.acceptance()
+    if a is None:
+        return
+    sched = pipeline.scheduler
+    targets = len(sched.healthy("target"))
+    if saturation_requests:
+        u = target_utilisation(len(sched.requests), targets, saturation_requests)
+    else:
+        u = pipeline.verify_costs.utilisation(len(sched.requests) / max(1, targets)) or 0.0
+    sched.auto_k_cap = policy.update(a, cost_ratio, u)
 
 
 # -- autoscaling ---------------------------------------------------------------------------------------------------

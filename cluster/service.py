@@ -15,7 +15,7 @@ from typing import Any
 
 from specserve.cluster.app_config import AppConfig, ModelPairConfig
 from specserve.cluster.pipeline import Pipeline
-from specserve.cluster.policies import ModelLoad, SpeculationPolicy, target_utilisation
+from specserve.cluster.policies import ModelLoad, SpeculationPolicy, update_speculation
 from specserve.cluster.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import SamplingParams, SpecParams, validate
@@ -182,13 +182,13 @@ class SpecService:
     def _update_policy(serving: ModelServing) -> None:
         """The load-aware cap on k for k='auto' requests: the policy's k for the model's recent acceptance, its cost
         ratio and how saturated its target pool is."""
-        a = serving.load.acceptance()
-        if a is None:
-            return
-        sched = serving.scheduler
-        saturation = serving.config.saturation_requests
-        u = target_utilisation(len(sched.requests), len(sched.healthy("target")), saturation) if saturation else 0.0
-        sched.auto_k_cap = serving.policy.update(a, serving.config.cost_ratio, u)
+        update_speculation(
+            serving.pipeline,
+            serving.load,
+            serving.policy,
+            serving.config.cost_ratio,
+            serving.config.saturation_requests,
+        )
 
     # -- requests --------------------------------------------------------------------------------------------------
 

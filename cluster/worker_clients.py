@@ -82,8 +82,8 @@ class TargetClient(_Client):
         super().__init__(address, timeout_s, secret)
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
-    async def verify(self, call: Call, params: SamplingParams) -> tuple[int, int]:
-        """(accepted, next token: recovered or bonus)."""
+    async def verify(self, call: Call, params: SamplingParams) -> tuple[int, int, int, float]:
+        """(accepted, next token: recovered or bonus, tokens the batch it ran in fed, that batch's seconds)."""
         response = await self._invoke(
             self.stub.Verify,
             pb.VerifyRequest(
@@ -95,4 +95,4 @@ class TargetClient(_Client):
                 sampling=sampling_to_proto(params),
             ),
         )
-        return response.accepted, response.next_token
+        return response.accepted, response.next_token, response.batch_tokens, response.compute_seconds

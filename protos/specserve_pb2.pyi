@@ -89,16 +89,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "bonus", "compute_seconds")
+    __slots__ = ("accepted", "next_token", "bonus", "compute_seconds", "batch_rows", "batch_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     bonus: bool
     compute_seconds: float
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    batch_rows: int
+    batch_tokens: int
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "tokens")

@@ -156,11 +156,14 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             )
         except ValueError as e:
             await self._abort(context, e)
-        accepted, next_token, seconds = await self._batched(
-            context, call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1
-        )
+        result = await self._batched(context, call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1)
         return pb.VerifyResponse(
-            accepted=accepted, next_token=next_token, bonus=accepted == len(call.drafted), compute_seconds=seconds
+            accepted=result.accepted,
+            next_token=result.next_token,
+            bonus=result.accepted == len(call.drafted),
+            compute_seconds=result.compute_seconds,
+            batch_rows=result.batch_rows,
+            batch_tokens=result.batch_tokens,
         )
 
     async def Prefill(self, request, context):

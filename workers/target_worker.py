@@ -16,6 +16,15 @@ from specserve.workers.worker_state import CommittedTokens, check_token_ids, run
 
 
 @dataclass
+class VerifyResult:
+    accepted: int
+    next_token: int  # recovered (accepted < len(drafted)) or bonus
+    compute_seconds: float  # of the whole batch the call ran in
+    batch_rows: int
+    batch_tokens: int  # positions the batch's forward pass fed
+
+
+@dataclass
 class VerifyCall:
     """One request's verification, as the KV state protocol delivers it."""
 
@@ -51,14 +60,14 @@ class TargetWorker:
         result = self.verify_batch([call])[0]
         if isinstance(result, Exception):
             raise result
-        return result
+        return result.accepted, result.next_token, result.compute_seconds
 
-    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[tuple[int, int, float] | Exception]:
-        """Verify many requests in one target forward pass. Each call gets its own (accepted, next_token, compute
-        seconds) or its own error (bad input, lost request, no KV room), never another row's. Request ids must be
-        distinct."""
+    def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
+        """Verify many requests in one target forward pass. Each call gets its own result or its own error (bad
+        input, lost request, no KV room), never another row's. Request ids must be distinct."""
         t0 = time.perf_counter()
-        results: list[tuple[int, int, float] | Exception | None] = [None] * len(calls)
+        fed = self.verifier.runner.forward_positions
+        results: list[VerifyResult | Exception | None] = [None] * len(calls)
         rows, ready = [], []
         for i, call in enumerate(calls):
             try:
@@ -79,8 +88,12 @@ class TargetWorker:
                 self.release,
             )
             seconds = time.perf_counter() - t0
+            tokens = self.verifier.runner.forward_positions - fed
             for i, outcome in zip(ready, outcomes, strict=True):
-                results[i] = outcome if isinstance(outcome, Exception) else (*outcome, seconds)
+                if isinstance(outcome, Exception):
+                    results[i] = outcome
+                else:
+                    results[i] = VerifyResult(*outcome, seconds, len(rows), tokens)
         return results
 
     def prefill(self, request_id: str, tokens: Sequence[int]) -> int:

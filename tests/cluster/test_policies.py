@@ -8,6 +8,7 @@ from ray.serve.config import AutoscalingContext
 from specserve.cluster.policies import (
     PoolAutoscalingPolicy,
     SpeculationPolicy,
+    VerifyCostModel,
     best_k,
     expected_tokens,
     pool_sizes,
@@ -85,3 +86,24 @@ def test_app_policy_scales_draft_and_target_pools_together():
     assert PoolAutoscalingPolicy()(idle)[0] == {"target-m": 1, "draft-m": 1}
     with pytest.raises(ValueError):
         PoolAutoscalingPolicy(goal_busy_fraction=0)
+
+
+def test_verify_cost_model_fits_batched_step_costs_and_turns_them_into_utilisation():
+    model = VerifyCostModel()
+    assert model.utilisation(8) is None  # nothing measured yet
+    for tokens in (5, 10, 20, 40, 80, 160):
+        model.observe(tokens, 0.010 + 0.0005 * tokens)  # t0 = 10 ms, t1 = 0.5 ms per token
+    t0, t1 = model.fit()
+    assert t0 == pytest.approx(0.010, rel=1e-6) and t1 == pytest.approx(0.0005, rel=1e-6)
+    assert model.utilisation(1) == pytest.approx(0.0005 / 0.0105)
+    assert model.utilisation(100) == pytest.approx(0.05 / 0.06)
+    # A saturated target makes speculation lose: the policy's best k falls as the batch grows.
+    a, c = 0.7, 0.05
+    assert best_k(a, c, model.utilisation(1))[0] > best_k(a, c, model.utilisation(100))[0]
+
+
+def test_one_batch_size_alone_fits_nothing():
+    model = VerifyCostModel()
+    for _ in range(10):
+        model.observe(16, 0.02)
+    assert model.fit() is None and model.utilisation(4) is None

@@ -36,7 +36,7 @@ def test_verify_batch_rows_fail_alone(target):
     ok, lost, bad = worker.verify_batch(calls)
     assert isinstance(lost, RequestNotFoundError) and isinstance(bad, InvalidRequestError)
     alone = _worker(target).verify("ok", 5, [3, 4, 5, 6, 7], [8, 9], None, GREEDY)
-    assert ok[:2] == alone[:2]
+    assert (ok.accepted, ok.next_token) == alone[:2] and ok.batch_rows == 1 and ok.batch_tokens == 5 + 2
 
 
 def test_a_batch_too_big_for_the_cache_runs_row_by_row(target):
@@ -45,7 +45,7 @@ def test_a_batch_too_big_for_the_cache_runs_row_by_row(target):
     results = worker.verify_batch(calls)
     assert all(not isinstance(r, Exception) for r in results)
     for i, result in enumerate(results):
-        assert result[:2] == _worker(target).verify(f"r{i}", 12, list(range(3 + i, 15 + i)), [], None, GREEDY)[:2]
+        assert (result.accepted, result.next_token) == _worker(target).verify(f"r{i}", 12, list(range(3 + i, 15 + i)), [], None, GREEDY)[:2]
     assert worker.verifier.runner.store.used_tokens <= 30
 
 
