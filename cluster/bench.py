@@ -413,10 +413,25 @@ def main_bench(args) -> int:
         at = rows.index(extra[-1]) + 1
         rows[at:at] = served
         meta["disaggregated"]["serve_vs_in_process_1_stream"] = served[0].tokens_per_s / in_process.tokens_per_s
+    levels = []
+    if args.concurrency:
+        from specserve.cluster.bench_concurrency import concurrency_rows, format_levels, levels_json
+
+        new_tokens = 16 if args.quick else 32
+        levels = concurrency_rows(target, draft, prompts, new_tokens, meta["cost_ratio_c"])
+        meta["concurrency"] = levels_json(levels)
     print(format_table(rows, meta))
+    if levels:
+        print(f"\nConcurrency sweep ({new_tokens} new tokens per stream, greedy, disaggregated over gRPC):")
+        print(format_levels(levels))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(to_json(rows, meta), f, indent=2)
     if args.plot:
         plot(rows, args.plot)
+        if levels:
+            from specserve.cluster.bench_concurrency import plot_levels
+
+            root, ext = os.path.splitext(args.plot)
+            plot_levels(levels, f"{root}-concurrency{ext or '.png'}")
     return 0

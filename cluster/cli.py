@@ -159,6 +159,12 @@ def _add_bench(sub) -> None:
         default=None,
         help="add rows for the disaggregated path on a local Ray cluster (default: on, off with --quick)",
     )
+    p.add_argument(
+        "--concurrency",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add the concurrency sweep: 1, 4, 16, 32 streams, speculation on vs off (default: on)",
+    )
     p.set_defaults(func=_bench)
 
 

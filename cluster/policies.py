@@ -16,6 +16,8 @@ times the measured draft/target busy-time ratio, so draft replicas follow the ta
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.workers.adaptive_k import expected_tokens_per_round as expected_tokens
@@ -131,15 +133,88 @@ def target_utilisation(active_requests: int, healthy_targets: int, saturation_re
     return min(1.0, active_requests / (healthy_targets * saturation_requests))
 
 
+@dataclass
+class SpeculationSwitch:
+    """A measured check on the model above: the seconds per committed token that requests actually see in rounds
+    that speculated and in rounds that did not (decayed averages), compared side by side. The model cannot see
+    everything (a draft pool sharing cores with the target, network latency); this can.
+
+    Every so often it probes the other mode for `probe_s` seconds (every round started meanwhile runs that way, so
+    concurrent requests do not mix modes in one batch) and keeps whichever was measured faster, with a hysteresis
+    margin. A probe that confirms the current mode doubles the time to the next one (up to `max_interval_s`), so a
+    settled service spends little time in the losing mode; a probe that flips it starts over from `interval_s`."""
+
+    probe_s: float = 0.25
+    interval_s: float = 1.0
+    max_interval_s: float = 60.0
+    margin: float = 0.03
+    decay: float = 0.8
+    clock: Callable[[], float] = time.monotonic
+    on: bool = True
+    spec_s_per_token: float | None = None
+    plain_s_per_token: float | None = None
+    _next_probe: float | None = None
+    _probe_until: float | None = None
+    _interval: float = 0.0
+
+    def observe(self, tokens: int, seconds: float, speculated: bool) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = seconds / tokens
+        attr = "spec_s_per_token" if speculated else "plain_s_per_token"
+        old = getattr(self, attr)
+        setattr(self, attr, rate if old is None else old * self.decay + rate * (1 - self.decay))
+
+    def measured_speedup(self) -> float | None:
+        if self.spec_s_per_token is None or self.plain_s_per_token is None:
+            return None
+        return self.plain_s_per_token / self.spec_s_per_token
+
+    def allow(self) -> bool:
+        """Whether a round starting now may speculate."""
+        now = self.clock()
+        if self._next_probe is None:  # first call: probe the other mode soon, to have both figures
+            self._interval = self.interval_s
+            self._next_probe = now + self.probe_s
+        if self._probe_until is not None:
+            if now < self._probe_until:
+                return not self.on
+            self._probe_until = None
+            self._decide(now)
+        if now >= self._next_probe:
+            self._probe_until = now + self.probe_s
+            return not self.on
+        return self.on
+
+    def _decide(self, now: float) -> None:
+        s = self.measured_speedup()
+        flip = s is not None and (s < 1.0 - self.margin if self.on else s > 1.0 + self.margin)
+        if flip:
+            self.on = not self.on
+            self._interval = self.interval_s
+        else:
+            self._interval = min(self.max_interval_s, self._interval * 2)
+        self._next_probe = now + self._interval
+
+
 def update_speculation(
-    pipeline, load: ModelLoad, policy: SpeculationPolicy, cost_ratio: float, saturation_requests: int | None
+    pipeline,
+    load: ModelLoad,
+    policy: SpeculationPolicy,
+    cost_ratio: float,
+    saturation_requests: int | None,
+    switch: SpeculationSwitch | None = None,
 ) -> None:
     """Set the pipeline's cap on k for k='auto' requests: the policy's k for the recent acceptance, the draft cost
-    ratio and the target pool's utilisation (from `saturation_requests` when configured, else measured)."""
+    ratio and the target pool's utilisation (from `saturation_requests` when configured, else measured), turned
+    off while `switch` measures speculation losing."""
     a = load.acceptance()
     if a is None:
         return
     sched = pipeline.scheduler
+    if switch is not None and not switch.allow():
+        sched.auto_k_cap = 0
+        return
     targets = len(sched.healthy("target"))
     if saturation_requests:
         u = target_utilisation(len(sched.requests), targets, saturation_requests)

@@ -1,0 +1,171 @@
+"""The concurrency sweep of `specserve bench`: 1, 4, 16, 32 concurrent greedy streams through the disaggregated
+workers (real gRPC servers, continuous batching on both), speculation on (k='auto' under the load-aware speculation
+policy, as the Serve app runs it) vs off, measured side by side in one run."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from specserve.cluster.pipeline import Pipeline
+from specserve.cluster.policies import ModelLoad, SpeculationPolicy, SpeculationSwitch, update_speculation
+from specserve.cluster.scheduler import Scheduler
+from specserve.cluster.worker_clients import DraftClient, TargetClient
+from specserve.workers.config import BatchingConfig, SamplingParams, SpecParams
+from specserve.workers.loading import LoadedModel
+from specserve.workers.testing import LocalWorkers
+
+LEVELS = (1, 4, 16, 32)
+
+
+@dataclass
+class LevelRow:
+    streams: int
+    speculation: str  # "on (k=auto + policy)" | "off"
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0  # aggregate over all streams
+    tpot_ms_p50: float = 0.0  # per-token latency: a request's time over its generated tokens
+    tpot_ms_p99: float = 0.0
+    target_batch_mean: float = 0.0  # requests per target forward pass
+    final_k_cap: int | None = None  # the policy's k at the end (0: speculation turned off)
+    identical: bool | None = None  # spec-on rows: same tokens as spec-off
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class PolicyState:
+    """The speculation policy's state, kept across levels as a running service keeps it while its load changes."""
+
+    load: ModelLoad = field(default_factory=ModelLoad)
+    policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    switch: SpeculationSwitch = field(default_factory=SpeculationSwitch)
+
+
+async def _level(target, draft, prompts, streams, new_tokens, speculate, cost_ratio, state: PolicyState) -> LevelRow:
+    row = LevelRow(streams, "on (k=auto + policy)" if speculate else "off")
+    batching = BatchingConfig(max_batch_size=max(LEVELS))
+    async with LocalWorkers(target, [draft], batching=batching) as w:
+        drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
+        targets = {n: TargetClient(a, timeout_s=120) for n, a in w.target_addresses.items()}
+        pipeline = Pipeline(Scheduler(list(drafts), list(targets), cost_ratio=cost_ratio), drafts, targets)
+        params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+        spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
+        tpot: list[float] = []
+        if speculate:  # the policy's current decision applies from the first round, as in a running service
+            update_speculation(pipeline, state.load, state.policy, cost_ratio, None, state.switch)
+
+        async def one(i: int) -> list[int]:
+            prompt = prompts[i % len(prompts)]
+            prompt = prompt[: len(prompt) - i // len(prompts)]  # streams beyond the prompt count differ too
+            req = pipeline.scheduler.add(prompt, params, spec, frozenset())
+            start = last = time.perf_counter()
+            prev = (0, 0)
+            async for committed in pipeline.rounds(req):
+                now, stats = time.perf_counter(), req.state.stats
+                drafted = stats.drafted - prev[0]
+                state.load.observe(drafted, stats.accepted - prev[1])
+                state.switch.observe(len(committed), now - last, drafted > 0)
+                prev, last = (stats.drafted, stats.accepted), now
+                update_speculation(pipeline, state.load, state.policy, cost_ratio, None, state.switch)
+            tpot.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
+            return req.state.generated
+
+        t0 = time.perf_counter()
+        row.outputs = list(await asyncio.gather(*(one(i) for i in range(streams))))
+        row.seconds = time.perf_counter() - t0
+        batcher = w.servicers["target-0"].batcher
+        row.target_batch_mean = batcher.rows / max(1, batcher.batches)
+        row.final_k_cap = pipeline.scheduler.auto_k_cap if speculate else None
+        for client in (*drafts.values(), *targets.values()):
+            await client.close()
+    row.tokens = sum(len(o) for o in row.outputs)
+    row.tokens_per_s = row.tokens / row.seconds
+    row.tpot_ms_p50 = statistics.median(tpot) * 1e3
+    row.tpot_ms_p99 = _percentile(tpot, 0.99) * 1e3
+    return row
+
+
+def concurrency_rows(
+    target: LoadedModel,
+    draft: LoadedModel,
+    prompts: list[list[int]],
+    new_tokens: int,
+    cost_ratio: float,
+    levels=LEVELS,
+    progress: bool = True,
+) -> list[LevelRow]:
+    from tqdm import tqdm
+
+    rows: list[LevelRow] = []
+    bar = tqdm(total=2 * len(levels), desc="concurrency sweep", disable=not progress)
+    state = PolicyState()
+    asyncio.run(_level(target, draft, prompts, 2, 4, True, cost_ratio, state))  # warm-up: threads, allocator, gRPC
+    for streams in levels:
+        off = asyncio.run(_level(target, draft, prompts, streams, new_tokens, False, cost_ratio, state))
+        bar.update()
+        on = asyncio.run(_level(target, draft, prompts, streams, new_tokens, True, cost_ratio, state))
+        bar.update()
+        on.identical = on.outputs == off.outputs
+        rows += [off, on]
+    bar.close()
+    return rows
+
+
+def format_levels(rows: list[LevelRow]) -> str:
+    head = ["streams", "speculation", "agg tok/s", "on/off", "TPOT p50 ms", "TPOT p99 ms", "target batch", "k cap",
+            "identical"]  # fmt: skip
+    lines = [head]
+    off = {r.streams: r for r in rows if r.speculation == "off"}
+    for r in rows:
+        ratio = r.tokens_per_s / off[r.streams].tokens_per_s
+        lines.append([
+            str(r.streams), r.speculation, f"{r.tokens_per_s:.1f}", f"{ratio:.2f}x", f"{r.tpot_ms_p50:.1f}",
+            f"{r.tpot_ms_p99:.1f}", f"{r.target_batch_mean:.1f}", "-" if r.final_k_cap is None else str(r.final_k_cap),
+            "-" if r.identical is None else ("yes" if r.identical else "NO"),
+        ])  # fmt: skip
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
+
+
+def levels_json(rows: list[LevelRow]) -> list[dict]:
+    out = []
+    for r in rows:
+        d = asdict(r)
+        d.pop("outputs")
+        out.append(d)
+    return out
+
+
+def plot_levels(rows: list[LevelRow], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, style in (("off", "s--"), ("on (k=auto + policy)", "o-")):
+        sel = [r for r in rows if r.speculation == mode]
+        xs = [r.streams for r in sel]
+        ax1.plot(xs, [r.tokens_per_s for r in sel], style, label=f"speculation {mode}")
+        ax2.plot(xs, [r.tpot_ms_p50 for r in sel], style, label=f"{mode} p50")
+        ax2.plot(xs, [r.tpot_ms_p99 for r in sel], style, alpha=0.4, label=f"{mode} p99")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.legend()
+    ax1.set_ylabel("aggregate tokens/s")
+    ax2.set_ylabel("ms per output token")
+    fig.suptitle("specserve bench: concurrency sweep (continuous batching, greedy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
