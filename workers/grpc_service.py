@@ -18,7 +18,7 @@ from specserve.workers.batcher import Batcher
 from specserve.workers.codec import decode_probs
 from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams, validate
 from specserve.workers.draft_worker import DraftWorker, ProposeCall
-from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
+from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError, UnavailableError
 from specserve.workers.target_worker import TargetWorker, VerifyCall
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -74,6 +74,8 @@ class _Servicer:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
         if isinstance(error, KVCapacityError):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        if isinstance(error, UnavailableError):  # e.g. a tensor-parallel rank died: try another replica
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         raise error
 
     def _timed(self, fn, *args):
@@ -88,14 +90,8 @@ class _Servicer:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, self._timed, fn, *args)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RequestNotFoundError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except KVCapacityError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - mapped to a status code, or re-raised
+            await self._abort(context, e)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

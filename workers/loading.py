@@ -70,8 +70,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    """Load a causal LM + tokenizer from `config.path`, in eval mode, on the configured device and dtype."""
+def load_model(config: ModelConfig, distributed_config=None) -> LoadedModel:
+    """Load a causal LM + tokenizer from `config.path`, in eval mode, on the configured device and dtype.
+    distributed_config: a transformers DistributedConfig, to load this rank's tensor-parallel shard."""
     path = os.path.expanduser(config.path)
     if not os.path.isdir(path):
         raise ModelLoadError(f"model path {config.path!r} does not exist or is not a directory")
@@ -91,7 +92,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"no usable tokenizer in {config.path!r}: {e}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        extra = {} if distributed_config is None else {"distributed_config": distributed_config}
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **extra)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not load causal LM weights from {config.path!r}: {e}") from None
     model.to(device).eval().requires_grad_(False)

@@ -115,8 +115,9 @@ class TargetWorker:
 
     def health(self) -> dict:
         store = self.verifier.runner.store
+        failed = getattr(self.verifier.runner, "failed", None)  # a tensor-parallel replica that lost a rank
         return {
-            "healthy": True,
+            "healthy": failed is None,
             "requests": len(self.committed),
             "kv_used_tokens": store.used_tokens,
             "kv_capacity_tokens": store.capacity_tokens,

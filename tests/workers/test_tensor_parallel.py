@@ -1,0 +1,123 @@
+"""Tensor-parallel target replicas on CPU (gloo, 2 ranks in separate processes): sharded logits equal the
+single-process model's, speculative greedy decoding through a TP=2 target is identical to target-only decoding, and a
+rank killed mid-request makes the replica unhealthy while its requests finish on another target, unchanged."""
+
+import asyncio
+import multiprocessing as mp
+import socket
+
+import grpc
+import pytest
+import torch
+
+from specserve.cluster.pipeline import Pipeline
+from specserve.cluster.scheduler import Scheduler
+from specserve.cluster.worker_clients import DraftClient, TargetClient
+from specserve.protos import specserve_pb2 as pb
+from specserve.protos import specserve_pb2_grpc as pb_grpc
+from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams, SpecParams
+from specserve.workers.engine import SpecEngine
+from specserve.workers.errors import ModelLoadError
+from specserve.workers.loading import load_model
+from specserve.workers.runner import ModelRunner
+from specserve.workers.tensor_parallel import Rendezvous, check_shardable
+from specserve.workers.testing import LocalTensorParallelTarget, LocalWorkers, tensor_parallel_logits
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def add(a, b):\n    return", "for i in range(3):", "import json\n\ndata = json.loads("]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sharded_logits_equal_the_single_process_model(tiny_target):
+    rows = [("a", list(range(3, 40)), 1), ("a", list(range(3, 30)) + [7, 8, 9], 4), ("b", [5, 6, 7, 8, 9], 2)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous = Rendezvous("127.0.0.1", _free_port(), 2, timeout_s=60)
+    procs = [ctx.Process(target=tensor_parallel_logits, args=(r, rendezvous, tiny_target, rows, results))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    sharded = results.get(timeout=180)
+    for p in procs:
+        p.join(30)
+    runner = ModelRunner(load_model(ModelConfig(path=tiny_target, device="cpu")), KVCacheConfig())
+    expected = runner.logits_for_batch(rows[:1]) + runner.logits_for_batch(rows[1:])
+    for got, want in zip(sharded, expected, strict=True):
+        assert torch.allclose(torch.tensor(got), want, atol=1e-5, rtol=0)
+
+
+def test_heads_not_divisible_by_the_degree_is_a_clear_error(tiny_target):
+    from transformers import AutoConfig
+
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 does not divide the model's num_attention_heads"):
+        check_shardable(AutoConfig.from_pretrained(tiny_target), 3)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target, tiny_draft):
+    return load_model(ModelConfig(path=tiny_target)), load_model(ModelConfig(path=tiny_draft))
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    engine = SpecEngine(models[0])
+    params = SamplingParams(max_new_tokens=24)
+    return [engine.generate(p, params, SpecParams(method="none")).token_ids for p in PROMPTS]
+
+
+async def _generate(targets: dict[str, str], drafts: dict[str, str], tokenizer, during=None):
+    draft_clients = {n: DraftClient(a, timeout_s=60) for n, a in drafts.items()}
+    target_clients = {n: TargetClient(a, timeout_s=60) for n, a in targets.items()}
+    pipeline = Pipeline(Scheduler(list(draft_clients), list(target_clients)), draft_clients, target_clients)
+    eos = frozenset({tokenizer.eos_token_id})
+    params, spec = SamplingParams(max_new_tokens=24), SpecParams(method="draft", k=3)
+    jobs = [pipeline.generate(tokenizer(p)["input_ids"], params, spec, eos) for p in PROMPTS]
+    if during is not None:
+        jobs.append(during())
+    results = await asyncio.gather(*jobs)
+    return results[: len(PROMPTS)], pipeline
+
+
+def test_speculative_greedy_through_a_tp2_target_is_identical_to_target_only(models, reference, tiny_target):
+    tokenizer = models[0].tokenizer
+
+    async def main():
+        with LocalTensorParallelTarget(tiny_target, 2) as tp:
+            async with LocalWorkers(models[0], [models[1]], n_targets=0) as w:
+                results, _ = await _generate({"target-tp": tp.address}, w.draft_addresses, tokenizer)
+                async with grpc.aio.insecure_channel(tp.address) as channel:
+                    health = await pb_grpc.TargetWorkerStub(channel).Health(pb.HealthRequest(), timeout=10)
+                return results, health
+
+    results, health = asyncio.run(main())
+    assert [r.state.generated for r in results] == reference
+    assert sum(r.state.stats.accepted for r in results) > 0 and health.healthy
+
+
+def test_a_killed_rank_makes_the_replica_unhealthy_and_its_requests_finish_elsewhere(models, reference, tiny_target):
+    tokenizer = models[0].tokenizer
+
+    async def main():
+        with LocalTensorParallelTarget(tiny_target, 2) as tp:
+            async with LocalWorkers(models[0], [models[1]], n_targets=1) as w:
+
+                async def kill():
+                    await asyncio.sleep(0.3)
+                    tp.processes[1].kill()
+
+                targets = {"target-tp": tp.address, **w.target_addresses}
+                results, pipeline = await _generate(targets, w.draft_addresses, tokenizer, during=kill)
+                async with grpc.aio.insecure_channel(tp.address) as channel:
+                    health = await pb_grpc.TargetWorkerStub(channel).Health(pb.HealthRequest(), timeout=10)
+                return results, pipeline.scheduler.unhealthy, health
+
+    results, unhealthy, health = asyncio.run(main())
+    assert [r.state.generated for r in results] == reference
+    assert unhealthy == {"target-tp"} and not health.healthy
+    assert {r.target_worker for r in results} == {"target-0"}

@@ -1,0 +1,174 @@
+"""Tensor-parallel target replicas: N ranks, one torch.distributed group, each holding a shard of the model and of
+every request's KV cache.
+
+Sharding is transformers' own tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(
+tp_size=N))`): attention heads and MLP columns split across ranks, all-reduce after the row-parallel projections,
+gloo on CPU and NCCL on CUDA. It covers every architecture whose transformers class ships a `base_model_tp_plan`
+(Llama, Qwen2/Qwen3, Mistral, Gemma, Phi-3, ...); `load_sharded` says so when a model has none.
+
+Rank 0 hosts the TargetWorker (and its gRPC server) over a `TensorParallelRunner`: every forward pass and every
+release is first broadcast to the other ranks, which run the same call on their own `ModelRunner` in `follow`. All
+ranks hold the same KV store state (same slots, same lengths, same rollbacks), only their heads differ.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.errors import KVCapacityError, ModelLoadError, UnavailableError
+from specserve.workers.loading import LoadedModel, load_model
+from specserve.workers.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one replica meet (the replica owns the address: rank 0's host and a free port)."""
+
+    address: str
+    port: int
+    world_size: int
+    timeout_s: float = 60.0
+
+
+def check_shardable(hf_config, tp_size: int) -> None:
+    """Clear errors for a tensor-parallel degree the model cannot be split by."""
+    cfg = hf_config.get_text_config()
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if n is not None and n % tp_size:
+            raise ModelLoadError(f"tensor_parallel_size {tp_size} does not divide the model's {name} ({n})")
+
+
+def init_rank(rank: int, rendezvous: Rendezvous, device: str = "cpu") -> None:
+    """Join the replica's process group: gloo on CPU, NCCL on CUDA (one GPU per rank)."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    # transformers' tensor parallelism reads the rank and world size from the environment.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(rendezvous.world_size))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{rendezvous.address}:{rendezvous.port}",
+        rank=rank,
+        world_size=rendezvous.world_size,
+        timeout=datetime.timedelta(seconds=rendezvous.timeout_s),
+    )
+
+
+def load_sharded(config: ModelConfig) -> LoadedModel:
+    """This rank's shard of the model (call after `init_rank`)."""
+    from transformers import AutoConfig, DistributedConfig
+
+    world = dist.get_world_size()
+    hf_config = AutoConfig.from_pretrained(os.path.expanduser(config.path), local_files_only=True)
+    check_shardable(hf_config, world)
+    try:
+        return load_model(config, distributed_config=DistributedConfig(tp_size=world, tp_plan="auto"))
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for an unsupported plan
+        raise ModelLoadError(
+            f"{config.path!r} cannot be sharded by transformers' tensor parallelism ({hf_config.model_type}): {e}"
+        ) from None
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: the ModelRunner interface, every call mirrored on the other ranks first. A rank that died
+    makes the next collective fail; the replica then reports unhealthy and answers UNAVAILABLE from then on."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.failed: str | None = None
+
+    def __getattr__(self, name):  # store, loaded, vocab_size, counters: rank 0's own
+        return getattr(self.runner, name)
+
+    def _mirror(self, message: tuple):
+        if self.failed is not None:
+            raise UnavailableError(f"tensor-parallel replica is down: {self.failed}")
+        try:
+            dist.broadcast_object_list([message], src=0)
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead peer in many ways
+            self.failed = f"rank broadcast failed: {e}"
+            raise UnavailableError(f"tensor-parallel replica is down: {self.failed}") from None
+
+    def logits_for_batch(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
+        rows = [(rid, list(seq), n) for rid, seq, n in rows]
+        self._mirror(("batch", rows))
+        try:
+            return self.runner.logits_for_batch(rows)
+        except KVCapacityError:
+            raise  # raised identically on every rank, before any collective
+        except (RuntimeError, dist.DistBackendError) as e:
+            self.failed = f"collective failed mid-forward: {e}"
+            raise UnavailableError(f"tensor-parallel replica is down: {self.failed}") from None
+
+    def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
+        return self.logits_for_batch([(request_id, sequence, n)])[0]
+
+    def release(self, request_id: str) -> bool:
+        self._mirror(("release", request_id))
+        return self.runner.release(request_id)
+
+    def shutdown(self) -> None:
+        if self.failed is None:
+            self._mirror(("stop", None))
+
+
+def follow(runner: ModelRunner) -> None:
+    """Ranks > 0: run whatever rank 0 broadcasts until it says stop (or the group breaks)."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        kind, payload = box[0]
+        if kind == "stop":
+            return
+        if kind == "release":
+            runner.release(payload)
+        elif kind == "batch":
+            try:
+                runner.logits_for_batch(payload)
+            except KVCapacityError:
+                pass  # rank 0 raised the same error and handles it
+
+
+def run_follower(rank: int, rendezvous: Rendezvous, model: ModelConfig, kv_cache: KVCacheConfig) -> None:
+    """The whole life of a rank > 0 process."""
+    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    init_rank(rank, rendezvous, device)
+    try:
+        follow(ModelRunner(load_sharded(model), kv_cache))
+    finally:
+        dist.destroy_process_group()
+
+
+def serve_rank0(
+    rendezvous: Rendezvous, model: ModelConfig, kv_cache: KVCacheConfig, name: str, ready, secret: str | None = None
+) -> None:
+    """The whole life of rank 0 as a process: join the group, load its shard, serve the TargetWorker over gRPC on a
+    free port (sent through `ready`, a multiprocessing queue), until terminated."""
+    import asyncio
+
+    from specserve.workers.grpc_service import TargetWorkerServicer, create_server
+    from specserve.workers.target import TargetVerifier
+    from specserve.workers.target_worker import TargetWorker
+
+    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    init_rank(0, rendezvous, device)
+    runner = TensorParallelRunner(ModelRunner(load_sharded(model), kv_cache))
+    worker = TargetWorker(TargetVerifier(runner), name)
+
+    async def main():
+        server, port = await create_server(TargetWorkerServicer(worker), "127.0.0.1:0", secret)
+        ready.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
