@@ -75,14 +75,78 @@ class TargetWorkerActor(_WorkerActor):
         from specserve.workers.target import TargetVerifier
         from specserve.workers.target_worker import TargetWorker
 
-        loaded = load_model(pool.model)
-        self.worker = TargetWorker(TargetVerifier(ModelRunner(loaded, pool.kv_cache)), pool.model.path)
+        if pool.tensor_parallel_size > 1:
+            runner = self._tensor_parallel_runner(pool)
+        else:
+            runner = ModelRunner(load_model(pool.model), pool.kv_cache)
+        self.worker = TargetWorker(TargetVerifier(runner), pool.model.path)
         self.batching = pool.batching
+
+    async def followers_nodes(self) -> list[str]:
+        """Node ids of this replica's follower ranks (tensor parallelism), for placement checks."""
+        return [await actor.node_id.remote() for actor, _ in getattr(self, "followers", [])]
+
+    def _tensor_parallel_runner(self, pool: PoolConfig):
+        """This actor is rank 0; ranks 1..N-1 are follower actors in the same placement group (the Serve
+        replica's, when there is one), which die with it."""
+        import ray
+        import torch
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from transformers import AutoConfig
+
+        from specserve.workers.errors import ModelLoadError
+        from specserve.workers.runner import ModelRunner
+        from specserve.workers.tensor_parallel import (
+            Rendezvous,
+            TensorParallelRunner,
+            check_shardable,
+            init_rank,
+            load_sharded,
+            run_follower,
+        )
+
+        n = pool.tensor_parallel_size
+        check_shardable(AutoConfig.from_pretrained(pool.model.path, local_files_only=True), n)
+        wants_cuda = pool.model.device == "cuda" or (pool.model.device == "auto" and torch.cuda.is_available())
+        if wants_cuda and torch.cuda.device_count() < n:
+            raise ModelLoadError(
+                f"tensor_parallel_size {n} needs {n} GPUs on one node (STRICT_PACK), this node has "
+                f"{torch.cuda.device_count()}"
+            )
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        rendezvous = Rendezvous(_host(), port, n, timeout_s=300)
+        follower = ray.remote(max_restarts=0, max_concurrency=2)(TensorParallelFollower)  # node_id while it runs
+        pg = get_current_placement_group()
+        self.followers = []
+        for rank in range(1, n):
+            options = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus or (1.0 if wants_cuda else 0.0)}
+            if pg is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            actor = follower.options(**options).remote()
+            self.followers.append((actor, actor.run.remote(run_follower, rank, rendezvous, pool.model, pool.kv_cache)))
+        device = pool.model.device if pool.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        init_rank(0, rendezvous, device)
+        return TensorParallelRunner(ModelRunner(load_sharded(pool.model), pool.kv_cache))
 
     def _servicer(self):
         from specserve.workers.grpc_service import TargetWorkerServicer
 
         return TargetWorkerServicer(self.worker, self.batching)
+
+
+class TensorParallelFollower:
+    """A rank > 0 of a tensor-parallel target replica: runs `run_follower` until rank 0 stops or dies."""
+
+    def run(self, fn, *args) -> None:
+        fn(*args)
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
 
 class SchedulerActor:

@@ -55,7 +55,10 @@ class WorkerPoolConfig(_Strict):
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources per replica, e.g. {target_gpu: 1} on KubeRay."
     )
-    tensor_parallel_size: int = Field(1, gt=0, le=1, description="Ranks per replica (tensor parallelism: issue 6).")
+    tensor_parallel_size: int = Field(
+        1, gt=0, le=64, description="Ranks per replica: N Ray actors in one STRICT_PACK placement group (one bundle "
+        "of this pool's CPUs/GPUs/resources per rank), sharding the model with transformers' tensor parallelism."
+    )  # fmt: skip
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache capacity per replica.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Continuous batching per replica.")
 

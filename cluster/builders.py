@@ -24,6 +24,24 @@ def actor_options(pool: PoolConfig) -> dict:
     return options
 
 
+def tensor_parallel_options(pool: PoolConfig, options: dict) -> dict:
+    """A tensor-parallel worker gets its own STRICT_PACK placement group, one bundle per rank; the worker actor is
+    rank 0 in bundle 0 and places its follower ranks in the others."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": options["num_cpus"], **options.get("resources", {})}
+    if options.get("num_gpus"):
+        bundle["GPU"] = options["num_gpus"]
+    pg = placement_group([dict(bundle) for _ in range(pool.tensor_parallel_size)], strategy="STRICT_PACK")
+    return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
+
+
+def _target_options(pool: PoolConfig) -> dict:
+    options = actor_options(pool)
+    return tensor_parallel_options(pool, options) if pool.tensor_parallel_size > 1 else options
+
+
 @dataclass
 class Deployment:
     scheduler: ray.actor.ActorHandle
@@ -53,7 +71,7 @@ def deploy(config: DistributedConfig, timeout_s: float = 300.0) -> Deployment:
     target_cls = ray.remote(TargetWorkerActor)
     draft_cls = ray.remote(DraftWorkerActor)
     targets = {
-        f"target-{i}": target_cls.options(**actor_options(config.target)).remote(config.target)
+        f"target-{i}": target_cls.options(**_target_options(config.target)).remote(config.target)
         for i in range(config.target.replicas)
     }
     drafts = {}

@@ -19,6 +19,8 @@ class PoolConfig(BaseModel):
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV cache capacity per worker.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Continuous batching per worker.")
     max_restarts: int = Field(3, ge=-1, description="Times Ray restarts a dead worker (-1: always).")
+    tensor_parallel_size: int = Field(1, gt=0, le=64, description="Ranks per worker (target pools).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per rank.")
 
 
 class DistributedConfig(BaseModel):

@@ -67,7 +67,8 @@ class PoolWorker:
         pool_cfg = cfg.target_pool if kind == "target" else cfg.draft_pool
         path = target_path if kind == "target" else draft_path
         pool = PoolConfig(model=ModelConfig(path=path, dtype=cfg.dtype, device=cfg.device), resource=f"{kind}_gpu",
-                          kv_cache=pool_cfg.kv_cache, batching=pool_cfg.batching)  # fmt: skip
+                          kv_cache=pool_cfg.kv_cache, batching=pool_cfg.batching, num_cpus=pool_cfg.num_cpus,
+                          num_gpus=pool_cfg.num_gpus, tensor_parallel_size=pool_cfg.tensor_parallel_size)  # fmt: skip
         if kind == "target":
             self.body = TargetWorkerActor(pool)
             self.store = self.body.worker.verifier.runner.store
@@ -115,6 +116,9 @@ class PoolWorker:
     async def check_health(self) -> None:
         if self._beat.done():
             raise RuntimeError("the worker's heartbeat stopped")
+        failed = getattr(getattr(self.body.worker, "verifier", None), "runner", None)
+        if getattr(failed, "failed", None):  # a tensor-parallel rank died: Serve replaces the whole replica
+            raise RuntimeError(failed.failed)
 
     async def __del__(self):
         with contextlib.suppress(Exception):
@@ -321,6 +325,11 @@ def _pool_options(name: str, pool) -> dict:
     # (requests meanwhile run target-only or on the other target replicas).
     options: dict = {"name": name, "ray_actor_options": actor, "max_ongoing_requests": 16,
                      "health_check_period_s": 2.0, "health_check_timeout_s": 20.0}  # fmt: skip
+    if pool.tensor_parallel_size > 1:
+        # One bundle per rank, packed on one node; the replica itself is rank 0 in bundle 0.
+        bundle = {"CPU": pool.num_cpus, **({"GPU": pool.num_gpus} if pool.num_gpus else {}), **pool.resources}
+        options["placement_group_bundles"] = [dict(bundle) for _ in range(pool.tensor_parallel_size)]
+        options["placement_group_strategy"] = "STRICT_PACK"
     if pool.autoscaling is not None:
         options["autoscaling_config"] = pool.autoscaling.model_dump()
     else:

@@ -15,7 +15,7 @@ from typing import Any
 
 from specserve.cluster.app_config import AppConfig, ModelPairConfig
 from specserve.cluster.pipeline import Pipeline
-from specserve.cluster.policies import ModelLoad, SpeculationPolicy, update_speculation
+from specserve.cluster.policies import ModelLoad, SpeculationPolicy, SpeculationSwitch, update_speculation
 from specserve.cluster.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import SamplingParams, SpecParams, validate
@@ -75,6 +75,7 @@ class ModelServing:
     pipeline: Pipeline
     load: ModelLoad = field(default_factory=ModelLoad)
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    switch: SpeculationSwitch = field(default_factory=SpeculationSwitch)
     addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -174,6 +175,8 @@ class SpecService:
                 "rounds": s.pipeline.times.rounds,
                 "orchestration_ms_p50": s.pipeline.times.p50_ms(),
                 "auto_k_cap": s.scheduler.auto_k_cap,
+                "speculation_on": s.switch.on,
+                "measured_speedup": s.switch.measured_speedup(),
             }
             for name, s in self.models.items()
         }
@@ -188,6 +191,7 @@ class SpecService:
             serving.policy,
             serving.config.cost_ratio,
             serving.config.saturation_requests,
+            serving.switch,
         )
 
     # -- requests --------------------------------------------------------------------------------------------------
@@ -251,7 +255,9 @@ class SpecService:
                     stats = state.stats.to_dict()
                     if self.metrics:
                         self.metrics.round(req.model, prev, stats, len(committed), now - last, first, now - started)
-                    serving.load.observe(stats["drafted"] - prev["drafted"], stats["accepted"] - prev["accepted"])
+                    drafted = stats["drafted"] - prev["drafted"]
+                    serving.load.observe(drafted, stats["accepted"] - prev["accepted"])
+                    serving.switch.observe(len(committed), now - last, drafted > 0)
                     self._update_policy(serving)
                     prev, last = stats, now
                     yield Chunk(

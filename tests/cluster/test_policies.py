@@ -8,6 +8,7 @@ from ray.serve.config import AutoscalingContext
 from specserve.cluster.policies import (
     PoolAutoscalingPolicy,
     SpeculationPolicy,
+    SpeculationSwitch,
     VerifyCostModel,
     best_k,
     expected_tokens,
@@ -107,3 +108,43 @@ def test_one_batch_size_alone_fits_nothing():
     for _ in range(10):
         model.observe(16, 0.02)
     assert model.fit() is None and model.utilisation(4) is None
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _drive(switch: SpeculationSwitch, clock: _Clock, seconds: float, spec_rate: float, plain_rate: float) -> list:
+    """Rounds every 10 ms for `seconds`, each observed at the rate of the mode the switch chose for it."""
+    modes = []
+    for _ in range(round(seconds / 0.01)):
+        speculate = switch.allow()
+        switch.observe(4 if speculate else 1, (spec_rate * 4) if speculate else plain_rate, speculate)
+        modes.append(speculate)
+        clock.t += 0.01
+    return modes
+
+
+def test_switch_turns_losing_speculation_off_and_backs_off_its_probes():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    modes = _drive(switch, clock, 1.0, spec_rate=0.03, plain_rate=0.02)  # speculation measured 1.5x slower
+    assert not switch.on and switch.measured_speedup() == pytest.approx(0.02 / 0.03)
+    later = _drive(switch, clock, 20.0, spec_rate=0.03, plain_rate=0.02)
+    # Settled: probes of the losing mode get rarer (0.25 s probes at 1, 2, 4, 8 s intervals): < 10% of rounds.
+    assert sum(later) / len(later) < 0.1 and sum(modes[:25]) >= 20
+
+
+def test_switch_keeps_winning_speculation_on_and_comes_back_when_it_wins_again():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    _drive(switch, clock, 2.0, spec_rate=0.01, plain_rate=0.02)
+    assert switch.on
+    _drive(switch, clock, 6.0, spec_rate=0.05, plain_rate=0.02)  # load changed: speculation now loses
+    assert not switch.on
+    _drive(switch, clock, 40.0, spec_rate=0.01, plain_rate=0.02)  # and wins again: a later probe turns it back on
+    assert switch.on

@@ -115,3 +115,20 @@ def test_cli_distributed_json_contract(cluster, tiny_target, tiny_draft, capsys)
     engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
     reference = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12), SpecParams(method="none"))
     assert out["token_ids"] == reference.token_ids
+
+
+def test_a_tensor_parallel_target_replica_on_ray_is_lossless(cluster, config, expected):
+    """TP=2: the target actor is rank 0 of a STRICT_PACK placement group and starts rank 1 in the other bundle; the
+    pair shards the model over gloo and decodes exactly what the single-process target does."""
+    _, _, target_node = cluster
+    tp = config.model_copy(
+        update={"target": config.target.model_copy(update={"replicas": 1, "tensor_parallel_size": 2})}
+    )
+    deployment = deploy(tp)
+    try:
+        outs = ray.get(generate_all(deployment), timeout=300)
+        followers = ray.get(deployment.targets["target-0"].followers_nodes.remote(), timeout=60)
+    finally:
+        deployment.shutdown()
+    assert [o["token_ids"] for o in outs] == expected
+    assert followers == [target_node]  # rank 1 packed on rank 0's node

@@ -1,0 +1,28 @@
+"""Pool configuration for tensor-parallel target replicas: validated degrees and the Serve deployment options they
+become (one STRICT_PACK bundle per rank)."""
+
+import pytest
+
+from specserve.cluster.app_config import app_config
+from specserve.cluster.serve_app import _pool_options
+from specserve.workers.errors import InvalidRequestError
+
+
+def _model(tp: int, **pool) -> dict:
+    return {"models": [{"name": "m", "target_pool": {"tensor_parallel_size": tp, **pool}}]}
+
+
+def test_a_tensor_parallel_pool_asks_for_one_packed_bundle_per_rank():
+    cfg = app_config(_model(4, num_cpus=2, num_gpus=1, resources={"target_gpu": 1}))
+    options = _pool_options("target-m", cfg.models[0].target_pool)
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["placement_group_bundles"] == [{"CPU": 2, "GPU": 1, "target_gpu": 1}] * 4
+    # Rank 0 (the replica itself) fits in bundle 0.
+    assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1, "resources": {"target_gpu": 1}}
+    assert "placement_group_bundles" not in _pool_options("draft-m", cfg.models[0].draft_pool)
+
+
+@pytest.mark.parametrize("tp", [0, 65, "two"])
+def test_bad_tensor_parallel_sizes_are_rejected_naming_the_field(tp):
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
+        app_config(_model(tp))
