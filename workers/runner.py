@@ -9,7 +9,7 @@ import torch
 from specserve.workers.config import KVCacheConfig
 from specserve.workers.kv_cache import KVCacheStore
 from specserve.workers.loading import LoadedModel
-from specserve.workers.slot_cache import BatchPlan, batch_mask
+from specserve.workers.slot_cache import BatchPlan, batch_mask, single_row_mask
 
 
 class ModelRunner:
@@ -53,32 +53,44 @@ class ModelRunner:
         self.store.reserve_batch(ids, [len(new) for new in news])
         width = max(len(new) for new in news)
         B = len(rows)
-        input_ids = torch.zeros((B, width), dtype=torch.long)  # [B, T], left-padded
-        positions = torch.zeros((B, width), dtype=torch.long)  # [B, T]
-        writes = torch.empty((B, width), dtype=torch.long)  # [B, T]
-        for b, (new, start) in enumerate(zip(news, starts, strict=False)):
-            pad = width - len(new)
-            input_ids[b, pad:] = torch.tensor(new)
-            positions[b, pad:] = torch.arange(start, start + len(new))
-            writes[b, pad:] = positions[b, pad:]
-            writes[b, :pad] = torch.arange(start + len(new), start + width)  # dead positions past the row's end
-        slots = [e.slot for e in entries]
-        kv_len = max(start + len(new) for start, new in zip(starts, news, strict=False))
-        consecutive = slots == list(range(slots[0], slots[0] + B))
-        plan = BatchPlan(
-            slots=torch.tensor(slots, device=self.device),
-            write_positions=writes.to(self.device),
-            kv_len=kv_len,
-            contiguous=slice(slots[0], slots[0] + B) if consecutive else None,
-        )
-        cache = self.store.cache
-        cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
         lengths = [len(new) for new in news]
-        mask = batch_mask(starts, lengths, width, kv_len, self.model.dtype, self.device)
+        slots = [e.slot for e in entries]
+        kv_len = max(start + n for start, n in zip(starts, lengths, strict=True))
+        cache = self.store.cache
+        if B == 1:  # the common decode step: plain slices, no index tensors
+            start = starts[0]
+            input_ids = torch.tensor([news[0]], device=self.device)  # [1, T]
+            positions = torch.arange(start, start + width, device=self.device).unsqueeze(0)  # [1, T]
+            plan = BatchPlan(slots=None, write_positions=None, kv_len=kv_len, contiguous=slice(slots[0], slots[0] + 1),
+                             single_start=start)  # fmt: skip
+            mask = single_row_mask(start, width, self.model.dtype, self.device)
+        else:
+            # Left-padded rows, built as lists and converted once. Padding columns write to dead positions past
+            # their row's end.
+            pads = [width - n for n in lengths]
+            input_ids = torch.tensor([[0] * p + new for p, new in zip(pads, news, strict=True)], device=self.device)
+            positions = torch.tensor(
+                [[0] * p + list(range(st, st + n)) for p, st, n in zip(pads, starts, lengths, strict=True)],
+                device=self.device,
+            )  # [B, T]
+            writes = torch.tensor(
+                [list(range(st + n, st + width)) + list(range(st, st + n))
+                 for st, n in zip(starts, lengths, strict=True)],
+                device=self.device,
+            )  # fmt: skip
+            consecutive = slots == list(range(slots[0], slots[0] + B))
+            plan = BatchPlan(
+                slots=torch.tensor(slots, device=self.device),
+                write_positions=writes,
+                kv_len=kv_len,
+                contiguous=slice(slots[0], slots[0] + B) if consecutive else None,
+            )
+            mask = batch_mask(starts, lengths, width, kv_len, self.model.dtype, self.device)
+        cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
         keep = max(n for _, _, n in rows)
         out = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions.to(self.device),
+            input_ids=input_ids,
+            position_ids=positions,
             attention_mask=mask,
             past_key_values=cache,
             use_cache=True,

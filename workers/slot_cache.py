@@ -22,10 +22,11 @@ from transformers.cache_utils import Cache
 class BatchPlan:
     """Where the next forward pass reads and writes. B rows, T input columns (left-padded)."""
 
-    slots: torch.Tensor  # [B] long: each row's slot
-    write_positions: torch.Tensor  # [B, T] long: cache position each input column's keys/values go to
+    slots: torch.Tensor | None  # [B] long: each row's slot (None: a single row, see single_start)
+    write_positions: torch.Tensor | None  # [B, T] long: cache position each input column's keys/values go to
     kv_len: int  # attend over positions [0, kv_len) of each row's slot
     contiguous: slice | None  # the slots as a slice when they are consecutive (reads are views, not copies)
+    single_start: int | None = None  # one row, unpadded: its T new positions start here (plain slice writes)
 
 
 class SlotKVCache(Cache):
@@ -78,10 +79,14 @@ class SlotKVCache(Cache):
             shape = (self._slots, self._length, key_states.shape[1], key_states.shape[3])
             self._keys.append(key_states.new_zeros(shape))
             self._values.append(value_states.new_zeros(shape))
-        rows = plan.slots.unsqueeze(1)  # [B, 1]
         out = []
         for buffer, states in ((self._keys[layer_idx], key_states), (self._values[layer_idx], value_states)):
-            buffer[rows, plan.write_positions] = states.transpose(1, 2).to(buffer.dtype)  # [B, T, H_kv, D]
+            if plan.single_start is not None:
+                start, T = plan.single_start, states.shape[2]
+                buffer[plan.contiguous, start : start + T] = states.transpose(1, 2)  # [1, T, H_kv, D]
+            else:
+                rows = plan.slots.unsqueeze(1)  # [B, 1]
+                buffer[rows, plan.write_positions] = states.transpose(1, 2).to(buffer.dtype)  # [B, T, H_kv, D]
             if plan.contiguous is not None:
                 read = buffer[plan.contiguous, : plan.kv_len]  # a view
             else:
@@ -105,6 +110,14 @@ class SlotKVCache(Cache):
         self._values.clear()
         self._slots, self._length = self._initial
         self._plan = None
+
+
+def single_row_mask(start: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, width, start + width] for one unpadded row: causal over its new positions."""
+    mask = torch.zeros((width, start + width), dtype=dtype, device=device)
+    if width > 1:
+        mask[:, start:] = torch.full((width, width), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return mask.view(1, 1, width, start + width)
 
 
 def batch_mask(
