@@ -230,3 +230,7 @@ def test_cli_generate_against_the_server(server, reference, capsys):
     assert sum((c["token_ids"] for c in lines), []) == reference[p][0]
     assert main(["generate", p, "--address", server["grpc"], "--temperature", "-2"]) == 2
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+# The table-driven bad-input tests run against this module's Serve app (see serve_bad_input_cases.py).
+from .serve_bad_input_cases import *  # noqa: E402, F403

@@ -84,3 +84,11 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
             assert row["bound"] > 0 and 0 <= row["acceptance_rate"] <= 1
     assert rows["target-only greedy"]["speedup"] == 1.0
     assert out_png.stat().st_size > 1000
+    # The concurrency sweep: every level with speculation on and off, spec-on outputs identical to spec-off.
+    levels = report["meta"]["concurrency"]
+    assert sorted({(r["streams"], r["speculation"] == "off") for r in levels}) == [
+        (n, off) for n in (1, 4, 16, 32) for off in (False, True)
+    ]
+    assert all(r["identical"] is True for r in levels if r["speculation"] != "off")
+    assert all(r["tokens"] == r["streams"] * 16 and r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0 for r in levels)
+    assert "Concurrency sweep" in table and (tmp_path / "bench-concurrency.png").stat().st_size > 1000

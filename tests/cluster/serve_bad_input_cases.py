@@ -1,6 +1,9 @@
 """Table-driven bad input against a running Serve app, over gRPC (the public SpecServe service through Serve's
 gRPC proxy) and HTTP (the OpenAI-compatible API): every malformed request gets INVALID_ARGUMENT / 400 with a message
-naming the problem, and the server answers the next valid request correctly."""
+naming the problem, and the server answers the next valid request correctly.
+
+Collected through tests/cluster/test_serve_app.py, which imports these tests so that they run against its Serve app
+instead of starting another one (a Serve app takes ~45 s to start on 2 cores)."""
 
 import json
 import math
@@ -12,9 +15,7 @@ import pytest
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 
-from .test_serve_app import PROMPTS, client, reference, server  # noqa: F401 - shared module fixtures
-
-pytestmark = pytest.mark.slow
+from .test_serve_app import PROMPTS  # its `reference` fixture holds these prompts' outputs
 
 
 def g(prompt="def f(x):", ids=None, model="", method=None, k=None, **sampling) -> pb.GenerateRequest:
@@ -58,7 +59,7 @@ GRPC_CASES = [
 
 
 @pytest.mark.parametrize(("name", "request_", "field"), GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
-def test_grpc_bad_input(server, client, reference, name, request_, field):  # noqa: F811
+def test_grpc_bad_input(server, client, reference, name, request_, field):
     with grpc.insecure_channel(server["grpc"]) as channel:
         stub = pb_grpc.SpecServeStub(channel)
         with pytest.raises(grpc.RpcError) as e:
@@ -68,7 +69,7 @@ def test_grpc_bad_input(server, client, reference, name, request_, field):  # no
     assert client.generate(PROMPTS[0], max_new_tokens=24)["token_ids"] == reference[PROMPTS[0]][0]
 
 
-def test_grpc_invalid_utf8_and_garbage_bytes(server, client, reference):  # noqa: F811
+def test_grpc_invalid_utf8_and_garbage_bytes(server, client, reference):
     # Field 1 (prompt, a proto3 string) carrying invalid UTF-8, then bytes that are no message at all. gRPC's own
     # deserializer in Serve's proxy rejects both before any specserve code runs, with status UNKNOWN and a message
     # naming the problem (the one place the status is not INVALID_ARGUMENT).
@@ -149,7 +150,7 @@ def _post(srv, path, data):
 
 
 @pytest.mark.parametrize(("name", "path", "data", "field"), HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
-def test_http_bad_input(server, reference, name, path, data, field):  # noqa: F811
+def test_http_bad_input(server, reference, name, path, data, field):
     status, out = _post(server, path, data)
     assert status == 400, out
     assert out["error"]["type"] == "invalid_request_error" and field in out["error"]["message"]
