@@ -418,7 +418,13 @@ def main_bench(args) -> int:
         from specserve.cluster.bench_concurrency import concurrency_rows, format_levels, levels_json
 
         new_tokens = 16 if args.quick else 32
-        levels = concurrency_rows(target, draft, prompts, new_tokens, meta["cost_ratio_c"])
+        levels = concurrency_rows(
+            validate(ModelConfig, {"path": target_path, "device": args.device}),
+            validate(ModelConfig, {"path": draft_path, "device": args.device}),
+            prompts,
+            new_tokens,
+            meta["cost_ratio_c"],
+        )
         meta["concurrency"] = levels_json(levels)
     print(format_table(rows, meta))
     if levels:

@@ -1,6 +1,7 @@
 """The concurrency sweep of `specserve bench`: 1, 4, 16, 32 concurrent greedy streams through the disaggregated
-workers (real gRPC servers, continuous batching on both), speculation on (k='auto' under the load-aware speculation
-policy, as the Serve app runs it) vs off, measured side by side in one run."""
+workers (a target and a draft worker process, each behind its gRPC server, continuous batching on both; this process
+runs the scheduler), speculation on (k='auto' under the load-aware speculation policy, as the Serve app runs it) vs
+off, measured side by side in one run."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from specserve.cluster.pipeline import Pipeline
 from specserve.cluster.policies import ModelLoad, SpeculationPolicy, SpeculationSwitch, update_speculation
 from specserve.cluster.scheduler import Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
-from specserve.workers.config import BatchingConfig, SamplingParams, SpecParams
-from specserve.workers.loading import LoadedModel
-from specserve.workers.testing import LocalWorkers
+from specserve.cluster.worker_processes import WorkerProcesses
+from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 
 LEVELS = (1, 4, 16, 32)
 
@@ -49,43 +49,40 @@ class PolicyState:
     switch: SpeculationSwitch = field(default_factory=SpeculationSwitch)
 
 
-async def _level(target, draft, prompts, streams, new_tokens, speculate, cost_ratio, state: PolicyState) -> LevelRow:
+async def _level(w, prompts, streams, new_tokens, speculate, cost_ratio, state: PolicyState) -> LevelRow:
     row = LevelRow(streams, "on (k=auto + policy)" if speculate else "off")
-    batching = BatchingConfig(max_batch_size=max(LEVELS))
-    async with LocalWorkers(target, [draft], batching=batching) as w:
-        drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
-        targets = {n: TargetClient(a, timeout_s=120) for n, a in w.target_addresses.items()}
-        pipeline = Pipeline(Scheduler(list(drafts), list(targets), cost_ratio=cost_ratio), drafts, targets)
-        params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
-        spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
-        tpot: list[float] = []
-        if speculate:  # the policy's current decision applies from the first round, as in a running service
+    drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
+    targets = {n: TargetClient(a, timeout_s=120) for n, a in w.target_addresses.items()}
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets), cost_ratio=cost_ratio), drafts, targets)
+    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+    spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
+    tpot: list[float] = []
+    if speculate:  # the policy's current decision applies from the first round, as in a running service
+        update_speculation(pipeline, state.load, state.policy, cost_ratio, None, state.switch)
+
+    async def one(i: int) -> list[int]:
+        prompt = prompts[i % len(prompts)]
+        prompt = prompt[: len(prompt) - i // len(prompts)]  # streams beyond the prompt count differ too
+        req = pipeline.scheduler.add(prompt, params, spec, frozenset())
+        start = last = time.perf_counter()
+        prev = (0, 0)
+        async for committed in pipeline.rounds(req):
+            now, stats = time.perf_counter(), req.state.stats
+            drafted = stats.drafted - prev[0]
+            state.load.observe(drafted, stats.accepted - prev[1])
+            state.switch.observe(len(committed), now - last, drafted > 0)
+            prev, last = (stats.drafted, stats.accepted), now
             update_speculation(pipeline, state.load, state.policy, cost_ratio, None, state.switch)
+        tpot.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
+        return req.state.generated
 
-        async def one(i: int) -> list[int]:
-            prompt = prompts[i % len(prompts)]
-            prompt = prompt[: len(prompt) - i // len(prompts)]  # streams beyond the prompt count differ too
-            req = pipeline.scheduler.add(prompt, params, spec, frozenset())
-            start = last = time.perf_counter()
-            prev = (0, 0)
-            async for committed in pipeline.rounds(req):
-                now, stats = time.perf_counter(), req.state.stats
-                drafted = stats.drafted - prev[0]
-                state.load.observe(drafted, stats.accepted - prev[1])
-                state.switch.observe(len(committed), now - last, drafted > 0)
-                prev, last = (stats.drafted, stats.accepted), now
-                update_speculation(pipeline, state.load, state.policy, cost_ratio, None, state.switch)
-            tpot.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
-            return req.state.generated
-
-        t0 = time.perf_counter()
-        row.outputs = list(await asyncio.gather(*(one(i) for i in range(streams))))
-        row.seconds = time.perf_counter() - t0
-        batcher = w.servicers["target-0"].batcher
-        row.target_batch_mean = batcher.rows / max(1, batcher.batches)
-        row.final_k_cap = pipeline.scheduler.auto_k_cap if speculate else None
-        for client in (*drafts.values(), *targets.values()):
-            await client.close()
+    t0 = time.perf_counter()
+    row.outputs = list(await asyncio.gather(*(one(i) for i in range(streams))))
+    row.seconds = time.perf_counter() - t0
+    row.target_batch_mean = pipeline.mean_target_batch
+    row.final_k_cap = pipeline.scheduler.auto_k_cap if speculate else None
+    for client in (*drafts.values(), *targets.values()):
+        await client.close()
     row.tokens = sum(len(o) for o in row.outputs)
     row.tokens_per_s = row.tokens / row.seconds
     row.tpot_ms_p50 = statistics.median(tpot) * 1e3
@@ -94,8 +91,8 @@ async def _level(target, draft, prompts, streams, new_tokens, speculate, cost_ra
 
 
 def concurrency_rows(
-    target: LoadedModel,
-    draft: LoadedModel,
+    target: ModelConfig,
+    draft: ModelConfig,
     prompts: list[list[int]],
     new_tokens: int,
     cost_ratio: float,
@@ -106,15 +103,19 @@ def concurrency_rows(
 
     rows: list[LevelRow] = []
     bar = tqdm(total=2 * len(levels), desc="concurrency sweep", disable=not progress)
+    from transformers import AutoConfig
+
     state = PolicyState()
-    asyncio.run(_level(target, draft, prompts, 2, 4, True, cost_ratio, state))  # warm-up: threads, allocator, gRPC
-    for streams in levels:
-        off = asyncio.run(_level(target, draft, prompts, streams, new_tokens, False, cost_ratio, state))
-        bar.update()
-        on = asyncio.run(_level(target, draft, prompts, streams, new_tokens, True, cost_ratio, state))
-        bar.update()
-        on.identical = on.outputs == off.outputs
-        rows += [off, on]
+    vocab = AutoConfig.from_pretrained(target.path, local_files_only=True).get_text_config().vocab_size
+    with WorkerProcesses(target, draft, vocab, BatchingConfig(max_batch_size=max(levels))) as w:
+        asyncio.run(_level(w, prompts, 2, 4, True, cost_ratio, state))  # warm-up: threads, allocator, gRPC
+        for streams in levels:
+            off = asyncio.run(_level(w, prompts, streams, new_tokens, False, cost_ratio, state))
+            bar.update()
+            on = asyncio.run(_level(w, prompts, streams, new_tokens, True, cost_ratio, state))
+            bar.update()
+            on.identical = on.outputs == off.outputs
+            rows += [off, on]
     bar.close()
     return rows
 

@@ -49,6 +49,8 @@ class Pipeline:
         """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none."""
         self.scheduler = scheduler
         self.verify_costs = VerifyCostModel()  # the target's batched step cost, for the speculation policy
+        # Each call reports its batch's size, so a batch of n is reported n times: calls / sum(1/n) = batches' mean.
+        self.verify_calls, self.inverse_batch_rows = 0, 0.0
         self.drafts = drafts
         self.targets = targets
         self.predraft = predraft
@@ -122,8 +124,11 @@ class Pipeline:
                         pre_task = asyncio.ensure_future(self._propose(req, pre_call))
                 w0 = time.perf_counter()
                 try:
-                    accepted, next_token, batch_tokens, batch_seconds = await verify
-                    self.verify_costs.observe(batch_tokens, batch_seconds)
+                    reply = await verify
+                    accepted, next_token = reply.accepted, reply.next_token
+                    self.verify_costs.observe(reply.batch_tokens, reply.batch_seconds)
+                    self.verify_calls += 1
+                    self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
                 except WorkerUnavailable:
                     await _cancel(pre_task)
                     await self._worker_failed(verify_call.worker, client)
@@ -158,6 +163,11 @@ class Pipeline:
 
     def wire_bytes(self) -> int:
         return sum(c.wire_bytes for c in (*self.drafts.values(), *self.targets.values()))
+
+    @property
+    def mean_target_batch(self) -> float:
+        """Mean requests per target forward pass, over the verify calls this pipeline made."""
+        return self.verify_calls / self.inverse_batch_rows if self.inverse_batch_rows else 0.0
 
     async def release(self, req: SchedRequest) -> None:
         for worker in self.scheduler.finish(req):

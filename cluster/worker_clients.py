@@ -3,6 +3,8 @@ turn the KV state protocol's NOT_FOUND into WorkerLostRequest, so the caller can
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import grpc
 
 from specserve.cluster.scheduler import Call
@@ -77,13 +79,20 @@ class DraftClient(_Client):
         return list(response.drafted), response.draft_probs
 
 
+class VerifyReply(NamedTuple):
+    accepted: int
+    next_token: int  # recovered or bonus
+    batch_rows: int  # requests in the target batch this call ran in
+    batch_tokens: int  # positions that batch fed
+    batch_seconds: float
+
+
 class TargetClient(_Client):
     def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None):
         super().__init__(address, timeout_s, secret)
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
-    async def verify(self, call: Call, params: SamplingParams) -> tuple[int, int, int, float]:
-        """(accepted, next token: recovered or bonus, tokens the batch it ran in fed, that batch's seconds)."""
+    async def verify(self, call: Call, params: SamplingParams) -> VerifyReply:
         response = await self._invoke(
             self.stub.Verify,
             pb.VerifyRequest(
@@ -95,4 +104,6 @@ class TargetClient(_Client):
                 sampling=sampling_to_proto(params),
             ),
         )
-        return response.accepted, response.next_token, response.batch_tokens, response.compute_seconds
+        return VerifyReply(
+            response.accepted, response.next_token, response.batch_rows, response.batch_tokens, response.compute_seconds
+        )

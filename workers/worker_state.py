@@ -93,6 +93,9 @@ def run_batch(
             release(victims[0])
     results: list[T | Exception] = []
     for i in rows:
+        if request_ids[i] not in committed:  # evicted by an earlier row of this loop: the scheduler re-sends it
+            results.append(RequestNotFoundError(f"request {request_ids[i]!r} was evicted: re-send its sequence"))
+            continue
         try:
             results.append(with_eviction(committed, request_ids[i], lambda i=i: batch_work([i])[0], release))
         except KVCapacityError as e:

@@ -71,3 +71,20 @@ def test_propose_batch_drafts_what_each_row_drafts_alone(target):
         else:
             a, b = decode_probs(got[1], target.vocab_size), decode_probs(alone[1], target.vocab_size)
             assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-7)
+
+
+def test_a_row_evicted_by_an_earlier_row_is_re_sent_not_orphaned(target):
+    worker = _worker(target, capacity=40)
+    for rid, base in (("r1", 20), ("r2", 40)):
+        worker.verify(rid, 15, list(range(base, base + 15)), [], None, GREEDY)  # 15 cached positions each
+    calls = [
+        VerifyCall("r0", 15, list(range(60, 75)), [], None, GREEDY),
+        VerifyCall("r1", 16, [99], [], None, GREEDY),
+        VerifyCall("r2", 16, [98], [], None, GREEDY),
+    ]
+    results = worker.verify_batch(calls)  # 47 positions > 40: rows run one by one and r0 evicts r1
+    assert not isinstance(results[0], Exception) and isinstance(results[1], RequestNotFoundError)
+    store = worker.verifier.runner.store
+    # Every cached position belongs to a request the worker still knows: nothing the scheduler cannot release.
+    assert all(rid in worker.committed for rid in ("r0", "r2")) and "r1" not in store
+    assert store.used_tokens <= 40

@@ -1,0 +1,83 @@
+"""Draft and target workers in their own local processes, each behind its own gRPC server: the disaggregated shape
+on one machine without Ray, for the bench's concurrency sweep (separate processes, so the draft's Python work never
+waits on the target's interpreter lock, as it would with both in one process)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+
+from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
+
+
+def serve_worker(kind: str, model: ModelConfig, target_vocab: int, batching: BatchingConfig, ready) -> None:
+    """The whole life of one worker process: load, serve on a free localhost port (sent through `ready`), forever."""
+    import asyncio
+
+    from specserve.workers.grpc_service import DraftWorkerServicer, TargetWorkerServicer, create_server
+    from specserve.workers.loading import load_model
+    from specserve.workers.runner import ModelRunner
+
+    loaded = load_model(model)
+    if kind == "target":
+        from specserve.workers.target import TargetVerifier
+        from specserve.workers.target_worker import TargetWorker
+
+        servicer = TargetWorkerServicer(
+            TargetWorker(TargetVerifier(ModelRunner(loaded, KVCacheConfig())), model.path), batching
+        )
+    else:
+        from specserve.workers.draft_worker import DraftWorker
+        from specserve.workers.drafters import ModelDrafter
+
+        runner = ModelRunner(loaded, KVCacheConfig(), vocab_size=target_vocab)
+        servicer = DraftWorkerServicer(
+            DraftWorker(ModelDrafter(runner), target_vocab, model.path, runner.store), batching
+        )
+
+    async def main():
+        server, port = await create_server(servicer, "127.0.0.1:0")
+        ready.put((kind, port))
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+class WorkerProcesses:
+    """`with WorkerProcesses(target, draft, vocab) as w:` starts a target and a draft worker process; w.target_addresses
+    and w.draft_addresses name them as the scheduler's clients expect."""
+
+    def __init__(self, target: ModelConfig, draft: ModelConfig, target_vocab: int, batching: BatchingConfig):
+        self.specs = [("target", target), ("draft", draft)]
+        self.target_vocab, self.batching = target_vocab, batching
+
+    def __enter__(self):
+        ctx = mp.get_context("spawn")
+        ready = ctx.Queue()
+        self.processes = [
+            ctx.Process(target=serve_worker, args=(kind, model, self.target_vocab, self.batching, ready), daemon=True)
+            for kind, model in self.specs
+        ]
+        for p in self.processes:
+            p.start()
+        ports = {}
+        deadline = time.monotonic() + 300
+        while len(ports) < len(self.processes):
+            try:
+                kind, port = ready.get(timeout=1)
+                ports[kind] = port
+            except queue.Empty:
+                dead = [p for p in self.processes if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.__exit__()
+                    codes = [p.exitcode for p in dead]
+                    raise RuntimeError(f"worker processes failed to start (exit codes {codes})") from None
+        self.target_addresses = {"target-0": f"127.0.0.1:{ports['target']}"}
+        self.draft_addresses = {"draft-0": f"127.0.0.1:{ports['draft']}"}
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.processes:
+            p.kill()
+            p.join(10)
