@@ -325,6 +325,12 @@ def format_table(rows: list[Row], meta: dict) -> str:
             f"{d['vs_in_process_all_streams']:.2f}x with all streams at once; scheduler overhead p50 "
             f"{d['orchestration_ms_p50']:.2f} ms per round; {d['wire_bytes_per_round']:.0f} bytes on the wire per round"
         )
+    if "tensor_parallel" in meta:
+        t = meta["tensor_parallel"]
+        out.append(
+            f"TP={t['world_size']} decode step: {t['ms_per_step']:.2f} ms, collectives {t['communication_share']:.0%} "
+            f"of it (rank 0 profile)"
+        )
     out.append(
         f"c = t_draft/t_target = {meta['cost_ratio_c']:.3f} (t_draft {meta['t_draft_ms']:.2f} ms, t_target "
         f"{meta['t_target_ms']:.2f} ms); target greedy distinct 4-grams: {meta['distinct_4gram_target_greedy']:.0%}; "
@@ -413,6 +419,26 @@ def main_bench(args) -> int:
         at = rows.index(extra[-1]) + 1
         rows[at:at] = served
         meta["disaggregated"]["serve_vs_in_process_1_stream"] = served[0].tokens_per_s / in_process.tokens_per_s
+    tp_n = args.tensor_parallel if args.tensor_parallel is not None else (0 if args.quick else 2)
+    if tp_n > 1:
+        from transformers import AutoConfig
+
+        from specserve.cluster.bench_tp import tp_rows
+
+        k = 4 if 4 in cfg.ks else cfg.ks[-1]
+        vocab = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config().vocab_size
+        extra, profile = tp_rows(
+            validate(ModelConfig, {"path": target_path, "device": args.device}),
+            validate(ModelConfig, {"path": draft_path, "device": args.device}),
+            vocab,
+            prompts,
+            cfg.max_new_tokens,
+            k,
+            rows[0],
+            tp_n,
+        )
+        rows += extra
+        meta["tensor_parallel"] = {"world_size": tp_n, **profile}
     levels = []
     if args.concurrency:
         from specserve.cluster.bench_concurrency import concurrency_rows, format_levels, levels_json

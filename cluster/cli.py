@@ -165,6 +165,14 @@ def _add_bench(sub) -> None:
         default=True,
         help="add the concurrency sweep: 1, 4, 16, 32 streams, speculation on vs off (default: on)",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        default=None,
+        help="add rows through a TP=N target replica (N local processes) and its communication share "
+        "(default: 2, off with --quick; 0 turns it off)",
+    )
     p.set_defaults(func=_bench)
 
 

@@ -48,8 +48,9 @@ class WorkerProcesses:
     """`with WorkerProcesses(target, draft, vocab) as w:` starts a target and a draft worker process; w.target_addresses
     and w.draft_addresses name them as the scheduler's clients expect."""
 
-    def __init__(self, target: ModelConfig, draft: ModelConfig, target_vocab: int, batching: BatchingConfig):
-        self.specs = [("target", target), ("draft", draft)]
+    def __init__(self, target: ModelConfig | None, draft: ModelConfig, target_vocab: int, batching: BatchingConfig):
+        """target None: a draft worker only (the target lives elsewhere, e.g. a tensor-parallel replica)."""
+        self.specs = ([("target", target)] if target is not None else []) + [("draft", draft)]
         self.target_vocab, self.batching = target_vocab, batching
 
     def __enter__(self):
@@ -73,7 +74,7 @@ class WorkerProcesses:
                     self.__exit__()
                     codes = [p.exitcode for p in dead]
                     raise RuntimeError(f"worker processes failed to start (exit codes {codes})") from None
-        self.target_addresses = {"target-0": f"127.0.0.1:{ports['target']}"}
+        self.target_addresses = {"target-0": f"127.0.0.1:{ports['target']}"} if "target" in ports else {}
         self.draft_addresses = {"draft-0": f"127.0.0.1:{ports['draft']}"}
         return self
 

@@ -172,3 +172,77 @@ def serve_rank0(
         await server.wait_for_termination()
 
     asyncio.run(main())
+
+
+def profile_forward(
+    rank: int, rendezvous: Rendezvous, model: ModelConfig, prompt: list[int], steps: int, results=None
+) -> None:
+    """One rank of a measurement: prefill `prompt`, then `steps` single-token decode steps through the mirrored runner
+    under torch.profiler; rank 0 puts {ms_per_step, communication_share} in `results` (a multiprocessing queue).
+    The communication share is the collectives' self time (all-reduce, broadcast, gloo/NCCL work) over the steps'."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    init_rank(rank, rendezvous, device)
+    runner = ModelRunner(load_sharded(model), KVCacheConfig())
+    try:
+        if rank != 0:
+            follow(runner)
+            return
+        tp = TensorParallelRunner(runner)
+        seq = list(prompt)
+        tp.logits_for("bench", seq, 1)
+        for _ in range(3):  # warm-up
+            seq.append(int(tp.logits_for("bench", seq, 1)[-1].argmax()))
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                seq.append(int(tp.logits_for("bench", seq, 1)[-1].argmax()))
+            seconds = time.perf_counter() - start
+        comm_us = sum(
+            e.self_cpu_time_total
+            for e in prof.key_averages()
+            if any(word in e.key.lower() for word in ("all_reduce", "allreduce", "broadcast", "gloo", "nccl", "wait"))
+        )
+        results.put({"ms_per_step": seconds / steps * 1e3, "communication_share": comm_us / 1e6 / seconds})
+        tp.shutdown()
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalTensorParallelReplica:
+    """A tensor-parallel target replica on this machine without Ray (tests, the bench): `world_size` processes in one
+    gloo group, rank 0 serving the TargetWorker over gRPC. `with LocalTensorParallelReplica(path, 2) as tp:` gives
+    tp.address and tp.processes (rank -> process, to kill one)."""
+
+    def __init__(self, path: str, world_size: int = 2, capacity_tokens: int = 100_000, device: str = "cpu"):
+        self.path, self.world_size, self.capacity_tokens, self.device = path, world_size, capacity_tokens, device
+
+    def __enter__(self):
+        import multiprocessing as mp
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        rendezvous = Rendezvous("127.0.0.1", port, self.world_size, timeout_s=120)
+        model = ModelConfig(path=self.path, device=self.device)
+        kv = KVCacheConfig(capacity_tokens=self.capacity_tokens)
+        ctx = mp.get_context("spawn")
+        ready = ctx.Queue()
+        self.processes = {0: ctx.Process(target=serve_rank0, args=(rendezvous, model, kv, "tp-target", ready))}
+        for rank in range(1, self.world_size):
+            self.processes[rank] = ctx.Process(target=run_follower, args=(rank, rendezvous, model, kv))
+        for p in self.processes.values():
+            p.daemon = True
+            p.start()
+        self.address = f"127.0.0.1:{ready.get(timeout=300)}"
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.processes.values():
+            p.kill()
+            p.join(10)

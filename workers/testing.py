@@ -146,43 +146,6 @@ class LocalWorkers:
             servicer.close()
 
 
-class LocalTensorParallelTarget:
-    """A tensor-parallel target replica for tests: `world_size` processes in one gloo group, rank 0 serving the
-    TargetWorker over gRPC. `with LocalTensorParallelTarget(path, 2) as tp:` gives tp.address and tp.processes
-    (rank -> process, to kill one)."""
-
-    def __init__(self, path: str, world_size: int = 2, capacity_tokens: int = 100_000):
-        self.path, self.world_size, self.capacity_tokens = path, world_size, capacity_tokens
-
-    def __enter__(self):
-        import multiprocessing as mp
-        import socket
-
-        from specserve.workers.config import KVCacheConfig, ModelConfig
-        from specserve.workers.tensor_parallel import Rendezvous, run_follower, serve_rank0
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        rendezvous = Rendezvous("127.0.0.1", port, self.world_size, timeout_s=30)
-        model, kv = ModelConfig(path=self.path, device="cpu"), KVCacheConfig(capacity_tokens=self.capacity_tokens)
-        ctx = mp.get_context("spawn")
-        ready = ctx.Queue()
-        self.processes = {0: ctx.Process(target=serve_rank0, args=(rendezvous, model, kv, "tp-target", ready))}
-        for rank in range(1, self.world_size):
-            self.processes[rank] = ctx.Process(target=run_follower, args=(rank, rendezvous, model, kv))
-        for p in self.processes.values():
-            p.daemon = True
-            p.start()
-        self.address = f"127.0.0.1:{ready.get(timeout=120)}"
-        return self
-
-    def __exit__(self, *exc):
-        for p in self.processes.values():
-            p.kill()
-            p.join(10)
-
-
 def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results) -> None:
     """One rank of a test: shard the model, run `rows` through the mirrored runner, rank 0 puts the logits in
     `results` (a multiprocessing queue)."""

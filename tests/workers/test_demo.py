@@ -66,7 +66,8 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     files = [str(p) for p in corpus.train[:4]]
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(["bench", "--quick", "--target", tiny_family.target, "--draft", tiny_family.draft, "--device", "cpu",
-                 "--prompts-from", *files, "--json", str(out_json), "--plot", str(out_png)])  # fmt: skip
+                 "--prompts-from", *files, "--json", str(out_json), "--plot", str(out_png),
+                 "--tensor-parallel", "2"])  # fmt: skip
     assert code == 0
     table = capsys.readouterr().out
     assert "target-only greedy" in table and "specserve k=4 greedy" in table
@@ -91,4 +92,8 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     ]
     assert all(r["identical"] is True for r in levels if r["speculation"] != "off")
     assert all(r["tokens"] == r["streams"] * 16 and r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0 for r in levels)
+    # Tensor-parallel rows: lossless through a TP=2 replica, and the collectives' share of a sharded step.
+    assert rows["TP=2 target-only greedy"]["identical"] is True and rows["TP=2 target k=4 greedy"]["identical"] is True
+    tp = report["meta"]["tensor_parallel"]
+    assert tp["world_size"] == 2 and tp["ms_per_step"] > 0 and 0 < tp["communication_share"] < 1
     assert "Concurrency sweep" in table and (tmp_path / "bench-concurrency.png").stat().st_size > 1000

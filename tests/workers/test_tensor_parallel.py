@@ -20,8 +20,8 @@ from specserve.workers.engine import SpecEngine
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.loading import load_model
 from specserve.workers.runner import ModelRunner
-from specserve.workers.tensor_parallel import Rendezvous, check_shardable
-from specserve.workers.testing import LocalTensorParallelTarget, LocalWorkers, tensor_parallel_logits
+from specserve.workers.tensor_parallel import LocalTensorParallelReplica, Rendezvous, check_shardable
+from specserve.workers.testing import LocalWorkers, tensor_parallel_logits
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def test_speculative_greedy_through_a_tp2_target_is_identical_to_target_only(mod
     tokenizer = models[0].tokenizer
 
     async def main():
-        with LocalTensorParallelTarget(tiny_target, 2) as tp:
+        with LocalTensorParallelReplica(tiny_target, 2) as tp:
             async with LocalWorkers(models[0], [models[1]], n_targets=0) as w:
                 results, _ = await _generate({"target-tp": tp.address}, w.draft_addresses, tokenizer)
                 async with grpc.aio.insecure_channel(tp.address) as channel:
@@ -104,7 +104,7 @@ def test_a_killed_rank_makes_the_replica_unhealthy_and_its_requests_finish_elsew
     tokenizer = models[0].tokenizer
 
     async def main():
-        with LocalTensorParallelTarget(tiny_target, 2) as tp:
+        with LocalTensorParallelReplica(tiny_target, 2) as tp:
             async with LocalWorkers(models[0], [models[1]], n_targets=1) as w:
 
                 async def kill():
