@@ -45,48 +45,11 @@ class _WorkerActor:
     async def node(self) -> dict:
         return _node()
 
-
-class DraftWorkerActor(_WorkerActor):
-    """A draft model behind a DraftWorker gRPC server."""
-
-    def __init__(self, pool: PoolConfig, target_vocab_size: int):
-        from specserve.workers.draft_worker import DraftWorker
-        from specserve.workers.drafters import ModelDrafter
-        from specserve.workers.loading import load_model
-        from specserve.workers.runner import ModelRunner
-
-        loaded = load_model(pool.model)
-        runner = ModelRunner(loaded, pool.kv_cache, vocab_size=target_vocab_size)
-        self.worker = DraftWorker(ModelDrafter(runner), target_vocab_size, pool.model.path, runner.store)
-        self.batching = pool.batching
-
-    def _servicer(self):
-        from specserve.workers.grpc_service import DraftWorkerServicer
-
-        return DraftWorkerServicer(self.worker, self.batching)
-
-
-class TargetWorkerActor(_WorkerActor):
-    """A target model behind a TargetWorker gRPC server."""
-
-    def __init__(self, pool: PoolConfig):
-        from specserve.workers.loading import load_model
-        from specserve.workers.runner import ModelRunner
-        from specserve.workers.target import TargetVerifier
-        from specserve.workers.target_worker import TargetWorker
-
-        if pool.tensor_parallel_size > 1:
-            runner = self._tensor_parallel_runner(pool)
-        else:
-            runner = ModelRunner(load_model(pool.model), pool.kv_cache)
-        self.worker = TargetWorker(TargetVerifier(runner), pool.model.path)
-        self.batching = pool.batching
-
     async def followers_nodes(self) -> list[str]:
         """Node ids of this replica's follower ranks (tensor parallelism), for placement checks."""
         return [await actor.node_id.remote() for actor, _ in getattr(self, "followers", [])]
 
-    def _tensor_parallel_runner(self, pool: PoolConfig):
+    def _tensor_parallel_runner(self, pool: PoolConfig, vocab_size: int | None = None):
         """This actor is rank 0; ranks 1..N-1 are follower actors in the same placement group (the Serve
         replica's, when there is one), which die with it."""
         import ray
@@ -129,7 +92,48 @@ class TargetWorkerActor(_WorkerActor):
             self.followers.append((actor, actor.run.remote(run_follower, rank, rendezvous, pool.model, pool.kv_cache)))
         device = pool.model.device if pool.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         init_rank(0, rendezvous, device)
-        return TensorParallelRunner(ModelRunner(load_sharded(pool.model), pool.kv_cache))
+        return TensorParallelRunner(ModelRunner(load_sharded(pool.model), pool.kv_cache, vocab_size=vocab_size))
+
+
+class DraftWorkerActor(_WorkerActor):
+    """A draft model behind a DraftWorker gRPC server."""
+
+    def __init__(self, pool: PoolConfig, target_vocab_size: int):
+        from specserve.workers.draft_worker import DraftWorker
+        from specserve.workers.drafters import ModelDrafter
+        from specserve.workers.loading import load_model
+        from specserve.workers.runner import ModelRunner
+
+        if pool.tensor_parallel_size > 1:  # independent of the target's degree
+            runner = self._tensor_parallel_runner(pool, target_vocab_size)
+        else:
+            runner = ModelRunner(load_model(pool.model), pool.kv_cache, vocab_size=target_vocab_size)
+        self.runner = runner
+        self.worker = DraftWorker(ModelDrafter(runner), target_vocab_size, pool.model.path, runner.store)
+        self.batching = pool.batching
+
+    def _servicer(self):
+        from specserve.workers.grpc_service import DraftWorkerServicer
+
+        return DraftWorkerServicer(self.worker, self.batching)
+
+
+class TargetWorkerActor(_WorkerActor):
+    """A target model behind a TargetWorker gRPC server."""
+
+    def __init__(self, pool: PoolConfig):
+        from specserve.workers.loading import load_model
+        from specserve.workers.runner import ModelRunner
+        from specserve.workers.target import TargetVerifier
+        from specserve.workers.target_worker import TargetWorker
+
+        if pool.tensor_parallel_size > 1:
+            runner = self._tensor_parallel_runner(pool)
+        else:
+            runner = ModelRunner(load_model(pool.model), pool.kv_cache)
+        self.runner = runner
+        self.worker = TargetWorker(TargetVerifier(runner), pool.model.path)
+        self.batching = pool.batching
 
     def _servicer(self):
         from specserve.workers.grpc_service import TargetWorkerServicer

@@ -65,12 +65,14 @@ async def _level(w, prompts, streams, new_tokens, speculate, cost_ratio, state: 
         prompt = prompt[: len(prompt) - i // len(prompts)]  # streams beyond the prompt count differ too
         req = pipeline.scheduler.add(prompt, params, spec, frozenset())
         start = last = time.perf_counter()
-        prev = (0, 0)
+        prev, first = (0, 0), True
         async for committed in pipeline.rounds(req):
             now, stats = time.perf_counter(), req.state.stats
             drafted = stats.drafted - prev[0]
             state.load.observe(drafted, stats.accepted - prev[1])
-            state.switch.observe(len(committed), now - last, drafted > 0)
+            if not first:  # the first round includes the prefill in either mode
+                state.switch.observe(len(committed), now - last, drafted > 0)
+            first = False
             prev, last = (stats.drafted, stats.accepted), now
             update_speculation(pipeline, state.load, state.policy, cost_ratio, None, state.switch)
         tpot.append((time.perf_counter() - start) / max(1, len(req.state.generated)))

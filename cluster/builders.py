@@ -37,7 +37,7 @@ def tensor_parallel_options(pool: PoolConfig, options: dict) -> dict:
     return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
 
 
-def _target_options(pool: PoolConfig) -> dict:
+def _pool_actor_options(pool: PoolConfig) -> dict:
     options = actor_options(pool)
     return tensor_parallel_options(pool, options) if pool.tensor_parallel_size > 1 else options
 
@@ -71,14 +71,14 @@ def deploy(config: DistributedConfig, timeout_s: float = 300.0) -> Deployment:
     target_cls = ray.remote(TargetWorkerActor)
     draft_cls = ray.remote(DraftWorkerActor)
     targets = {
-        f"target-{i}": target_cls.options(**_target_options(config.target)).remote(config.target)
+        f"target-{i}": target_cls.options(**_pool_actor_options(config.target)).remote(config.target)
         for i in range(config.target.replicas)
     }
     drafts = {}
     if config.draft is not None:
         vocab = target_vocab_size(config)
         drafts = {
-            f"draft-{i}": draft_cls.options(**actor_options(config.draft)).remote(config.draft, vocab)
+            f"draft-{i}": draft_cls.options(**_pool_actor_options(config.draft)).remote(config.draft, vocab)
             for i in range(config.draft.replicas)
         }
     secret = secrets.token_urlsafe(32)  # worker ports accept only this deployment's scheduler

@@ -116,9 +116,9 @@ class PoolWorker:
     async def check_health(self) -> None:
         if self._beat.done():
             raise RuntimeError("the worker's heartbeat stopped")
-        failed = getattr(getattr(self.body.worker, "verifier", None), "runner", None)
-        if getattr(failed, "failed", None):  # a tensor-parallel rank died: Serve replaces the whole replica
-            raise RuntimeError(failed.failed)
+        failed = getattr(self.body.runner, "failed", None)
+        if failed:  # a tensor-parallel rank died: Serve replaces the whole replica (its ranks die with it)
+            raise RuntimeError(failed)
 
     async def __del__(self):
         with contextlib.suppress(Exception):

@@ -257,7 +257,8 @@ class SpecService:
                         self.metrics.round(req.model, prev, stats, len(committed), now - last, first, now - started)
                     drafted = stats["drafted"] - prev["drafted"]
                     serving.load.observe(drafted, stats["accepted"] - prev["accepted"])
-                    serving.switch.observe(len(committed), now - last, drafted > 0)
+                    if not first:  # a first round includes the prompt's prefill in either mode: not a fair sample
+                        serving.switch.observe(len(committed), now - last, drafted > 0)
                     self._update_policy(serving)
                     prev, last = stats, now
                     yield Chunk(

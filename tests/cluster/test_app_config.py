@@ -26,3 +26,11 @@ def test_a_tensor_parallel_pool_asks_for_one_packed_bundle_per_rank():
 def test_bad_tensor_parallel_sizes_are_rejected_naming_the_field(tp):
     with pytest.raises(InvalidRequestError, match="tensor_parallel_size"):
         app_config(_model(tp))
+
+
+def test_the_draft_pools_degree_is_its_own():
+    cfg = app_config({"models": [{"name": "m", "draft_pool": {"tensor_parallel_size": 2}}]})
+    model = cfg.models[0]
+    assert model.target_pool.tensor_parallel_size == 1
+    assert "placement_group_bundles" not in _pool_options("target-m", model.target_pool)
+    assert len(_pool_options("draft-m", model.draft_pool)["placement_group_bundles"]) == 2
