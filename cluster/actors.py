@@ -53,44 +53,32 @@ class _WorkerActor:
         """This actor is rank 0; ranks 1..N-1 are follower actors in the same placement group (the Serve
         replica's, when there is one), which die with it."""
         import ray
-        import torch
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from transformers import AutoConfig
 
-        from specserve.workers.errors import ModelLoadError
+        from specserve.workers.local_processes import free_port
         from specserve.workers.runner import ModelRunner
         from specserve.workers.tensor_parallel import (
             Rendezvous,
             TensorParallelRunner,
-            check_shardable,
+            check_replica,
             init_rank,
             load_sharded,
             run_follower,
         )
 
         n = pool.tensor_parallel_size
-        check_shardable(AutoConfig.from_pretrained(pool.model.path, local_files_only=True), n)
-        wants_cuda = pool.model.device == "cuda" or (pool.model.device == "auto" and torch.cuda.is_available())
-        if wants_cuda and torch.cuda.device_count() < n:
-            raise ModelLoadError(
-                f"tensor_parallel_size {n} needs {n} GPUs on one node (STRICT_PACK), this node has "
-                f"{torch.cuda.device_count()}"
-            )
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        rendezvous = Rendezvous(_host(), port, n, timeout_s=300)
+        device = check_replica(pool.model, n)
+        rendezvous = Rendezvous(_host(), free_port(""), n, timeout_s=300)
         follower = ray.remote(max_restarts=0, max_concurrency=2)(TensorParallelFollower)  # node_id while it runs
         pg = get_current_placement_group()
         self.followers = []
         for rank in range(1, n):
-            options = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus or (1.0 if wants_cuda else 0.0)}
+            options = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus or (1.0 if device == "cuda" else 0.0)}
             if pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             actor = follower.options(**options).remote()
             self.followers.append((actor, actor.run.remote(run_follower, rank, rendezvous, pool.model, pool.kv_cache)))
-        device = pool.model.device if pool.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         init_rank(0, rendezvous, device)
         return TensorParallelRunner(ModelRunner(load_sharded(pool.model), pool.kv_cache, vocab_size=vocab_size))
 

@@ -395,8 +395,9 @@ def main_bench(args) -> int:
         held_out = [os.path.join(root, p) for p in family.manifest["held_out_files"]]
     if not draft_path:
         raise SystemExit("specserve bench: --draft is required with --target")
-    target = load_model(validate(ModelConfig, {"path": target_path, "device": args.device}))
-    draft = load_model(validate(ModelConfig, {"path": draft_path, "device": args.device}))
+    target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device})
+    draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device})
+    target, draft = load_model(target_cfg), load_model(draft_cfg)
     engine = SpecEngine(target, draft)
     prompts = held_out_prompts(target.tokenizer, held_out, cfg.prompts, cfg.prompt_tokens)
     if not prompts:
@@ -421,16 +422,13 @@ def main_bench(args) -> int:
         meta["disaggregated"]["serve_vs_in_process_1_stream"] = served[0].tokens_per_s / in_process.tokens_per_s
     tp_n = args.tensor_parallel if args.tensor_parallel is not None else (0 if args.quick else 2)
     if tp_n > 1:
-        from transformers import AutoConfig
-
         from specserve.cluster.bench_tp import tp_rows
 
         k = 4 if 4 in cfg.ks else cfg.ks[-1]
-        vocab = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config().vocab_size
         extra, profile = tp_rows(
-            validate(ModelConfig, {"path": target_path, "device": args.device}),
-            validate(ModelConfig, {"path": draft_path, "device": args.device}),
-            vocab,
+            target_cfg,
+            draft_cfg,
+            target.vocab_size,
             prompts,
             cfg.max_new_tokens,
             k,
@@ -445,8 +443,9 @@ def main_bench(args) -> int:
 
         new_tokens = 16 if args.quick else 32
         levels = concurrency_rows(
-            validate(ModelConfig, {"path": target_path, "device": args.device}),
-            validate(ModelConfig, {"path": draft_path, "device": args.device}),
+            target_cfg,
+            draft_cfg,
+            target.vocab_size,
             prompts,
             new_tokens,
             meta["cost_ratio_c"],

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from specserve.cluster.pipeline import Pipeline
-from specserve.cluster.policies import ModelLoad, SpeculationPolicy, SpeculationSwitch, update_speculation
+from specserve.cluster.policies import SpeculationControl
 from specserve.cluster.scheduler import Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.cluster.worker_processes import WorkerProcesses
@@ -40,16 +40,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-@dataclass
-class PolicyState:
-    """The speculation policy's state, kept across levels as a running service keeps it while its load changes."""
-
-    load: ModelLoad = field(default_factory=ModelLoad)
-    policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
-    switch: SpeculationSwitch = field(default_factory=SpeculationSwitch)
-
-
-async def _level(w, prompts, streams, new_tokens, speculate, cost_ratio, state: PolicyState) -> LevelRow:
+async def _level(w, prompts, streams, new_tokens, speculate, cost_ratio, state: SpeculationControl) -> LevelRow:
     row = LevelRow(streams, "on (k=auto + policy)" if speculate else "off")
     drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
     targets = {n: TargetClient(a, timeout_s=120) for n, a in w.target_addresses.items()}
@@ -58,7 +49,7 @@ async def _level(w, prompts, streams, new_tokens, speculate, cost_ratio, state: 
     spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
     tpot: list[float] = []
     if speculate:  # the policy's current decision applies from the first round, as in a running service
-        update_speculation(pipeline, state.load, state.policy, cost_ratio, None, state.switch)
+        state.apply(pipeline, cost_ratio, None)
 
     async def one(i: int) -> list[int]:
         prompt = prompts[i % len(prompts)]
@@ -68,13 +59,9 @@ async def _level(w, prompts, streams, new_tokens, speculate, cost_ratio, state: 
         prev, first = (0, 0), True
         async for committed in pipeline.rounds(req):
             now, stats = time.perf_counter(), req.state.stats
-            drafted = stats.drafted - prev[0]
-            state.load.observe(drafted, stats.accepted - prev[1])
-            if not first:  # the first round includes the prefill in either mode
-                state.switch.observe(len(committed), now - last, drafted > 0)
-            first = False
-            prev, last = (stats.drafted, stats.accepted), now
-            update_speculation(pipeline, state.load, state.policy, cost_ratio, None, state.switch)
+            state.after_round(stats.drafted - prev[0], stats.accepted - prev[1], len(committed), now - last, first)
+            state.apply(pipeline, cost_ratio, None)
+            prev, last, first = (stats.drafted, stats.accepted), now, False
         tpot.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
         return req.state.generated
 
@@ -95,6 +82,7 @@ async def _level(w, prompts, streams, new_tokens, speculate, cost_ratio, state: 
 def concurrency_rows(
     target: ModelConfig,
     draft: ModelConfig,
+    vocab: int,
     prompts: list[list[int]],
     new_tokens: int,
     cost_ratio: float,
@@ -105,10 +93,7 @@ def concurrency_rows(
 
     rows: list[LevelRow] = []
     bar = tqdm(total=2 * len(levels), desc="concurrency sweep", disable=not progress)
-    from transformers import AutoConfig
-
-    state = PolicyState()
-    vocab = AutoConfig.from_pretrained(target.path, local_files_only=True).get_text_config().vocab_size
+    state = SpeculationControl()  # kept across levels, as a running service keeps it while its load changes
     with WorkerProcesses(target, draft, vocab, BatchingConfig(max_batch_size=max(levels))) as w:
         asyncio.run(_level(w, prompts, 2, 4, True, cost_ratio, state))  # warm-up: threads, allocator, gRPC
         for streams in levels:

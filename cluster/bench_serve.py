@@ -3,17 +3,11 @@ the scheduler, a draft pool and a target pool replica), with the public client, 
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from specserve.cluster.bench import BenchConfig, Row, finish_stream_rows
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from specserve.workers.local_processes import free_port
 
 
 def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg: BenchConfig, k: int, device: str,
@@ -29,7 +23,7 @@ def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg:
                      "target_pool": {"num_cpus": 0.5}, "draft_pool": {"num_cpus": 0.5}}],
          "ingress": {"num_cpus": 0.5}}
     )  # fmt: skip
-    config = serve_config(app, grpc_port=_free_port(), http_port=_free_port())
+    config = serve_config(app, grpc_port=free_port(), http_port=free_port())
     started = not ray.is_initialized()
     if started:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import socket
 import time
 
 from specserve.cluster.bench import Row, finish_stream_rows
@@ -15,6 +14,7 @@ from specserve.cluster.scheduler import Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.cluster.worker_processes import WorkerProcesses
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
+from specserve.workers.local_processes import free_port, wait_ready
 from specserve.workers.tensor_parallel import LocalTensorParallelReplica, Rendezvous, profile_forward
 
 
@@ -37,16 +37,14 @@ async def _decode(target_address, draft_addresses, prompts, new_tokens, spec) ->
 def communication_share(target: ModelConfig, prompt: list[int], world_size: int, steps: int = 20) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    rendezvous = Rendezvous("127.0.0.1", port, world_size)
+    rendezvous = Rendezvous("127.0.0.1", free_port(), world_size)
     procs = [ctx.Process(target=profile_forward, args=(r, rendezvous, target, prompt, steps, results), daemon=True)
              for r in range(world_size)]  # fmt: skip
     for p in procs:
         p.start()
     try:
-        return results.get(timeout=600)
+        (profile,) = wait_ready(results, procs, 1, timeout_s=600)
+        return profile
     finally:
         for p in procs:
             p.join(30)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.workers.adaptive_k import expected_tokens_per_round as expected_tokens
 from specserve.workers.adaptive_k import fit_acceptance
@@ -221,6 +221,24 @@ def update_speculation(
     else:
         u = pipeline.verify_costs.utilisation(len(sched.requests) / max(1, targets)) or 0.0
     sched.auto_k_cap = policy.update(a, cost_ratio, u)
+
+
+@dataclass
+class SpeculationControl:
+    """One model's speculation state, fed after every round of every request: recent acceptance, the policy's k and
+    the measured switch. The Serve app keeps one per model; the bench keeps one across its concurrency levels."""
+
+    load: ModelLoad = field(default_factory=ModelLoad)
+    policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    switch: SpeculationSwitch = field(default_factory=SpeculationSwitch)
+
+    def after_round(self, drafted: int, accepted: int, committed: int, seconds: float, first: bool) -> None:
+        self.load.observe(drafted, accepted)
+        if not first:  # a request's first round includes its prompt's prefill in either mode: not a fair sample
+            self.switch.observe(committed, seconds, drafted > 0)
+
+    def apply(self, pipeline, cost_ratio: float, saturation_requests: int | None) -> None:
+        update_speculation(pipeline, self.load, self.policy, cost_ratio, saturation_requests, self.switch)
 
 
 # -- autoscaling ---------------------------------------------------------------------------------------------------

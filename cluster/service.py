@@ -15,7 +15,7 @@ from typing import Any
 
 from specserve.cluster.app_config import AppConfig, ModelPairConfig
 from specserve.cluster.pipeline import Pipeline
-from specserve.cluster.policies import ModelLoad, SpeculationPolicy, SpeculationSwitch, update_speculation
+from specserve.cluster.policies import SpeculationControl
 from specserve.cluster.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import SamplingParams, SpecParams, validate
@@ -73,9 +73,7 @@ class ModelServing:
     max_positions: int | None
     eos: frozenset[int]
     pipeline: Pipeline
-    load: ModelLoad = field(default_factory=ModelLoad)
-    policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
-    switch: SpeculationSwitch = field(default_factory=SpeculationSwitch)
+    speculation: SpeculationControl = field(default_factory=SpeculationControl)
     addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -175,24 +173,11 @@ class SpecService:
                 "rounds": s.pipeline.times.rounds,
                 "orchestration_ms_p50": s.pipeline.times.p50_ms(),
                 "auto_k_cap": s.scheduler.auto_k_cap,
-                "speculation_on": s.switch.on,
-                "measured_speedup": s.switch.measured_speedup(),
+                "speculation_on": s.speculation.switch.on,
+                "measured_speedup": s.speculation.switch.measured_speedup(),
             }
             for name, s in self.models.items()
         }
-
-    @staticmethod
-    def _update_policy(serving: ModelServing) -> None:
-        """The load-aware cap on k for k='auto' requests: the policy's k for the model's recent acceptance, its cost
-        ratio and how saturated its target pool is."""
-        update_speculation(
-            serving.pipeline,
-            serving.load,
-            serving.policy,
-            serving.config.cost_ratio,
-            serving.config.saturation_requests,
-            serving.switch,
-        )
 
     # -- requests --------------------------------------------------------------------------------------------------
 
@@ -255,11 +240,12 @@ class SpecService:
                     stats = state.stats.to_dict()
                     if self.metrics:
                         self.metrics.round(req.model, prev, stats, len(committed), now - last, first, now - started)
-                    drafted = stats["drafted"] - prev["drafted"]
-                    serving.load.observe(drafted, stats["accepted"] - prev["accepted"])
-                    if not first:  # a first round includes the prompt's prefill in either mode: not a fair sample
-                        serving.switch.observe(len(committed), now - last, drafted > 0)
-                    self._update_policy(serving)
+                    serving.speculation.after_round(
+                        stats["drafted"] - prev["drafted"], stats["accepted"] - prev["accepted"], len(committed),
+                        now - last, first,
+                    )  # fmt: skip
+                    serving.speculation.apply(serving.pipeline, serving.config.cost_ratio,
+                                              serving.config.saturation_requests)  # fmt: skip
                     prev, last = stats, now
                     yield Chunk(
                         text=text.delta(state.generated, final=state.finished),

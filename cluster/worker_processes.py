@@ -5,10 +5,9 @@ waits on the target's interpreter lock, as it would with both in one process).""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
-import time
 
 from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
+from specserve.workers.local_processes import wait_ready
 
 
 def serve_worker(kind: str, model: ModelConfig, target_vocab: int, batching: BatchingConfig, ready) -> None:
@@ -62,18 +61,11 @@ class WorkerProcesses:
         ]
         for p in self.processes:
             p.start()
-        ports = {}
-        deadline = time.monotonic() + 300
-        while len(ports) < len(self.processes):
-            try:
-                kind, port = ready.get(timeout=1)
-                ports[kind] = port
-            except queue.Empty:
-                dead = [p for p in self.processes if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    self.__exit__()
-                    codes = [p.exitcode for p in dead]
-                    raise RuntimeError(f"worker processes failed to start (exit codes {codes})") from None
+        try:
+            ports = dict(wait_ready(ready, self.processes, len(self.processes)))
+        except RuntimeError:
+            self.__exit__()
+            raise
         self.target_addresses = {"target-0": f"127.0.0.1:{ports['target']}"} if "target" in ports else {}
         self.draft_addresses = {"draft-0": f"127.0.0.1:{ports['draft']}"}
         return self

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 from specserve.workers.codec import encode_probs
 from specserve.workers.config import SamplingParams
-from specserve.workers.drafters import Drafter, Proposal
-from specserve.workers.errors import InvalidRequestError, RequestNotFoundError
+from specserve.workers.drafters import Drafter
 from specserve.workers.kv_cache import KVCacheStore
-from specserve.workers.worker_state import CommittedTokens, check_token_ids, run_batch
+from specserve.workers.worker_state import CommittedTokens, check_token_ids, run_calls
 
 
 @dataclass
@@ -46,38 +45,15 @@ class DraftWorker:
         """Draft for many requests at once (one draft forward pass per step); each call gets its own result or its
         own error. Request ids must be distinct."""
         t0 = time.perf_counter()
-        results: list[tuple[list[int], bytes, float] | Exception | None] = [None] * len(calls)
-        rows, ready = [], []
-        for i, call in enumerate(calls):
-            try:
-                check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
-                tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
-            except (InvalidRequestError, RequestNotFoundError, ValueError) as e:
-                results[i] = e
-                continue
-            rows.append((call.request_id, tokens, call.k, call.params))
-            ready.append(i)
-        if rows:
-            outcomes = run_batch(
-                self.committed,
-                [row[0] for row in rows],
-                lambda idx: self._propose_rows([rows[j] for j in idx]),
-                self.release,
-            )
-            seconds = time.perf_counter() - t0
-            for i, outcome in zip(ready, outcomes, strict=True):
-                results[i] = (
-                    outcome
-                    if isinstance(outcome, Exception)
-                    else (outcome.tokens, encode_probs(outcome.probs), seconds)
-                )
-        return results
 
-    def _propose_rows(self, rows) -> list[Proposal]:
-        batched = getattr(self.drafter, "propose_batch", None)
-        if batched is not None:
-            return batched(rows)
-        return [self.drafter.propose(*row) for row in rows]
+        def prepare(call: ProposeCall):
+            check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
+            tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
+            return call.request_id, tokens, call.k, call.params
+
+        results, _ = run_calls(self.committed, calls, prepare, self.drafter.propose_batch, self.release)
+        seconds = time.perf_counter() - t0
+        return [r if isinstance(r, Exception) else (r.tokens, encode_probs(r.probs), seconds) for r in results]
 
     def release(self, request_id: str) -> bool:
         self.drafter.release(request_id)

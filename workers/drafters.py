@@ -1,8 +1,8 @@
 """Drafters: propose k tokens for a request, with the distributions they were drawn from.
 
 Every drafter has the same interface, so the in-process engine and the distributed draft workers use them alike:
-`propose(request_id, tokens, k, params) -> Proposal`, `feedback(request_id, num_accepted)`,
-`release(request_id)`.
+`propose(request_id, tokens, k, params) -> Proposal`, `propose_batch(rows)` (many requests at once),
+`feedback(request_id, num_accepted)`, `release(request_id)`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ class Proposal:
 
 class Drafter(Protocol):
     def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal: ...
+
+    def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]: ...
 
     def feedback(self, request_id: str, num_accepted: int) -> None: ...
 
@@ -95,6 +97,9 @@ class NgramDrafter:
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
         return Proposal(tokens=ngram_lookup(tokens, k, self.config.max_ngram, self.config.min_ngram), probs=None)
+
+    def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]:
+        return [self.propose(*row) for row in rows]  # no model: nothing to batch
 
     def feedback(self, request_id: str, num_accepted: int) -> None:
         pass

@@ -29,7 +29,6 @@ class ModelRunner:
         self.store = KVCacheStore(kv_config, bytes_per_token=loaded.kv_bytes_per_token)
         self.forward_calls = 0
         self.forward_positions = 0
-        self.batch_rows = 0  # rows over all forward passes: batch_rows / forward_calls is the mean batch size
 
     def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
         """Logits predicting the token after each of the last n positions of `sequence`: [n, vocab_size] float32."""
@@ -49,11 +48,11 @@ class ModelRunner:
                 raise ValueError(f"need 1 <= n <= len(sequence), got n={n}, len={len(sequence)}")
         entries = [self.store.sync(rid, seq, keep_at_most=len(seq) - n) for rid, seq, n in rows]
         starts = [e.length for e in entries]
-        news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts, strict=False)]
-        self.store.reserve_batch(ids, [len(new) for new in news])
-        width = max(len(new) for new in news)
-        B = len(rows)
+        news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts, strict=True)]
         lengths = [len(new) for new in news]
+        self.store.reserve_batch(ids, lengths)
+        width = max(lengths)
+        B = len(rows)
         slots = [e.slot for e in entries]
         kv_len = max(start + n for start, n in zip(starts, lengths, strict=True))
         cache = self.store.cache
@@ -100,7 +99,6 @@ class ModelRunner:
             self.store.commit(rid, new)
         self.forward_calls += 1
         self.forward_positions += sum(lengths)
-        self.batch_rows += B
         logits = out.logits[:, -keep:].float()  # [B, keep, V]
         return [self._fit_vocab(logits[b, keep - n :]) for b, (_, _, n) in enumerate(rows)]  # each [n, V]
 

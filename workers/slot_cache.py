@@ -86,7 +86,7 @@ class SlotKVCache(Cache):
                 buffer[plan.contiguous, start : start + T] = states.transpose(1, 2)  # [1, T, H_kv, D]
             else:
                 rows = plan.slots.unsqueeze(1)  # [B, 1]
-                buffer[rows, plan.write_positions] = states.transpose(1, 2).to(buffer.dtype)  # [B, T, H_kv, D]
+                buffer[rows, plan.write_positions] = states.transpose(1, 2)  # [B, T, H_kv, D]
             if plan.contiguous is not None:
                 read = buffer[plan.contiguous, : plan.kv_len]  # a view
             else:

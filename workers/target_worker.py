@@ -9,10 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from specserve.workers.config import SamplingParams
-from specserve.workers.errors import InvalidRequestError, RequestNotFoundError
 from specserve.workers.sampling import TARGET_SALT, make_generator
 from specserve.workers.target import TargetVerifier
-from specserve.workers.worker_state import CommittedTokens, check_token_ids, run_batch, with_eviction
+from specserve.workers.worker_state import CommittedTokens, check_token_ids, run_calls, with_eviction
 
 
 @dataclass
@@ -67,34 +66,17 @@ class TargetWorker:
         input, lost request, no KV room), never another row's. Request ids must be distinct."""
         t0 = time.perf_counter()
         fed = self.verifier.runner.forward_positions
-        results: list[VerifyResult | Exception | None] = [None] * len(calls)
-        rows, ready = [], []
-        for i, call in enumerate(calls):
-            try:
-                check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
-                check_token_ids("drafted", call.drafted, self.vocab_size)
-                tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
-            except (InvalidRequestError, RequestNotFoundError, ValueError) as e:
-                results[i] = e
-                continue
+
+        def prepare(call: VerifyCall):
+            check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
+            check_token_ids("drafted", call.drafted, self.vocab_size)
+            tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
-            rows.append((call.request_id, tokens, call.drafted, call.draft_weights, call.params, generator))
-            ready.append(i)
-        if rows:
-            outcomes = run_batch(
-                self.committed,
-                [row[0] for row in rows],
-                lambda idx: self.verifier.verify_batch([rows[j] for j in idx]),
-                self.release,
-            )
-            seconds = time.perf_counter() - t0
-            tokens = self.verifier.runner.forward_positions - fed
-            for i, outcome in zip(ready, outcomes, strict=True):
-                if isinstance(outcome, Exception):
-                    results[i] = outcome
-                else:
-                    results[i] = VerifyResult(*outcome, seconds, len(rows), tokens)
-        return results
+            return call.request_id, tokens, call.drafted, call.draft_weights, call.params, generator
+
+        results, rows = run_calls(self.committed, calls, prepare, self.verifier.verify_batch, self.release)
+        seconds, tokens = time.perf_counter() - t0, self.verifier.runner.forward_positions - fed
+        return [r if isinstance(r, Exception) else VerifyResult(*r, seconds, rows, tokens) for r in results]
 
     def prefill(self, request_id: str, tokens: Sequence[int]) -> int:
         """Cache all but the last token of a committed sequence (the first verify feeds the last one)."""

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, ModelLoadError, UnavailableError
-from specserve.workers.loading import LoadedModel, load_model
+from specserve.workers.loading import LoadedModel, load_model, resolve_device
 from specserve.workers.runner import ModelRunner
 
 
@@ -45,6 +45,21 @@ def check_shardable(hf_config, tp_size: int) -> None:
     for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if n is not None and n % tp_size:
             raise ModelLoadError(f"tensor_parallel_size {tp_size} does not divide the model's {name} ({n})")
+
+
+def check_replica(model: ModelConfig, tp_size: int) -> str:
+    """Before starting any rank: the degree divides the model's heads, and on CUDA the node has a GPU per rank
+    (STRICT_PACK puts every rank on one node). Returns the ranks' device type."""
+    from transformers import AutoConfig
+
+    check_shardable(AutoConfig.from_pretrained(os.path.expanduser(model.path), local_files_only=True), tp_size)
+    device = resolve_device(model.device).type
+    if device == "cuda" and torch.cuda.device_count() < tp_size:
+        raise ModelLoadError(
+            f"tensor_parallel_size {tp_size} needs {tp_size} GPUs on one node (STRICT_PACK), this node has "
+            f"{torch.cuda.device_count()}"
+        )
+    return device
 
 
 def init_rank(rank: int, rendezvous: Rendezvous, device: str = "cpu") -> None:
@@ -105,9 +120,9 @@ class TensorParallelRunner:
         self._mirror(("batch", rows))
         try:
             return self.runner.logits_for_batch(rows)
-        except KVCapacityError:
+        except (KVCapacityError, ValueError):
             raise  # raised identically on every rank, before any collective
-        except (RuntimeError, dist.DistBackendError) as e:
+        except RuntimeError as e:  # DistBackendError included
             self.failed = f"collective failed mid-forward: {e}"
             raise UnavailableError(f"tensor-parallel replica is down: {self.failed}") from None
 
@@ -136,13 +151,13 @@ def follow(runner: ModelRunner) -> None:
         elif kind == "batch":
             try:
                 runner.logits_for_batch(payload)
-            except KVCapacityError:
-                pass  # rank 0 raised the same error and handles it
+            except (KVCapacityError, ValueError):
+                pass  # rank 0 raised the same error before any collective and handles it
 
 
 def run_follower(rank: int, rendezvous: Rendezvous, model: ModelConfig, kv_cache: KVCacheConfig) -> None:
     """The whole life of a rank > 0 process."""
-    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(model.device).type
     init_rank(rank, rendezvous, device)
     try:
         follow(ModelRunner(load_sharded(model), kv_cache))
@@ -161,7 +176,7 @@ def serve_rank0(
     from specserve.workers.target import TargetVerifier
     from specserve.workers.target_worker import TargetWorker
 
-    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(model.device).type
     init_rank(0, rendezvous, device)
     runner = TensorParallelRunner(ModelRunner(load_sharded(model), kv_cache))
     worker = TargetWorker(TargetVerifier(runner), name)
@@ -184,7 +199,7 @@ def profile_forward(
 
     from torch.profiler import ProfilerActivity, profile
 
-    device = model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(model.device).type
     init_rank(rank, rendezvous, device)
     runner = ModelRunner(load_sharded(model), KVCacheConfig())
     try:
@@ -223,12 +238,10 @@ class LocalTensorParallelReplica:
 
     def __enter__(self):
         import multiprocessing as mp
-        import socket
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        rendezvous = Rendezvous("127.0.0.1", port, self.world_size, timeout_s=120)
+        from specserve.workers.local_processes import free_port, wait_ready
+
+        rendezvous = Rendezvous("127.0.0.1", free_port(), self.world_size, timeout_s=120)
         model = ModelConfig(path=self.path, device=self.device)
         kv = KVCacheConfig(capacity_tokens=self.capacity_tokens)
         ctx = mp.get_context("spawn")
@@ -239,7 +252,12 @@ class LocalTensorParallelReplica:
         for p in self.processes.values():
             p.daemon = True
             p.start()
-        self.address = f"127.0.0.1:{ready.get(timeout=300)}"
+        try:
+            (port,) = wait_ready(ready, list(self.processes.values()), 1)
+        except RuntimeError:
+            self.__exit__()
+            raise
+        self.address = f"127.0.0.1:{port}"
         return self
 
     def __exit__(self, *exc):

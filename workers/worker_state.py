@@ -101,3 +101,30 @@ def run_batch(
         except KVCapacityError as e:
             results.append(e)
     return results
+
+
+def run_calls(
+    committed: CommittedTokens,
+    calls: Sequence,
+    prepare: Callable[[object], T],
+    work: Callable[[list[T]], list],
+    release: Callable[[str], bool],
+) -> tuple[list, int]:
+    """A worker's batch entry point: `prepare(call)` turns each call into a row (raising InvalidRequestError,
+    RequestNotFoundError or ValueError for that call alone), then every prepared row runs through `run_batch` with
+    `work(rows)`. Returns (one result or exception per call, in order; how many rows ran)."""
+    results: list = [None] * len(calls)
+    rows, ready = [], []
+    for i, call in enumerate(calls):
+        try:
+            rows.append(prepare(call))
+        except (InvalidRequestError, RequestNotFoundError, ValueError) as e:
+            results[i] = e
+            continue
+        ready.append(i)
+    if rows:
+        ids = [calls[i].request_id for i in ready]
+        outcomes = run_batch(committed, ids, lambda idx: work([rows[j] for j in idx]), release)
+        for i, outcome in zip(ready, outcomes, strict=True):
+            results[i] = outcome
+    return results, len(rows)
