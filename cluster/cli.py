@@ -27,6 +27,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the call, seconds (server mode)")
     p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                    help="the server's API key (default: $SPECSERVE_API_KEY)")  # fmt: skip
+    p.add_argument("--tls", action="store_true", help="connect over TLS (a `specserve gateway`; server mode)")
+    p.add_argument("--ca-file", help="PEM CA bundle that signed the server's certificate (implies --tls)")
+    p.add_argument("--client-cert", help="PEM client certificate, for a gateway that requires one (implies --tls)")
+    p.add_argument("--client-key", help="PEM private key of --client-cert")
     p.add_argument(
         "--distributed",
         action="store_true",
@@ -92,7 +96,9 @@ def _generate_remote(args: argparse.Namespace) -> int:
     if args.k is not None:
         kw["k"] = args.k
     try:
-        with SpecServeClient(args.address, timeout_s=args.timeout, token=args.api_key) as client:
+        with SpecServeClient(args.address, timeout_s=args.timeout, token=args.api_key, tls=args.tls,
+                             ca_file=args.ca_file, client_cert_file=args.client_cert,
+                             client_key_file=args.client_key) as client:  # fmt: skip
             if not args.stream:
                 _print_result(client.generate(args.prompt, **kw), args.json)
                 return 0
@@ -119,13 +125,58 @@ def _add_serve(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC proxy port (default: the config's, 9000)")
     p.add_argument("--http-port", type=int, default=None, help="HTTP proxy port (default: the config's, 8000)")
     p.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus metrics port")
+    p.add_argument("--grpc-tls-cert", help="PEM certificate: also serve gRPC over TLS (a gateway to the proxy)")
+    p.add_argument("--grpc-tls-key", help="PEM private key of --grpc-tls-cert")
+    p.add_argument("--grpc-tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    p.add_argument("--grpc-tls-port", type=int, default=9443, help="port of the TLS gRPC endpoint (default 9443)")
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from specserve.cluster.server import serve_forever
 
-    return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port)
+    tls = None
+    if args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca:
+        tls = _gateway_config(listen=f"0.0.0.0:{args.grpc_tls_port}", certfile=args.grpc_tls_cert,
+                              keyfile=args.grpc_tls_key, client_ca=args.grpc_tls_client_ca)  # fmt: skip
+    return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port, grpc_tls=tls)
+
+
+def _gateway_config(**fields):
+    from specserve.cluster.tls_gateway import GatewayConfig
+    from specserve.workers.config import validate
+
+    return validate(GatewayConfig, {k: v for k, v in fields.items() if v is not None})
+
+
+def _add_gateway(sub) -> None:
+    p = sub.add_parser("gateway", help="terminate TLS for the public gRPC API in front of Serve's gRPC proxy")
+    p.add_argument("--cert", required=True, help="PEM certificate chain to present")
+    p.add_argument("--key", required=True, help="PEM private key of the certificate")
+    p.add_argument("--client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    p.add_argument("--listen", default="0.0.0.0:9443", help="address to serve TLS on (default 0.0.0.0:9443)")
+    p.add_argument("--upstream", default="127.0.0.1:9000", help="Serve's gRPC proxy (default 127.0.0.1:9000)")
+    p.add_argument("--app", default=None, help="Serve application for calls that name none (default specserve)")
+    p.set_defaults(func=_gateway)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from specserve.cluster.tls_gateway import serve_gateway
+
+    config = _gateway_config(listen=args.listen, upstream=args.upstream, certfile=args.cert, keyfile=args.key,
+                             client_ca=args.client_ca, app_name=args.app)  # fmt: skip
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await serve_gateway(config, stop)
+
+    asyncio.run(run())
+    return 0
 
 
 def _add_config(sub) -> None:
@@ -220,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_gateway(sub)
     _add_config(sub)
     _add_manifests(sub)
     _add_bench(sub)

@@ -5,6 +5,9 @@
         for chunk in client.generate_stream("def fib(n):"):               # one chunk per round
             print(chunk["text"], end="")
 
+Over TLS (a `specserve gateway` in front of the proxy): `SpecServeClient("host:9443", tls=True, ca_file="ca.pem")`
+(omit ca_file to trust the system's roots; add client_cert_file/client_key_file for mutual TLS).
+
 Every call has a deadline. Generate is idempotent (a request holds no server-side state once it fails), so UNAVAILABLE
 answers and ingress replicas dying mid-call are retried with backoff; streams are never retried (they may have
 delivered chunks already): they end with an error status instead.
@@ -42,6 +45,10 @@ class SpecServeClient:
         retries: int = 3,
         app_name: str = APP_NAME,
         token: str | None = None,
+        tls: bool = False,
+        ca_file: str | None = None,
+        client_cert_file: str | None = None,
+        client_key_file: str | None = None,
     ):
         self.address = address
         self.timeout_s = timeout_s
@@ -49,7 +56,14 @@ class SpecServeClient:
         self.metadata = [("application", app_name)]
         if token:
             self.metadata.append(("authorization", f"Bearer {token}"))
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        if tls or ca_file or client_cert_file:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(ca_file), private_key=_read(client_key_file),
+                certificate_chain=_read(client_cert_file),
+            )  # fmt: skip
+            self.channel = grpc.secure_channel(address, creds, options=GRPC_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = pb_grpc.SpecServeStub(self.channel)
 
     def __enter__(self) -> SpecServeClient:
@@ -104,6 +118,13 @@ class SpecServeClient:
         for chunk in self.stub.GenerateStream(req, timeout=self.timeout_s, metadata=self.metadata):
             if chunk.token_ids or chunk.finish_reason:  # Serve may send an empty first message
                 yield _to_dict(chunk)
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _to_dict(msg: pb.GenerateResponse) -> dict:

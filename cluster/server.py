@@ -99,10 +99,19 @@ def stop(info: dict) -> None:
 
 
 def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int | None,
-                  metrics_port: int | None) -> int:  # fmt: skip
+                  metrics_port: int | None, grpc_tls=None) -> int:  # fmt: skip
+    """Run until SIGINT/SIGTERM. `grpc_tls` (a GatewayConfig): also serve the gRPC API over TLS, forwarding to
+    this Serve's proxy."""
     stop_event = threading.Event()
     info = start(prepare_config(config_path, grpc_port, http_port), metrics_port)
+    gateway = None
     try:
+        if grpc_tls is not None:
+            from specserve.cluster.tls_gateway import GatewayThread
+
+            gateway = GatewayThread(grpc_tls.model_copy(update={"upstream": info["grpc"], "app_name": info["app"]}))
+            print(f"specserve gRPC over TLS on port {gateway.port} (mutual TLS: "
+                  f"{'on' if grpc_tls.client_ca else 'off'})", flush=True)  # fmt: skip
         # After start(): ray.init installs its own fatal-signal handler for SIGTERM.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop_event.set())
@@ -114,6 +123,8 @@ def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int
             pass
         _log("shutting down ...")
     finally:
+        if gateway is not None:
+            gateway.stop()
         stop(info)
     _log("stopped")
     return 0

@@ -1,9 +1,8 @@
 """Security and admission on a running Serve app: the public gRPC and HTTP endpoints require the API key when one is
-set (UNAUTHENTICATED / 401 otherwise), HTTP over TLS, the pools' worker ports reject calls without the app's shared
-secret, and requests above the configured capacity get RESOURCE_EXHAUSTED / 429 with a retry hint, never a hang."""
+set (UNAUTHENTICATED / 401 otherwise), HTTP over TLS, gRPC over TLS through the gateway, the pools' worker ports
+reject calls without the app's shared secret, and requests above the configured capacity get RESOURCE_EXHAUSTED /
+429 with a retry hint, never a hang."""
 
-import datetime
-import ipaddress
 import json
 import ssl
 import urllib.request
@@ -17,34 +16,14 @@ from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.client import SpecServeClient
 from specserve.cluster.registry import REGISTRY_NAMESPACE, registry_name
 from specserve.cluster.server import start, stop
+from specserve.cluster.tls_gateway import GatewayConfig, GatewayThread
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 
 from .test_serve_app import free_port
+from .tls_certs import CertAuthority
 
 pytestmark = pytest.mark.slow
-
-
-def self_signed(tmp_path) -> tuple[str, str]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    key_file, cert_file = tmp_path / "key.pem", tmp_path / "cert.pem"
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(key_file), str(cert_file)
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +36,17 @@ def server(tiny_target, tmp_path_factory):
          "ingress": {"num_cpus": 0.5, "max_active_requests": 2}, "auth": {"api_key_env": "SPECSERVE_TEST_API_KEY"}}
     )  # fmt: skip
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())
-    key_file, cert_file = self_signed(tmp_path_factory.mktemp("tls"))
+    ca = CertAuthority(tmp_path_factory.mktemp("tls"))
+    key_file, cert_file = ca.issue("server")
     config["http_options"].update(ssl_keyfile=key_file, ssl_certfile=cert_file)
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
     info = start(config, ready_timeout_s=300)
-    info["tls"] = ssl.create_default_context(cafile=cert_file)
+    info["tls"] = ssl.create_default_context(cafile=ca.cert_file)
+    gateway = GatewayThread(GatewayConfig(listen="127.0.0.1:0", upstream=info["grpc"], certfile=cert_file,
+                                          keyfile=key_file))  # fmt: skip
+    info["grpc_tls"], info["ca"] = f"127.0.0.1:{gateway.port}", ca.cert_file
     yield info
+    gateway.stop()
     stop({**info, "started_ray": False})
     ray.shutdown()
     mp.undo()
@@ -85,6 +69,22 @@ def test_grpc_requires_the_api_key(server):
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
     with SpecServeClient(server["grpc"], timeout_s=60, token="k-123") as client:
         assert len(client.generate("def f(x):", max_new_tokens=4)["token_ids"]) == 4
+
+
+def test_grpc_over_tls_through_the_gateway(server):
+    with SpecServeClient(server["grpc_tls"], timeout_s=60, ca_file=server["ca"]) as client:
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("def f(x):", max_new_tokens=4)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED  # the app's own auth still applies
+    with SpecServeClient(server["grpc"], timeout_s=60, token="k-123") as plain:
+        expected = plain.generate("def f(x):", max_new_tokens=12, method="none")["token_ids"]
+    with SpecServeClient(server["grpc_tls"], timeout_s=60, token="k-123", ca_file=server["ca"]) as client:
+        assert client.generate("def f(x):", max_new_tokens=12, method="none")["token_ids"] == expected
+        chunks = list(client.generate_stream("def f(x):", max_new_tokens=12))
+        assert sum((c["token_ids"] for c in chunks), []) == expected and chunks[-1]["finish_reason"] == "length"
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("def f(x):", max_new_tokens=4, temperature=float("nan"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
 
 
 def test_https_requires_the_api_key(server):
