@@ -453,7 +453,8 @@ def main_bench(args) -> int:
         meta["concurrency"] = levels_json(levels)
     print(format_table(rows, meta))
     if levels:
-        print(f"\nConcurrency sweep ({new_tokens} new tokens per stream, greedy, disaggregated over gRPC):")
+        print(f"\nConcurrency sweep (greedy, {new_tokens} new tokens per request, closed-loop streams, disaggregated "
+              "over gRPC; each level after an unmeasured pass with the policy live):")  # fmt: skip
         print(format_levels(levels))
     if args.json:
         with open(args.json, "w") as f:

@@ -45,10 +45,13 @@ class Pipeline:
         targets: dict[str, TargetClient],
         predraft: bool = True,
         reconnect: Callable[[str], Awaitable[str | None]] | None = None,
+        verify_costs: VerifyCostModel | None = None,
     ):
-        """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none."""
+        """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none.
+        verify_costs: the target's batched step cost, fitted from verify replies for the speculation policy (pass
+        one to keep what was learnt across pipelines)."""
         self.scheduler = scheduler
-        self.verify_costs = VerifyCostModel()  # the target's batched step cost, for the speculation policy
+        self.verify_costs = verify_costs or VerifyCostModel()
         # Each call reports its batch's size, so a batch of n is reported n times: calls / sum(1/n) = batches' mean.
         self.verify_calls, self.inverse_batch_rows = 0, 0.0
         self.drafts = drafts

@@ -139,12 +139,21 @@ class SpeculationSwitch:
     that speculated and in rounds that did not (decayed averages), compared side by side. The model cannot see
     everything (a draft pool sharing cores with the target, network latency); this can.
 
-    Every so often it probes the other mode for `probe_s` seconds (every round started meanwhile runs that way, so
-    concurrent requests do not mix modes in one batch) and keeps whichever was measured faster, with a hysteresis
-    margin. A probe that confirms the current mode doubles the time to the next one (up to `max_interval_s`), so a
-    settled service spends little time in the losing mode; a probe that flips it starts over from `interval_s`."""
+    Every so often it probes the other mode (every round started meanwhile runs that way) and keeps whichever was
+    measured faster, with a hysteresis margin. A probe that confirms the current mode doubles the time to the next
+    one (up to `max_interval_s`), so a settled service spends little time in the losing mode; a probe that flips it
+    starts over from `interval_s`, and so does a lasting change of load (requests per target doubled or halved since
+    the last decision, for `interval_s`): what was measured at one load says little about another.
+
+    Rates are compared per concurrent request (inverse throughput), and only when both modes were measured at
+    similar loads (within 1.5x). Only clean samples count: a round that started before the last mode change, or
+    within one round time after it, shared its batches with rounds of the other mode still in flight (under load, a
+    plain round batched with speculating ones is as slow as they are), so it measures neither mode. Probes last at
+    least `probe_rounds` round times, so they collect clean samples, and are extended (up to twice) when they
+    collected none."""
 
     probe_s: float = 0.25
+    probe_rounds: float = 4.0
     interval_s: float = 1.0
     max_interval_s: float = 60.0
     margin: float = 0.03
@@ -155,15 +164,56 @@ class SpeculationSwitch:
     plain_s_per_token: float | None = None
     _next_probe: float | None = None
     _probe_until: float | None = None
+    _probe_samples: int = 0
+    _probe_extensions: int = 0
     _interval: float = 0.0
+    _mode: bool | None = None  # what allow() last answered
+    _changed_at: float = -math.inf
+    _round_s: float = 0.0  # recent round duration
+    _decided_load: float | None = None  # requests per target when the last decision was made
+    _load: float | None = None  # requests per target, as last noted
+    _load_changed_at: float | None = None  # since when the load differs from the decided one
+    _spec_load: float | None = None  # the load the rates above were measured at (decayed alike)
+    _plain_load: float | None = None
 
     def observe(self, tokens: int, seconds: float, speculated: bool) -> None:
+        """One round that ended now: `tokens` committed in `seconds`, speculating or not. Rates are kept per
+        concurrent request (seconds per token over the requests per target noted last), i.e. as inverse
+        throughput, so samples taken while requests come and go stay comparable."""
         if tokens <= 0 or seconds <= 0:
             return
-        rate = seconds / tokens
-        attr = "spec_s_per_token" if speculated else "plain_s_per_token"
-        old = getattr(self, attr)
-        setattr(self, attr, rate if old is None else old * self.decay + rate * (1 - self.decay))
+        self._round_s = seconds if self._round_s == 0 else self._round_s * self.decay + seconds * (1 - self.decay)
+        if self.clock() - seconds < self._changed_at + self._round_s:
+            return  # overlapped rounds of the other mode
+        if self._probe_until is not None and speculated != self.on:
+            self._probe_samples += 1
+        load = max(1.0, self._load or 1.0)
+        mode = "spec" if speculated else "plain"
+        for attr, value in ((f"{mode}_s_per_token", seconds / tokens / load), (f"_{mode}_load", load)):
+            old = getattr(self, attr)
+            setattr(self, attr, value if old is None else old * self.decay + value * (1 - self.decay))
+
+    def note_load(self, requests_per_target: float) -> None:
+        """The current load. A change since the last decision (requests per target doubled or halved) that lasts
+        `interval_s` forgets the rates measured before it and brings the next probe forward; momentary swings
+        (requests starting and ending) do not."""
+        now = self.clock()
+        self._load = requests_per_target
+        if self._decided_load is None:
+            self._decided_load = requests_per_target
+            return
+        ratio = max(requests_per_target, 1.0) / max(self._decided_load, 1.0)
+        if not (ratio >= 2 or ratio <= 0.5):
+            self._load_changed_at = None
+            return
+        if self._load_changed_at is None:
+            self._load_changed_at = now
+        if now - self._load_changed_at < self.interval_s or self._next_probe is None or self._probe_until is not None:
+            return
+        self._interval = self.interval_s
+        self._next_probe = min(self._next_probe, now)
+        self._decided_load, self._load_changed_at = requests_per_target, None
+        self.spec_s_per_token = self.plain_s_per_token = self._spec_load = self._plain_load = None  # stale
 
     def measured_speedup(self) -> float | None:
         if self.spec_s_per_token is None or self.plain_s_per_token is None:
@@ -173,20 +223,41 @@ class SpeculationSwitch:
     def allow(self) -> bool:
         """Whether a round starting now may speculate."""
         now = self.clock()
+        mode = self._mode_at(now)
+        if mode != self._mode:
+            self._mode, self._changed_at = mode, now
+        return mode
+
+    def _probe_length(self) -> float:
+        return max(self.probe_s, self.probe_rounds * self._round_s)
+
+    def _mode_at(self, now: float) -> bool:
         if self._next_probe is None:  # first call: probe the other mode soon, to have both figures
             self._interval = self.interval_s
-            self._next_probe = now + self.probe_s
+            self._next_probe = now + self._probe_length()
         if self._probe_until is not None:
             if now < self._probe_until:
+                return not self.on
+            if self._probe_samples == 0 and self._probe_extensions < 2:
+                self._probe_extensions += 1
+                self._probe_until = now + self._probe_length()
                 return not self.on
             self._probe_until = None
             self._decide(now)
         if now >= self._next_probe:
-            self._probe_until = now + self.probe_s
+            self._probe_until = now + self._probe_length()
+            self._probe_samples = self._probe_extensions = 0
             return not self.on
         return self.on
 
     def _decide(self, now: float) -> None:
+        if self._spec_load and self._plain_load and max(self._spec_load, self._plain_load) > 1.5 * min(
+            self._spec_load, self._plain_load
+        ):  # the two modes were measured at different loads: no verdict, probe again soon
+            self._next_probe = now + self.interval_s
+            return
+        if self._load is not None:
+            self._decided_load = self._load
         s = self.measured_speedup()
         flip = s is not None and (s < 1.0 - self.margin if self.on else s > 1.0 + self.margin)
         if flip:
@@ -212,10 +283,12 @@ def update_speculation(
     if a is None:
         return
     sched = pipeline.scheduler
+    targets = len(sched.healthy("target"))
+    if switch is not None:
+        switch.note_load(len(sched.requests) / max(1, targets))
     if switch is not None and not switch.allow():
         sched.auto_k_cap = 0
         return
-    targets = len(sched.healthy("target"))
     if saturation_requests:
         u = target_utilisation(len(sched.requests), targets, saturation_requests)
     else:

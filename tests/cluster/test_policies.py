@@ -119,24 +119,56 @@ class _Clock:
 
 
 def _drive(switch: SpeculationSwitch, clock: _Clock, seconds: float, spec_rate: float, plain_rate: float) -> list:
-    """Rounds every 10 ms for `seconds`, each observed at the rate of the mode the switch chose for it."""
-    modes = []
-    for _ in range(round(seconds / 0.01)):
+    """One stream's rounds for `seconds`, each as long as its mode's rate says (4 tokens speculating, 1 without),
+    observed when it ends. Returns (speculated, duration) per round."""
+    rounds, end = [], clock.t + seconds
+    while clock.t < end:
         speculate = switch.allow()
-        switch.observe(4 if speculate else 1, (spec_rate * 4) if speculate else plain_rate, speculate)
-        modes.append(speculate)
-        clock.t += 0.01
-    return modes
+        tokens = 4 if speculate else 1
+        duration = tokens * (spec_rate if speculate else plain_rate)
+        clock.t += duration
+        switch.observe(tokens, duration, speculate)
+        rounds.append((speculate, duration))
+    return rounds
+
+
+def _spec_time_share(rounds: list) -> float:
+    return sum(d for s, d in rounds if s) / sum(d for _, d in rounds)
 
 
 def test_switch_turns_losing_speculation_off_and_backs_off_its_probes():
     clock = _Clock()
     switch = SpeculationSwitch(clock=clock)
-    modes = _drive(switch, clock, 1.0, spec_rate=0.03, plain_rate=0.02)  # speculation measured 1.5x slower
+    rounds = _drive(switch, clock, 1.0, spec_rate=0.03, plain_rate=0.02)  # speculation measured 1.5x slower
     assert not switch.on and switch.measured_speedup() == pytest.approx(0.02 / 0.03)
     later = _drive(switch, clock, 20.0, spec_rate=0.03, plain_rate=0.02)
-    # Settled: probes of the losing mode get rarer (0.25 s probes at 1, 2, 4, 8 s intervals): < 10% of rounds.
-    assert sum(later) / len(later) < 0.1 and sum(modes[:25]) >= 20
+    # Settled: probes of the losing mode get rarer (probes at 1, 2, 4, 8 s intervals): < 10% of the time.
+    assert _spec_time_share(later) < 0.1 and all(s for s, _ in rounds[:2])  # it started on
+
+
+def test_switch_counts_only_rounds_that_did_not_overlap_the_other_mode():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    _drive(switch, clock, 0.5, spec_rate=0.01, plain_rate=0.02)
+    spec, plain = switch.spec_s_per_token, switch.plain_s_per_token
+    assert spec == pytest.approx(0.01) and plain == pytest.approx(0.02)
+    clock.t = switch._next_probe  # a probe of plain decoding starts with the next round ...
+    assert switch.allow() is (not switch.on)
+    clock.t += 0.01
+    switch.observe(1, 0.5, speculated=False)  # ... a round that started before the change: not a sample
+    switch.observe(1, 0.5 * switch._round_s, speculated=False)  # one that started right after it: not one either
+    assert (switch.spec_s_per_token, switch.plain_s_per_token) == (spec, plain)
+    clock.t += 1.0
+    switch.observe(1, 0.03, speculated=False)  # later rounds of the probe count
+    assert switch.plain_s_per_token > plain
+
+
+def test_probes_last_several_round_times_under_load():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    _drive(switch, clock, 3.0, spec_rate=0.1, plain_rate=0.3)  # rounds of 0.3-0.4 s: longer than probe_s
+    assert switch._probe_length() >= 4 * 0.3 and switch.on
+    assert switch.measured_speedup() == pytest.approx(3.0)  # clean samples of both modes were collected
 
 
 def test_switch_keeps_winning_speculation_on_and_comes_back_when_it_wins_again():
@@ -147,4 +179,24 @@ def test_switch_keeps_winning_speculation_on_and_comes_back_when_it_wins_again()
     _drive(switch, clock, 6.0, spec_rate=0.05, plain_rate=0.02)  # load changed: speculation now loses
     assert not switch.on
     _drive(switch, clock, 40.0, spec_rate=0.01, plain_rate=0.02)  # and wins again: a later probe turns it back on
+    assert switch.on
+
+
+def test_a_change_of_load_brings_the_next_probe_forward():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    switch.note_load(1.0)
+    _drive(switch, clock, 30.0, spec_rate=0.03, plain_rate=0.02)  # settled off, probes backed off to 16 s
+    assert not switch.on and switch._next_probe - clock.t > 2.0
+    switch.note_load(1.5)  # a small change: nothing happens
+    assert switch._next_probe - clock.t > 2.0
+    switch.note_load(16.0)  # 16x the requests per target, but only for a moment: nothing yet
+    clock.t += 0.5
+    switch.note_load(1.0)
+    assert switch._next_probe - clock.t > 2.0
+    switch.note_load(16.0)  # 16x for longer than interval_s: probe now
+    clock.t += switch.interval_s
+    switch.note_load(16.0)
+    assert switch._next_probe <= clock.t
+    _drive(switch, clock, 3.0, spec_rate=0.01, plain_rate=0.02)  # at this load speculation wins: back on
     assert switch.on
