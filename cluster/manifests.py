@@ -7,6 +7,8 @@ test fails when the committed RayService is stale.
 Variants: `gpu` (draft workers on a pool of cheap GPU nodes, target workers on large GPU nodes) and `cpu` (the same
 shape on CPU nodes, for kind/minikube). Worker groups declare the Ray custom resources `draft_gpu` / `target_gpu`
 through the group's `resources` field; the pools' Serve replicas ask for one unit, so each pool lands on its group.
+The `gpu` variant's head pod also runs the gRPC TLS gateway (port 9443, certificate from the `specserve-grpc-tls`
+Secret).
 """
 
 from __future__ import annotations
@@ -88,6 +90,24 @@ def _pod(container: dict, node_selector: dict, gpus: int) -> dict:
     return {"spec": spec}
 
 
+GRPC_TLS_SECRET = "specserve-grpc-tls"
+GRPC_TLS_PORT = 9443
+
+
+def _grpc_tls_sidecar() -> dict:
+    """The TLS gateway beside the head's gRPC proxy: clients reach gRPC over TLS on 9443 (Serve's proxy has no TLS
+    option); the certificate comes from a `kubernetes.io/tls` Secret."""
+    return {
+        "name": "grpc-tls",
+        "image": IMAGE,
+        "command": ["specserve", "gateway", "--cert", "/tls/tls.crt", "--key", "/tls/tls.key",
+                    "--listen", f"0.0.0.0:{GRPC_TLS_PORT}", "--upstream", "127.0.0.1:9000"],  # fmt: skip
+        "ports": [{"containerPort": GRPC_TLS_PORT, "name": "grpc-tls"}],
+        "resources": {"limits": {"cpu": "500m", "memory": "512Mi"}, "requests": {"cpu": "500m", "memory": "512Mi"}},
+        "volumeMounts": [{"name": "grpc-tls", "mountPath": "/tls", "readOnly": True}],
+    }
+
+
 def rayservice(serve_config: dict, variant: Variant) -> dict:
     groups = []
     for g in _GROUPS[variant]:
@@ -105,6 +125,10 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
             "template": _pod(container, g["node_selector"], g["gpus"]),
         })  # fmt: skip
     head = _container("ray-head", "2", "8Gi", 0, ports=_HEAD_PORTS)
+    head_pod = _pod(head, {}, 0)
+    if variant == "gpu":  # production shape: gRPC over TLS (the cpu variant is for kind/minikube, plaintext)
+        head_pod["spec"]["containers"].append(_grpc_tls_sidecar())
+        head_pod["spec"]["volumes"].append({"name": "grpc-tls", "secret": {"secretName": GRPC_TLS_SECRET}})
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -119,7 +143,7 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
                 "headGroupSpec": {
                     # No model work on the head: Serve's controller, proxies and the ingress only.
                     "rayStartParams": {"num-cpus": "2", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"},
-                    "template": _pod(head, {}, 0),
+                    "template": head_pod,
                 },
                 "workerGroupSpecs": groups,
             },

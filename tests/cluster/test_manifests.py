@@ -95,6 +95,20 @@ def test_kuberay_rules_and_serve_config(variant):
             assert limits["nvidia.com/gpu"] >= model.target_pool.num_gpus > 0
 
 
+def test_gpu_head_serves_grpc_over_tls_through_the_gateway():
+    from specserve.cluster.cli import build_parser
+
+    head = yaml.safe_load(output_path("gpu").read_text())["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    (sidecar,) = [c for c in head["spec"]["containers"] if c["name"] == "grpc-tls"]
+    args = build_parser().parse_args(sidecar["command"][1:])  # a command line the CLI accepts
+    assert args.func.__name__ == "_gateway" and args.upstream == "127.0.0.1:9000"
+    assert args.listen.endswith(":9443") and {"containerPort": 9443, "name": "grpc-tls"} in sidecar["ports"]
+    (mount,) = sidecar["volumeMounts"]
+    volumes = {v["name"]: v for v in head["spec"]["volumes"]}
+    assert volumes[mount["name"]]["secret"]["secretName"] == "specserve-grpc-tls"
+    assert args.cert.startswith(mount["mountPath"]) and args.key.startswith(mount["mountPath"])
+
+
 def test_unknown_keys_finds_nested_typos():
     serve = {"applications": [{"import_path": "a:b", "nmae": "x", "deployments": [{"name": "d", "num_replica": 2}]}],
              "http_option": {}}  # fmt: skip
