@@ -105,11 +105,13 @@ class LimitsConfig(_Strict):
 
 
 class IngressConfig(_Strict):
-    replicas: int = Field(1, gt=0, le=64, description="Ingress (scheduler) replicas.")
-    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
-    max_ongoing_requests: int = Field(256, gt=0, description="Requests Serve routes to one ingress replica.")
+    replicas: int = Field(1, gt=0, le=64, description="Scheduler replicas (and as many ingress replicas, which "
+                          "hold no state and reserve no CPU).")  # fmt: skip
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per scheduler replica.")
+    max_ongoing_requests: int = Field(256, gt=0, description="Requests Serve routes to one ingress or scheduler "
+                                      "replica.")  # fmt: skip
     max_active_requests: int = Field(
-        128, gt=0, description="Requests one ingress replica runs at once; more get RESOURCE_EXHAUSTED / 429 with a "
+        128, gt=0, description="Requests one scheduler replica runs at once; more get RESOURCE_EXHAUSTED / 429 with a "
         "retry hint instead of queueing without bound."
     )  # fmt: skip
     call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")

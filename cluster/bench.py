@@ -439,7 +439,7 @@ def main_bench(args) -> int:
         meta["tensor_parallel"] = {"world_size": tp_n, **profile}
     levels = []
     if args.concurrency:
-        from specserve.cluster.bench_concurrency import concurrency_rows, format_levels, levels_json
+        from specserve.cluster.bench_concurrency import PASS_S, concurrency_rows, format_levels, levels_json
 
         new_tokens = 16 if args.quick else 32
         levels = concurrency_rows(
@@ -449,12 +449,13 @@ def main_bench(args) -> int:
             prompts,
             new_tokens,
             meta["cost_ratio_c"],
+            pass_s=3.0 if args.quick else PASS_S,
         )
         meta["concurrency"] = levels_json(levels)
     print(format_table(rows, meta))
     if levels:
         print(f"\nConcurrency sweep (greedy, {new_tokens} new tokens per request, closed-loop streams, disaggregated "
-              "over gRPC; each level after an unmeasured pass with the policy live):")  # fmt: skip
+              "over gRPC; each level: a pass with the policy settling, unmeasured, then off, then on):")  # fmt: skip
         print(format_levels(levels))
     if args.json:
         with open(args.json, "w") as f:

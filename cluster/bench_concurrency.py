@@ -4,29 +4,33 @@ runs the scheduler), speculation on (k='auto' under the load-aware speculation p
 off, measured side by side in one run.
 
 The policy's state (acceptance, the target's fitted step cost, the measured switch) is kept across levels, as a
-running service keeps it while its load changes, and each level first runs once unmeasured with the policy live:
-the rows are what a service that has been at that load for a few seconds delivers. A stream is a closed loop: it
-sends its next request (new_tokens long) when the last one finished, until the level has generated at least
-`LEVEL_TOKENS_PER_NEW_TOKEN` x new_tokens tokens in all, so every level runs long enough for the switch's probes to be
-a small part of it."""
+running service keeps it while its load changes. A stream is a closed loop: it sends its next request (new_tokens
+long) when the last one finished. Each level first runs a pass with the policy live, unmeasured (it settles at the
+new load, as in a service that has been at that load for a while), then alternates off and on segments (`SEGMENTS`
+of each, `pass_s` / `SEGMENTS` seconds apiece, ABAB so that this machine's slow phases land on both modes alike);
+a segment ends when its streams finish the requests they started in time. The switch's clock runs only during on
+segments, so the off ones do not count as time it spent in its current mode. Throughput is tokens over wall time,
+summed over a mode's segments; `spread` is how much the off segments' throughputs differ from each other (max - min
+over mean): the noise floor of the on/off ratio. `identical` compares every request both modes ran (same index,
+same prompt)."""
 
 from __future__ import annotations
 
 import asyncio
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 from specserve.cluster.pipeline import Pipeline
-from specserve.cluster.policies import SpeculationControl, VerifyCostModel
+from specserve.cluster.policies import SpeculationControl, SpeculationSwitch, VerifyCostModel
 from specserve.cluster.scheduler import Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.cluster.worker_processes import WorkerProcesses
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 
 LEVELS = (1, 4, 16, 32)
-LEVEL_TOKENS_PER_NEW_TOKEN = 32
+PASS_S = 15.0
+SEGMENTS = 3
 
 
 @dataclass
@@ -34,6 +38,7 @@ class LevelRow:
     streams: int
     speculation: str  # "on (k=auto + policy)" | "off"
     requests: int = 0  # in all (each stream sends the next when its last one finished)
+    new_tokens: int = 0  # per request
     tokens: int = 0
     seconds: float = 0.0
     tokens_per_s: float = 0.0  # aggregate over all streams
@@ -42,7 +47,10 @@ class LevelRow:
     target_batch_mean: float = 0.0  # requests per target forward pass
     final_k_cap: int | None = None  # the policy's k at the end (0: speculation turned off)
     identical: bool | None = None  # spec-on rows: same tokens as spec-off
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
+    spread: float | None = None  # off rows: (max - min) / mean of the off segments' tokens/s
+    segment_tokens_per_s: list[float] = field(default_factory=list)
+    outputs: dict[int, list[int]] = field(default_factory=dict, repr=False)  # request index -> tokens
+    tpots: list[float] = field(default_factory=list, repr=False)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -55,13 +63,13 @@ async def _level(
     prompts,
     streams,
     new_tokens,
-    requests_per_stream,
+    pass_s,
     speculate,
     cost_ratio,
     state: SpeculationControl,
     costs: VerifyCostModel,
 ) -> LevelRow:
-    row = LevelRow(streams, "on (k=auto + policy)" if speculate else "off", streams * requests_per_stream)
+    row = LevelRow(streams, "on (k=auto + policy)" if speculate else "off", new_tokens=new_tokens)
     drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
     targets = {n: TargetClient(a, timeout_s=120) for n, a in w.target_addresses.items()}
     scheduler = Scheduler(list(drafts), list(targets), cost_ratio=cost_ratio)
@@ -70,7 +78,7 @@ async def _level(
     pipeline = Pipeline(scheduler, drafts, targets, predraft=False, verify_costs=costs)
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
-    tpot: list[float] = []
+    tpot = row.tpots
     if speculate:  # the policy's current decision applies from the first round, as in a running service
         state.apply(pipeline, cost_ratio, None)
 
@@ -90,21 +98,57 @@ async def _level(
         tpot.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
         return req.state.generated
 
-    async def stream(s: int) -> list[list[int]]:
-        return [await request(s + streams * r) for r in range(requests_per_stream)]
+    async def stream(s: int, deadline: float) -> None:
+        r = 0
+        while r == 0 or time.perf_counter() < deadline:
+            row.outputs[s + streams * r] = await request(s + streams * r)
+            r += 1
 
     t0 = time.perf_counter()
-    row.outputs = [out for outs in await asyncio.gather(*(stream(s) for s in range(streams))) for out in outs]
+    await asyncio.gather(*(stream(s, t0 + pass_s) for s in range(streams)))
     row.seconds = time.perf_counter() - t0
+    row.requests = len(row.outputs)
     row.target_batch_mean = pipeline.mean_target_batch
     row.final_k_cap = pipeline.scheduler.auto_k_cap if speculate else None
     for client in (*drafts.values(), *targets.values()):
         await client.close()
-    row.tokens = sum(len(o) for o in row.outputs)
+    row.tokens = sum(len(o) for o in row.outputs.values())
     row.tokens_per_s = row.tokens / row.seconds
-    row.tpot_ms_p50 = statistics.median(tpot) * 1e3
-    row.tpot_ms_p99 = _percentile(tpot, 0.99) * 1e3
     return row
+
+
+def _merge(segments: list[LevelRow]) -> LevelRow:
+    """One mode's segments as one row: tokens and seconds summed, latencies pooled."""
+    row = LevelRow(segments[0].streams, segments[0].speculation, new_tokens=segments[0].new_tokens)
+    for seg in segments:
+        row.tokens += seg.tokens
+        row.seconds += seg.seconds
+        row.requests += seg.requests
+        row.tpots += seg.tpots
+        row.outputs.update(seg.outputs)
+        row.segment_tokens_per_s.append(seg.tokens_per_s)
+    row.tokens_per_s = row.tokens / row.seconds
+    row.tpot_ms_p50 = statistics.median(row.tpots) * 1e3
+    row.tpot_ms_p99 = _percentile(row.tpots, 0.99) * 1e3
+    row.target_batch_mean = statistics.fmean(seg.target_batch_mean for seg in segments)
+    row.final_k_cap = segments[-1].final_k_cap
+    return row
+
+
+class _SegmentClock:
+    """Monotonic time that advances only while running (the switch's clock: on segments only)."""
+
+    def __init__(self):
+        self._base, self._since = 0.0, None
+
+    def __call__(self) -> float:
+        return self._base + (time.monotonic() - self._since if self._since is not None else 0.0)
+
+    def run(self, running: bool) -> None:
+        if running and self._since is None:
+            self._since = time.monotonic()
+        elif not running and self._since is not None:
+            self._base, self._since = self(), None
 
 
 def concurrency_rows(
@@ -116,30 +160,42 @@ def concurrency_rows(
     cost_ratio: float,
     levels=LEVELS,
     progress: bool = True,
+    pass_s: float = PASS_S,
 ) -> list[LevelRow]:
     from tqdm import tqdm
 
     rows: list[LevelRow] = []
-    bar = tqdm(total=3 * len(levels), desc="concurrency sweep", disable=not progress)
-    state, costs = SpeculationControl(), VerifyCostModel()  # kept across levels, as in a running service
+    bar = tqdm(total=(1 + 2 * SEGMENTS) * len(levels), desc="concurrency sweep", disable=not progress)
+    clock = _SegmentClock()
+    state = SpeculationControl(switch=SpeculationSwitch(clock=clock))  # kept across levels, as in a service
+    costs = VerifyCostModel()
+
+    def run(streams: int, seconds: float, speculate: bool) -> LevelRow:
+        clock.run(speculate)
+        try:
+            return asyncio.run(_level(w, prompts, streams, new_tokens, seconds, speculate, cost_ratio, state, costs))
+        finally:
+            clock.run(False)
+            bar.update()
+
     with WorkerProcesses(target, draft, vocab, BatchingConfig(max_batch_size=max(levels))) as w:
-        asyncio.run(_level(w, prompts, 2, 4, 1, True, cost_ratio, state, costs))  # warm-up: threads, allocator, gRPC
+        asyncio.run(_level(w, prompts, 2, 4, 0.0, True, cost_ratio, state, costs))  # warm-up: threads, gRPC, ...
         for streams in levels:
-            n = math.ceil(LEVEL_TOKENS_PER_NEW_TOKEN / streams)  # requests per stream
-            asyncio.run(_level(w, prompts, streams, new_tokens, n, True, cost_ratio, state, costs))  # policy settles
-            bar.update()
-            off = asyncio.run(_level(w, prompts, streams, new_tokens, n, False, cost_ratio, state, costs))
-            bar.update()
-            on = asyncio.run(_level(w, prompts, streams, new_tokens, n, True, cost_ratio, state, costs))
-            bar.update()
-            on.identical = on.outputs == off.outputs
+            run(streams, pass_s / 2, True)  # the policy settles at this load, unmeasured
+            segments = [
+                run(streams, pass_s / SEGMENTS, speculate) for _ in range(SEGMENTS) for speculate in (False, True)
+            ]
+            off, on = _merge(segments[0::2]), _merge(segments[1::2])
+            off.spread = (max(off.segment_tokens_per_s) - min(off.segment_tokens_per_s)) / off.tokens_per_s
+            common = on.outputs.keys() & off.outputs.keys()
+            on.identical = bool(common) and all(on.outputs[i] == off.outputs[i] for i in common)
             rows += [off, on]
     bar.close()
     return rows
 
 
 def format_levels(rows: list[LevelRow]) -> str:
-    head = ["streams", "requests", "speculation", "agg tok/s", "on/off", "TPOT p50 ms", "TPOT p99 ms",
+    head = ["streams", "requests", "speculation", "agg tok/s", "on/off", "spread", "TPOT p50 ms", "TPOT p99 ms",
             "target batch", "k cap", "identical"]  # fmt: skip
     lines = [head]
     off = {r.streams: r for r in rows if r.speculation == "off"}
@@ -147,6 +203,7 @@ def format_levels(rows: list[LevelRow]) -> str:
         ratio = r.tokens_per_s / off[r.streams].tokens_per_s
         lines.append([
             str(r.streams), str(r.requests), r.speculation, f"{r.tokens_per_s:.1f}", f"{ratio:.2f}x",
+            "-" if r.spread is None else f"{r.spread:.0%}",
             f"{r.tpot_ms_p50:.1f}", f"{r.tpot_ms_p99:.1f}", f"{r.target_batch_mean:.1f}",
             "-" if r.final_k_cap is None else str(r.final_k_cap),
             "-" if r.identical is None else ("yes" if r.identical else "NO"),
@@ -162,6 +219,7 @@ def levels_json(rows: list[LevelRow]) -> list[dict]:
     for r in rows:
         d = asdict(r)
         d.pop("outputs")
+        d.pop("tpots")
         out.append(d)
     return out
 

@@ -100,8 +100,18 @@ def _grpc_tls_sidecar() -> dict:
     return {
         "name": "grpc-tls",
         "image": IMAGE,
-        "command": ["specserve", "gateway", "--cert", "/tls/tls.crt", "--key", "/tls/tls.key",
-                    "--listen", f"0.0.0.0:{GRPC_TLS_PORT}", "--upstream", "127.0.0.1:9000"],  # fmt: skip
+        "command": [
+            "specserve",
+            "gateway",
+            "--cert",
+            "/tls/tls.crt",
+            "--key",
+            "/tls/tls.key",
+            "--listen",
+            f"0.0.0.0:{GRPC_TLS_PORT}",
+            "--upstream",
+            "127.0.0.1:9000",
+        ],  # fmt: skip
         "ports": [{"containerPort": GRPC_TLS_PORT, "name": "grpc-tls"}],
         "resources": {"limits": {"cpu": "500m", "memory": "512Mi"}, "requests": {"cpu": "500m", "memory": "512Mi"}},
         "volumeMounts": [{"name": "grpc-tls", "mountPath": "/tls", "readOnly": True}],

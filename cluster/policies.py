@@ -185,10 +185,13 @@ class SpeculationSwitch:
         self._round_s = seconds if self._round_s == 0 else self._round_s * self.decay + seconds * (1 - self.decay)
         if self.clock() - seconds < self._changed_at + self._round_s:
             return  # overlapped rounds of the other mode
-        if self._probe_until is not None and speculated != self.on:
+        # A clean round ran wholly under the current mode: filed under it ("spec" = the policy was allowed to
+        # speculate, whatever k it chose), so the comparison is policy-on against policy-off.
+        allowed = speculated if self._mode is None else self._mode
+        if self._probe_until is not None and allowed != self.on:
             self._probe_samples += 1
         load = max(1.0, self._load or 1.0)
-        mode = "spec" if speculated else "plain"
+        mode = "spec" if allowed else "plain"
         for attr, value in ((f"{mode}_s_per_token", seconds / tokens / load), (f"_{mode}_load", load)):
             old = getattr(self, attr)
             setattr(self, attr, value if old is None else old * self.decay + value * (1 - self.decay))
@@ -251,8 +254,10 @@ class SpeculationSwitch:
         return self.on
 
     def _decide(self, now: float) -> None:
-        if self._spec_load and self._plain_load and max(self._spec_load, self._plain_load) > 1.5 * min(
-            self._spec_load, self._plain_load
+        if (
+            self._spec_load
+            and self._plain_load
+            and max(self._spec_load, self._plain_load) > 1.5 * min(self._spec_load, self._plain_load)
         ):  # the two modes were measured at different loads: no verdict, probe again soon
             self._next_probe = now + self.interval_s
             return

@@ -1,6 +1,7 @@
-"""The Ray Serve application: a draft pool and a target pool deployment per served model, and an ingress deployment
-that runs the scheduler and answers the public SpecServe gRPC service (through Serve's gRPC proxy) and the
-OpenAI-compatible HTTP API (FastAPI).
+"""The Ray Serve application: a draft pool and a target pool deployment per served model, a scheduler deployment
+that runs requests' rounds against them, and an ingress deployment that answers the public SpecServe gRPC service
+(through Serve's gRPC proxy) and the OpenAI-compatible HTTP API (FastAPI) and hands each request to a scheduler
+replica through a deployment handle.
 
 `build_app(args)` is the import path of the Serve config file (`serve run`, `serve deploy`, RayService
 serveConfigV2); `specserve serve` calls it too. Pool replicas host a worker's own gRPC server (the scheduler calls it
@@ -24,7 +25,13 @@ from specserve.cluster import openai_api as oai
 from specserve.cluster.app_config import APP_NAME, DEMO, AppConfig, ModelPairConfig, app_config
 from specserve.cluster.public_proto import http_status_for, request_fields, response, status_for
 from specserve.cluster.registry import registry_actor
-from specserve.workers.errors import InvalidRequestError, OverloadedError, SpecServeError, UnauthenticatedError
+from specserve.workers.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    SpecServeError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 
 HEARTBEAT_S = 5.0
 POLL_S = 1.0
@@ -127,12 +134,12 @@ class PoolWorker:
             await self.body.server.stop(grace=2.0)
 
 
-http_app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding", docs_url=None)
-
-
-class SpecServeIngress:
-    """The scheduler and both public APIs. Pool handles are passed in only so Serve deploys the pools with the app;
-    requests go to the workers over their own gRPC servers."""
+class SchedulerReplica:
+    """One scheduler: tracks the pools' workers (from the app's registry) and runs requests' draft/verify rounds
+    against them over gRPC. The ingress calls it through a deployment handle, so when a scheduler replica dies the
+    ingress sees it and answers UNAVAILABLE (Serve's proxy would report a dead replica as INTERNAL). Pool handles are
+    passed in only so Serve deploys the pools with the app; requests go to the workers over their own gRPC
+    servers."""
 
     def __init__(self, app_args: dict, *pools: Any):
         from specserve.cluster.metrics import ServiceMetrics
@@ -141,9 +148,6 @@ class SpecServeIngress:
         self.config: AppConfig = app_config(app_args)
         paths = {m.name: resolve_paths(m) for m in self.config.models}
         self.service = SpecService(self.config, paths, metrics=ServiceMetrics())
-        self.created = int(time.time())
-        env = self.config.auth.api_key_env
-        self._api_key = (os.environ.get(env) or None) if env else None
         self._poller: asyncio.Task | None = None
         self._version = -1
 
@@ -175,10 +179,54 @@ class SpecServeIngress:
         await self._ensure_polling()
         return self.service.status()
 
-    async def wait_ready(self, timeout_s: float) -> None:
+    async def wait_ready(self, timeout_s: float | None = None, model: str | None = None) -> None:
         await self._ensure_polling()
         for m in self.config.models:
-            await self.service.wait_ready(m.name, timeout_s)
+            if model is None or m.name == model:
+                await self.service.wait_ready(m.name, timeout_s)
+
+    async def admit(self, model: str) -> None:
+        """Whether a request for `model` would start now (ready and under capacity); raises like `run` would."""
+        await self.wait_ready(None, model)
+        self.service.check_capacity(model)
+
+    # -- requests (Prepared by the ingress) ------------------------------------------------------------------------
+
+    async def generate(self, prepared) -> dict:
+        await self._ensure_polling()
+        return await self.service.generate(prepared)
+
+    async def run(self, prepared) -> AsyncIterator:
+        """The request's chunks, one per round (a streaming handle method)."""
+        await self._ensure_polling()
+        async for chunk in self.service.run(prepared):
+            yield chunk
+
+
+http_app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding", docs_url=None)
+
+
+class SpecServeIngress:
+    """Both public APIs: authenticates, validates and tokenizes each request, then runs it on a scheduler replica
+    through a deployment handle. Holds no request state, so a replica lost here loses no work that a retry would not
+    redo."""
+
+    def __init__(self, app_args: dict, scheduler: Any):
+        from specserve.cluster.service import SpecService
+
+        self.config: AppConfig = app_config(app_args)
+        paths = {m.name: resolve_paths(m) for m in self.config.models}
+        self.requests = SpecService(self.config, paths)  # tokenizers and limits only: no workers behind it
+        self.scheduler = scheduler
+        self.created = int(time.time())
+        env = self.config.auth.api_key_env
+        self._api_key = (os.environ.get(env) or None) if env else None
+
+    async def status(self) -> dict:
+        return await _call(self.scheduler.status.remote())
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await _call(self.scheduler.wait_ready.remote(timeout_s))
 
     def _check_key(self, authorization: str | None) -> None:
         if self._api_key is None:
@@ -191,14 +239,24 @@ class SpecServeIngress:
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
         self._check_key(metadata.get("authorization"))
 
+    async def _generate(self, prepared) -> dict:
+        return await _call(self.scheduler.generate.remote(prepared))
+
+    async def _run(self, prepared) -> AsyncIterator:
+        chunks = self.scheduler.options(stream=True).run.remote(prepared)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - a scheduler replica's error or death, as a specserve error
+            raise _scheduler_error(e) from None
+
     # -- gRPC: the public SpecServe service ------------------------------------------------------------------------
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method name
         try:
             self._check_grpc_key(grpc_context)
-            await self._ensure_polling()
-            prepared = self.service.prepare(*request_fields(request))
-            out = await self.service.generate(prepared)
+            prepared = self.requests.prepare(*request_fields(request))
+            out = await self._generate(prepared)
             return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"])
         except Exception as e:
             _set_grpc_error(grpc_context, e)
@@ -207,9 +265,8 @@ class SpecServeIngress:
     async def GenerateStream(self, request, grpc_context):  # noqa: N802 - gRPC method name
         try:
             self._check_grpc_key(grpc_context)
-            await self._ensure_polling()
-            prepared = self.service.prepare(*request_fields(request))
-            async for chunk in self.service.run(prepared):
+            prepared = self.requests.prepare(*request_fields(request))
+            async for chunk in self._run(prepared):
                 yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats)
         except Exception as e:
             _set_grpc_error(grpc_context, e)
@@ -227,8 +284,10 @@ class SpecServeIngress:
 
     @http_app.get("/health")
     async def health(self) -> JSONResponse:
-        await self._ensure_polling()
-        return JSONResponse(self.service.status())
+        try:
+            return JSONResponse(await self.status())
+        except Exception as e:  # noqa: BLE001
+            return _http_error(e)
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -241,20 +300,18 @@ class SpecServeIngress:
     async def _openai(self, request: Request, chat: bool):
         try:
             self._check_key(request.headers.get("authorization"))
-            await self._ensure_polling()
             body = await _json_body(request, self.config.limits.max_request_bytes)
             if chat:
                 model = self.config.model(body.get("model", "") if isinstance(body, dict) else "").name
-                parsed = oai.parse_chat(body, self.service.models[model].tokenizer)
+                parsed = oai.parse_chat(body, self.requests.models[model].tokenizer)
             else:
                 parsed = oai.parse_completion(body)
-            prepared = self.service.prepare(parsed.model, parsed.prompt, parsed.sampling, parsed.speculation)
+            prepared = self.requests.prepare(parsed.model, parsed.prompt, parsed.sampling, parsed.speculation)
             rid = oai.new_id("chatcmpl" if chat else "cmpl")
             if not parsed.stream:
-                out = await self.service.generate(prepared)
+                out = await self._generate(prepared)
                 return JSONResponse(oai.completion_response(rid, prepared.model, out, chat))
-            await self.service.wait_ready(prepared.model)
-            self.service.check_capacity(prepared.model)  # before the 200 and its headers are sent
+            await _call(self.scheduler.admit.remote(prepared.model))  # before the 200 and its headers are sent
             return StreamingResponse(self._sse(rid, prepared, parsed.include_usage, chat),
                                      media_type="text/event-stream")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
@@ -263,7 +320,7 @@ class SpecServeIngress:
     async def _sse(self, rid: str, prepared, include_usage: bool, chat: bool) -> AsyncIterator[str]:
         generated, stats = 0, {}
         try:
-            async for chunk in self.service.run(prepared):
+            async for chunk in self._run(prepared):
                 generated += len(chunk.token_ids)
                 stats = chunk.stats
                 if chunk.text or chunk.finish_reason:
@@ -279,6 +336,32 @@ class SpecServeIngress:
 # Applied at import time in every process: Serve pickles the ingress class by reference to this module, and the
 # FastAPI routes must be rebound to the class in the replica's copy of `http_app` too.
 IngressDeployment = serve.ingress(http_app)(SpecServeIngress)
+
+
+async def _call(response):
+    """Await a scheduler handle call; its errors (and the scheduler replica's death) as specserve errors."""
+    try:
+        return await response
+    except Exception as e:  # noqa: BLE001
+        raise _scheduler_error(e) from None
+
+
+def _scheduler_error(error: BaseException) -> BaseException:
+    """What a scheduler call's failure means to the client: the scheduler's own error as raised there; its replica
+    dying (or none being up) as UnavailableError, which says the call did not complete and can be retried."""
+    from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(error, RayTaskError) and isinstance(getattr(error, "cause", None), Exception):
+        return _scheduler_error(error.cause)
+    if isinstance(error, RayActorError):
+        return UnavailableError(f"the scheduler replica running this request stopped ({type(error).__name__}); "
+                                "retry: nothing of the request is kept")  # fmt: skip
+    if isinstance(error, DeploymentUnavailableError):
+        return UnavailableError("no scheduler replica is up right now; retry")
+    if isinstance(error, BackPressureError):
+        return OverloadedError("every scheduler replica is busy", retry_after_s=1.0)
+    return error
 
 
 def _set_grpc_error(grpc_context, error: BaseException) -> None:
@@ -348,10 +431,18 @@ def build_app(args: dict | AppConfig | None = None):
         if m.drafts_with_model:
             pools.append(serve.deployment(PoolWorker).options(**_pool_options(f"draft-{m.name}", m.draft_pool))
                          .bind(model, "draft"))  # fmt: skip
-    ingress = serve.deployment(IngressDeployment).options(
-        name="ingress",
+    args = app.model_dump(mode="json")
+    scheduler = serve.deployment(SchedulerReplica).options(
+        name="scheduler",
         num_replicas=app.ingress.replicas,
         max_ongoing_requests=app.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": app.ingress.num_cpus},
     )
-    return ingress.bind(app.model_dump(mode="json"), *pools)
+    # The front holds no request state and does little work per request: no CPU reserved (like Serve's proxies).
+    ingress = serve.deployment(IngressDeployment).options(
+        name="ingress",
+        num_replicas=app.ingress.replicas,
+        max_ongoing_requests=app.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(args, scheduler.bind(args, *pools))
