@@ -3,16 +3,16 @@ workers (a target and a draft worker process, each behind its gRPC server, conti
 runs the scheduler), speculation on (k='auto' under the load-aware speculation policy, as the Serve app runs it) vs
 off, measured side by side in one run.
 
-The policy's state (acceptance, the target's fitted step cost, the measured switch) is kept across levels, as a
-running service keeps it while its load changes. A stream is a closed loop: it sends its next request (new_tokens
-long) when the last one finished. Each level first runs a pass with the policy live, unmeasured (it settles at the
-new load, as in a service that has been at that load for a while), then alternates off and on segments (`SEGMENTS`
-of each, `pass_s` / `SEGMENTS` seconds apiece, ABAB so that this machine's slow phases land on both modes alike);
-a segment ends when its streams finish the requests they started in time. The switch's clock runs only during on
-segments, so the off ones do not count as time it spent in its current mode. Throughput is tokens over wall time,
-summed over a mode's segments; `spread` is how much the off segments' throughputs differ from each other (max - min
-over mean): the noise floor of the on/off ratio. `identical` compares every request both modes ran (same index,
-same prompt)."""
+The policy's state (acceptance, the target's fitted step cost, the measured switch) is kept across levels, as a running
+service keeps it while its load changes. A stream is a closed loop: it sends its next request (new_tokens long) when the
+last one finished. Each level first runs a pass with the policy live, unmeasured (it settles at the new load, as in a
+service that has been at that load for a while), then alternates off and on segments (`SEGMENTS` of each, `pass_s` /
+`SEGMENTS` seconds apiece, ABAB so that this machine's slow phases land on both modes alike); a segment ends when its
+streams finish the requests they started in time, but its throughput counts only the tokens committed within its
+`pass_s` / `SEGMENTS` window, at steady load (not while the streams drain). The switch's clock runs only during on
+segments, so the off ones do not count as time it spent in its current mode. A mode's throughput sums its segments'
+windows; `spread` is how much the off segments' throughputs differ from each other (max - min over mean): the noise
+floor of the on/off ratio. `identical` compares every request both modes ran (same index, same prompt)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from specserve.cluster.worker_processes import WorkerProcesses
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 
 LEVELS = (1, 4, 16, 32)
-PASS_S = 15.0
+PASS_S = 30.0
 SEGMENTS = 3
 
 
@@ -39,9 +39,11 @@ class LevelRow:
     speculation: str  # "on (k=auto + policy)" | "off"
     requests: int = 0  # in all (each stream sends the next when its last one finished)
     new_tokens: int = 0  # per request
-    tokens: int = 0
+    tokens: int = 0  # every request's tokens, those finishing after the window included
     seconds: float = 0.0
-    tokens_per_s: float = 0.0  # aggregate over all streams
+    window_tokens: int = 0  # tokens committed within the measured window
+    window_s: float = 0.0
+    tokens_per_s: float = 0.0  # aggregate over all streams, within the window (steady load, no drain)
     tpot_ms_p50: float = 0.0  # per-token latency: a request's time over its generated tokens
     tpot_ms_p99: float = 0.0
     target_batch_mean: float = 0.0  # requests per target forward pass
@@ -90,6 +92,8 @@ async def _level(
         prev, first = (0, 0), True
         async for committed in pipeline.rounds(req):
             now, stats = time.perf_counter(), req.state.stats
+            if now <= deadline:
+                row.window_tokens += len(committed)
             if speculate:  # with speculation off there is no policy to run (the target's cost model still learns)
                 state.after_round(stats.drafted - prev[0], stats.accepted - prev[1], len(committed), now - last,
                                   first)  # fmt: skip
@@ -105,15 +109,17 @@ async def _level(
             r += 1
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(stream(s, t0 + pass_s) for s in range(streams)))
+    deadline = t0 + pass_s
+    await asyncio.gather(*(stream(s, deadline) for s in range(streams)))
     row.seconds = time.perf_counter() - t0
+    row.window_s = min(pass_s, row.seconds)
     row.requests = len(row.outputs)
     row.target_batch_mean = pipeline.mean_target_batch
     row.final_k_cap = pipeline.scheduler.auto_k_cap if speculate else None
     for client in (*drafts.values(), *targets.values()):
         await client.close()
     row.tokens = sum(len(o) for o in row.outputs.values())
-    row.tokens_per_s = row.tokens / row.seconds
+    row.tokens_per_s = row.window_tokens / row.window_s if row.window_s > 0 else row.tokens / row.seconds
     return row
 
 
@@ -123,11 +129,13 @@ def _merge(segments: list[LevelRow]) -> LevelRow:
     for seg in segments:
         row.tokens += seg.tokens
         row.seconds += seg.seconds
+        row.window_tokens += seg.window_tokens
+        row.window_s += seg.window_s
         row.requests += seg.requests
         row.tpots += seg.tpots
         row.outputs.update(seg.outputs)
         row.segment_tokens_per_s.append(seg.tokens_per_s)
-    row.tokens_per_s = row.tokens / row.seconds
+    row.tokens_per_s = row.window_tokens / row.window_s
     row.tpot_ms_p50 = statistics.median(row.tpots) * 1e3
     row.tpot_ms_p99 = _percentile(row.tpots, 0.99) * 1e3
     row.target_batch_mean = statistics.fmean(seg.target_batch_mean for seg in segments)

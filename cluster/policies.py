@@ -133,11 +133,15 @@ def target_utilisation(active_requests: int, healthy_targets: int, saturation_re
     return min(1.0, active_requests / (healthy_targets * saturation_requests))
 
 
+def _window() -> list:
+    return [None, 0.0, 0, 0.0, 0]
+
+
 @dataclass
 class SpeculationSwitch:
-    """A measured check on the model above: the seconds per committed token that requests actually see in rounds
-    that speculated and in rounds that did not (decayed averages), compared side by side. The model cannot see
-    everything (a draft pool sharing cores with the target, network latency); this can.
+    """A measured check on the model above: the seconds per committed token that requests actually see in rounds that
+    speculated and in rounds that did not (each mode's latest period, summed), compared side by side. The model
+    cannot see everything (a draft pool sharing cores with the target, network latency); this can.
 
     Every so often it probes the other mode (every round started meanwhile runs that way) and keeps whichever was
     measured faster, with a hysteresis margin. A probe that confirms the current mode doubles the time to the next
@@ -145,23 +149,23 @@ class SpeculationSwitch:
     starts over from `interval_s`, and so does a lasting change of load (requests per target doubled or halved since
     the last decision, for `interval_s`): what was measured at one load says little about another.
 
-    Rates are compared per concurrent request (inverse throughput), and only when both modes were measured at
-    similar loads (within 1.5x). Only clean samples count: a round that started before the last mode change, or
-    within one round time after it, shared its batches with rounds of the other mode still in flight (under load, a
-    plain round batched with speculating ones is as slow as they are), so it measures neither mode. Probes last at
-    least `probe_rounds` round times, so they collect clean samples, and are extended (up to twice) when they
-    collected none."""
+    Rates are compared per concurrent request (inverse throughput), and only when both modes were measured at similar
+    loads (within 1.5x). Only clean samples count: a round that started before the last mode change, or within one
+    (recent longest) round time after it, shared its batches with rounds of the other mode still in flight (under
+    load, a plain round batched with speculating ones is as slow as they are), so it measures neither mode. Probes
+    last at least `probe_rounds` round times, so they collect clean samples, and are extended (up to twice) while
+    they have too few. A probe that ends without enough clean rounds of both modes is no verdict, and then the switch
+    turns speculation off until one says otherwise: off is never slower than itself."""
 
     probe_s: float = 0.25
-    probe_rounds: float = 4.0
+    probe_rounds: float = 8.0
+    min_rounds: int = 4  # clean rounds (and at least one per concurrent request) each mode needs for a verdict
     interval_s: float = 1.0
     max_interval_s: float = 60.0
     margin: float = 0.03
     decay: float = 0.8
     clock: Callable[[], float] = time.monotonic
     on: bool = True
-    spec_s_per_token: float | None = None
-    plain_s_per_token: float | None = None
     _next_probe: float | None = None
     _probe_until: float | None = None
     _probe_samples: int = 0
@@ -170,11 +174,13 @@ class SpeculationSwitch:
     _mode: bool | None = None  # what allow() last answered
     _changed_at: float = -math.inf
     _round_s: float = 0.0  # recent round duration
+    _long_round_s: float = 0.0  # recent longest round (decayed max)
     _decided_load: float | None = None  # requests per target when the last decision was made
     _load: float | None = None  # requests per target, as last noted
     _load_changed_at: float | None = None  # since when the load differs from the decided one
-    _spec_load: float | None = None  # the load the rates above were measured at (decayed alike)
-    _plain_load: float | None = None
+    # Per mode (True: speculation allowed), since the mode was last entered: [window start (the first clean round's
+    # start), last clean round's end, tokens they committed, sum of loads, rounds].
+    _sums: dict = field(default_factory=lambda: {True: _window(), False: _window()})
 
     def observe(self, tokens: int, seconds: float, speculated: bool) -> None:
         """One round that ended now: `tokens` committed in `seconds`, speculating or not. Rates are kept per
@@ -183,18 +189,41 @@ class SpeculationSwitch:
         if tokens <= 0 or seconds <= 0:
             return
         self._round_s = seconds if self._round_s == 0 else self._round_s * self.decay + seconds * (1 - self.decay)
-        if self.clock() - seconds < self._changed_at + self._round_s:
+        self._long_round_s = max(seconds, self._long_round_s * 0.98)  # the slow mode's rounds set the settling time
+        now = self.clock()
+        started = now - seconds
+        if started < self._changed_at + min(self._long_round_s, self._probe_length() / 2):
             return  # overlapped rounds of the other mode
-        # A clean round ran wholly under the current mode: filed under it ("spec" = the policy was allowed to
-        # speculate, whatever k it chose), so the comparison is policy-on against policy-off.
+        # A clean round ended under the current mode: filed under it ("spec" = the policy was allowed to speculate,
+        # whatever k it chose), so the comparison is policy-on against policy-off.
         allowed = speculated if self._mode is None else self._mode
         if self._probe_until is not None and allowed != self.on:
             self._probe_samples += 1
-        load = max(1.0, self._load or 1.0)
-        mode = "spec" if allowed else "plain"
-        for attr, value in ((f"{mode}_s_per_token", seconds / tokens / load), (f"_{mode}_load", load)):
-            old = getattr(self, attr)
-            setattr(self, attr, value if old is None else old * self.decay + value * (1 - self.decay))
+        sums = self._sums[allowed]
+        if sums[0] is None:
+            sums[0] = started
+        sums[1] = now
+        sums[2] += tokens
+        sums[3] += max(1.0, self._load or 1.0)
+        sums[4] += 1
+
+    def _rate(self, allowed: bool) -> float | None:
+        """Seconds per committed token, all requests together (inverse throughput), over the mode's clean window."""
+        start, end, tokens, _, _ = self._sums[allowed]
+        return (end - start) / tokens if tokens and end > start else None
+
+    def _mean_load(self, allowed: bool) -> float | None:
+        *_, loads, rounds = self._sums[allowed]
+        return loads / rounds if rounds else None
+
+    @property
+    def spec_s_per_token(self) -> float | None:
+        """Seconds per committed token (all requests) while speculation was allowed, since that mode was entered."""
+        return self._rate(True)
+
+    @property
+    def plain_s_per_token(self) -> float | None:
+        return self._rate(False)
 
     def note_load(self, requests_per_target: float) -> None:
         """The current load. A change since the last decision (requests per target doubled or halved) that lasts
@@ -216,7 +245,7 @@ class SpeculationSwitch:
         self._interval = self.interval_s
         self._next_probe = min(self._next_probe, now)
         self._decided_load, self._load_changed_at = requests_per_target, None
-        self.spec_s_per_token = self.plain_s_per_token = self._spec_load = self._plain_load = None  # stale
+        self._sums = {True: _window(), False: _window()}  # measured at the old load
 
     def measured_speedup(self) -> float | None:
         if self.spec_s_per_token is None or self.plain_s_per_token is None:
@@ -229,6 +258,7 @@ class SpeculationSwitch:
         mode = self._mode_at(now)
         if mode != self._mode:
             self._mode, self._changed_at = mode, now
+            self._sums[mode] = _window()  # a new period of this mode: compared with the other's latest
         return mode
 
     def _probe_length(self) -> float:
@@ -241,7 +271,8 @@ class SpeculationSwitch:
         if self._probe_until is not None:
             if now < self._probe_until:
                 return not self.on
-            if self._probe_samples == 0 and self._probe_extensions < 2:
+            needed = max(self.min_rounds, self._load or 0)
+            if self._probe_samples < needed and self._probe_extensions < 2:
                 self._probe_extensions += 1
                 self._probe_until = now + self._probe_length()
                 return not self.on
@@ -254,16 +285,20 @@ class SpeculationSwitch:
         return self.on
 
     def _decide(self, now: float) -> None:
-        if (
-            self._spec_load
-            and self._plain_load
-            and max(self._spec_load, self._plain_load) > 1.5 * min(self._spec_load, self._plain_load)
-        ):  # the two modes were measured at different loads: no verdict, probe again soon
+        loads = (self._mean_load(True), self._mean_load(False))
+        if None not in loads and max(loads) > 1.5 * min(loads):
+            # the two modes were measured at different loads: no verdict (keep the mode), probe again soon
+            self._next_probe = now + self.interval_s
+            return
+        s = self.measured_speedup()
+        enough = all(self._sums[m][4] >= max(self.min_rounds, self._mean_load(m) or 0) for m in (True, False))
+        if s is None or not enough:  # too few clean rounds of a mode: no verdict; until one, do not speculate
+            self.on = False
+            self._interval = self.interval_s
             self._next_probe = now + self.interval_s
             return
         if self._load is not None:
             self._decided_load = self._load
-        s = self.measured_speedup()
         flip = s is not None and (s < 1.0 - self.margin if self.on else s > 1.0 + self.margin)
         if flip:
             self.on = not self.on

@@ -139,35 +139,36 @@ def _spec_time_share(rounds: list) -> float:
 def test_switch_turns_losing_speculation_off_and_backs_off_its_probes():
     clock = _Clock()
     switch = SpeculationSwitch(clock=clock)
-    rounds = _drive(switch, clock, 1.0, spec_rate=0.03, plain_rate=0.02)  # speculation measured 1.5x slower
+    rounds = _drive(switch, clock, 3.0, spec_rate=0.03, plain_rate=0.02)  # speculation measured 1.5x slower
     assert not switch.on and switch.measured_speedup() == pytest.approx(0.02 / 0.03)
-    later = _drive(switch, clock, 20.0, spec_rate=0.03, plain_rate=0.02)
-    # Settled: probes of the losing mode get rarer (probes at 1, 2, 4, 8 s intervals): < 10% of the time.
+    later = _drive(switch, clock, 60.0, spec_rate=0.03, plain_rate=0.02)
+    # Settled: probes of the losing mode get rarer (at 1, 2, 4, 8, ... s intervals): < 10% of the time.
     assert _spec_time_share(later) < 0.1 and all(s for s, _ in rounds[:2])  # it started on
 
 
 def test_switch_counts_only_rounds_that_did_not_overlap_the_other_mode():
     clock = _Clock()
     switch = SpeculationSwitch(clock=clock)
-    _drive(switch, clock, 0.5, spec_rate=0.01, plain_rate=0.02)
+    _drive(switch, clock, 0.9, spec_rate=0.01, plain_rate=0.02)  # one probe of plain decoding: on it stays
     spec, plain = switch.spec_s_per_token, switch.plain_s_per_token
     assert spec == pytest.approx(0.01) and plain == pytest.approx(0.02)
+    assert switch.on and switch._mode is True and switch._probe_until is None
     clock.t = switch._next_probe  # a probe of plain decoding starts with the next round ...
     assert switch.allow() is (not switch.on)
     clock.t += 0.01
     switch.observe(1, 0.5, speculated=False)  # ... a round that started before the change: not a sample
     switch.observe(1, 0.5 * switch._round_s, speculated=False)  # one that started right after it: not one either
-    assert (switch.spec_s_per_token, switch.plain_s_per_token) == (spec, plain)
+    assert switch.spec_s_per_token == spec and switch.plain_s_per_token is None  # the probe has no sample yet
     clock.t += 1.0
     switch.observe(1, 0.03, speculated=False)  # later rounds of the probe count
-    assert switch.plain_s_per_token > plain
+    assert switch.plain_s_per_token == pytest.approx(0.03)
 
 
 def test_probes_last_several_round_times_under_load():
     clock = _Clock()
     switch = SpeculationSwitch(clock=clock)
-    _drive(switch, clock, 3.0, spec_rate=0.1, plain_rate=0.3)  # rounds of 0.3-0.4 s: longer than probe_s
-    assert switch._probe_length() >= 4 * 0.3 and switch.on
+    _drive(switch, clock, 12.0, spec_rate=0.1, plain_rate=0.3)  # rounds of 0.3-0.4 s: longer than probe_s
+    assert switch._probe_length() >= switch.probe_rounds * 0.3 and switch.on
     assert switch.measured_speedup() == pytest.approx(3.0)  # clean samples of both modes were collected
 
 
@@ -176,7 +177,7 @@ def test_switch_keeps_winning_speculation_on_and_comes_back_when_it_wins_again()
     switch = SpeculationSwitch(clock=clock)
     _drive(switch, clock, 2.0, spec_rate=0.01, plain_rate=0.02)
     assert switch.on
-    _drive(switch, clock, 6.0, spec_rate=0.05, plain_rate=0.02)  # load changed: speculation now loses
+    _drive(switch, clock, 12.0, spec_rate=0.05, plain_rate=0.02)  # load changed: speculation now loses
     assert not switch.on
     _drive(switch, clock, 40.0, spec_rate=0.01, plain_rate=0.02)  # and wins again: a later probe turns it back on
     assert switch.on
@@ -186,17 +187,33 @@ def test_a_change_of_load_brings_the_next_probe_forward():
     clock = _Clock()
     switch = SpeculationSwitch(clock=clock)
     switch.note_load(1.0)
-    _drive(switch, clock, 30.0, spec_rate=0.03, plain_rate=0.02)  # settled off, probes backed off to 16 s
-    assert not switch.on and switch._next_probe - clock.t > 2.0
+    _drive(switch, clock, 30.0, spec_rate=0.03, plain_rate=0.02)  # settled off, probes backed off
+    assert not switch.on and switch._interval >= 8
+    pending = switch._next_probe
     switch.note_load(1.5)  # a small change: nothing happens
-    assert switch._next_probe - clock.t > 2.0
     switch.note_load(16.0)  # 16x the requests per target, but only for a moment: nothing yet
     clock.t += 0.5
     switch.note_load(1.0)
-    assert switch._next_probe - clock.t > 2.0
-    switch.note_load(16.0)  # 16x for longer than interval_s: probe now
+    assert switch._next_probe == pending and switch._interval >= 8
+    switch.note_load(16.0)  # 16x for longer than interval_s: probe now, and forget what was measured at the old load
     clock.t += switch.interval_s
     switch.note_load(16.0)
-    assert switch._next_probe <= clock.t
+    assert switch._next_probe <= clock.t and switch._interval == switch.interval_s
+    assert switch.spec_s_per_token is None and switch.plain_s_per_token is None
     _drive(switch, clock, 3.0, spec_rate=0.01, plain_rate=0.02)  # at this load speculation wins: back on
     assert switch.on
+
+
+def test_a_probe_without_figures_for_both_modes_is_no_verdict_and_turns_speculation_off():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    assert switch.allow() is True
+    clock.t = switch._next_probe
+    assert switch.allow() is False  # probing plain decoding, but no round of either mode has ended yet
+    for _ in range(3):  # the probe and its two extensions collect nothing
+        clock.t = switch._probe_until + 0.01
+        switch.allow()
+    assert switch._probe_until is None, "decided"
+    # No verdict: off (never slower than itself) until a probe says otherwise, probing again soon, not backing off.
+    assert not switch.on and 0 < switch._next_probe - clock.t <= switch.interval_s + 1e-9
+    assert switch._interval == switch.interval_s
