@@ -86,7 +86,8 @@ async def _level(
 
     async def request(i: int) -> list[int]:
         prompt = prompts[i % len(prompts)]
-        prompt = prompt[: len(prompt) - i // len(prompts)]  # requests beyond the prompt count differ too
+        cut = (i // len(prompts)) % max(1, len(prompt) // 2)  # requests beyond the prompt count differ too
+        prompt = prompt[: len(prompt) - cut]
         req = pipeline.scheduler.add(prompt, params, spec, frozenset())
         start = last = time.perf_counter()
         prev, first = (0, 0), True
