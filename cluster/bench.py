@@ -455,7 +455,7 @@ def main_bench(args) -> int:
     print(format_table(rows, meta))
     if levels:
         print(f"\nConcurrency sweep (greedy, {new_tokens} new tokens per request, closed-loop streams, disaggregated "
-              "over gRPC; each level: a pass with the policy settling, unmeasured, then off, then on):")  # fmt: skip
+              "over gRPC; per level: the policy settles, unmeasured, then off and on segments alternate):")  # fmt: skip
         print(format_levels(levels))
     if args.json:
         with open(args.json, "w") as f:

@@ -80,7 +80,6 @@ async def _level(
     pipeline = Pipeline(scheduler, drafts, targets, predraft=False, verify_costs=costs)
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
-    tpot = row.tpots
     if speculate:  # the policy's current decision applies from the first round, as in a running service
         state.apply(pipeline, cost_ratio, None)
 
@@ -100,10 +99,10 @@ async def _level(
                                   first)  # fmt: skip
                 state.apply(pipeline, cost_ratio, None)
             prev, last, first = (stats.drafted, stats.accepted), now, False
-        tpot.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
+        row.tpots.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
         return req.state.generated
 
-    async def stream(s: int, deadline: float) -> None:
+    async def stream(s: int) -> None:
         r = 0
         while r == 0 or time.perf_counter() < deadline:
             row.outputs[s + streams * r] = await request(s + streams * r)
@@ -111,7 +110,7 @@ async def _level(
 
     t0 = time.perf_counter()
     deadline = t0 + pass_s
-    await asyncio.gather(*(stream(s, deadline) for s in range(streams)))
+    await asyncio.gather(*(stream(s) for s in range(streams)))
     row.seconds = time.perf_counter() - t0
     row.window_s = min(pass_s, row.seconds)
     row.requests = len(row.outputs)

@@ -133,15 +133,22 @@ def target_utilisation(active_requests: int, healthy_targets: int, saturation_re
     return min(1.0, active_requests / (healthy_targets * saturation_requests))
 
 
-def _window() -> list:
-    return [None, 0.0, 0, 0.0, 0]
+@dataclass
+class _Window:
+    """One mode's clean rounds since the mode was last entered."""
+
+    start: float | None = None  # the first clean round's start
+    end: float = 0.0  # the last clean round's end
+    tokens: int = 0  # committed by those rounds
+    loads: float = 0.0  # sum of the requests per target noted at each round
+    rounds: int = 0
 
 
 @dataclass
 class SpeculationSwitch:
-    """A measured check on the model above: the seconds per committed token that requests actually see in rounds that
-    speculated and in rounds that did not (each mode's latest period, summed), compared side by side. The model
-    cannot see everything (a draft pool sharing cores with the target, network latency); this can.
+    """A measured check on the model above: the throughput requests actually get while speculation is allowed and
+    while it is not (each mode's latest period), compared side by side. The model cannot see everything (a draft
+    pool sharing cores with the target, network latency); this can.
 
     Every so often it probes the other mode (every round started meanwhile runs that way) and keeps whichever was
     measured faster, with a hysteresis margin. A probe that confirms the current mode doubles the time to the next
@@ -149,13 +156,14 @@ class SpeculationSwitch:
     starts over from `interval_s`, and so does a lasting change of load (requests per target doubled or halved since
     the last decision, for `interval_s`): what was measured at one load says little about another.
 
-    Rates are compared per concurrent request (inverse throughput), and only when both modes were measured at similar
-    loads (within 1.5x). Only clean samples count: a round that started before the last mode change, or within one
-    (recent longest) round time after it, shared its batches with rounds of the other mode still in flight (under
-    load, a plain round batched with speculating ones is as slow as they are), so it measures neither mode. Probes
-    last at least `probe_rounds` round times, so they collect clean samples, and are extended (up to twice) while
-    they have too few. A probe that ends without enough clean rounds of both modes is no verdict, and then the switch
-    turns speculation off until one says otherwise: off is never slower than itself."""
+    A mode's rate is seconds per committed token over its clean window, all requests together (inverse throughput),
+    compared only when both modes were measured at similar loads (within 1.5x). Only clean samples count: a round
+    that started before the last mode change, or within one (recent longest) round time after it, shared its batches
+    with rounds of the other mode still in flight (under load, a plain round batched with speculating ones is as
+    slow as they are), so it measures neither mode. Probes last at least `probe_rounds` round times, so they collect
+    clean samples, and are extended (up to twice) while they have too few. A probe that ends without enough clean
+    rounds of both modes is no verdict, and then the switch turns speculation off until one says otherwise: off is
+    never slower than itself."""
 
     probe_s: float = 0.25
     probe_rounds: float = 8.0
@@ -178,14 +186,10 @@ class SpeculationSwitch:
     _decided_load: float | None = None  # requests per target when the last decision was made
     _load: float | None = None  # requests per target, as last noted
     _load_changed_at: float | None = None  # since when the load differs from the decided one
-    # Per mode (True: speculation allowed), since the mode was last entered: [window start (the first clean round's
-    # start), last clean round's end, tokens they committed, sum of loads, rounds].
-    _sums: dict = field(default_factory=lambda: {True: _window(), False: _window()})
+    _windows: dict = field(default_factory=lambda: {True: _Window(), False: _Window()})  # True: speculation allowed
 
     def observe(self, tokens: int, seconds: float, speculated: bool) -> None:
-        """One round that ended now: `tokens` committed in `seconds`, speculating or not. Rates are kept per
-        concurrent request (seconds per token over the requests per target noted last), i.e. as inverse
-        throughput, so samples taken while requests come and go stay comparable."""
+        """One round that ended now: `tokens` committed in `seconds`, speculating or not."""
         if tokens <= 0 or seconds <= 0:
             return
         self._round_s = seconds if self._round_s == 0 else self._round_s * self.decay + seconds * (1 - self.decay)
@@ -199,22 +203,22 @@ class SpeculationSwitch:
         allowed = speculated if self._mode is None else self._mode
         if self._probe_until is not None and allowed != self.on:
             self._probe_samples += 1
-        sums = self._sums[allowed]
-        if sums[0] is None:
-            sums[0] = started
-        sums[1] = now
-        sums[2] += tokens
-        sums[3] += max(1.0, self._load or 1.0)
-        sums[4] += 1
+        w = self._windows[allowed]
+        if w.start is None:
+            w.start = started
+        w.end = now
+        w.tokens += tokens
+        w.loads += max(1.0, self._load or 1.0)
+        w.rounds += 1
 
     def _rate(self, allowed: bool) -> float | None:
         """Seconds per committed token, all requests together (inverse throughput), over the mode's clean window."""
-        start, end, tokens, _, _ = self._sums[allowed]
-        return (end - start) / tokens if tokens and end > start else None
+        w = self._windows[allowed]
+        return (w.end - w.start) / w.tokens if w.tokens and w.end > w.start else None
 
     def _mean_load(self, allowed: bool) -> float | None:
-        *_, loads, rounds = self._sums[allowed]
-        return loads / rounds if rounds else None
+        w = self._windows[allowed]
+        return w.loads / w.rounds if w.rounds else None
 
     @property
     def spec_s_per_token(self) -> float | None:
@@ -245,7 +249,7 @@ class SpeculationSwitch:
         self._interval = self.interval_s
         self._next_probe = min(self._next_probe, now)
         self._decided_load, self._load_changed_at = requests_per_target, None
-        self._sums = {True: _window(), False: _window()}  # measured at the old load
+        self._windows = {True: _Window(), False: _Window()}  # measured at the old load
 
     def measured_speedup(self) -> float | None:
         if self.spec_s_per_token is None or self.plain_s_per_token is None:
@@ -258,7 +262,7 @@ class SpeculationSwitch:
         mode = self._mode_at(now)
         if mode != self._mode:
             self._mode, self._changed_at = mode, now
-            self._sums[mode] = _window()  # a new period of this mode: compared with the other's latest
+            self._windows[mode] = _Window()  # a new period of this mode: compared with the other's latest
         return mode
 
     def _probe_length(self) -> float:
@@ -291,7 +295,7 @@ class SpeculationSwitch:
             self._next_probe = now + self.interval_s
             return
         s = self.measured_speedup()
-        enough = all(self._sums[m][4] >= max(self.min_rounds, self._mean_load(m) or 0) for m in (True, False))
+        enough = all(self._windows[m].rounds >= max(self.min_rounds, self._mean_load(m) or 0) for m in (True, False))
         if s is None or not enough:  # too few clean rounds of a mode: no verdict; until one, do not speculate
             self.on = False
             self._interval = self.interval_s
@@ -299,7 +303,7 @@ class SpeculationSwitch:
             return
         if self._load is not None:
             self._decided_load = self._load
-        flip = s is not None and (s < 1.0 - self.margin if self.on else s > 1.0 + self.margin)
+        flip = s < 1.0 - self.margin if self.on else s > 1.0 + self.margin
         if flip:
             self.on = not self.on
             self._interval = self.interval_s
