@@ -107,3 +107,10 @@ class BatchingConfig(_Strict):
         description="Most new positions one batch may feed (prefills count their whole uncached prompt); a single "
         "call larger than this still runs, alone.",
     )
+    max_wait_ms: float = Field(
+        20.0,
+        ge=0,
+        description="How long a batch may wait for the requests of the previous batch that are on their way back "
+        "(their next round), at most half the previous batch's run time; 0 runs whatever is queued at once. Without "
+        "it, requests that once fell out of step split into batches that alternate for good.",
+    )

@@ -97,6 +97,7 @@ class _Servicer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def Release(self, request, context):
+        self.batcher.forget(request.request_id)
         return pb.ReleaseResponse(released=await self._run(context, self.worker.release, request.request_id))
 
     async def Health(self, request, context):

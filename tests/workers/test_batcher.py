@@ -65,3 +65,39 @@ def test_a_single_call_larger_than_the_token_budget_still_runs_alone():
 
     result, seen = asyncio.run(main())
     assert result == 42 and seen == [[21]]
+
+
+def _closed_loops(config, rounds=6):
+    """Eight requests in a closed loop (each sends its next call 2 ms after the last answer), the second four
+    starting 10 ms after the first four, against a 50 ms forward pass. Returns the batch sizes."""
+    import time
+
+    def run(items):
+        time.sleep(0.05)
+        return list(items)
+
+    batcher = Batcher(ThreadPoolExecutor(1), run, config)
+    sizes: list[int] = []
+    batcher._on_batch = lambda rows, seconds: sizes.append(rows)
+
+    async def loop(key: str, delay: float):
+        await asyncio.sleep(delay)
+        for r in range(rounds):
+            await batcher.submit(key, r, 1)
+            await asyncio.sleep(0.002)
+        batcher.forget(key)
+
+    async def main():
+        await asyncio.gather(*(loop(f"r{i}", 0.0 if i < 4 else 0.01) for i in range(8)))
+
+    asyncio.run(main())
+    return sizes
+
+
+def test_requests_out_of_step_merge_into_one_batch_instead_of_alternating():
+    apart = _closed_loops(BatchingConfig(max_wait_ms=0))
+    assert apart == [4] * 12  # without waiting: two half batches alternate for good
+    together = _closed_loops(BatchingConfig(max_wait_ms=20))
+    # The first half's next call waits for the second half's: one batch of 8 per round, 7 forward passes instead
+    # of 12 (the first and the last run a half alone).
+    assert together == [4] + [8] * 5 + [4]
