@@ -81,11 +81,15 @@ class Pipeline:
             self.scheduler.forget_worker(worker)
             self.restarts += 1
 
-    async def _call(self, req: SchedRequest, call: Call, fn):
-        try:
-            return await fn(call)
-        except WorkerLostRequest:
-            return await fn(self.scheduler.resend(req, call))
+    async def _call(self, req: SchedRequest, call: Call, fn, resends: int = 3):
+        """A call; when the worker lost the request (restarted, or evicted it for room), the same call with the whole
+        sequence, again if a full cache evicted the re-sent request too (a few times, then the error stands)."""
+        for _ in range(resends):
+            try:
+                return await fn(call)
+            except WorkerLostRequest:
+                call = self.scheduler.resend(req, call)
+        return await fn(call)
 
     async def _propose(self, req: SchedRequest, call: Call) -> tuple[list[int], bytes]:
         return await self._call(req, call, lambda c: self.drafts[c.worker].propose(c, req.params))

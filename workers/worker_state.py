@@ -57,15 +57,21 @@ class CommittedTokens:
 
 
 def with_eviction(
-    committed: CommittedTokens, request_id: str, work: Callable[[], T], release: Callable[[str], bool]
+    committed: CommittedTokens,
+    request_id: str,
+    work: Callable[[], T],
+    release: Callable[[str], bool],
+    spare: frozenset[str] = frozenset(),
 ) -> T:
-    """Run `work`; when the KV cache is full, evict idle requests least recently used first and retry. Evicted
-    requests answer NOT_FOUND on their next call and are re-sent by the scheduler, so nothing is lost."""
+    """Run `work`; when the KV cache is full, evict idle requests least recently used first and retry, the `spare`
+    ones (rows of the same batch still to run) last. Evicted requests answer NOT_FOUND on their next call and are
+    re-sent by the scheduler, so nothing is lost."""
     while True:
         try:
             return work()
         except KVCapacityError:
-            victims = [rid for rid in committed.least_recent() if rid != request_id]
+            lru = [rid for rid in committed.least_recent() if rid != request_id]
+            victims = [rid for rid in lru if rid not in spare] + [rid for rid in lru if rid in spare]
             if not victims:
                 raise
             release(victims[0])
@@ -79,8 +85,8 @@ def run_batch(
 ) -> list[T | Exception]:
     """Run rows `request_ids` as one batch (`batch_work(row indices)`). When the KV cache is full, evict idle
     requests (least recently used, never a row of this batch) and retry; when the batch cannot fit even so, run the
-    rows one at a time, each evicting whatever else it needs as a lone call would, so that each row gets its own
-    result or its own error."""
+    rows one at a time, each evicting whatever else it needs as a lone call would (rows still to run last), so that
+    each row gets its own result or its own error."""
     rows = list(range(len(request_ids)))
     in_batch = set(request_ids)
     while True:
@@ -96,8 +102,9 @@ def run_batch(
         if request_ids[i] not in committed:  # evicted by an earlier row of this loop: the scheduler re-sends it
             results.append(RequestNotFoundError(f"request {request_ids[i]!r} was evicted: re-send its sequence"))
             continue
+        pending = frozenset(request_ids[j] for j in rows[i + 1 :])
         try:
-            results.append(with_eviction(committed, request_ids[i], lambda i=i: batch_work([i])[0], release))
+            results.append(with_eviction(committed, request_ids[i], lambda i=i: batch_work([i])[0], release, pending))
         except KVCapacityError as e:
             results.append(e)
     return results
