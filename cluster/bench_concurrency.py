@@ -10,7 +10,8 @@ service that has been at that load for a while), then alternates off and on segm
 `SEGMENTS` seconds apiece, ABAB so that this machine's slow phases land on both modes alike); a segment ends when its
 streams finish the requests they started in time, but its throughput counts only the tokens committed within its
 `pass_s` / `SEGMENTS` window, at steady load (not while the streams drain). The switch's clock runs only during on
-segments, so the off ones do not count as time it spent in its current mode. A mode's throughput sums its segments'
+segments' windows, so neither the off segments nor the drains count as time it spent in a mode, and it measures no
+draining round (a service's load does not stop every few seconds). A mode's throughput sums its segments'
 windows; `spread` is how much the off segments' throughputs differ from each other (max - min over mean): the noise
 floor of the on/off ratio. `identical` compares every request both modes ran (same index, same prompt)."""
 
@@ -70,6 +71,7 @@ async def _level(
     cost_ratio,
     state: SpeculationControl,
     costs: VerifyCostModel,
+    clock: _SegmentClock | None = None,
 ) -> LevelRow:
     row = LevelRow(streams, "on (k=auto + policy)" if speculate else "off", new_tokens=new_tokens)
     drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
@@ -94,9 +96,13 @@ async def _level(
             now, stats = time.perf_counter(), req.state.stats
             if now <= deadline:
                 row.window_tokens += len(committed)
+            elif clock is not None:
+                clock.run(False)  # the streams are draining, a load no service sees: the switch neither times it ...
             if speculate:  # with speculation off there is no policy to run (the target's cost model still learns)
-                state.after_round(stats.drafted - prev[0], stats.accepted - prev[1], len(committed), now - last,
-                                  first)  # fmt: skip
+                # ... nor measures it, nor the streams' first requests: they all start at once, another transient
+                if now <= deadline and i >= streams:
+                    state.after_round(stats.drafted - prev[0], stats.accepted - prev[1], len(committed), now - last,
+                                      first)  # fmt: skip
                 state.apply(pipeline, cost_ratio, None)
             prev, last, first = (stats.drafted, stats.accepted), now, False
         row.tpots.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
@@ -181,7 +187,9 @@ def concurrency_rows(
     def run(streams: int, seconds: float, speculate: bool) -> LevelRow:
         clock.run(speculate)
         try:
-            return asyncio.run(_level(w, prompts, streams, new_tokens, seconds, speculate, cost_ratio, state, costs))
+            return asyncio.run(
+                _level(w, prompts, streams, new_tokens, seconds, speculate, cost_ratio, state, costs, clock)
+            )
         finally:
             clock.run(False)
             bar.update()

@@ -137,9 +137,8 @@ def target_utilisation(active_requests: int, healthy_targets: int, saturation_re
 class _Window:
     """One mode's clean rounds since the mode was last entered."""
 
-    start: float | None = None  # the first clean round's start
-    end: float = 0.0  # the last clean round's end
     tokens: int = 0  # committed by those rounds
+    seconds: float = 0.0  # their durations, summed: request-time
     loads: float = 0.0  # sum of the requests per target noted at each round
     rounds: int = 0
 
@@ -152,18 +151,22 @@ class SpeculationSwitch:
 
     Every so often it probes the other mode (every round started meanwhile runs that way) and keeps whichever was
     measured faster, with a hysteresis margin. A probe that confirms the current mode doubles the time to the next
-    one (up to `max_interval_s`), so a settled service spends little time in the losing mode; a probe that flips it
-    starts over from `interval_s`, and so does a lasting change of load (requests per target doubled or halved since
-    the last decision, for `interval_s`): what was measured at one load says little about another.
+    one (up to `max_interval_s`), so a settled service spends little time in the losing mode, and probes never take
+    more than `max_probe_share` of the time. A probe that flips it starts over from `interval_s`, and so does a
+    lasting change of load that could overturn the verdict (requests per target doubled while speculating, or halved
+    while not, for `interval_s`): speculation pays less the more the target batches (its verification moves from
+    memory-bound to compute-bound), so more load never makes a losing speculation win, nor less load a winning one
+    lose.
 
-    A mode's rate is seconds per committed token over its clean window, all requests together (inverse throughput),
-    compared only when both modes were measured at similar loads (within 1.5x). Only clean samples count: a round
-    that started before the last mode change, or within one (recent longest) round time after it, shared its batches
-    with rounds of the other mode still in flight (under load, a plain round batched with speculating ones is as
-    slow as they are), so it measures neither mode. Probes last at least `probe_rounds` round times, so they collect
-    clean samples, and are extended (up to twice) while they have too few. A probe that ends without enough clean
-    rounds of both modes is no verdict, and then the switch turns speculation off until one says otherwise: off is
-    never slower than itself."""
+    A mode's rate is request-seconds per committed token over its clean rounds (each round's duration and tokens,
+    summed: at equal load, inverse throughput; unlike a wall-clock window it does not depend on which request's
+    round ends first, and batched requests' rounds end together), compared only when both modes were measured at
+    similar loads (within 1.5x). Only clean rounds count: one that started before the last mode change, or within
+    two round times of the slower mode after it, shared its batches with rounds of the other mode still in flight
+    (under load, a plain round batched with speculating ones is as slow as they are), so it measures neither mode.
+    Probes last at least `probe_rounds` round times of the slower mode, and are extended (up to twice) while they
+    have too few rounds. A probe that ends without enough clean rounds of both modes is no verdict, and then the
+    switch turns speculation off until one says otherwise: off is never slower than itself."""
 
     probe_s: float = 0.25
     probe_rounds: float = 8.0
@@ -171,18 +174,20 @@ class SpeculationSwitch:
     interval_s: float = 1.0
     max_interval_s: float = 60.0
     margin: float = 0.03
+    max_probe_share: float = 0.2  # at most this share of the time is spent probing
     decay: float = 0.8
     clock: Callable[[], float] = time.monotonic
     on: bool = True
+    last_measured_speedup: float | None = None  # spec over plain throughput, as measured for the last verdict
     _next_probe: float | None = None
     _probe_until: float | None = None
+    _probe_started: float = 0.0
     _probe_samples: int = 0
     _probe_extensions: int = 0
     _interval: float = 0.0
     _mode: bool | None = None  # what allow() last answered
-    _changed_at: float = -math.inf
-    _round_s: float = 0.0  # recent round duration
-    _long_round_s: float = 0.0  # recent longest round (decayed max)
+    _settled_at: float = -math.inf  # rounds that started before this overlapped the other mode's
+    _round_s: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})  # recent round duration per mode
     _decided_load: float | None = None  # requests per target when the last decision was made
     _load: float | None = None  # requests per target, as last noted
     _load_changed_at: float | None = None  # since when the load differs from the decided one
@@ -192,29 +197,28 @@ class SpeculationSwitch:
         """One round that ended now: `tokens` committed in `seconds`, speculating or not."""
         if tokens <= 0 or seconds <= 0:
             return
-        self._round_s = seconds if self._round_s == 0 else self._round_s * self.decay + seconds * (1 - self.decay)
-        self._long_round_s = max(seconds, self._long_round_s * 0.98)  # the slow mode's rounds set the settling time
+        mode = speculated if self._mode is None else self._mode
+        recent = self._round_s[mode]
+        self._round_s[mode] = seconds if recent == 0 else recent * self.decay + seconds * (1 - self.decay)
         now = self.clock()
         started = now - seconds
-        if started < self._changed_at + min(self._long_round_s, self._probe_length() / 2):
+        if started < self._settled_at:
             return  # overlapped rounds of the other mode
-        # A clean round ended under the current mode: filed under it ("spec" = the policy was allowed to speculate,
-        # whatever k it chose), so the comparison is policy-on against policy-off.
-        allowed = speculated if self._mode is None else self._mode
-        if self._probe_until is not None and allowed != self.on:
+        # Filed under the current mode ("spec" = the policy was allowed to speculate, whatever k it chose), so the
+        # comparison is policy-on against policy-off.
+        if self._probe_until is not None and mode != self.on:
             self._probe_samples += 1
-        w = self._windows[allowed]
-        if w.start is None:
-            w.start = started
-        w.end = now
+        w = self._windows[mode]
         w.tokens += tokens
+        w.seconds += seconds
         w.loads += max(1.0, self._load or 1.0)
         w.rounds += 1
 
     def _rate(self, allowed: bool) -> float | None:
-        """Seconds per committed token, all requests together (inverse throughput), over the mode's clean window."""
+        """Seconds of request time per committed token over the mode's clean rounds (inverse per-request speed: at
+        equal load, inverse throughput)."""
         w = self._windows[allowed]
-        return (w.end - w.start) / w.tokens if w.tokens and w.end > w.start else None
+        return w.seconds / w.tokens if w.tokens else None
 
     def _mean_load(self, allowed: bool) -> float | None:
         w = self._windows[allowed]
@@ -222,7 +226,7 @@ class SpeculationSwitch:
 
     @property
     def spec_s_per_token(self) -> float | None:
-        """Seconds per committed token (all requests) while speculation was allowed, since that mode was entered."""
+        """Request-seconds per committed token while speculation was allowed, since that mode was entered."""
         return self._rate(True)
 
     @property
@@ -230,16 +234,16 @@ class SpeculationSwitch:
         return self._rate(False)
 
     def note_load(self, requests_per_target: float) -> None:
-        """The current load. A change since the last decision (requests per target doubled or halved) that lasts
-        `interval_s` forgets the rates measured before it and brings the next probe forward; momentary swings
-        (requests starting and ending) do not."""
+        """The current load. A change since the last decision that could overturn it (requests per target doubled
+        while speculating, halved while not) and lasts `interval_s` forgets the rates measured before it and brings
+        the next probe forward; momentary swings (requests starting and ending) do not."""
         now = self.clock()
         self._load = requests_per_target
         if self._decided_load is None:
             self._decided_load = requests_per_target
             return
         ratio = max(requests_per_target, 1.0) / max(self._decided_load, 1.0)
-        if not (ratio >= 2 or ratio <= 0.5):
+        if not (ratio >= 2 if self.on else ratio <= 0.5):  # only a change that could overturn the verdict
             self._load_changed_at = None
             return
         if self._load_changed_at is None:
@@ -251,6 +255,11 @@ class SpeculationSwitch:
         self._decided_load, self._load_changed_at = requests_per_target, None
         self._windows = {True: _Window(), False: _Window()}  # measured at the old load
 
+    @property
+    def probing_speculation(self) -> bool:
+        """Speculation is off, and a probe is trying it."""
+        return not self.on and self._probe_until is not None
+
     def measured_speedup(self) -> float | None:
         if self.spec_s_per_token is None or self.plain_s_per_token is None:
             return None
@@ -261,12 +270,17 @@ class SpeculationSwitch:
         now = self.clock()
         mode = self._mode_at(now)
         if mode != self._mode:
-            self._mode, self._changed_at = mode, now
+            # Settling: the slower mode's rounds still in flight hold the workers' batches for up to a round time,
+            # and rounds queued behind them for about another
+            settle = min(2 * max(self._round_s.values()), self._probe_length() / 2)
+            self._mode, self._settled_at = mode, now + settle
             self._windows[mode] = _Window()  # a new period of this mode: compared with the other's latest
         return mode
 
     def _probe_length(self) -> float:
-        return max(self.probe_s, self.probe_rounds * self._round_s)
+        """`probe_rounds` round times of the slower mode: the faster one's first rounds share batches with the
+        slower one's last, so its probe must outlast them too."""
+        return max(self.probe_s, self.probe_rounds * max(self._round_s.values()))
 
     def _mode_at(self, now: float) -> bool:
         if self._next_probe is None:  # first call: probe the other mode soon, to have both figures
@@ -282,25 +296,35 @@ class SpeculationSwitch:
                 return not self.on
             self._probe_until = None
             self._decide(now)
-        if now >= self._next_probe:
+        if now >= self._next_probe and self._measured(self.on, self._probe_length() / 2):
+            self._probe_started = now
             self._probe_until = now + self._probe_length()
             self._probe_samples = self._probe_extensions = 0
             return not self.on
         return self.on
 
+    def _measured(self, allowed: bool, seconds: float = 0.0) -> bool:
+        """Whether the mode's window has enough rounds for a verdict (at least one per concurrent request) and spans
+        `seconds` (the current mode before a probe: else there is nothing to compare the probe with)."""
+        w = self._windows[allowed]
+        load = self._mean_load(allowed) or 0.0
+        return w.rounds >= max(self.min_rounds, load) and w.seconds >= seconds * max(1.0, load)
+
     def _decide(self, now: float) -> None:
+        least = (now - self._probe_started) * (1 / self.max_probe_share - 1)  # probes take <= max_probe_share
+        self._next_probe = now + max(self._verdict(least), least)
+
+    def _verdict(self, least: float) -> float:
+        """Decide after a probe; returns the time to the next one (backing off from at least `least`)."""
         loads = (self._mean_load(True), self._mean_load(False))
         if None not in loads and max(loads) > 1.5 * min(loads):
-            # the two modes were measured at different loads: no verdict (keep the mode), probe again soon
-            self._next_probe = now + self.interval_s
-            return
+            return self.interval_s  # the two modes were measured at different loads: no verdict (keep the mode)
         s = self.measured_speedup()
-        enough = all(self._windows[m].rounds >= max(self.min_rounds, self._mean_load(m) or 0) for m in (True, False))
-        if s is None or not enough:  # too few clean rounds of a mode: no verdict; until one, do not speculate
-            self.on = False
+        self.last_measured_speedup = s
+        if s is None or not (self._measured(True) and self._measured(False)):
+            self.on = False  # too few rounds of a mode: no verdict; until one, do not speculate
             self._interval = self.interval_s
-            self._next_probe = now + self.interval_s
-            return
+            return self.interval_s
         if self._load is not None:
             self._decided_load = self._load
         flip = s < 1.0 - self.margin if self.on else s > 1.0 + self.margin
@@ -308,8 +332,8 @@ class SpeculationSwitch:
             self.on = not self.on
             self._interval = self.interval_s
         else:
-            self._interval = min(self.max_interval_s, self._interval * 2)
-        self._next_probe = now + self._interval
+            self._interval = min(self.max_interval_s, max(self._interval, least) * 2)
+        return self._interval
 
 
 def update_speculation(
@@ -337,7 +361,11 @@ def update_speculation(
         u = target_utilisation(len(sched.requests), targets, saturation_requests)
     else:
         u = pipeline.verify_costs.utilisation(len(sched.requests) / max(1, targets)) or 0.0
-    sched.auto_k_cap = policy.update(a, cost_ratio, u)
+    k = policy.update(a, cost_ratio, u)
+    # A probe of speculation while it is off drafts one token: if k = 1 does not pay, no k does (with verification
+    # linear in the tokens verified, S(1) < 1 means a < c + u, and then every further drafted token adds less than
+    # it costs), and under load the losing probe costs least at k = 1. Once on, the policy walks k up.
+    sched.auto_k_cap = min(k, 1) if switch is not None and switch.probing_speculation else k
 
 
 @dataclass

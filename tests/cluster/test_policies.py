@@ -1,6 +1,8 @@
 """Speculation and autoscaling policies alone, over synthetic measurements and Serve autoscaling contexts."""
 
+import heapq
 import math
+import random
 
 import pytest
 from ray.serve.config import AutoscalingContext
@@ -157,7 +159,7 @@ def test_switch_counts_only_rounds_that_did_not_overlap_the_other_mode():
     assert switch.allow() is (not switch.on)
     clock.t += 0.01
     switch.observe(1, 0.5, speculated=False)  # ... a round that started before the change: not a sample
-    switch.observe(1, 0.5 * switch._round_s, speculated=False)  # one that started right after it: not one either
+    switch.observe(1, 0.5 * switch._round_s[False], speculated=False)  # one that started right after it: not one either
     assert switch.spec_s_per_token == spec and switch.plain_s_per_token is None  # the probe has no sample yet
     clock.t += 1.0
     switch.observe(1, 0.03, speculated=False)  # later rounds of the probe count
@@ -177,31 +179,44 @@ def test_switch_keeps_winning_speculation_on_and_comes_back_when_it_wins_again()
     switch = SpeculationSwitch(clock=clock)
     _drive(switch, clock, 2.0, spec_rate=0.01, plain_rate=0.02)
     assert switch.on
-    _drive(switch, clock, 12.0, spec_rate=0.05, plain_rate=0.02)  # load changed: speculation now loses
+    _drive(switch, clock, 40.0, spec_rate=0.05, plain_rate=0.02)  # load changed: speculation now loses
     assert not switch.on
-    _drive(switch, clock, 40.0, spec_rate=0.01, plain_rate=0.02)  # and wins again: a later probe turns it back on
+    _drive(switch, clock, 80.0, spec_rate=0.01, plain_rate=0.02)  # and wins again: a later probe turns it back on
     assert switch.on
 
 
-def test_a_change_of_load_brings_the_next_probe_forward():
+def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_forward():
     clock = _Clock()
     switch = SpeculationSwitch(clock=clock)
-    switch.note_load(1.0)
-    _drive(switch, clock, 30.0, spec_rate=0.03, plain_rate=0.02)  # settled off, probes backed off
+    switch.note_load(16.0)
+    rng = random.Random(0)
+    _drive_streams(switch, clock, 60.0, 16, spec_round=0.12, plain_round=0.02, rng=rng)  # settled off, backed off
     assert not switch.on and switch._interval >= 8
     pending = switch._next_probe
-    switch.note_load(1.5)  # a small change: nothing happens
-    switch.note_load(16.0)  # 16x the requests per target, but only for a moment: nothing yet
+    switch.note_load(64.0)  # more load cannot make a losing speculation win: nothing to re-measure
+    clock.t += 2 * switch.interval_s
+    switch.note_load(64.0)
+    switch.note_load(12.0)  # a small change: nothing happens
+    switch.note_load(1.0)  # 16x fewer requests per target, but only for a moment: nothing yet
     clock.t += 0.5
-    switch.note_load(1.0)
-    assert switch._next_probe == pending and switch._interval >= 8
-    switch.note_load(16.0)  # 16x for longer than interval_s: probe now, and forget what was measured at the old load
-    clock.t += switch.interval_s
     switch.note_load(16.0)
+    assert switch._next_probe == pending and switch._interval >= 8
+    switch.note_load(1.0)  # less load for longer than interval_s: probe now, forget what was measured at the old load
+    clock.t += switch.interval_s
+    switch.note_load(1.0)
     assert switch._next_probe <= clock.t and switch._interval == switch.interval_s
     assert switch.spec_s_per_token is None and switch.plain_s_per_token is None
-    _drive(switch, clock, 3.0, spec_rate=0.01, plain_rate=0.02)  # at this load speculation wins: back on
+    _drive(switch, clock, 5.0, spec_rate=0.01, plain_rate=0.02)  # at this load speculation wins: back on
     assert switch.on
+    pending = switch._next_probe
+    switch.note_load(0.5)  # speculating: less load cannot make it lose
+    clock.t += 2 * switch.interval_s
+    switch.note_load(0.5)
+    assert switch._next_probe == pending
+    switch.note_load(4.0)  # but more load can: re-measure
+    clock.t += switch.interval_s
+    switch.note_load(4.0)
+    assert switch._next_probe <= clock.t
 
 
 def test_a_probe_without_figures_for_both_modes_is_no_verdict_and_turns_speculation_off():
@@ -209,11 +224,87 @@ def test_a_probe_without_figures_for_both_modes_is_no_verdict_and_turns_speculat
     switch = SpeculationSwitch(clock=clock)
     assert switch.allow() is True
     clock.t = switch._next_probe
-    assert switch.allow() is False  # probing plain decoding, but no round of either mode has ended yet
-    for _ in range(3):  # the probe and its two extensions collect nothing
+    assert switch.allow() is True, "no probe before the current mode has been measured"
+    _drive(switch, clock, switch._probe_length(), spec_rate=0.01, plain_rate=0.02)
+    assert switch._probe_until is not None and switch.allow() is False  # probing plain decoding ...
+    for _ in range(3):  # ... but no plain round ends during the probe and its two extensions
         clock.t = switch._probe_until + 0.01
         switch.allow()
     assert switch._probe_until is None, "decided"
     # No verdict: off (never slower than itself) until a probe says otherwise, probing again soon, not backing off.
-    assert not switch.on and 0 < switch._next_probe - clock.t <= switch.interval_s + 1e-9
-    assert switch._interval == switch.interval_s
+    assert not switch.on and switch._interval == switch.interval_s
+    assert switch._next_probe - clock.t <= max(switch.interval_s, 4 * (clock.t - switch._probe_started)) + 1e-9
+
+
+def _drive_streams(switch, clock, seconds, streams, spec_round, plain_round, rng) -> float:
+    """`streams` concurrent requests, each running rounds back to back: a speculating round commits 4 tokens in
+    `spec_round` seconds, a plain one 1 token in `plain_round`, each duration jittered +-50% (rounds of one batch
+    end at different times). Events in time order; the switch decides each round's mode when it starts. Returns the
+    share of request-time spent speculating."""
+    events = [(clock.t, s, None, 0.0) for s in range(streams)]  # (end, stream, mode of the ending round, duration)
+    spec_time = total = 0.0
+    end = clock.t + seconds
+    while events:
+        t, s, mode, duration = heapq.heappop(events)
+        clock.t = t
+        if mode is not None:
+            switch.observe(4 if mode else 1, duration, mode)
+            spec_time += duration if mode else 0.0
+            total += duration
+        if t < end:
+            mode = switch.allow()
+            duration = (spec_round if mode else plain_round) * rng.uniform(0.5, 1.5)
+            heapq.heappush(events, (t + duration, s, mode, duration))
+    return spec_time / total
+
+
+def test_windows_measure_many_concurrent_streams_without_bias():
+    rng = random.Random(0)
+    # 16 streams: speculation 4 tokens per 0.4 s round (10 tok/s per stream), plain 1 token per 0.07 s (14.3 tok/s):
+    # speculation is 0.7x. A window opened at whichever round ends first, with rounds of unequal length, measured
+    # speculation ~20% faster than it is and turned it on.
+    for _ in range(3):
+        clock = _Clock()
+        switch = SpeculationSwitch(clock=clock)
+        switch.note_load(16.0)
+        _drive_streams(switch, clock, 20.0, 16, spec_round=0.4, plain_round=0.07, rng=rng)
+        assert not switch.on
+        assert switch.last_measured_speedup == pytest.approx(0.7, rel=0.1)
+    share = _drive_streams(switch, clock, 120.0, 16, spec_round=0.4, plain_round=0.07, rng=rng)
+    assert share < 0.1  # settled: rare, bounded probes of the losing mode
+
+
+def test_probes_take_a_bounded_share_of_the_time():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    rounds = _drive(switch, clock, 30.0, spec_rate=0.01, plain_rate=0.02)  # plain loses: probed, never kept
+    probe_time = sum(d for s, d in rounds if not s)
+    assert switch.on and 0 < probe_time <= switch.max_probe_share * 30.0 * 1.1
+
+
+def test_a_probe_of_speculation_while_it_is_off_drafts_one_token():
+    from types import SimpleNamespace
+
+    from specserve.cluster.policies import ModelLoad, update_speculation
+    from specserve.cluster.scheduler import Scheduler
+
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    _drive(switch, clock, 10.0, spec_rate=0.03, plain_rate=0.02)  # measured losing: off
+    assert not switch.on
+    load = ModelLoad()
+    for _ in range(50):
+        load.observe(4, 3)  # high acceptance: the model alone would draft several tokens
+    pipeline = SimpleNamespace(scheduler=Scheduler(["d"], ["t"]), verify_costs=VerifyCostModel())
+    policy = SpeculationPolicy()
+    for _ in range(10_000):  # plain rounds until the next probe starts
+        update_speculation(pipeline, load, policy, 0.05, None, switch)
+        if switch.probing_speculation:
+            break
+        assert pipeline.scheduler.auto_k_cap == 0
+        clock.t += 0.02
+        switch.observe(1, 0.02, False)
+    assert switch.probing_speculation and policy.k > 1 and pipeline.scheduler.auto_k_cap == 1
+    switch.on, switch._probe_until = True, None  # once on, the policy's own k applies
+    update_speculation(pipeline, load, policy, 0.05, None, switch)
+    assert pipeline.scheduler.auto_k_cap == policy.k > 1
