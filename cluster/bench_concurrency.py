@@ -7,13 +7,14 @@ The policy's state (acceptance, the target's fitted step cost, the measured swit
 service keeps it while its load changes. A stream is a closed loop: it sends its next request (new_tokens long) when the
 last one finished. Each level first runs a pass with the policy live, unmeasured (it settles at the new load, as in a
 service that has been at that load for a while), then alternates off and on segments (`SEGMENTS` of each, `pass_s` /
-`SEGMENTS` seconds apiece, ABAB so that this machine's slow phases land on both modes alike); a segment ends when its
-streams finish the requests they started in time, but its throughput counts only the tokens committed within its
-`pass_s` / `SEGMENTS` window, at steady load (not while the streams drain). The switch's clock runs only during on
+`SEGMENTS` seconds apiece, in the order off on, on off, on off, off on: so that this machine's slow phases land on both
+modes alike, and a steady drift of its speed, which ABAB order charges to the later mode, cancels out); a segment ends
+when its streams finish the requests they started in time, but its throughput counts only the tokens committed within
+its `pass_s` / `SEGMENTS` window, at steady load (not while the streams drain). The switch's clock runs only during on
 segments' windows, so neither the off segments nor the drains count as time it spent in a mode, and it measures no
-draining round (a service's load does not stop every few seconds). A mode's throughput sums its segments'
-windows; `spread` is how much the off segments' throughputs differ from each other (max - min over mean): the noise
-floor of the on/off ratio. `identical` compares every request both modes ran (same index, same prompt)."""
+draining round (a service's load does not stop every few seconds). A mode's throughput sums its segments' windows;
+`spread` is how much the off segments' throughputs differ from each other (max - min over mean): the noise floor of the
+on/off ratio. `identical` compares every request both modes ran (same index, same prompt)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,16 @@ from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams
 
 LEVELS = (1, 4, 16, 32)
 PASS_S = 30.0
-SEGMENTS = 3
+SEGMENTS = 4
+
+
+def _segment_order(segments: int) -> list[bool]:
+    """Off (False) and on (True) segments, pairs in Thue-Morse order (AB BA BA AB ...): with 4 pairs each mode's
+    mean position is the same, so a linear drift of the machine's speed favours neither."""
+    order: list[bool] = []
+    for i in range(segments):
+        order += [False, True] if bin(i).count("1") % 2 == 0 else [True, False]
+    return order
 
 
 @dataclass
@@ -198,10 +208,10 @@ def concurrency_rows(
         asyncio.run(_level(w, prompts, 2, 4, 0.0, True, cost_ratio, state, costs))  # warm-up: threads, gRPC, ...
         for streams in levels:
             run(streams, pass_s / 2, True)  # the policy settles at this load, unmeasured
-            segments = [
-                run(streams, pass_s / SEGMENTS, speculate) for _ in range(SEGMENTS) for speculate in (False, True)
-            ]
-            off, on = _merge(segments[0::2]), _merge(segments[1::2])
+            order = _segment_order(SEGMENTS)
+            segments = [run(streams, pass_s / SEGMENTS, speculate) for speculate in order]
+            off = _merge([seg for seg, spec in zip(segments, order, strict=True) if not spec])
+            on = _merge([seg for seg, spec in zip(segments, order, strict=True) if spec])
             off.spread = (max(off.segment_tokens_per_s) - min(off.segment_tokens_per_s)) / off.tokens_per_s
             common = on.outputs.keys() & off.outputs.keys()
             on.identical = bool(common) and all(on.outputs[i] == off.outputs[i] for i in common)

@@ -233,7 +233,8 @@ def test_a_probe_without_figures_for_both_modes_is_no_verdict_and_turns_speculat
     assert switch._probe_until is None, "decided"
     # No verdict: off (never slower than itself) until a probe says otherwise, probing again soon, not backing off.
     assert not switch.on and switch._interval == switch.interval_s
-    assert switch._next_probe - clock.t <= max(switch.interval_s, 4 * (clock.t - switch._probe_started)) + 1e-9
+    probed = clock.t - switch._probe_started
+    assert switch._next_probe - clock.t <= max(switch.interval_s, probed * (1 / switch.max_probe_share - 1)) + 1e-9
 
 
 def _drive_streams(switch, clock, seconds, streams, spec_round, plain_round, rng) -> float:
@@ -308,3 +309,18 @@ def test_a_probe_of_speculation_while_it_is_off_drafts_one_token():
     switch.on, switch._probe_until = True, None  # once on, the policy's own k applies
     update_speculation(pipeline, load, policy, 0.05, None, switch)
     assert pipeline.scheduler.auto_k_cap == policy.k > 1
+
+
+def test_speculation_comes_back_on_only_for_a_clear_win_and_at_one_drafted_token_first():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    _drive(switch, clock, 10.0, spec_rate=0.03, plain_rate=0.02)
+    assert not switch.on and switch.k_limit is None
+    _drive(switch, clock, 60.0, spec_rate=0.0192, plain_rate=0.02)  # a 4% win: within what a wrong "on" risks
+    assert not switch.on and switch.last_measured_speedup == pytest.approx(0.02 / 0.0192)
+    limits = []
+    for _ in range(400):  # a clear win: on, drafting one token, then more as each probe confirms it
+        _drive(switch, clock, 1.0, spec_rate=0.01, plain_rate=0.02)
+        if switch.on and (not limits or limits[-1] != switch.k_limit):
+            limits.append(switch.k_limit)
+    assert limits[:4] == [1, 2, 4, 8] and switch.k_limit is None

@@ -93,6 +93,7 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     assert all(r["identical"] is True for r in levels if r["speculation"] != "off")
     for r in levels:  # closed-loop streams: each ran at least one 16-token request
         assert r["requests"] >= r["streams"] and r["tokens"] == r["requests"] * 16
+        assert len(r["segment_tokens_per_s"]) == 4
         assert r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0
     # Tensor-parallel rows: lossless through a TP=2 replica, and the collectives' share of a sharded step.
     assert rows["TP=2 target-only greedy"]["identical"] is True and rows["TP=2 target k=4 greedy"]["identical"] is True
