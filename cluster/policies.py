@@ -150,14 +150,12 @@ class SpeculationSwitch:
     pool sharing cores with the target, network latency); this can.
 
     Every so often it probes the other mode (every round started meanwhile runs that way) and keeps whichever was
-    measured faster, with hysteresis: off when speculation loses by `margin`, back on only when it wins by `on_margin`,
-    drafting one token at first (`k_limit`, doubled by every probe that confirms it). A probe that confirms the current
-    mode doubles the time to the next one (up to `max_interval_s`), so a settled service spends little time in the
-    losing mode, and probes never take more than `max_probe_share` of the time. A probe that flips it starts over from
-    `interval_s`, and so does a lasting change of load that could overturn the verdict (requests per target doubled
-    while speculating, or halved while not, for `interval_s`): speculation pays less the more the target batches (its
-    verification moves from memory-bound to compute-bound), so more load never makes a losing speculation win, nor less
-    load a winning one lose.
+    measured faster, with a hysteresis margin. A probe that confirms the current mode doubles the time to the next one
+    (up to `max_interval_s`), so a settled service spends little time in the losing mode, and probes never take more
+    than `max_probe_share` of the time. A probe that flips it starts over from `interval_s`, and so does a lasting
+    change of load that could overturn the verdict (requests per target doubled while speculating, or halved while not,
+    for `interval_s`): speculation pays less the more the target batches (its verification moves from memory-bound to
+    compute-bound), so more load never makes a losing speculation win, nor less load a winning one lose.
 
     A mode's rate is request-seconds per committed token over its clean rounds (each round's duration and tokens,
     summed: at equal load, inverse throughput; unlike a wall-clock window it does not depend on which request's
@@ -171,19 +169,14 @@ class SpeculationSwitch:
 
     probe_s: float = 0.25
     probe_rounds: float = 8.0
-    min_rounds: int = 4  # clean rounds (and at least one per concurrent request) each mode needs for a verdict
+    min_rounds: int = 16  # clean rounds (and at least one per concurrent request) each mode needs for a verdict
     interval_s: float = 1.0
     max_interval_s: float = 60.0
-    margin: float = 0.03  # a measured loss of speculation beyond this turns it off
-    on_margin: float = 0.1  # it must win by this much to come back on: a wrong "on" costs more (see k_limit)
+    margin: float = 0.03
     max_probe_share: float = 0.1  # at most this share of the time is spent probing
     decay: float = 0.8
     clock: Callable[[], float] = time.monotonic
     on: bool = True
-    # Most tokens a round may draft while on (None: no limit). Coming back on after a probe that drafted one token,
-    # speculation may draft one; every probe that confirms it doubles that. What a probe measured is speculation at
-    # that k: the model's own k, under load, is what lost before.
-    k_limit: int | None = None
     last_measured_speedup: float | None = None  # spec over plain throughput, as measured for the last verdict
     _next_probe: float | None = None
     _probe_until: float | None = None
@@ -261,11 +254,6 @@ class SpeculationSwitch:
         self._decided_load, self._load_changed_at = requests_per_target, None
         self._windows = {True: _Window(), False: _Window()}  # measured at the old load
 
-    @property
-    def probing_speculation(self) -> bool:
-        """Speculation is off, and a probe is trying it."""
-        return not self.on and self._probe_until is not None
-
     def measured_speedup(self) -> float | None:
         if self.spec_s_per_token is None or self.plain_s_per_token is None:
             return None
@@ -333,14 +321,11 @@ class SpeculationSwitch:
             return self.interval_s
         if self._load is not None:
             self._decided_load = self._load
-        flip = s < 1.0 - self.margin if self.on else s > 1.0 + self.on_margin
+        flip = s < 1.0 - self.margin if self.on else s > 1.0 + self.margin
         if flip:
             self.on = not self.on
-            self.k_limit = 1 if self.on else None
             self._interval = self.interval_s
         else:
-            if self.on and self.k_limit is not None:
-                self.k_limit = None if 2 * self.k_limit > MAX_K else 2 * self.k_limit
             self._interval = min(self.max_interval_s, max(self._interval, least) * 2)
         return self._interval
 
@@ -370,16 +355,10 @@ def update_speculation(
         u = target_utilisation(len(sched.requests), targets, saturation_requests)
     else:
         u = pipeline.verify_costs.utilisation(len(sched.requests) / max(1, targets)) or 0.0
-    k = policy.update(a, cost_ratio, u)
-    # A probe of speculation while it is off drafts one token: if k = 1 does not pay, no k does (with verification
-    # linear in the tokens verified, S(1) < 1 means a < c + u, and then every further drafted token adds less than
-    # it costs), and under load the losing probe costs least at k = 1. Once on, the switch's k_limit grows as
-    # probes confirm it.
-    if switch is not None and switch.probing_speculation:
-        k = min(k, 1)
-    elif switch is not None and switch.k_limit is not None:
-        k = min(k, switch.k_limit)
-    sched.auto_k_cap = k
+    # A probe of speculation while it is off drafts the policy's k, not one token: with a fixed cost per drafting
+    # round (a draft worker's round trip), k = 1 can lose where larger k wins (measured: one stream, disaggregated,
+    # k = 1 even with plain decoding, the policy's k 1.5x).
+    sched.auto_k_cap = policy.update(a, cost_ratio, u)
 
 
 @dataclass
