@@ -355,9 +355,9 @@ def update_speculation(
         u = target_utilisation(len(sched.requests), targets, saturation_requests)
     else:
         u = pipeline.verify_costs.utilisation(len(sched.requests) / max(1, targets)) or 0.0
-    # A probe of speculation while it is off drafts the policy's k, not one token: with a fixed cost per drafting
-    # round (a draft worker's round trip), k = 1 can lose where larger k wins (measured: one stream, disaggregated,
-    # k = 1 even with plain decoding, the policy's k 1.5x).
+    # Probes of speculation draft the policy's k, not one token: with a fixed cost per drafting round (the draft
+    # worker's round trip), k = 1 can lose where a larger k wins (seen at one stream, disaggregated: k = 1 no faster
+    # than plain decoding, the policy's k 1.5x).
     sched.auto_k_cap = policy.update(a, cost_ratio, u)
 
 

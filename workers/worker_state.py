@@ -71,7 +71,7 @@ def with_eviction(
             return work()
         except KVCapacityError:
             lru = [rid for rid in committed.least_recent() if rid != request_id]
-            victims = [rid for rid in lru if rid not in spare] + [rid for rid in lru if rid in spare]
+            victims = sorted(lru, key=spare.__contains__)  # stable: least recent first, spare ones last
             if not victims:
                 raise
             release(victims[0])
