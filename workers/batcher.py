@@ -1,6 +1,6 @@
 """Continuous batching for a worker's model thread: calls queue up while a batch runs and the next batch takes as
-many as fit (batch size and token budget), oldest first. Requests join and leave between forward passes; a request
-never appears twice in one batch.
+many as fit (batch size, token budget, little padding), oldest first. Requests join and leave between forward
+passes; a request never appears twice in one batch.
 
 A batch waits briefly (`max_wait_ms`, at most half the previous batch's run time) for the requests that the
 previous batch served and that are on their way back with their next round. Without that, requests that once fell
@@ -87,18 +87,26 @@ class Batcher:
             finally:
                 self._arrived = None
 
+    def _padding_fits(self, rows: int, widest: int, tokens: int) -> bool:
+        """Whether a batch of `rows` rows, `tokens` real positions and its widest row `widest` wastes little on
+        padding (the runner left-pads every row to the widest)."""
+        return rows * widest - tokens <= max(self.config.max_padding_per_row * rows, tokens // 2)
+
     def _take(self) -> list[_Job]:
-        batch, keys, tokens, rest = [], set(), 0, []
+        batch, keys, tokens, widest, rest = [], set(), 0, 0, []
         for job in self._queue:
             if job.future.done():  # the caller gave up (deadline, cancellation)
                 continue
             fits = len(batch) < self.config.max_batch_size and (
-                not batch or tokens + job.cost <= self.config.max_batch_tokens
+                not batch
+                or tokens + job.cost <= self.config.max_batch_tokens
+                and self._padding_fits(len(batch) + 1, max(widest, job.cost), tokens + job.cost)
             )
             if fits and job.key not in keys:
                 batch.append(job)
                 keys.add(job.key)
                 tokens += job.cost
+                widest = max(widest, job.cost)
             else:
                 rest.append(job)
         self._queue = rest

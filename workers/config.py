@@ -107,6 +107,14 @@ class BatchingConfig(_Strict):
         description="Most new positions one batch may feed (prefills count their whole uncached prompt); a single "
         "call larger than this still runs, alone.",
     )
+    max_padding_per_row: int = Field(
+        8,
+        ge=0,
+        description="Rows are left-padded to the batch's widest row, so a pass computes rows x widest positions: a "
+        "call joins a batch only while the padding stays within this many positions per row or half the batch's real "
+        "positions. Keeps a prompt's prefill (hundreds of positions) out of a batch of decoding rows (a few each), "
+        "whose work it would multiply by the batch size.",
+    )
     max_wait_ms: float = Field(
         20.0,
         ge=0,

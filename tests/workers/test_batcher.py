@@ -101,3 +101,23 @@ def test_requests_out_of_step_merge_into_one_batch_instead_of_alternating():
     # The first half's next call waits for the second half's: one batch of 8 per round, 7 forward passes instead
     # of 12 (the first and the last run a half alone).
     assert together == [4] + [8] * 5 + [4]
+
+
+def test_a_prefill_does_not_join_decoding_rows_it_would_pad_but_short_rows_mix():
+    async def main():
+        gate = threading.Event()
+        batcher, seen = _batcher(BatchingConfig(max_batch_size=32), gate)
+        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
+        await asyncio.sleep(0.05)
+        decoding = [asyncio.ensure_future(batcher.submit(f"d{i}", i, 5)) for i in range(1, 16)]  # k=4 verifies
+        prefill = asyncio.ensure_future(batcher.submit("p", 100, 90))  # a new request's prompt
+        plain = [asyncio.ensure_future(batcher.submit(f"s{i}", 200 + i, 1)) for i in range(4)]  # no drafts
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, prefill, *decoding, *plain)
+        return seen
+
+    seen = asyncio.run(main())
+    # Padded to 90 positions, the prefill would have made the decoding rows' pass compute 20 x 90 positions for 169
+    # real ones; it runs on its own, and rows of 1 and 5 positions (little padding) share a pass.
+    assert seen == [[0], list(range(1, 16)) + [200, 201, 202, 203], [100]]
