@@ -151,11 +151,14 @@ class SpeculationSwitch:
 
     Every so often it probes the other mode (every round started meanwhile runs that way) and keeps whichever was
     measured faster, with a hysteresis margin. A probe that confirms the current mode doubles the time to the next one
-    (up to `max_interval_s`), so a settled service spends little time in the losing mode, and probes never take more
-    than `max_probe_share` of the time. A probe that flips it starts over from `interval_s`, and so does a lasting
-    change of load that could overturn the verdict (requests per target doubled while speculating, or halved while not,
-    for `interval_s`): speculation pays less the more the target batches (its verification moves from memory-bound to
-    compute-bound), so more load never makes a losing speculation win, nor less load a winning one lose.
+    (up to `max_interval_s`), so a settled service spends little time in the losing mode: probes never take more
+    than `max_probe_share` of the time, nor, by the last verdict's measured speedup s, cost more than
+    `max_probe_cost` of throughput (a probe of the slower mode loses 1 - min(s, 1/s) of it while it runs: a clear
+    verdict is re-checked rarely, a close one often, where probing costs little). A probe that flips it starts over
+    from `interval_s`, and so does a lasting change of load that could overturn the verdict (requests per target
+    doubled while speculating, or halved while not, for `interval_s`): speculation pays less the more the target
+    batches (its verification moves from memory-bound to compute-bound), so more load never makes a losing
+    speculation win, nor less load a winning one lose. More load also turns speculation off until measured winning.
 
     A mode's rate is request-seconds per committed token over its clean rounds (each round's duration and tokens,
     summed: at equal load, inverse throughput; unlike a wall-clock window it does not depend on which request's
@@ -169,11 +172,13 @@ class SpeculationSwitch:
 
     probe_s: float = 0.25
     probe_rounds: float = 8.0
-    min_rounds: int = 16  # clean rounds (and at least one per concurrent request) each mode needs for a verdict
+    min_rounds: int = 16  # clean rounds each mode needs for a verdict, and ...
+    rounds_per_request: int = 4  # ... at least this many per concurrent request (a few rounds of each one)
     interval_s: float = 1.0
     max_interval_s: float = 60.0
     margin: float = 0.03
-    max_probe_share: float = 0.1  # at most this share of the time is spent probing
+    max_probe_share: float = 0.1  # at most this share of the time is spent probing ...
+    max_probe_cost: float = 0.02  # ... and at most this share of throughput lost to probing the slower mode
     decay: float = 0.8
     clock: Callable[[], float] = time.monotonic
     on: bool = True
@@ -233,26 +238,33 @@ class SpeculationSwitch:
         return self._rate(False)
 
     def note_load(self, requests_per_target: float) -> None:
-        """The current load. A change since the last decision that could overturn it (requests per target doubled
-        while speculating, halved while not) and lasts `interval_s` forgets the rates measured before it and brings
-        the next probe forward; momentary swings (requests starting and ending) do not."""
+        """The current load. A change by 2x or more since the last decision that lasts `interval_s` forgets the
+        rates measured before it (a window mixing two loads measures neither), and brings the next probe forward if
+        it could overturn the verdict (requests per target doubled while speculating, halved while not; doubled
+        while speculating also turns speculation off until a probe measures it winning at the new load); momentary
+        swings (requests starting and ending) do nothing."""
         now = self.clock()
         self._load = requests_per_target
         if self._decided_load is None:
             self._decided_load = requests_per_target
             return
         ratio = max(requests_per_target, 1.0) / max(self._decided_load, 1.0)
-        if not (ratio >= 2 if self.on else ratio <= 0.5):  # only a change that could overturn the verdict
+        if 0.5 < ratio < 2:
             self._load_changed_at = None
             return
         if self._load_changed_at is None:
             self._load_changed_at = now
         if now - self._load_changed_at < self.interval_s or self._next_probe is None or self._probe_until is not None:
             return
-        self._interval = self.interval_s
-        self._next_probe = min(self._next_probe, now)
         self._decided_load, self._load_changed_at = requests_per_target, None
-        self._windows = {True: _Window(), False: _Window()}  # measured at the old load
+        self._windows = {True: _Window(), False: _Window()}  # measured at the old load: neither compares with the new
+        if ratio >= 2 if self.on else ratio <= 0.5:  # a change that could overturn the verdict: re-measure soon
+            self._interval = self.interval_s
+            self._next_probe = min(self._next_probe, now)
+            # From the safe side: at more load, plain decoding until speculation is measured winning there. A probe
+            # measures the mode it switches to while the workers still hold the other's state (batches out of step,
+            # drafts to catch up), so it leans towards the mode it started from.
+            self.on = False
 
     def measured_speedup(self) -> float | None:
         if self.spec_s_per_token is None or self.plain_s_per_token is None:
@@ -283,7 +295,7 @@ class SpeculationSwitch:
         if self._probe_until is not None:
             if now < self._probe_until:
                 return not self.on
-            needed = max(self.min_rounds, self._load or 0)
+            needed = max(self.min_rounds, self.rounds_per_request * (self._load or 0))
             if self._probe_samples < needed and self._probe_extensions < 2:
                 self._probe_extensions += 1
                 self._probe_until = now + self._probe_length()
@@ -298,27 +310,34 @@ class SpeculationSwitch:
         return self.on
 
     def _measured(self, allowed: bool, seconds: float = 0.0) -> bool:
-        """Whether the mode's window has enough rounds for a verdict (at least one per concurrent request) and spans
-        `seconds` (the current mode before a probe: else there is nothing to compare the probe with)."""
+        """Whether the mode's window has enough rounds for a verdict (`rounds_per_request` per concurrent request) and
+        spans `seconds` (the current mode before a probe: else there is nothing to compare the probe with)."""
         w = self._windows[allowed]
         load = self._mean_load(allowed) or 0.0
-        return w.rounds >= max(self.min_rounds, load) and w.seconds >= seconds * max(1.0, load)
+        rounds = max(self.min_rounds, self.rounds_per_request * load)
+        return w.rounds >= rounds and w.seconds >= seconds * max(1.0, load)
 
     def _decide(self, now: float) -> None:
-        least = (now - self._probe_started) * (1 / self.max_probe_share - 1)  # probes take <= max_probe_share
-        self._next_probe = now + max(self._verdict(least), least)
+        probe = now - self._probe_started
+        least = probe * (1 / self.max_probe_share - 1)  # probes take <= max_probe_share of the time
+        interval, s = self._verdict(least)
+        if s is not None:  # a verdict: the next probe runs the slower mode, losing `loss` of throughput meanwhile
+            loss = 1.0 - min(s, 1.0 / s)
+            least = min(self.max_interval_s, max(least, probe * loss / self.max_probe_cost))
+        self._next_probe = now + max(interval, least)
 
-    def _verdict(self, least: float) -> float:
-        """Decide after a probe; returns the time to the next one (backing off from at least `least`)."""
+    def _verdict(self, least: float) -> tuple[float, float | None]:
+        """Decide after a probe: the time to the next one (backing off from at least `least`) and the measured
+        speedup the verdict rests on (None: no verdict)."""
         loads = (self._mean_load(True), self._mean_load(False))
         if None not in loads and max(loads) > 1.5 * min(loads):
-            return self.interval_s  # the two modes were measured at different loads: no verdict (keep the mode)
+            return self.interval_s, None  # the two modes were measured at different loads: no verdict (keep the mode)
         s = self.measured_speedup()
         self.last_measured_speedup = s
         if s is None or not (self._measured(True) and self._measured(False)):
             self.on = False  # too few rounds of a mode: no verdict; until one, do not speculate
             self._interval = self.interval_s
-            return self.interval_s
+            return self.interval_s, None
         if self._load is not None:
             self._decided_load = self._load
         flip = s < 1.0 - self.margin if self.on else s > 1.0 + self.margin
@@ -327,7 +346,7 @@ class SpeculationSwitch:
             self._interval = self.interval_s
         else:
             self._interval = min(self.max_interval_s, max(self._interval, least) * 2)
-        return self._interval
+        return self._interval, s
 
 
 def update_speculation(

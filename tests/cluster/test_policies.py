@@ -195,9 +195,11 @@ def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_
     _drive_streams(switch, clock, 60.0, 16, spec_round=0.12, plain_round=0.02, rng=rng)  # settled off, backed off
     assert not switch.on and switch._interval >= 8
     pending = switch._next_probe
-    switch.note_load(64.0)  # more load cannot make a losing speculation win: nothing to re-measure
+    assert switch.plain_s_per_token is not None
+    switch.note_load(64.0)  # more load cannot make a losing speculation win: nothing to re-measure ...
     clock.t += 2 * switch.interval_s
     switch.note_load(64.0)
+    assert switch.plain_s_per_token is None  # ... but what was measured at the old load is forgotten
     switch.note_load(12.0)  # a small change: nothing happens
     switch.note_load(1.0)  # 16x fewer requests per target, but only for a moment: nothing yet
     clock.t += 0.5
@@ -215,10 +217,12 @@ def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_
     clock.t += 2 * switch.interval_s
     switch.note_load(0.5)
     assert switch._next_probe == pending
-    switch.note_load(4.0)  # but more load can: re-measure
+    switch.note_load(4.0)  # but more load can: re-measure, from the safe side (off until speculation wins again)
     clock.t += switch.interval_s
     switch.note_load(4.0)
-    assert switch._next_probe <= clock.t
+    assert switch._next_probe <= clock.t and not switch.on
+    _drive(switch, clock, 5.0, spec_rate=0.01, plain_rate=0.02)  # it still wins at this load: back on
+    assert switch.on
 
 
 def test_a_probe_without_figures_for_both_modes_is_no_verdict_and_turns_speculation_off():
@@ -284,3 +288,16 @@ def test_probes_take_a_bounded_share_of_the_time():
     rounds = _drive(switch, clock, 30.0, spec_rate=0.01, plain_rate=0.02)  # plain loses: probed, never kept
     probe_time = sum(d for s, d in rounds if not s)
     assert switch.on and 0 < probe_time <= switch.max_probe_share * 30.0 * 1.1
+
+
+def test_probes_of_a_clearly_losing_mode_cost_a_bounded_share_of_throughput():
+    rng = random.Random(1)
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    switch.note_load(16.0)
+    # 16 streams, speculation half as fast as plain decoding (4 tokens per 0.28 s round vs 1 per 0.035 s).
+    _drive_streams(switch, clock, 20.0, 16, spec_round=0.28, plain_round=0.035, rng=rng)
+    assert not switch.on and switch.last_measured_speedup == pytest.approx(0.5, rel=0.1)
+    share = _drive_streams(switch, clock, 60.0, 16, spec_round=0.28, plain_round=0.035, rng=rng)
+    # Time share alone (<= 10%) let probes cost 4% of throughput here (measured); their measured cost bounds them.
+    assert 0 < share * (1 - 0.5) <= switch.max_probe_cost * 1.25
