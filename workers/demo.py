@@ -1,8 +1,9 @@
 """The demo model family: tokenizer, target and distilled draft, built reproducibly offline and cached.
 
-`specserve models build-demo` builds it under $SPECSERVE_HOME (default ~/.cache/specserve); `ensure_demo_family`
-returns the cached family, building it first when missing. Saved in Hugging Face format, so it loads through the
-same path as any user model.
+`specserve models build-demo` puts it under $SPECSERVE_HOME (default ~/.cache/specserve): from the weights packaged
+with specserve (`demo_package`) when they match the spec, else trained (`--from-scratch` always trains);
+`ensure_demo_family` returns the cached family, installing or building it first when missing. Saved in Hugging Face
+format, so it loads through the same path as any user model.
 """
 
 from __future__ import annotations
@@ -85,9 +86,12 @@ def find_demo_family(spec: DemoSpec | None = None) -> DemoFamily | None:
 
 
 def ensure_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> DemoFamily:
-    """The cached family, built first if missing (with progress on stderr)."""
+    """The cached family; when missing, installed from the weights packaged with specserve (if they were built from
+    `spec`), else built (with progress on stderr)."""
+    from specserve.workers.demo_package import install_packaged
+
     spec = spec or DemoSpec()
-    return find_demo_family(spec) or build_demo_family(spec, progress=progress)
+    return find_demo_family(spec) or install_packaged(spec, progress) or build_demo_family(spec, progress=progress)
 
 
 def _log(progress: bool, msg: str) -> None:

@@ -85,3 +85,16 @@ def test_console_script_is_installed(tiny_target):
                            "--max-new-tokens", "3"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["token_ids"]) >= 1
+
+
+def test_models_build_demo_installs_the_packaged_family_and_from_scratch_trains(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    from specserve.workers.demo import find_demo_family
+
+    trained = []  # training stubbed out: it would take half an hour
+    monkeypatch.setattr("specserve.workers.demo.build_demo_family",
+                        lambda spec, **k: trained.append(spec) or find_demo_family(spec))  # fmt: skip
+    proc = run_cli("models", "build-demo")
+    assert proc.returncode == 0 and not trained
+    assert json.loads(proc.stdout)["target"].startswith(str(tmp_path)) and "packaged" in proc.stderr
+    assert run_cli("models", "build-demo", "--from-scratch").returncode == 0 and len(trained) == 1

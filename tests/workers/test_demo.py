@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.demo import TINY_SPEC, build_demo_family, ensure_demo_family, find_demo_family
@@ -100,3 +101,28 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     tp = report["meta"]["tensor_parallel"]
     assert tp["world_size"] == 2 and tp["ms_per_step"] > 0 and 0 < tp["communication_share"] < 1
     assert "Concurrency sweep" in table and (tmp_path / "bench-concurrency.png").stat().st_size > 1000
+
+
+def test_the_packaged_family_installs_without_training_and_matches_the_default_recipe(tmp_path, monkeypatch):
+    from specserve.workers.demo import DemoSpec
+    from specserve.workers.demo_package import PACKAGED, packaged_spec
+
+    assert packaged_spec() == DemoSpec(), "the packaged weights are not the default recipe's: regenerate them"
+    size = sum(p.stat().st_size for p in PACKAGED.rglob("*") if p.is_file())
+    assert size <= 20 * 2**20, f"packaged family is {size / 2**20:.1f} MB (limit 20)"
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr("specserve.workers.demo.build_demo_family", lambda *a, **k: pytest.fail("trained"))
+    family = ensure_demo_family(progress=False)
+    assert family.root.parent.parent == tmp_path and find_demo_family() == family
+    manifest = family.manifest
+    assert manifest["corpus_root"] == str(stdlib_corpus().root) and manifest["held_out_files"]
+    target = load_model(ModelConfig(path=family.target, device="cpu"))  # fp16 on disk, fp32 as configured
+    draft = load_model(ModelConfig(path=family.draft, device="cpu"))
+    assert next(target.model.parameters()).dtype == torch.float32
+    assert target.model.config.num_hidden_layers == DemoSpec().target_layers
+    assert sum(p.numel() for p in target.model.parameters()) == manifest["target_params"]
+    engine = SpecEngine(target, draft)
+    prompt = "import os\n\n\ndef main():\n"
+    spec = engine.generate(prompt, SamplingParams(max_new_tokens=24), SpecParams(k=4))
+    plain = engine.generate(prompt, SamplingParams(max_new_tokens=24), SpecParams(method="none"))
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0
