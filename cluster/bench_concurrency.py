@@ -101,7 +101,7 @@ async def _level(
         prompt = prompt[: len(prompt) - cut]
         req = pipeline.scheduler.add(prompt, params, spec, frozenset())
         start = last = time.perf_counter()
-        prev, first = (0, 0), True
+        prev = (0, 0)
         async for committed in pipeline.rounds(req):
             now, stats = time.perf_counter(), req.state.stats
             if now <= deadline:
@@ -111,10 +111,9 @@ async def _level(
             if speculate:  # with speculation off there is no policy to run (the target's cost model still learns)
                 # ... nor measures it, nor the streams' first requests: they all start at once, another transient
                 if now <= deadline and i >= streams:
-                    state.after_round(stats.drafted - prev[0], stats.accepted - prev[1], len(committed), now - last,
-                                      first)  # fmt: skip
+                    state.after_round(stats.drafted - prev[0], stats.accepted - prev[1], len(committed), now - last)
                 state.apply(pipeline, cost_ratio, None)
-            prev, last, first = (stats.drafted, stats.accepted), now, False
+            prev, last = (stats.drafted, stats.accepted), now
         row.tpots.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
         return req.state.generated
 

@@ -9,6 +9,7 @@ from ray.serve.config import AutoscalingContext
 
 from specserve.cluster.policies import (
     PoolAutoscalingPolicy,
+    SpeculationControl,
     SpeculationPolicy,
     SpeculationSwitch,
     VerifyCostModel,
@@ -301,3 +302,16 @@ def test_probes_of_a_clearly_losing_mode_cost_a_bounded_share_of_throughput():
     share = _drive_streams(switch, clock, 60.0, 16, spec_round=0.28, plain_round=0.035, rng=rng)
     # Time share alone (<= 10%) let probes cost 4% of throughput here (measured); their measured cost bounds them.
     assert 0 < share * (1 - 0.5) <= switch.max_probe_cost * 1.25
+
+
+def test_every_round_of_a_request_counts_for_its_mode_its_first_too():
+    clock = _Clock()
+    control = SpeculationControl(switch=SpeculationSwitch(clock=clock))
+    assert control.switch.allow()
+    clock.t += 1.0
+    control.after_round(drafted=4, accepted=4, committed=5, seconds=0.5)  # prefill on both workers, then a round
+    clock.t += 0.1
+    control.after_round(drafted=4, accepted=4, committed=5, seconds=0.1)
+    # Speculation's prefill on the draft worker is its own cost: the rate includes it (0.6 s for 10 tokens).
+    assert control.switch.spec_s_per_token == pytest.approx(0.06)
+    assert control.load.acceptance() is not None
