@@ -55,11 +55,11 @@ class WorkerProcesses:
     """`with WorkerProcesses(target, draft, vocab) as w:` starts a target and a draft worker process; w.target_addresses
     and w.draft_addresses name them as the scheduler's clients expect.
 
-    The draft process runs `draft_threads` torch threads (the target torch's default, one per core), as a Ray draft
-    actor with num_cpus < 2 would (Ray sets an actor's OpenMP threads to its CPUs): on CPU a draft pass is too small to
-    gain from more, and the idle ones spin on cores the target needs. Measured on 2 shared cores, k = 4, side by side:
-    speculating streams ran 2.2x faster with a 1-thread draft at 4 streams (39-45 -> 86-97 tok/s), 1.6-2.4x at 16;
-    plain decoding, which never calls the draft, the same."""
+    The draft process runs `draft_threads` torch threads (the target keeps torch's default, one per core), as a Ray
+    draft actor with num_cpus < 2 would (Ray sets an actor's OpenMP threads to its CPUs): on CPU a draft pass is too
+    small to gain from more, and the idle ones spin on cores the target needs. In a diagnostic run on 2 shared cores
+    (k = 4, two alternating pairs): speculating streams ran 2.2x faster with a 1-thread draft at 4 streams, 1.6-2.4x
+    at 16; plain decoding, which never calls the draft, the same."""
 
     def __init__(
         self,

@@ -94,7 +94,7 @@ def ensure_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> D
     return find_demo_family(spec) or install_packaged(spec, progress) or build_demo_family(spec, progress=progress)
 
 
-def _log(progress: bool, msg: str) -> None:
+def log(progress: bool, msg: str) -> None:
     if progress:
         print(f"[specserve] {msg}", file=sys.stderr, flush=True)
 
@@ -108,14 +108,14 @@ def build_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> De
     staging.mkdir(parents=True)
     started = time.time()
     torch.manual_seed(spec.seed)
-    _log(progress, f"building demo family {final.name} in {final.parent} (one-time; cached afterwards)")
+    log(progress, f"building demo family {final.name} in {final.parent} (one-time; cached afterwards)")
 
     corpus = stdlib_corpus(max_files=spec.max_files)
     texts = corpus.read(corpus.train)
-    _log(progress, f"corpus: {len(corpus.train)} training files, {len(corpus.held_out)} held out, from {corpus.root}")
+    log(progress, f"corpus: {len(corpus.train)} training files, {len(corpus.held_out)} held out, from {corpus.root}")
     tokenizer = train_tokenizer(texts, spec.vocab_size)
     stream = encode_stream(tokenizer, texts)
-    _log(progress, f"tokenizer: {len(tokenizer)} tokens; corpus is {len(stream):,} tokens")
+    log(progress, f"tokenizer: {len(tokenizer)} tokens; corpus is {len(stream):,} tokens")
 
     def make(layers: int, hidden: int):
         from transformers import LlamaForCausalLM
@@ -149,11 +149,16 @@ def build_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> De
         "build_seconds": round(time.time() - started, 1),
     }
     (staging / "family.json").write_text(json.dumps(manifest, indent=2))
+    move_into_place(staging, final)
+    log(progress, f"demo family ready in {manifest['build_seconds']:.0f} s: {final}")
+    return DemoFamily(final)
+
+
+def move_into_place(staging: Path, final: Path) -> None:
+    """Replace `final` by the complete `staging` directory (readers never see a half-written family)."""
     if final.exists():
         shutil.rmtree(final)
     staging.rename(final)
-    _log(progress, f"demo family ready in {manifest['build_seconds']:.0f} s: {final}")
-    return DemoFamily(final)
 
 
 def _train(name, model, stream, steps, spec: DemoSpec, teacher, progress: bool) -> list[float]:

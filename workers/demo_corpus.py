@@ -29,9 +29,14 @@ def _held_out(rel: str) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 10 == 0
 
 
+def stdlib_root() -> Path:
+    """This Python's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_corpus(root: str | Path | None = None, max_files: int | None = None) -> Corpus:
     """Source files of the standard library at `root` (default: this Python's), sorted for reproducibility."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
+    root = Path(root) if root else stdlib_root()
     files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)

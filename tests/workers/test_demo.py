@@ -7,7 +7,7 @@ import torch
 
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.demo import TINY_SPEC, build_demo_family, ensure_demo_family, find_demo_family
-from specserve.workers.demo_corpus import stdlib_corpus
+from specserve.workers.demo_corpus import stdlib_corpus, stdlib_root
 from specserve.workers.engine import SpecEngine
 from specserve.workers.loading import load_model
 
@@ -115,7 +115,7 @@ def test_the_packaged_family_installs_without_training_and_matches_the_default_r
     family = ensure_demo_family(progress=False)
     assert family.root.parent.parent == tmp_path and find_demo_family() == family
     manifest = family.manifest
-    assert manifest["corpus_root"] == str(stdlib_corpus().root) and manifest["held_out_files"]
+    assert manifest["corpus_root"] == str(stdlib_root()) and manifest["held_out_files"]
     target = load_model(ModelConfig(path=family.target, device="cpu"))  # fp16 on disk, fp32 as configured
     draft = load_model(ModelConfig(path=family.draft, device="cpu"))
     assert next(target.model.parameters()).dtype == torch.float32
