@@ -111,7 +111,9 @@ async def _level(
             if speculate:  # with speculation off there is no policy to run (the target's cost model still learns)
                 # ... nor measures it, nor the streams' first requests: they all start at once, another transient
                 if now <= deadline and i >= streams:
-                    state.after_round(stats.drafted - prev[0], stats.accepted - prev[1], len(committed), now - last)
+                    done = now - start if req.state.finished else None
+                    drafted, accepted = stats.drafted - prev[0], stats.accepted - prev[1]
+                    state.after_round(drafted, accepted, len(committed), now - last, done)
                 state.apply(pipeline, cost_ratio, None)
             prev, last = (stats.drafted, stats.accepted), now
         row.tpots.append((time.perf_counter() - start) / max(1, len(req.state.generated)))

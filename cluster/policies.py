@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -141,6 +142,33 @@ class _Window:
     seconds: float = 0.0  # their durations, summed: request-time
     loads: float = 0.0  # sum of the requests per target noted at each round
     rounds: int = 0
+    log: deque = field(default_factory=lambda: deque(maxlen=50_000))  # (ended, tokens, seconds, load) per round
+
+    def add(self, ended: float, tokens: int, seconds: float, load: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.loads += load
+        self.rounds += 1
+        self.log.append((ended, tokens, seconds, load))
+
+    def part(self, start: float, end: float = math.inf) -> _Window:
+        """The (logged) rounds that ended in [start, end)."""
+        part = _Window()
+        for ended, tokens, seconds, load in self.log:
+            if start <= ended < end:
+                part.add(ended, tokens, seconds, load)
+        return part
+
+    def halves(self, now: float) -> tuple[_Window, _Window]:
+        """The rounds that ended in the first and in the later half of the time from the first one's end to now."""
+        if not self.log:
+            return _Window(), _Window()
+        mid = (self.log[0][0] + now) / 2
+        return self.part(-math.inf, mid), self.part(mid)
+
+    @property
+    def rate(self) -> float | None:
+        return self.seconds / self.tokens if self.tokens else None
 
 
 @dataclass
@@ -166,19 +194,32 @@ class SpeculationSwitch:
     similar loads (within 1.5x). Only clean rounds count: one that started before the last mode change, or within
     two round times of the slower mode after it, shared its batches with rounds of the other mode still in flight
     (under load, a plain round batched with speculating ones is as slow as they are), so it measures neither mode.
-    Probes last at least `probe_rounds` round times of the slower mode, and are extended (up to twice) while they
-    have too few rounds. A probe that ends without enough clean rounds of both modes is no verdict, and then the
-    switch turns speculation off until one says otherwise: off is never slower than itself."""
+    Probes last at least `probe_rounds` round times of the slower mode and as long as the probed mode takes to run a
+    window's rounds (plus a margin), and are extended (up to twice) while they have too few rounds. Workers take a
+    while to reach a mode's steady state (plain decoding's batches have to merge again; 16 speculating streams start
+    in step and ran as fast as plain decoding for 2-4 s, then ~0.65x: a probe that short turned speculation on where
+    it lost), so a window whose later half's rate differs from its first half's by more than `settle_tolerance` is
+    still settling: a probe is then extended by half its length (up to `max_settle_extensions` times), a probe of
+    the other mode is put off while the current one's window is trimmed to its later half, and a verdict compares
+    the later halves of windows that still moved. Windows and probes also span `window_requests` request durations:
+    under load, requests that start together finish together and the next ones prefill together, so throughput dips
+    once per request duration (16 streams here: by up to half, every ~3 s), and a shorter window measures where it
+    fell in that cycle (probes of 2.6 s rated plain decoding 20-30% below its segments). A probe that ends without
+    enough clean rounds of both modes is no verdict, and then the switch turns speculation off until one says
+    otherwise: off is never slower than itself."""
 
     probe_s: float = 0.25
     probe_rounds: float = 8.0
     min_rounds: int = 16  # clean rounds each mode needs for a verdict, and ...
     rounds_per_request: int = 4  # ... at least this many per concurrent request (a few rounds of each one)
     interval_s: float = 1.0
-    max_interval_s: float = 60.0
+    max_interval_s: float = 120.0
     margin: float = 0.03
     max_probe_share: float = 0.1  # at most this share of the time is spent probing ...
     max_probe_cost: float = 0.02  # ... and at most this share of throughput lost to probing the slower mode
+    max_settle_extensions: int = 4  # a probe is extended (by half its length) while its rate still moves ...
+    settle_tolerance: float = 0.1  # ... by more than this between its first and later half
+    window_requests: float = 2.0  # a mode's window (a probe's too) spans at least this many request durations
     decay: float = 0.8
     clock: Callable[[], float] = time.monotonic
     on: bool = True
@@ -187,11 +228,14 @@ class SpeculationSwitch:
     _probe_until: float | None = None
     _probe_started: float = 0.0
     _probe_samples: int = 0
-    _probe_extensions: int = 0
+    _probe_extensions: int = 0  # for want of rounds
+    _settle_extensions: int = 0  # while the probed mode's rate still moves
+    _postponed: int = 0  # probes put off while the current mode's rate still moved
     _interval: float = 0.0
     _mode: bool | None = None  # what allow() last answered
     _settled_at: float = -math.inf  # rounds that started before this overlapped the other mode's
     _round_s: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})  # recent round duration per mode
+    _request_s: float = 0.0  # recent request duration, start to last token
     _decided_load: float | None = None  # requests per target when the last decision was made
     _load: float | None = None  # requests per target, as last noted
     _load_changed_at: float | None = None  # since when the load differs from the decided one
@@ -212,17 +256,12 @@ class SpeculationSwitch:
         # comparison is policy-on against policy-off.
         if self._probe_until is not None and mode != self.on:
             self._probe_samples += 1
-        w = self._windows[mode]
-        w.tokens += tokens
-        w.seconds += seconds
-        w.loads += max(1.0, self._load or 1.0)
-        w.rounds += 1
+        self._windows[mode].add(now, tokens, seconds, max(1.0, self._load or 1.0))
 
     def _rate(self, allowed: bool) -> float | None:
         """Seconds of request time per committed token over the mode's clean rounds (inverse per-request speed: at
         equal load, inverse throughput)."""
-        w = self._windows[allowed]
-        return w.seconds / w.tokens if w.tokens else None
+        return self._windows[allowed].rate
 
     def _mean_load(self, allowed: bool) -> float | None:
         w = self._windows[allowed]
@@ -288,6 +327,27 @@ class SpeculationSwitch:
         slower one's last, so its probe must outlast them too."""
         return max(self.probe_s, self.probe_rounds * max(self._round_s.values()))
 
+    def _probe_rounds_needed(self) -> float:
+        """Clean rounds a probe collects: a few of each concurrent request's."""
+        return max(self.min_rounds, self.rounds_per_request * (self._load or 0))
+
+    def _expected_probe_s(self, mode: bool) -> float:
+        """How long a probe of `mode` takes: settling, then its rounds (all concurrent requests run rounds of
+        `mode`'s recent duration back to back) over `window_requests` request durations, and no less than
+        `_probe_length`."""
+        least = self._probe_length()
+        round_s = self._round_s[mode]
+        settle = min(2 * max(self._round_s.values()), least / 2)
+        collect = self._probe_rounds_needed() * round_s / max(1.0, self._load or 1.0)
+        # round durations vary: a margin, rather than an extension
+        return max(least, settle + max(1.25 * collect, self.window_requests * self._request_s))
+
+    def request_finished(self, seconds: float) -> None:
+        """A request took `seconds` from its start to its last token."""
+        if seconds > 0:
+            recent = self._request_s
+            self._request_s = seconds if recent == 0 else recent * self.decay + seconds * (1 - self.decay)
+
     def _mode_at(self, now: float) -> bool:
         if self._next_probe is None:  # first call: probe the other mode soon, to have both figures
             self._interval = self.interval_s
@@ -295,19 +355,46 @@ class SpeculationSwitch:
         if self._probe_until is not None:
             if now < self._probe_until:
                 return not self.on
-            needed = max(self.min_rounds, self.rounds_per_request * (self._load or 0))
-            if self._probe_samples < needed and self._probe_extensions < 2:
+            # Only the probe's later half counts (below): it needs the rounds of a whole window
+            if self._probe_samples < self._probe_rounds_needed() and self._probe_extensions < 2:
                 self._probe_extensions += 1
-                self._probe_until = now + self._probe_length()
+                self._probe_until = now + self._expected_probe_s(not self.on) / 2
+                return not self.on
+            if self._settle_extensions < self.max_settle_extensions and self._settling(not self.on, now):
+                self._settle_extensions += 1
+                self._probe_until = now + self._expected_probe_s(not self.on) / 2
                 return not self.on
             self._probe_until = None
+            for mode in (True, False):  # each mode's steady state: the later half of a window still moving
+                if self._settling(mode, now):
+                    self._windows[mode] = self._windows[mode].halves(now)[1]
             self._decide(now)
-        if now >= self._next_probe and self._measured(self.on, self._probe_length() / 2):
+        if now >= self._next_probe and self._measured(self.on, self._window_s()):
+            if self._postponed < self.max_settle_extensions and self._settling(self.on, now):
+                # The current mode has not settled yet (a load change, or the last probe, disturbed it): keep its
+                # later half, and compare that with the probe once it has the rounds of a window again
+                self._postponed += 1
+                self._windows[self.on] = self._windows[self.on].halves(now)[1]
+                return self.on
+            self._postponed = 0
             self._probe_started = now
-            self._probe_until = now + self._probe_length()
-            self._probe_samples = self._probe_extensions = 0
+            self._probe_until = now + self._expected_probe_s(not self.on)
+            self._probe_samples = self._probe_extensions = self._settle_extensions = 0
             return not self.on
         return self.on
+
+    def _settling(self, mode: bool, now: float) -> bool:
+        """Whether the mode's rate still moves: the later half of its window differs from the first by more than
+        `settle_tolerance` (see the class's note on steady states)."""
+        first, later = self._windows[mode].halves(now)
+        if min(first.rounds, later.rounds) < self.min_rounds / 2 or first.rate is None or later.rate is None:
+            return False  # too few rounds to tell: the count of rounds decides
+        return abs(later.rate / first.rate - 1.0) > self.settle_tolerance
+
+    def _window_s(self) -> float:
+        """How long the current mode must have been measured before a probe: half a probe, and `window_requests`
+        request durations."""
+        return max(self._probe_length() / 2, self.window_requests * self._request_s)
 
     def _measured(self, allowed: bool, seconds: float = 0.0) -> bool:
         """Whether the mode's window has enough rounds for a verdict (`rounds_per_request` per concurrent request) and
@@ -323,6 +410,7 @@ class SpeculationSwitch:
         interval, s = self._verdict(least)
         if s is not None:  # a verdict: the next probe runs the slower mode, losing `loss` of throughput meanwhile
             loss = 1.0 - min(s, 1.0 / s)
+            probe = max(probe, self._expected_probe_s(not self.on))  # this probe may have run the faster mode
             least = min(self.max_interval_s, max(least, probe * loss / self.max_probe_cost))
         self._next_probe = now + max(interval, least)
 
@@ -389,8 +477,13 @@ class SpeculationControl:
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     switch: SpeculationSwitch = field(default_factory=SpeculationSwitch)
 
-    def after_round(self, drafted: int, accepted: int, committed: int, seconds: float) -> None:
+    def after_round(
+        self, drafted: int, accepted: int, committed: int, seconds: float, request_s: float | None = None
+    ) -> None:
+        """One round of a request; `request_s`: the request's duration when the round was its last."""
         self.load.observe(drafted, accepted)
+        if request_s is not None:
+            self.switch.request_finished(request_s)
         # First rounds count too: they prefill the prompt, on the target in either mode and also on the draft worker
         # while speculating, a cost of that mode like any other. Left out, they rated speculation's few rounds per
         # request (about 8 for 32 tokens, against plain decoding's 32) as faster than the streams got them: in one

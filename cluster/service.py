@@ -242,7 +242,7 @@ class SpecService:
                         self.metrics.round(req.model, prev, stats, len(committed), now - last, first, now - started)
                     serving.speculation.after_round(
                         stats["drafted"] - prev["drafted"], stats["accepted"] - prev["accepted"], len(committed),
-                        now - last,
+                        now - last, now - started if state.finished else None,
                     )  # fmt: skip
                     serving.speculation.apply(serving.pipeline, serving.config.cost_ratio,
                                               serving.config.saturation_requests)  # fmt: skip

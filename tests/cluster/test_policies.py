@@ -184,7 +184,8 @@ def test_switch_keeps_winning_speculation_on_and_comes_back_when_it_wins_again()
     assert switch.on
     _drive(switch, clock, 40.0, spec_rate=0.05, plain_rate=0.02)  # load changed: speculation now loses
     assert not switch.on
-    _drive(switch, clock, 80.0, spec_rate=0.01, plain_rate=0.02)  # and wins again: a later probe turns it back on
+    # and wins again: a later probe turns it back on (probes of a clearly losing mode are rare: <= max_interval_s)
+    _drive(switch, clock, switch.max_interval_s + 20.0, spec_rate=0.01, plain_rate=0.02)
     assert switch.on
 
 
@@ -222,7 +223,7 @@ def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_
     clock.t += switch.interval_s
     switch.note_load(4.0)
     assert switch._next_probe <= clock.t and not switch.on
-    _drive(switch, clock, 5.0, spec_rate=0.01, plain_rate=0.02)  # it still wins at this load: back on
+    _drive_streams(switch, clock, 5.0, 4, spec_round=0.04, plain_round=0.02, rng=rng)  # still wins at 4: back on
     assert switch.on
 
 
@@ -247,12 +248,14 @@ def test_a_probe_without_figures_for_both_modes_is_no_verdict_and_turns_speculat
 
 def _drive_streams(switch, clock, seconds, streams, spec_round, plain_round, rng) -> float:
     """`streams` concurrent requests, each running rounds back to back: a speculating round commits 4 tokens in
-    `spec_round` seconds, a plain one 1 token in `plain_round`, each duration jittered +-50% (rounds of one batch
-    end at different times). Events in time order; the switch decides each round's mode when it starts. Returns the
-    share of request-time spent speculating."""
+    `spec_round` seconds (or `spec_round(seconds speculating since speculation was last turned on)`), a plain one 1
+    token in `plain_round`, each duration jittered +-50% (rounds of one batch end at different times). Events in time
+    order; the switch decides each round's mode when it starts. Returns the share of request-time spent
+    speculating."""
     events = [(clock.t, s, None, 0.0) for s in range(streams)]  # (end, stream, mode of the ending round, duration)
     spec_time = total = 0.0
     end = clock.t + seconds
+    spec_since, last_mode = clock.t, None
     while events:
         t, s, mode, duration = heapq.heappop(events)
         clock.t = t
@@ -262,7 +265,11 @@ def _drive_streams(switch, clock, seconds, streams, spec_round, plain_round, rng
             total += duration
         if t < end:
             mode = switch.allow()
-            duration = (spec_round if mode else plain_round) * rng.uniform(0.5, 1.5)
+            if mode and not last_mode:
+                spec_since = t
+            last_mode = mode
+            spec = spec_round(t - spec_since) if callable(spec_round) else spec_round
+            duration = (spec if mode else plain_round) * rng.uniform(0.5, 1.5)
             heapq.heappush(events, (t + duration, s, mode, duration))
     return spec_time / total
 
@@ -315,3 +322,41 @@ def test_every_round_of_a_request_counts_for_its_mode_its_first_too():
     # Speculation's prefill on the draft worker is its own cost: the rate includes it (0.6 s for 10 tokens).
     assert control.switch.spec_s_per_token == pytest.approx(0.06)
     assert control.load.acceptance() is not None
+
+
+def test_a_probe_measures_the_probed_mode_once_it_has_settled():
+    # 16 speculating streams start in step (all drafting, then all verifying, in full batches) and drift apart over
+    # a few seconds into groups that alternate between the workers: measured on 2 shared cores, k = 4 ran as fast as
+    # plain decoding for its first 2-4 s and ~0.65x after. Here: 1.2x at first, down to 0.6x after 6 s.
+    def spec_round(since: float) -> float:
+        speed = 1.2 - 0.6 * min(1.0, since / 6.0)  # over plain decoding
+        return 4 * 0.07 / speed
+
+    for seed in range(3):
+        rng = random.Random(seed)
+        clock = _Clock()
+        switch = SpeculationSwitch(clock=clock, on=False)
+        switch.note_load(16.0)
+        _drive_streams(switch, clock, 20.0, 16, spec_round=spec_round, plain_round=0.07, rng=rng)
+        # Its first seconds alone measured speculation 1.0-1.1x, and turned it on for 30 s for one of these seeds
+        assert not switch.on
+        assert switch.last_measured_speedup < 0.85
+
+
+def test_windows_and_probes_span_two_request_durations():
+    # Under load, streams finish and prefill together: throughput dips once per request duration, so a window
+    # shorter than a couple of them measures where it fell in that cycle.
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock)
+    switch.note_load(16.0)
+    for _ in range(20):
+        switch.request_finished(3.0)
+    rng = random.Random(0)
+    probes = []
+    while not probes:
+        _drive_streams(switch, clock, 0.05, 16, spec_round=0.2, plain_round=0.07, rng=rng)
+        if switch._probe_until is not None:
+            probes.append((clock.t, switch._probe_until - clock.t))
+    started, length = probes[0]
+    assert started >= 2 * 3.0 and length >= 2 * 3.0
+    assert switch.window_requests * 3.0 <= switch._expected_probe_s(False)
