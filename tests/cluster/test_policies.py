@@ -360,3 +360,14 @@ def test_windows_and_probes_span_two_request_durations():
     started, length = probes[0]
     assert started >= 2 * 3.0 and length >= 2 * 3.0
     assert switch.window_requests * 3.0 <= switch._expected_probe_s(False)
+
+
+def test_a_near_tie_goes_to_plain_decoding():
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock, on=False)
+    _drive(switch, clock, 30.0, spec_rate=0.02 / 1.06, plain_rate=0.02)  # speculation 6% faster: not worth it
+    assert not switch.on and switch.last_measured_speedup == pytest.approx(1.06, rel=0.01)
+    _drive(switch, clock, 150.0, spec_rate=0.02 / 1.2, plain_rate=0.02)  # 20% faster: on
+    assert switch.on
+    _drive(switch, clock, 150.0, spec_rate=0.02 / 0.95, plain_rate=0.02)  # 5% slower: off again
+    assert not switch.on
