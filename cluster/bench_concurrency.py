@@ -5,16 +5,16 @@ off, measured side by side in one run.
 
 The policy's state (acceptance, the target's fitted step cost, the measured switch) is kept across levels, as a running
 service keeps it while its load changes. A stream is a closed loop: it sends its next request (new_tokens long) when the
-last one finished. Each level first runs a pass with the policy live, unmeasured (it settles at the new load, as in a
-service that has been at that load for a while), then alternates off and on segments (`SEGMENTS` of each, `pass_s` /
-`SEGMENTS` seconds apiece, in the order off on, on off, on off, off on: so that this machine's slow phases land on both
-modes alike, and a steady drift of its speed, which ABAB order charges to the later mode, cancels out); a segment ends
-when its streams finish the requests they started in time, but its throughput counts only the tokens committed within
-its `pass_s` / `SEGMENTS` window, at steady load (not while the streams drain). The switch's clock runs only during on
-segments' windows, so neither the off segments nor the drains count as time it spent in a mode, and it measures no
-draining round (a service's load does not stop every few seconds). A mode's throughput sums its segments' windows;
-`spread` is how much the off segments' throughputs differ from each other (max - min over mean): the noise floor of the
-on/off ratio. `identical` compares every request both modes ran (same index, same prompt)."""
+last one finished. Each level first runs a `pass_s` pass with the policy live, unmeasured (it settles at the new load,
+as in a service that has been at that load for a while), then alternates off and on segments (`SEGMENTS` of each,
+`pass_s` / `SEGMENTS` seconds apiece, in the order off on, on off, on off, off on: so that this machine's slow phases
+land on both modes alike, and a steady drift of its speed, which ABAB order charges to the later mode, cancels out); a
+segment ends when its streams finish the requests they started in time, but its throughput counts only the tokens
+committed within its `pass_s` / `SEGMENTS` window, at steady load (not while the streams drain). The switch's clock runs
+only during on segments' windows, so neither the off segments nor the drains count as time it spent in a mode, and it
+measures no draining round (a service's load does not stop every few seconds). A mode's throughput sums its segments'
+windows; `spread` is how much the off segments' throughputs differ from each other (max - min over mean): the noise
+floor of the on/off ratio. `identical` compares every request both modes ran (same index, same prompt)."""
 
 from __future__ import annotations
 
@@ -208,7 +208,9 @@ def concurrency_rows(
     with WorkerProcesses(target, draft, vocab, BatchingConfig(max_batch_size=max(levels))) as w:
         asyncio.run(_level(w, prompts, 2, 4, 0.0, True, cost_ratio, state, costs))  # warm-up: threads, gRPC, ...
         for streams in levels:
-            run(streams, pass_s / 2, True)  # the policy settles at this load, unmeasured
+            # The policy settles at this load, unmeasured: its first probes here last a few request durations each
+            # (longer while a mode's rate still moves); a pass of half the length left them in the measured segments
+            run(streams, pass_s, True)
             order = _segment_order(SEGMENTS)
             segments = [run(streams, pass_s / SEGMENTS, speculate) for speculate in order]
             off = _merge([seg for seg, spec in zip(segments, order, strict=True) if not spec])
