@@ -195,6 +195,8 @@ def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_
     switch.note_load(16.0)
     rng = random.Random(0)
     _drive_streams(switch, clock, 60.0, 16, spec_round=0.12, plain_round=0.02, rng=rng)  # settled off, backed off
+    while switch._probe_until is not None:  # not mid-probe (load changes wait for a probe to end)
+        _drive_streams(switch, clock, 0.5, 16, spec_round=0.12, plain_round=0.02, rng=rng)
     assert not switch.on and switch._interval >= 8
     pending = switch._next_probe
     assert switch.plain_s_per_token is not None
