@@ -319,10 +319,7 @@ class SpeculationSwitch:
         now = self.clock()
         mode = self._mode_at(now)
         if mode != self._mode:
-            # Settling: the slower mode's rounds still in flight hold the workers' batches for up to a round time,
-            # and rounds queued behind them for about another
-            settle = min(2 * max(self._round_s.values()), self._probe_length() / 2)
-            self._mode, self._settled_at = mode, now + settle
+            self._mode, self._settled_at = mode, now + self._settle_s()
             self._windows[mode] = _Window()  # a new period of this mode: compared with the other's latest
         return mode
 
@@ -330,6 +327,11 @@ class SpeculationSwitch:
         """`probe_rounds` round times of the slower mode: the faster one's first rounds share batches with the
         slower one's last, so its probe must outlast them too."""
         return max(self.probe_s, self.probe_rounds * max(self._round_s.values()))
+
+    def _settle_s(self) -> float:
+        """After a mode change, how long rounds still share batches with the other mode's: the slower mode's rounds
+        in flight hold the workers' batches for up to a round time, and rounds queued behind them for about another."""
+        return min(2 * max(self._round_s.values()), self._probe_length() / 2)
 
     def _probe_rounds_needed(self) -> float:
         """Clean rounds a probe collects: a few of each concurrent request's."""
@@ -339,12 +341,9 @@ class SpeculationSwitch:
         """How long a probe of `mode` takes: settling, then its rounds (all concurrent requests run rounds of
         `mode`'s recent duration back to back) over `window_requests` request durations, and no less than
         `_probe_length`."""
-        least = self._probe_length()
-        round_s = self._round_s[mode]
-        settle = min(2 * max(self._round_s.values()), least / 2)
-        collect = self._probe_rounds_needed() * round_s / max(1.0, self._load or 1.0)
+        collect = self._probe_rounds_needed() * self._round_s[mode] / max(1.0, self._load or 1.0)
         # round durations vary: a margin, rather than an extension
-        return max(least, settle + max(1.25 * collect, self.window_requests * self._request_s))
+        return max(self._probe_length(), self._settle_s() + max(1.25 * collect, self.window_requests * self._request_s))
 
     def request_finished(self, seconds: float) -> None:
         """A request took `seconds` from its start to its last token."""
@@ -359,13 +358,14 @@ class SpeculationSwitch:
         if self._probe_until is not None:
             if now < self._probe_until:
                 return not self.on
-            # Only the probe's later half counts (below): it needs the rounds of a whole window
-            if self._probe_samples < self._probe_rounds_needed() and self._probe_extensions < 2:
+            # Extended while it has too few rounds, then while its rate still moves
+            extend = self._probe_samples < self._probe_rounds_needed() and self._probe_extensions < 2
+            if extend:
                 self._probe_extensions += 1
-                self._probe_until = now + self._expected_probe_s(not self.on) / 2
-                return not self.on
-            if self._settle_extensions < self.max_settle_extensions and self._settling(not self.on, now):
+            elif self._settle_extensions < self.max_settle_extensions and self._settling(not self.on, now):
                 self._settle_extensions += 1
+                extend = True
+            if extend:
                 self._probe_until = now + self._expected_probe_s(not self.on) / 2
                 return not self.on
             self._probe_until = None
