@@ -284,8 +284,8 @@ class SpeculationSwitch:
         """The current load. A change by 2x or more since the last decision that lasts `interval_s` forgets the
         rates measured before it (a window mixing two loads measures neither), and brings the next probe forward if
         it could overturn the verdict (requests per target doubled while speculating, halved while not; doubled
-        while speculating also turns speculation off until a probe measures it winning at the new load); momentary
-        swings (requests starting and ending) do nothing."""
+        while speculating also turns speculation off until a probe measures it winning at the new load), else
+        restarts the wait for it; momentary swings (requests starting and ending) do nothing."""
         now = self.clock()
         self._load = requests_per_target
         if self._decided_load is None:
@@ -308,6 +308,12 @@ class SpeculationSwitch:
             # measures the mode it switches to while the workers still hold the other's state (batches out of step,
             # drafts to catch up), so it leans towards the mode it started from.
             self.on = False
+        else:
+            # A change that bears the verdict out (more load while plain, less while speculating): the backed-off
+            # wait starts over, as for a verdict confirmed now. Left as it was, the probe came due at the new load
+            # while its window was still young: at 16 and 32 streams, probes of speculation at ~0.65x ran into
+            # the sweep's measured segments and took 5-10% off them, where the switch kept speculation off.
+            self._next_probe = max(self._next_probe, now + self._interval)
 
     def measured_speedup(self) -> float | None:
         if self.spec_s_per_token is None or self.plain_s_per_token is None:

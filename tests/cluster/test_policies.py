@@ -203,7 +203,9 @@ def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_
     switch.note_load(64.0)  # more load cannot make a losing speculation win: nothing to re-measure ...
     clock.t += 2 * switch.interval_s
     switch.note_load(64.0)
-    assert switch.plain_s_per_token is None  # ... but what was measured at the old load is forgotten
+    assert switch.plain_s_per_token is None  # ... but what was measured at the old load is forgotten ...
+    assert switch._next_probe == max(pending, clock.t + switch._interval)  # ... and the wait starts over
+    pending = switch._next_probe
     switch.note_load(12.0)  # a small change: nothing happens
     switch.note_load(1.0)  # 16x fewer requests per target, but only for a moment: nothing yet
     clock.t += 0.5
@@ -217,10 +219,10 @@ def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_
     _drive(switch, clock, 5.0, spec_rate=0.01, plain_rate=0.02)  # at this load speculation wins: back on
     assert switch.on
     pending = switch._next_probe
-    switch.note_load(0.5)  # speculating: less load cannot make it lose
+    switch.note_load(0.5)  # speculating: less load cannot make it lose (the wait starts over)
     clock.t += 2 * switch.interval_s
     switch.note_load(0.5)
-    assert switch._next_probe == pending
+    assert switch._next_probe == max(pending, clock.t + switch._interval) > clock.t
     switch.note_load(4.0)  # but more load can: re-measure, from the safe side (off until speculation wins again)
     clock.t += switch.interval_s
     switch.note_load(4.0)
