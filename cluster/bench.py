@@ -439,7 +439,7 @@ def main_bench(args) -> int:
         meta["tensor_parallel"] = {"world_size": tp_n, **profile}
     levels = []
     if args.concurrency:
-        from specserve.cluster.bench_concurrency import PASS_S, concurrency_rows, format_levels, levels_json
+        from specserve.cluster.bench_concurrency import concurrency_rows, format_levels, levels_json
 
         new_tokens = 16 if args.quick else 32
         levels = concurrency_rows(
@@ -449,7 +449,7 @@ def main_bench(args) -> int:
             prompts,
             new_tokens,
             meta["cost_ratio_c"],
-            pass_s=3.0 if args.quick else PASS_S,
+            **(dict(settle_s=3.0, segment_s=0.75, pairs=4) if args.quick else {}),
         )
         meta["concurrency"] = levels_json(levels)
     print(format_table(rows, meta))

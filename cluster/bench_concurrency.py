@@ -5,20 +5,24 @@ off, measured side by side in one run.
 
 The policy's state (acceptance, the target's fitted step cost, the measured switch) is kept across levels, as a running
 service keeps it while its load changes. A stream is a closed loop: it sends its next request (new_tokens long) when the
-last one finished. Each level first runs a `pass_s` pass with the policy live, unmeasured (it settles at the new load,
-as in a service that has been at that load for a while), then alternates off and on segments (`SEGMENTS` of each,
-`pass_s` / `SEGMENTS` seconds apiece, in the order off on, on off, on off, off on: so that this machine's slow phases
-land on both modes alike, and a steady drift of its speed, which ABAB order charges to the later mode, cancels out); a
-segment ends when its streams finish the requests they started in time, but its throughput counts only the tokens
-committed within its `pass_s` / `SEGMENTS` window, at steady load (not while the streams drain). The switch's clock runs
+last one finished. Each level first runs a `settle_s` pass with the policy live, unmeasured (it settles at the new
+load, as in a service that has been at that load for a while), then `pairs` pairs of an off and an on segment,
+`segment_s` seconds apiece, in Thue-Morse order (off on, on off, on off, off on, ...: so that this machine's slow
+phases land on both modes alike, and a steady drift of its speed, which ABAB order charges to the later mode, cancels
+out); a segment ends when its streams finish the requests they started in time, but its throughput counts only the
+tokens committed within its `segment_s` window, at steady load (not while the streams drain). The switch's clock runs
 only during on segments' windows, so neither the off segments nor the drains count as time it spent in a mode, and it
 measures no draining round (a service's load does not stop every few seconds). A mode's throughput sums its segments'
 windows; `spread` is how much the off segments' throughputs differ from each other (max - min over mean): the noise
-floor of the on/off ratio. `identical` compares every request both modes ran (same index, same prompt)."""
+floor of the on/off ratio. The two segments of a pair ran back to back, so their ratio is nearly free of the
+machine's slower swings: `ratio_ci95` is a 95% confidence interval of the on/off ratio from the pairs' ratios (a
+t-interval of their logs), what "on >= off" can honestly be judged by on a noisy machine. `identical` compares every
+request both modes ran (same index, same prompt)."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,17 +35,31 @@ from specserve.cluster.worker_processes import WorkerProcesses
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 
 LEVELS = (1, 4, 16, 32)
-PASS_S = 30.0
-SEGMENTS = 4
+SETTLE_S = 30.0
+SEGMENT_S = 7.5
+PAIRS = 8
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1-15)
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
 
 
-def _segment_order(segments: int) -> list[bool]:
-    """Off (False) and on (True) segments, pairs in Thue-Morse order (AB BA BA AB ...): with 4 pairs each mode's
-    mean position is the same, so a linear drift of the machine's speed favours neither."""
+def _segment_order(pairs: int) -> list[bool]:
+    """Off (False) and on (True) segments, pairs in Thue-Morse order (AB BA BA AB ...): with 4 or 8 pairs each
+    mode's mean position is the same, so a linear drift of the machine's speed favours neither."""
     order: list[bool] = []
-    for i in range(segments):
+    for i in range(pairs):
         order += [False, True] if bin(i).count("1") % 2 == 0 else [True, False]
     return order
+
+
+def ratio_ci95(ratios: list[float]) -> tuple[float, float] | None:
+    """95% confidence interval of the on/off ratio from paired segments' ratios (a t-interval of their logs; None
+    for fewer than 2 pairs)."""
+    if len(ratios) < 2 or min(ratios) <= 0:
+        return None
+    logs = [math.log(r) for r in ratios]
+    half = _T95[min(len(logs) - 1, len(_T95)) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
 
 
 @dataclass
@@ -61,6 +79,8 @@ class LevelRow:
     final_k_cap: int | None = None  # the policy's k at the end (0: speculation turned off)
     identical: bool | None = None  # spec-on rows: same tokens as spec-off
     spread: float | None = None  # off rows: (max - min) / mean of the off segments' tokens/s
+    pair_ratios: list[float] = field(default_factory=list)  # on rows: on / off tokens/s of each back-to-back pair
+    ratio_ci95: tuple[float, float] | None = None  # on rows: 95% confidence interval of on / off, from the pairs
     segment_tokens_per_s: list[float] = field(default_factory=list)
     outputs: dict[int, list[int]] = field(default_factory=dict, repr=False)  # request index -> tokens
     tpots: list[float] = field(default_factory=list, repr=False)
@@ -185,12 +205,14 @@ def concurrency_rows(
     cost_ratio: float,
     levels=LEVELS,
     progress: bool = True,
-    pass_s: float = PASS_S,
+    settle_s: float = SETTLE_S,
+    segment_s: float = SEGMENT_S,
+    pairs: int = PAIRS,
 ) -> list[LevelRow]:
     from tqdm import tqdm
 
     rows: list[LevelRow] = []
-    bar = tqdm(total=(1 + 2 * SEGMENTS) * len(levels), desc="concurrency sweep", disable=not progress)
+    bar = tqdm(total=(1 + 2 * pairs) * len(levels), desc="concurrency sweep", disable=not progress)
     clock = _SegmentClock()
     state = SpeculationControl(switch=SpeculationSwitch(clock=clock))  # kept across levels, as in a service
     costs = VerifyCostModel()
@@ -210,12 +232,14 @@ def concurrency_rows(
         for streams in levels:
             # The policy settles at this load, unmeasured: its first probes here last a few request durations each
             # (longer while a mode's rate still moves); a pass of half the length left them in the measured segments
-            run(streams, pass_s, True)
-            order = _segment_order(SEGMENTS)
-            segments = [run(streams, pass_s / SEGMENTS, speculate) for speculate in order]
+            run(streams, settle_s, True)
+            order = _segment_order(pairs)
+            segments = [run(streams, segment_s, speculate) for speculate in order]
             off = _merge([seg for seg, spec in zip(segments, order, strict=True) if not spec])
             on = _merge([seg for seg, spec in zip(segments, order, strict=True) if spec])
             off.spread = (max(off.segment_tokens_per_s) - min(off.segment_tokens_per_s)) / off.tokens_per_s
+            on.pair_ratios = [on_seg.tokens_per_s / off_seg.tokens_per_s for on_seg, off_seg in _pairs(segments, order)]
+            on.ratio_ci95 = ratio_ci95(on.pair_ratios)
             common = on.outputs.keys() & off.outputs.keys()
             on.identical = bool(common) and all(on.outputs[i] == off.outputs[i] for i in common)
             rows += [off, on]
@@ -223,15 +247,24 @@ def concurrency_rows(
     return rows
 
 
+def _pairs(segments: list[LevelRow], order: list[bool]) -> list[tuple[LevelRow, LevelRow]]:
+    """(on, off) segment of each back-to-back pair."""
+    return [
+        (segments[i], segments[i + 1]) if order[i] else (segments[i + 1], segments[i])
+        for i in range(0, len(segments), 2)
+    ]
+
+
 def format_levels(rows: list[LevelRow]) -> str:
-    head = ["streams", "requests", "speculation", "agg tok/s", "on/off", "spread", "TPOT p50 ms", "TPOT p99 ms",
-            "target batch", "k cap", "identical"]  # fmt: skip
+    head = ["streams", "requests", "speculation", "agg tok/s", "on/off", "95% CI", "spread", "TPOT p50 ms",
+            "TPOT p99 ms", "target batch", "k cap", "identical"]  # fmt: skip
     lines = [head]
     off = {r.streams: r for r in rows if r.speculation == "off"}
     for r in rows:
         ratio = r.tokens_per_s / off[r.streams].tokens_per_s
         lines.append([
             str(r.streams), str(r.requests), r.speculation, f"{r.tokens_per_s:.1f}", f"{ratio:.2f}x",
+            "-" if r.ratio_ci95 is None else f"{r.ratio_ci95[0]:.2f}-{r.ratio_ci95[1]:.2f}",
             "-" if r.spread is None else f"{r.spread:.0%}",
             f"{r.tpot_ms_p50:.1f}", f"{r.tpot_ms_p99:.1f}", f"{r.target_batch_mean:.1f}",
             "-" if r.final_k_cap is None else str(r.final_k_cap),

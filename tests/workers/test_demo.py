@@ -1,6 +1,7 @@
 """The demo family builds end to end (at a tiny size), reproducibly, and loads like any user model."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -95,6 +96,9 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     for r in levels:  # closed-loop streams: each ran at least one 16-token request
         assert r["requests"] >= r["streams"] and r["tokens"] == r["requests"] * 16
         assert len(r["segment_tokens_per_s"]) == 4
+        if r["speculation"] != "off":  # each on segment against the off segment beside it, and the interval
+            lo, hi = r["ratio_ci95"]
+            assert len(r["pair_ratios"]) == 4 and 0 < lo <= math.prod(r["pair_ratios"]) ** 0.25 <= hi
         assert r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0
     # Tensor-parallel rows: lossless through a TP=2 replica, and the collectives' share of a sharded step.
     assert rows["TP=2 target-only greedy"]["identical"] is True and rows["TP=2 target k=4 greedy"]["identical"] is True
