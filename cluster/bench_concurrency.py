@@ -35,7 +35,7 @@ from specserve.cluster.worker_processes import WorkerProcesses
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 
 LEVELS = (1, 4, 16, 32)
-SETTLE_S = 30.0
+SETTLE_S = 45.0
 SEGMENT_S = 7.5
 PAIRS = 8
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1-15)
@@ -231,7 +231,8 @@ def concurrency_rows(
         asyncio.run(_level(w, prompts, 2, 4, 0.0, True, cost_ratio, state, costs))  # warm-up: threads, gRPC, ...
         for streams in levels:
             # The policy settles at this load, unmeasured: its first probes here last a few request durations each
-            # (longer while a mode's rate still moves); a pass of half the length left them in the measured segments
+            # (longer while a mode's rate still moves), and turning speculation on waits for a window after the
+            # probe; a pass of 15 s left them in the measured segments, 30 s did at 16 streams
             run(streams, settle_s, True)
             order = _segment_order(pairs)
             segments = [run(streams, segment_s, speculate) for speculate in order]

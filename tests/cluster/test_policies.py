@@ -149,6 +149,20 @@ def test_switch_turns_losing_speculation_off_and_backs_off_its_probes():
     assert _spec_time_share(later) < 0.1 and all(s for s, _ in rounds[:2])  # it started on
 
 
+@pytest.mark.parametrize("plain_after", [0.015, 0.03])
+def test_a_flip_waits_until_the_probe_also_beats_the_current_mode_measured_after_it(plain_after):
+    clock = _Clock()
+    switch = SpeculationSwitch(clock=clock, on=False)
+    while switch.last_measured_speedup is None:  # plain decoding in a slow spell (0.03), then a probe of speculation
+        _drive(switch, clock, 0.01, spec_rate=0.02, plain_rate=0.03)
+    assert switch.last_measured_speedup == pytest.approx(1.5) and not switch.on  # faster, but only pending
+    rounds = _drive(switch, clock, 10.0, spec_rate=0.02, plain_rate=plain_after)
+    if plain_after < 0.02:  # the slow spell is over: plain decoding measured after the probe beats it, off it stays
+        assert not switch.on and not rounds[-1][0] and switch.last_measured_speedup == pytest.approx(0.75)
+    else:  # still slower after the probe: speculation goes on
+        assert switch.on and rounds[-1][0]
+
+
 def test_switch_counts_only_rounds_that_did_not_overlap_the_other_mode():
     clock = _Clock()
     switch = SpeculationSwitch(clock=clock)
