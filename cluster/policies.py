@@ -384,9 +384,11 @@ class SpeculationSwitch:
                     self._windows[mode] = self._windows[mode].halves(now)[1]
             self._probe_ran = now - self._probe_started
             self._decide(now, final=False)
-        if self._pending and self._measured(self.on, self._window_s()):
-            self._decide(now, final=True)  # the probe against the current mode's window after it
-        if not self._pending and now >= self._next_probe and self._measured(self.on, self._window_s()):
+        measured = self._measured(self.on, self._window_s())
+        if self._pending:
+            if measured:
+                self._decide(now, final=True)  # the probe against the current mode's window after it
+        elif now >= self._next_probe and measured:
             if self._postponed < self.max_settle_extensions and self._settling(self.on, now):
                 # The current mode has not settled yet (a load change, or the last probe, disturbed it): keep its
                 # later half, and compare that with the probe once it has the rounds of a window again
