@@ -218,6 +218,8 @@ def run_bench(
         "t_draft_ms": costs.t_draft * 1e3,
         "t_target_ms": costs.t_target * 1e3,
         "t_verify_ms": {k: v * 1e3 for k, v in costs.t_verify.items()},
+        "device": str(target.device),
+        "dtype": str(target.dtype).removeprefix("torch."),
         "prompts": len(prompts),
         "prompt_tokens": cfg.prompt_tokens,
         "max_new_tokens": cfg.max_new_tokens,
@@ -274,14 +276,17 @@ def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> Sam
     return greedy if row.temperature == 0 else sampled
 
 
-def machine_info() -> dict:
+def machine_info(device: torch.device | None = None, dtype: torch.dtype | None = None) -> dict:
+    """Where the bench ran: the host, and the device and dtype the models ran in."""
+    device = device or torch.device("cpu")
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "device": "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype or torch.float32).removeprefix("torch."),
         "date": time.strftime("%Y-%m-%d"),
     }
     try:
@@ -289,8 +294,6 @@ def machine_info() -> dict:
             info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name(0)
     return info
 
 
@@ -334,18 +337,18 @@ def format_table(rows: list[Row], meta: dict) -> str:
     out.append(
         f"c = t_draft/t_target = {meta['cost_ratio_c']:.3f} (t_draft {meta['t_draft_ms']:.2f} ms, t_target "
         f"{meta['t_target_ms']:.2f} ms); target greedy distinct 4-grams: {meta['distinct_4gram_target_greedy']:.0%}; "
-        f"{meta['prompts']} held-out prompts x {meta['max_new_tokens']} new tokens"
+        f"{meta['prompts']} held-out prompts x {meta['max_new_tokens']} new tokens; {meta['device']}, {meta['dtype']}"
     )
     return "\n".join(out)
 
 
-def to_json(rows: list[Row], meta: dict) -> dict:
+def to_json(rows: list[Row], meta: dict, machine: dict | None = None) -> dict:
     out_rows = []
     for r in rows:
         d = asdict(r)
         d.pop("outputs")
         out_rows.append(d)
-    return {"machine": machine_info(), "meta": meta, "rows": out_rows}
+    return {"machine": machine or machine_info(), "meta": meta, "rows": out_rows}
 
 
 def plot(rows: list[Row], path: str) -> None:
@@ -395,8 +398,8 @@ def main_bench(args) -> int:
         held_out = [os.path.join(root, p) for p in family.manifest["held_out_files"]]
     if not draft_path:
         raise SystemExit("specserve bench: --draft is required with --target")
-    target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device})
-    draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device})
+    target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device, "dtype": args.dtype})
+    draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device, "dtype": args.dtype})
     target, draft = load_model(target_cfg), load_model(draft_cfg)
     engine = SpecEngine(target, draft)
     prompts = held_out_prompts(target.tokenizer, held_out, cfg.prompts, cfg.prompt_tokens)
@@ -459,7 +462,7 @@ def main_bench(args) -> int:
         print(format_levels(levels))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json(rows, meta), f, indent=2)
+            json.dump(to_json(rows, meta, machine_info(target.device, target.dtype)), f, indent=2)
     if args.plot:
         plot(rows, args.plot)
         if levels:

@@ -205,6 +205,12 @@ def _add_bench(sub) -> None:
     p.add_argument("--prompts-from", nargs="*", metavar="FILE", help="text files whose openings are the prompts")
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="weights and activations dtype of both models (auto: float32 on CPU, bfloat16 on CUDA)",
+    )
+    p.add_argument(
         "--distributed",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -240,6 +246,8 @@ def _add_models(sub) -> None:
     b.add_argument("--tiny", action="store_true", help="a seconds-long toy build, for smoke tests")
     b.add_argument("--from-scratch", "--force", dest="from_scratch", action="store_true",
                    help="train from the corpus (about 40 min on 2 cores) even when cached or packaged")  # fmt: skip
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where --from-scratch trains (auto: a CUDA GPU when there is one, bf16 autocast)")  # fmt: skip
     b.set_defaults(func=_build_demo)
 
 
@@ -247,7 +255,7 @@ def _build_demo(args: argparse.Namespace) -> int:
     from specserve.workers.demo import TINY_SPEC, DemoSpec, build_demo_family, ensure_demo_family
 
     spec = TINY_SPEC if args.tiny else DemoSpec()
-    family = build_demo_family(spec) if args.from_scratch else ensure_demo_family(spec)
+    family = build_demo_family(spec, device=args.device) if args.from_scratch else ensure_demo_family(spec)
     print(json.dumps({"root": str(family.root), "target": family.target, "draft": family.draft}))
     return 0
 

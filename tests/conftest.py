@@ -15,6 +15,16 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    """Each device this machine has: CI (no GPU) runs the tests that take it on cpu; a GPU machine runs them on cuda
+    as well, so the cuda path is checked by the same assertions."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -99,9 +100,25 @@ def log(progress: bool, msg: str) -> None:
         print(f"[specserve] {msg}", file=sys.stderr, flush=True)
 
 
-def build_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> DemoFamily:
-    """Build tokenizer, target and draft into a fresh directory, then move it into place atomically."""
+def train_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU on this machine")
+    return torch.device(device)
+
+
+def build_demo_family(
+    spec: DemoSpec | None = None,
+    progress: bool = True,
+    device: Literal["auto", "cpu", "cuda"] = "auto",
+    corpus_root: str | Path | None = None,
+) -> DemoFamily:
+    """Build tokenizer, target and draft into a fresh directory, then move it into place atomically. Trains on a GPU
+    when there is one (`device="auto"`): same recipe, same seeds and batches; the weights then differ from a CPU
+    build's in rounding only. `corpus_root`: another Python's standard library (default: this one's)."""
     spec = spec or DemoSpec()
+    on = train_device(device)
     final = family_dir(spec)
     staging = final.with_name(final.name + f".building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -110,7 +127,7 @@ def build_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> De
     torch.manual_seed(spec.seed)
     log(progress, f"building demo family {final.name} in {final.parent} (one-time; cached afterwards)")
 
-    corpus = stdlib_corpus(max_files=spec.max_files)
+    corpus = stdlib_corpus(corpus_root, max_files=spec.max_files)
     texts = corpus.read(corpus.train)
     log(progress, f"corpus: {len(corpus.train)} training files, {len(corpus.held_out)} held out, from {corpus.root}")
     tokenizer = train_tokenizer(texts, spec.vocab_size)
@@ -122,14 +139,20 @@ def build_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> De
 
         cfg = llama_config(len(tokenizer), layers, hidden, spec.max_positions, tokenizer.eos_token_id,
                            tokenizer.pad_token_id)  # fmt: skip
-        return LlamaForCausalLM(cfg)
+        return LlamaForCausalLM(cfg).to(on)
 
+    log(
+        progress,
+        f"training on {on}"
+        + (f" ({torch.cuda.get_device_name(on)}, bf16 autocast)" if on.type == "cuda" else " (fp32)"),
+    )
     target = make(spec.target_layers, spec.target_hidden)
     target_losses = _train("target", target, stream, spec.target_steps, spec, None, progress)
     draft = make(spec.draft_layers, spec.draft_hidden)
     draft_losses = _train("draft", draft, stream, spec.draft_steps, spec, target, progress)
 
     for name, model in (("target", target), ("draft", draft)):
+        model.to("cpu")
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(staging / name)
@@ -146,6 +169,9 @@ def build_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> De
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "target_final_loss": sum(target_losses[-20:]) / len(target_losses[-20:]),
         "draft_final_kl": sum(draft_losses[-20:]) / len(draft_losses[-20:]),
+        "trained_on": torch.cuda.get_device_name(on)
+        if on.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
         "build_seconds": round(time.time() - started, 1),
     }
     (staging / "family.json").write_text(json.dumps(manifest, indent=2))

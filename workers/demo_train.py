@@ -54,13 +54,20 @@ def llama_config(
     )
 
 
-def batches(stream: torch.Tensor, batch: int, seq: int, seed: int):
-    """Endless random windows of the stream: ([batch, seq] inputs, [batch, seq] next-token labels)."""
+def batches(stream: torch.Tensor, batch: int, seq: int, seed: int, device: torch.device | str = "cpu"):
+    """Endless random windows of the stream: ([batch, seq] inputs, [batch, seq] next-token labels) on `device`.
+    The windows are drawn on the CPU, so they are the same on every device."""
     g = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(stream) - seq - 1, (batch,), generator=g)
-        window = torch.stack([stream[s : s + seq + 1] for s in starts.tolist()])
+        window = torch.stack([stream[s : s + seq + 1] for s in starts.tolist()]).to(device)
         yield window[:, :-1], window[:, 1:]
+
+
+def use_bf16(device: torch.device) -> bool:
+    """bf16 autocast where it pays: CUDA GPUs with bf16 units. Not on CPUs: ~2x faster with AMX, but ~20x slower
+    without bf16 units (measured on this project's AMD EPYC CI machines), and a recipe must not depend on which."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
 def train_lm(
@@ -73,25 +80,26 @@ def train_lm(
     seed: int,
     teacher: LlamaForCausalLM | None = None,
     on_step: Callable[[int, float], None] | None = None,
-    bf16: bool = False,
 ) -> list[float]:
-    """Train `model` for exactly `steps` steps: next-token cross-entropy, or, with a teacher, KL(teacher || model)
-    on the teacher's full next-token distributions (distillation makes the draft agree with the target, which is
-    what acceptance measures). fp32 by default: bf16 autocast is ~2x faster on CPUs with AMX but ~20x slower on
-    CPUs without bf16 units (measured on this project's AMD EPYC CI machines). AdamW with warmup and cosine decay.
-    Returns the losses."""
+    """Train `model` (on its device) for exactly `steps` steps: next-token cross-entropy, or, with a teacher,
+    KL(teacher || model) on the teacher's full next-token distributions (distillation makes the draft agree with the
+    target, which is what acceptance measures). bf16 autocast on GPUs (`use_bf16`), fp32 elsewhere. AdamW with
+    warmup and cosine decay. Returns the losses."""
     torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    bf16 = use_bf16(device)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")  # fmt: skip
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     )
     losses: list[float] = []
-    data = batches(stream, batch, seq, seed)
+    data = batches(stream, batch, seq, seed, device)
     for step in range(steps):
         inputs, labels = next(data)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(input_ids=inputs).logits.float()  # [B, T, V]
             if teacher is None:
                 loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

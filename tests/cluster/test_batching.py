@@ -19,9 +19,11 @@ KS = [1, 2, 3, 4, 6, "auto"]
 
 
 @pytest.fixture(scope="module")
-def models(models_dir, tiny_target):
+def models(models_dir, tiny_target, device):
     draft_path = save_perturbed_copy(tiny_target, models_dir / "batching_draft", 0.05, seed=3)
-    return load_model(ModelConfig(path=tiny_target)), load_model(ModelConfig(path=draft_path))
+    return load_model(ModelConfig(path=tiny_target, device=device)), load_model(
+        ModelConfig(path=draft_path, device=device)
+    )
 
 
 def _requests():

@@ -93,8 +93,11 @@ def test_models_build_demo_installs_the_packaged_family_and_from_scratch_trains(
 
     trained = []  # training stubbed out: it would take half an hour
     monkeypatch.setattr("specserve.workers.demo.build_demo_family",
-                        lambda spec, **k: trained.append(spec) or find_demo_family(spec))  # fmt: skip
+                        lambda spec, **k: trained.append((spec, k)) or find_demo_family(spec))  # fmt: skip
     proc = run_cli("models", "build-demo")
     assert proc.returncode == 0 and not trained
     assert json.loads(proc.stdout)["target"].startswith(str(tmp_path)) and "packaged" in proc.stderr
     assert run_cli("models", "build-demo", "--from-scratch").returncode == 0 and len(trained) == 1
+    assert trained[0][1]["device"] == "auto"
+    assert run_cli("models", "build-demo", "--from-scratch", "--device", "cpu").returncode == 0
+    assert trained[1][1]["device"] == "cpu"

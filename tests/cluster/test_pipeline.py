@@ -22,9 +22,11 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def models(models_dir, tiny_target):
+def models(models_dir, tiny_target, device):
     draft_path = save_perturbed_copy(tiny_target, models_dir / "pipeline_draft", 0.05, seed=9)
-    return load_model(ModelConfig(path=tiny_target)), load_model(ModelConfig(path=draft_path))
+    return load_model(ModelConfig(path=tiny_target, device=device)), load_model(
+        ModelConfig(path=draft_path, device=device)
+    )
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,17 @@ def test_build_is_reproducible(tiny_family, tmp_path, monkeypatch):
         assert a == b, f"{name} weights differ between two builds of the same spec"
 
 
+def test_training_device_is_chosen_and_checked():
+    from specserve.workers.demo import train_device
+    from specserve.workers.demo_train import use_bf16
+
+    assert train_device("cpu") == torch.device("cpu") and not use_bf16(torch.device("cpu"))  # a fixed fp32 recipe
+    assert train_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            train_device("cuda")
+
+
 def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     from specserve.cluster.cli import main
 
@@ -75,6 +86,7 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     assert "target-only greedy" in table and "specserve k=4 greedy" in table
     report = json.loads(out_json.read_text())
     assert {"machine", "rows"} <= set(report)
+    assert report["machine"]["device"] == "cpu" and report["machine"]["dtype"] == "float32"  # where it really ran
     rows = {r["name"]: r for r in report["rows"]}
     required = {"name", "method", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length", "bound",
                 "ratio_to_bound", "identical"}  # fmt: skip

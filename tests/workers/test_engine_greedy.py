@@ -13,7 +13,7 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def pairs(models_dir, tiny_target, tiny_draft):
+def pairs(models_dir, tiny_target, tiny_draft, device):
     """(target, draft) pairs: unrelated random drafts (mostly rejected), noisy copies (partly accepted), the
     target itself (always accepted, so every round ends with a bonus token)."""
     other_target = save_tiny_llama(models_dir / "target_b", seed=5, layers=3, hidden=32, heads=2, kv_heads=1)
@@ -30,9 +30,9 @@ def pairs(models_dir, tiny_target, tiny_draft):
     cache = {}
     for name, (t, d) in specs.items():
         if t not in cache:
-            cache[t] = load_model(ModelConfig(path=t, device="cpu"))
+            cache[t] = load_model(ModelConfig(path=t, device=device))
         if d not in cache:
-            cache[d] = load_model(ModelConfig(path=d, device="cpu"))
+            cache[d] = load_model(ModelConfig(path=d, device=device))
         loaded[name] = SpecEngine(cache[t], cache[d])
     return loaded
 
@@ -43,7 +43,7 @@ def own_greedy_loop(model, prompt_ids, max_new, eos_ids):
     out = []
     with torch.no_grad():
         for _ in range(max_new):
-            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            token = int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax())
             ids.append(token)
             out.append(token)
             if token in eos_ids:
@@ -62,7 +62,9 @@ def references(pairs):
                 continue
             ids = target.tokenizer(prompt)["input_ids"]
             own = own_greedy_loop(target.model, ids, MAX_NEW, target.eos_token_ids)
-            hf = target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW)[0, len(ids) :]
+            hf = target.model.generate(
+                torch.tensor([ids], device=target.device), do_sample=False, max_new_tokens=MAX_NEW
+            )[0, len(ids) :]
             assert own == hf.tolist()  # the two references agree before either judges specserve
             refs[key] = own
     return refs

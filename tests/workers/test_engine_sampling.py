@@ -21,10 +21,10 @@ NEW = 3
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_vocab_target, tiny_vocab_draft):
+def engine(tiny_vocab_target, tiny_vocab_draft, device):
     return SpecEngine(
-        load_model(ModelConfig(path=tiny_vocab_target, device="cpu")),
-        load_model(ModelConfig(path=tiny_vocab_draft, device="cpu")),
+        load_model(ModelConfig(path=tiny_vocab_target, device=device)),
+        load_model(ModelConfig(path=tiny_vocab_draft, device=device)),
     )
 
 
@@ -35,7 +35,7 @@ def exact_joint(model, params, V):
         for _ in range(NEW):
             nxt = {}
             for prefix, mass in probs.items():
-                logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+                logits = model(torch.tensor([PROMPT + list(prefix)], device=model.device)).logits[0, -1]
                 p = logits_to_probs(logits, params)
                 for t in range(V):
                     if p[t] > 0:

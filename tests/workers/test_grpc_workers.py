@@ -14,8 +14,10 @@ from specserve.workers.testing import LocalWorkers
 
 
 @pytest.fixture(scope="module")
-def models(tiny_target, tiny_draft):
-    return load_model(ModelConfig(path=tiny_target)), load_model(ModelConfig(path=tiny_draft))
+def models(tiny_target, tiny_draft, device):
+    return load_model(ModelConfig(path=tiny_target, device=device)), load_model(
+        ModelConfig(path=tiny_draft, device=device)
+    )
 
 
 def call_draft(models, message):

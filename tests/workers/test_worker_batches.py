@@ -18,8 +18,8 @@ GREEDY = SamplingParams(max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_model(ModelConfig(path=tiny_target, device="cpu"))
+def target(tiny_target, device):
+    return load_model(ModelConfig(path=tiny_target, device=device))
 
 
 def _worker(target, capacity=100_000):
