@@ -452,7 +452,7 @@ def main_bench(args) -> int:
             prompts,
             new_tokens,
             meta["cost_ratio_c"],
-            **(dict(settle_s=3.0, segment_s=0.75, pairs=4) if args.quick else {}),
+            **(dict(settle_s=1.5, segment_s=0.5, pairs=4) if args.quick else {}),  # a smoke run
         )
         meta["concurrency"] = levels_json(levels)
     print(format_table(rows, meta))

@@ -15,6 +15,7 @@ from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.engine import SpecEngine
 from specserve.workers.loading import load_model
 from specserve.workers.sampling import logits_to_probs
+from specserve.workers.testing import sample_in_processes
 
 PROMPT = [1, 3, 4, 3, 4, 3]  # <s> a b a b a: repeats, so n-gram lookup has something to propose
 NEW = 3
@@ -84,16 +85,17 @@ def marginal_tv(samples, joint, position, V):
         ("ngram", 3, 1.0, 5_000, 0.03, 0.01),
     ],
 )
-def test_speculative_sampling_matches_target_distribution(engine, method, k, top_p, samples, max_tv, min_accepted):
+def test_speculative_sampling_matches_target_distribution(
+    engine, tiny_vocab_target, tiny_vocab_draft, device, method, k, top_p, samples, max_tv, min_accepted
+):
     V = engine.verifier.vocab_size
-    params = dict(temperature=1.0, top_p=top_p, max_new_tokens=NEW, stop_at_eos=False)
-    joint = exact_joint(engine.target.model, SamplingParams(**params), V)
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=NEW, stop_at_eos=False)
+    joint = exact_joint(engine.target.model, params, V)
     spec = SpecParams(method=method, k=k)
-    outputs, accepted = [], 0
-    for seed in range(samples):
-        result = engine.generate(PROMPT, SamplingParams(**params, seed=seed), spec)
-        outputs.append(tuple(result.token_ids))
-        accepted += result.stats.accepted
+    outputs, accepted = sample_in_processes(
+        tiny_vocab_target, tiny_vocab_draft, device, PROMPT, params, spec, list(range(samples))
+    )
+    assert len(outputs) == samples
     assert accepted > min_accepted * samples  # speculation really happened
     assert chi2_pvalue(outputs, joint) > 1e-3
     for pos in range(NEW):
