@@ -276,9 +276,8 @@ def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> Sam
     return greedy if row.temperature == 0 else sampled
 
 
-def machine_info(device: torch.device | None = None, dtype: torch.dtype | None = None) -> dict:
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
     """Where the bench ran: the host, and the device and dtype the models ran in."""
-    device = device or torch.device("cpu")
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -286,7 +285,7 @@ def machine_info(device: torch.device | None = None, dtype: torch.dtype | None =
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype or torch.float32).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
         "date": time.strftime("%Y-%m-%d"),
     }
     try:
@@ -342,13 +341,13 @@ def format_table(rows: list[Row], meta: dict) -> str:
     return "\n".join(out)
 
 
-def to_json(rows: list[Row], meta: dict, machine: dict | None = None) -> dict:
+def to_json(rows: list[Row], meta: dict, machine: dict) -> dict:
     out_rows = []
     for r in rows:
         d = asdict(r)
         d.pop("outputs")
         out_rows.append(d)
-    return {"machine": machine or machine_info(), "meta": meta, "rows": out_rows}
+    return {"machine": machine, "meta": meta, "rows": out_rows}
 
 
 def plot(rows: list[Row], path: str) -> None:

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from specserve.workers.demo_corpus import stdlib_corpus
-from specserve.workers.demo_train import encode_stream, llama_config, train_lm, train_tokenizer
+from specserve.workers.demo_train import encode_stream, llama_config, train_lm, train_tokenizer, use_bf16
+from specserve.workers.loading import resolve_device
 
 
 class DemoSpec(BaseModel):
@@ -100,14 +101,6 @@ def log(progress: bool, msg: str) -> None:
         print(f"[specserve] {msg}", file=sys.stderr, flush=True)
 
 
-def train_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU on this machine")
-    return torch.device(device)
-
-
 def build_demo_family(
     spec: DemoSpec | None = None,
     progress: bool = True,
@@ -118,7 +111,8 @@ def build_demo_family(
     when there is one (`device="auto"`): same recipe, same seeds and batches; the weights then differ from a CPU
     build's in rounding only. `corpus_root`: another Python's standard library (default: this one's)."""
     spec = spec or DemoSpec()
-    on = train_device(device)
+    on = resolve_device(device)
+    where = torch.cuda.get_device_name(on) if on.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     final = family_dir(spec)
     staging = final.with_name(final.name + f".building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -141,11 +135,7 @@ def build_demo_family(
                            tokenizer.pad_token_id)  # fmt: skip
         return LlamaForCausalLM(cfg).to(on)
 
-    log(
-        progress,
-        f"training on {on}"
-        + (f" ({torch.cuda.get_device_name(on)}, bf16 autocast)" if on.type == "cuda" else " (fp32)"),
-    )
+    log(progress, f"training on {where}" + (", bf16 autocast" if use_bf16(on) else ", fp32"))
     target = make(spec.target_layers, spec.target_hidden)
     target_losses = _train("target", target, stream, spec.target_steps, spec, None, progress)
     draft = make(spec.draft_layers, spec.draft_hidden)
@@ -169,9 +159,7 @@ def build_demo_family(
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "target_final_loss": sum(target_losses[-20:]) / len(target_losses[-20:]),
         "draft_final_kl": sum(draft_losses[-20:]) / len(draft_losses[-20:]),
-        "trained_on": torch.cuda.get_device_name(on)
-        if on.type == "cuda"
-        else f"cpu ({torch.get_num_threads()} threads)",
+        "trained_on": where,
         "build_seconds": round(time.time() - started, 1),
     }
     (staging / "family.json").write_text(json.dumps(manifest, indent=2))

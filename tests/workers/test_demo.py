@@ -62,14 +62,15 @@ def test_build_is_reproducible(tiny_family, tmp_path, monkeypatch):
 
 
 def test_training_device_is_chosen_and_checked():
-    from specserve.workers.demo import train_device
     from specserve.workers.demo_train import use_bf16
+    from specserve.workers.errors import ModelLoadError
+    from specserve.workers.loading import resolve_device  # what build_demo_family trains on
 
-    assert train_device("cpu") == torch.device("cpu") and not use_bf16(torch.device("cpu"))  # a fixed fp32 recipe
-    assert train_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu") and not use_bf16(torch.device("cpu"))  # a fixed fp32 recipe
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="no CUDA GPU"):
-            train_device("cuda")
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            resolve_device("cuda")
 
 
 def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
