@@ -3,6 +3,7 @@ the demo family on CPU), until SIGINT/SIGTERM, then a clean shutdown of Serve an
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -39,6 +40,9 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
         ensure_demo_family()  # with progress, before any replica looks for it
     started_ray = not ray.is_initialized()
     if started_ray:
+        # A Ray started here inherits this: Serve's 5 s proxy readiness limit killed and restarted proxies that
+        # started slowly on busy 2-core machines.
+        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
         init: dict = {"include_dashboard": False, "configure_logging": False, "log_to_driver": False}
         if metrics_port is not None:
             init["_metrics_export_port"] = metrics_port

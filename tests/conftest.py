@@ -13,6 +13,9 @@ from specserve.workers.testing import save_tiny_llama
 # Keep tests quiet and single-threaded per process: CI has 2 cores and Ray tests start several processes.
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Serve kills a proxy that is not ready within 5 s (three times in a row) and the test's serve.start then fails with
+# ActorDiedError; on 2 busy cores a proxy start took longer. Ray processes inherit this from the driver.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
