@@ -6,7 +6,7 @@ Reproducible by construction: fixed seeds and fixed step counts (never time budg
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from tokenizers import ByteLevelBPETokenizer
@@ -80,11 +80,13 @@ def train_lm(
     seed: int,
     teacher: LlamaForCausalLM | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[float]:
     """Train `model` (on its device) for exactly `steps` steps: next-token cross-entropy, or, with a teacher,
     KL(teacher || model) on the teacher's full next-token distributions (distillation makes the draft agree with the
     target, which is what acceptance measures). bf16 autocast on GPUs (`use_bf16`), fp32 elsewhere. AdamW with
-    warmup and cosine decay. Returns the losses."""
+    warmup and cosine decay. `data`: the ([B, T] inputs, [B, T] labels) batches (default: random corpus windows).
+    Returns the losses."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     bf16 = use_bf16(device)
@@ -96,7 +98,7 @@ def train_lm(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     )
     losses: list[float] = []
-    data = batches(stream, batch, seq, seed, device)
+    data = data if data is not None else batches(stream, batch, seq, seed, device)
     for step in range(steps):
         inputs, labels = next(data)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
