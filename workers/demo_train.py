@@ -70,6 +70,23 @@ def use_bf16(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
+def warmup_cosine(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over the first 5% of `steps`, then cosine decay to 10% of the peak rate."""
+    warmup = max(1, steps // 20)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    )
+
+
+def optimizer_step(model, opt: torch.optim.Optimizer, sched, loss: torch.Tensor) -> None:
+    """One update: backward, gradient norm clipped to 1, AdamW step, schedule step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
 def train_lm(
     model: LlamaForCausalLM,
     stream: torch.Tensor,
@@ -93,10 +110,7 @@ def train_lm(
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")  # fmt: skip
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    )
+    sched = warmup_cosine(opt, steps)
     losses: list[float] = []
     data = data if data is not None else batches(stream, batch, seq, seed, device)
     for step in range(steps):
@@ -114,11 +128,7 @@ def train_lm(
                     log_target=True,
                     reduction="batchmean",
                 )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         losses.append(loss.item())
         if on_step is not None:
             on_step(step, losses[-1])

@@ -9,11 +9,12 @@ next-token cross-entropy on corpus windows keeps it modelling the code. Pure fun
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 
 import torch
 from transformers import LlamaForCausalLM
+
+from specserve.workers.demo_train import batches, optimizer_step, warmup_cosine
 
 PREFIX = 64  # corpus tokens each continuation starts from
 CONTINUATION = 96  # greedy tokens generated per prefix
@@ -76,8 +77,6 @@ def onpolicy_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Draft distillation data that alternates corpus windows ([batch, seq]) with the teacher's own greedy
     continuations: the draft learns the target's next-token laws on real code and on the text it actually emits."""
-    from specserve.workers.demo_train import batches
-
     corpus = batches(stream, batch, seq, seed, device)
     generated = continuation_batches(stream, teacher, batch, seed + 1, device)
     while True:
@@ -100,15 +99,10 @@ def unlikelihood_finetune(
     """Fine-tune `model` (on its device, fp32) for exactly `steps` steps of unlikelihood on its own greedy
     continuations of `batch` corpus prefixes plus cross-entropy on `batch // 2` corpus windows of `seq` tokens.
     AdamW, linear warmup, cosine decay to 10%. Returns the unlikelihood losses."""
-    from specserve.workers.demo_train import batches
-
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    )
+    sched = warmup_cosine(opt, steps)
     g = torch.Generator().manual_seed(seed)
     corpus = batches(stream, max(1, batch // 2), seq, seed + 1, device)
     losses: list[float] = []
@@ -123,11 +117,7 @@ def unlikelihood_finetune(
         logits = model(input_ids=inputs).logits.float()  # [B/2, seq, V]
         mle = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss = mle + ul
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         losses.append(ul.item())
         if on_step is not None:
             on_step(step, losses[-1])
