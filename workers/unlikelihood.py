@@ -46,6 +46,14 @@ def unlikelihood_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Te
     return penalty.sum() / (tokens.shape[0] * (tokens.shape[1] - start))
 
 
+def corpus_prefixes(
+    stream: torch.Tensor, batch: int, length: int, g: torch.Generator, device: torch.device | str
+) -> torch.Tensor:
+    """[batch, length] random windows of the corpus stream, drawn on the CPU with `g` (the same on every device)."""
+    starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=g)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()]).to(device)
+
+
 @torch.no_grad()
 def greedy_continuations(model: LlamaForCausalLM, prefixes: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """[B, P] prefixes -> [B, P + new_tokens]: the model's greedy continuations (EOS does not stop them)."""
@@ -66,9 +74,7 @@ def continuation_batches(
     corpus prefixes drawn on the CPU (the same on every device): the text a draft must agree with at serving time."""
     g = torch.Generator().manual_seed(seed)
     while True:
-        starts = torch.randint(0, len(stream) - PREFIX - 1, (batch,), generator=g)
-        prefixes = torch.stack([stream[s : s + PREFIX] for s in starts.tolist()]).to(device)
-        seq = greedy_continuations(teacher, prefixes, CONTINUATION + 1)
+        seq = greedy_continuations(teacher, corpus_prefixes(stream, batch, PREFIX, g, device), CONTINUATION + 1)
         yield seq[:, :-1], seq[:, 1:]
 
 
@@ -107,9 +113,8 @@ def unlikelihood_finetune(
     corpus = batches(stream, max(1, batch // 2), seq, seed + 1, device)
     losses: list[float] = []
     for step in range(steps):
-        starts = torch.randint(0, len(stream) - prefix - 1, (batch,), generator=g)
-        prefixes = torch.stack([stream[s : s + prefix] for s in starts.tolist()]).to(device)
-        tokens = greedy_continuations(model, prefixes, continuation)  # [B, prefix + continuation]
+        tokens = greedy_continuations(model, corpus_prefixes(stream, batch, prefix, g, device), continuation)
+        # tokens: [B, prefix + continuation]
         mask = repeated_ngram_mask(tokens, prefix)
         model.train()
         ul = unlikelihood_loss(model(input_ids=tokens[:, :-1]).logits, tokens, mask, prefix)
