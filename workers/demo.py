@@ -25,7 +25,8 @@ from tqdm import tqdm
 from specserve.workers.demo_corpus import stdlib_corpus
 from specserve.workers.demo_train import encode_stream, llama_config, train_lm, train_tokenizer, use_bf16
 from specserve.workers.loading import resolve_device
-from specserve.workers.unlikelihood import onpolicy_batches, unlikelihood_finetune
+from specserve.workers.onpolicy import continuation_pool, pool_batches
+from specserve.workers.unlikelihood import unlikelihood_finetune
 
 
 class DemoSpec(BaseModel):
@@ -45,16 +46,21 @@ class DemoSpec(BaseModel):
     target_steps: int = Field(480, gt=0, description="Target training steps (cross-entropy on the corpus).")
     draft_steps: int = Field(300, gt=0, description="Draft distillation steps (KL to the target's logits).")
     unlikelihood_steps: int = Field(
-        0,
+        150,
         ge=0,
         description="Target fine-tuning steps with sequence-level unlikelihood on "
         "its own greedy continuations (stops greedy loops), after target_steps.",
     )
     draft_onpolicy_steps: int = Field(
-        0,
+        300,
         ge=0,
-        description="Draft distillation steps on the final target, half of them "
-        "on its greedy continuations, after draft_steps.",
+        description="Draft distillation steps on the final target's greedy continuations of corpus prefixes "
+        "(the text it emits at serving time), after draft_steps.",
+    )
+    onpolicy_pool: int = Field(512, gt=0, description="Greedy continuations generated for the on-policy stage.")
+    onpolicy_batch: int = Field(12, gt=0, description="Pooled continuations per on-policy step.")
+    onpolicy_argmax_weight: float = Field(
+        1.0, ge=0, description="Weight of cross-entropy on the target's argmax beside the KL in the on-policy stage."
     )
     lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
     seed: int = Field(0, ge=0, description="Seed of every random choice.")
@@ -67,7 +73,7 @@ class DemoSpec(BaseModel):
 TINY_SPEC = DemoSpec(
     name="tiny", vocab_size=300, target_layers=2, target_hidden=64, draft_layers=1, draft_hidden=64,
     max_positions=512, seq_len=64, batch=4, target_steps=6, draft_steps=4, unlikelihood_steps=2, draft_onpolicy_steps=2,
-    max_files=12,
+    onpolicy_pool=6, onpolicy_batch=3, max_files=12,
 )  # fmt: skip
 
 
@@ -158,9 +164,10 @@ def build_demo_family(
     if spec.unlikelihood_steps:
         ul_losses = _unlikelihood(target, stream, spec, progress)
     if spec.draft_onpolicy_steps:
-        data = onpolicy_batches(stream, target, spec.batch, spec.seq_len, spec.seed + 3, on)
+        pool = _continuation_pool(target, stream, spec, on, progress)
         onpolicy_losses = _train("draft on target text", draft, stream, spec.draft_onpolicy_steps, spec, target,
-                                 progress, data=data, lr=spec.lr / 2)  # fmt: skip
+                                 progress, data=pool_batches(pool, spec.onpolicy_batch, spec.seed + 4),
+                                 lr=spec.lr / 2, argmax_weight=spec.onpolicy_argmax_weight)  # fmt: skip
 
     for name, model in (("target", target), ("draft", draft)):
         model.to("cpu")
@@ -211,11 +218,22 @@ def _progress_bar(name: str, steps: int, progress: bool):
     return bar, on_step
 
 
-def _train(name, model, stream, steps, spec: DemoSpec, teacher, progress: bool, data=None, lr=None) -> list[float]:
+def _train(name, model, stream, steps, spec: DemoSpec, teacher, progress: bool, data=None, lr=None,
+           argmax_weight=0.0) -> list[float]:  # fmt: skip
     bar, on_step = _progress_bar(name, steps, progress)
     try:
         return train_lm(model, stream, steps, spec.batch, spec.seq_len, lr or spec.lr,
-                        spec.seed + (1 if teacher else 0), teacher=teacher, on_step=on_step, data=data)  # fmt: skip
+                        spec.seed + (1 if teacher else 0), teacher=teacher, on_step=on_step, data=data,
+                        argmax_weight=argmax_weight)  # fmt: skip
+    finally:
+        bar.close()
+
+
+def _continuation_pool(target, stream, spec: DemoSpec, device, progress: bool):
+    bar = tqdm(total=spec.onpolicy_pool, desc="target continuations", unit="seq", disable=not progress,
+               file=sys.stderr)  # fmt: skip
+    try:
+        return continuation_pool(stream, target, spec.onpolicy_pool, spec.seed + 3, device, on_batch=bar.update)
     finally:
         bar.close()
 

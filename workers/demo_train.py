@@ -87,6 +87,19 @@ def optimizer_step(model, opt: torch.optim.Optimizer, sched, loss: torch.Tensor)
     sched.step()
 
 
+def distillation_loss(
+    draft_logp: torch.Tensor, target_logp: torch.Tensor, keep: torch.Tensor, argmax_weight: float = 0.0
+) -> torch.Tensor:
+    """Mean over kept positions of KL(target || draft), plus `argmax_weight` x cross-entropy on the target's argmax.
+    draft_logp, target_logp: [B, T, V] log-probabilities; keep: [B, T] bool. Returns a scalar."""
+    per_position = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)  # KL: [B, T]
+    if argmax_weight:
+        top = target_logp.argmax(-1, keepdim=True)  # [B, T, 1]
+        per_position = per_position - argmax_weight * draft_logp.gather(-1, top)[..., 0]
+    keep = keep.float()
+    return (per_position * keep).sum() / keep.sum().clamp_min(1)
+
+
 def train_lm(
     model: LlamaForCausalLM,
     stream: torch.Tensor,
@@ -98,12 +111,14 @@ def train_lm(
     teacher: LlamaForCausalLM | None = None,
     on_step: Callable[[int, float], None] | None = None,
     data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    argmax_weight: float = 0.0,
 ) -> list[float]:
     """Train `model` (on its device) for exactly `steps` steps: next-token cross-entropy, or, with a teacher,
     KL(teacher || model) on the teacher's full next-token distributions (distillation makes the draft agree with the
     target, which is what acceptance measures). bf16 autocast on GPUs (`use_bf16`), fp32 elsewhere. AdamW with
-    warmup and cosine decay. `data`: the ([B, T] inputs, [B, T] labels) batches (default: random corpus windows).
-    Returns the losses."""
+    warmup and cosine decay. `data`: the ([B, T] inputs, [B, T] labels) batches (default: random corpus windows);
+    positions labelled -100 are left out of the loss. `argmax_weight`: with a teacher, adds that much cross-entropy on
+    the teacher's argmax (what greedy acceptance counts). Returns the losses."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     bf16 = use_bf16(device)
@@ -121,13 +136,8 @@ def train_lm(
                 loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             else:
                 with torch.no_grad():
-                    target_logp = torch.log_softmax(teacher(input_ids=inputs).logits.float(), -1)
-                loss = torch.nn.functional.kl_div(
-                    torch.log_softmax(logits, -1).reshape(-1, logits.shape[-1]),
-                    target_logp.reshape(-1, logits.shape[-1]),
-                    log_target=True,
-                    reduction="batchmean",
-                )
+                    target_logp = torch.log_softmax(teacher(input_ids=inputs).logits.float(), -1)  # [B, T, V]
+                loss = distillation_loss(torch.log_softmax(logits, -1), target_logp, labels != -100, argmax_weight)
         optimizer_step(model, opt, sched, loss)
         losses.append(loss.item())
         if on_step is not None:

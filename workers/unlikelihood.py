@@ -9,7 +9,7 @@ next-token cross-entropy on corpus windows keeps it modelling the code. Pure fun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from transformers import LlamaForCausalLM
@@ -65,29 +65,6 @@ def greedy_continuations(model: LlamaForCausalLM, prefixes: torch.Tensor, new_to
     )  # fmt: skip
     model.train(was_training)
     return out
-
-
-def continuation_batches(
-    stream: torch.Tensor, teacher: LlamaForCausalLM, batch: int, seed: int, device: torch.device | str = "cpu"
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless ([batch, PREFIX + CONTINUATION] inputs, labels=inputs shifted) of `teacher`'s greedy continuations of
-    corpus prefixes drawn on the CPU (the same on every device): the text a draft must agree with at serving time."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        seq = greedy_continuations(teacher, corpus_prefixes(stream, batch, PREFIX, g, device), CONTINUATION + 1)
-        yield seq[:, :-1], seq[:, 1:]
-
-
-def onpolicy_batches(
-    stream: torch.Tensor, teacher: LlamaForCausalLM, batch: int, seq: int, seed: int, device: torch.device | str = "cpu"
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Draft distillation data that alternates corpus windows ([batch, seq]) with the teacher's own greedy
-    continuations: the draft learns the target's next-token laws on real code and on the text it actually emits."""
-    corpus = batches(stream, batch, seq, seed, device)
-    generated = continuation_batches(stream, teacher, batch, seed + 1, device)
-    while True:
-        yield next(corpus)
-        yield next(generated)
 
 
 def unlikelihood_finetune(
