@@ -60,7 +60,7 @@ class DemoSpec(BaseModel):
     onpolicy_pool: int = Field(512, gt=0, description="Greedy continuations generated for the on-policy stage.")
     onpolicy_batch: int = Field(12, gt=0, description="Pooled continuations per on-policy step.")
     onpolicy_argmax_weight: float = Field(
-        1.0, ge=0, description="Weight of cross-entropy on the target's argmax beside the KL in the on-policy stage."
+        0.3, ge=0, description="Weight of cross-entropy on the target's argmax beside the KL in the on-policy stage."
     )
     lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
     seed: int = Field(0, ge=0, description="Seed of every random choice.")
