@@ -66,24 +66,48 @@ class SpeculationPolicy:
 
 @dataclass
 class ModelLoad:
-    """A model's recent speculation outcome (decayed sums) and load, from which its policy k is updated."""
+    """A model's recent speculation outcome (decayed sums), from which its policy k is updated.
+
+    Acceptance is only observed while speculating, so an estimate the policy turned speculation off on would never
+    be revised: while no round drafts, the evidence fades with time (half-life `fade_half_life_s`) towards a weak
+    prior (`prior_rounds` pseudo-rounds of k = 1 at `prior_acceptance`), which turns speculation back on at a small
+    k to measure it again; the same prior keeps one unlucky first round from turning it off at all (seen in the
+    bench's sweep: a first round accepting 0 of 4 drafted tokens fitted a = 0, and speculation stayed off for good).
+    Time, not rounds: many concurrent requests run many plain rounds per second."""
 
     decay: float = 0.98
+    prior_rounds: float = 1.0
+    prior_acceptance: float = 2.0 / 3.0
+    fade_half_life_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
     rounds: float = 0.0  # rounds that drafted
     drafted: float = 0.0
     committed: float = 0.0  # tokens those rounds committed (accepted + 1 each)
+    last_drafted_at: float | None = None
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted:
-            self.rounds = self.rounds * self.decay + 1
-            self.drafted = self.drafted * self.decay + drafted
-            self.committed = self.committed * self.decay + accepted + 1
+            w = self._weight() * self.decay
+            self.rounds = self.rounds * w + 1
+            self.drafted = self.drafted * w + drafted
+            self.committed = self.committed * w + accepted + 1
+            self.last_drafted_at = self.clock()
+
+    def _weight(self) -> float:
+        """How much of the evidence is left after the time since the last drafted round."""
+        if self.last_drafted_at is None:
+            return 1.0
+        return 0.5 ** (max(0.0, self.clock() - self.last_drafted_at) / self.fade_half_life_s)
 
     def acceptance(self) -> float | None:
-        """Per-position acceptance a fitted to the recent tokens per round (None before any drafted round)."""
-        if self.rounds < 1:
+        """Per-position acceptance a fitted to the recent tokens per round, the prior included (None before any
+        round has drafted)."""
+        if self.last_drafted_at is None:
             return None
-        return fit_acceptance(self.committed / self.rounds, self.drafted / self.rounds)
+        w = self._weight()
+        rounds = self.rounds * w + self.prior_rounds
+        committed = self.committed * w + self.prior_rounds * (1.0 + self.prior_acceptance)
+        return fit_acceptance(committed / rounds, (self.drafted * w + self.prior_rounds) / rounds)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import pytest
 from ray.serve.config import AutoscalingContext
 
 from specserve.cluster.policies import (
+    ModelLoad,
     PoolAutoscalingPolicy,
     SpeculationControl,
     SpeculationPolicy,
@@ -54,6 +55,54 @@ def test_policy_turns_off_under_saturation_and_back_on_when_load_drops():
     for k in ks:  # never a k that loses throughput by more than the margin at this load, except while stepping down
         assert k == 0 or speedup(0.6, 0.05, k, 1.0) > 0.8
     assert policy.update(0.6, 0.05, 0.0) > 0
+
+
+def _rounds(load: ModelLoad, policy: SpeculationPolicy, clock, a: float, n: int, rng: random.Random, dt=0.03):
+    """n rounds at the policy's k, each drafted token accepted with probability a until the first rejection."""
+    for _ in range(n):
+        clock.t += dt
+        accepted = 0
+        while accepted < policy.k and rng.random() < a:
+            accepted += 1
+        load.observe(policy.k, accepted)
+        policy.update(load.acceptance(), 0.075, 0.02)
+
+
+def test_acceptance_is_fitted_per_position_from_recent_rounds():
+    clock, rng = _Clock(), random.Random(0)
+    load, policy = ModelLoad(clock=clock), SpeculationPolicy()
+    assert load.acceptance() is None  # nothing drafted yet: no estimate, the policy is not run
+    _rounds(load, policy, clock, 0.7, 400, rng)
+    assert load.acceptance() == pytest.approx(0.7, abs=0.08)
+    assert policy.k >= 3  # the best k at a = 0.7, c = 0.075 is 4-5
+    _rounds(load, policy, clock, 0.2, 400, rng)  # the workload changed: recent rounds decide
+    assert load.acceptance() == pytest.approx(0.2, abs=0.08) and policy.k <= 2
+
+
+def test_one_unlucky_round_does_not_turn_speculation_off():
+    # The bench's sweep: a first round accepted 0 of 4 drafted tokens, the fit said a = 0, and k went to 0 for good.
+    clock = _Clock()
+    load, policy = ModelLoad(clock=clock), SpeculationPolicy()
+    load.observe(4, 0)
+    assert policy.update(load.acceptance(), 0.075, 0.02) > 0
+
+
+def test_speculation_turned_off_for_low_acceptance_is_measured_again_later():
+    # Acceptance is only observed while drafting: off must not be for good, or a draft that got better (or a
+    # workload it suits) is never noticed.
+    clock, rng = _Clock(), random.Random(1)
+    load, policy = ModelLoad(clock=clock), SpeculationPolicy()
+    _rounds(load, policy, clock, 0.0, 60, rng)
+    assert policy.k == 0
+    off_since, seen = clock.t, []
+    while clock.t - off_since < 120:
+        _rounds(load, policy, clock, 0.0, 1, rng)  # plain rounds while off (k = 0 drafts nothing), probes while on
+        seen.append(policy.k)
+    back_on = seen.index(next(k for k in seen if k > 0))
+    assert 5 < back_on * 0.03 < 60  # after a while, not at once: the evidence fades with time
+    assert 0 < sum(k > 0 for k in seen) / len(seen) < 0.05  # re-measuring a useless draft costs little
+    _rounds(load, policy, clock, 0.8, 2000, rng)  # the draft now agrees: speculation comes back and stays
+    assert policy.k >= 3 and load.acceptance() > 0.7
 
 
 def test_target_utilisation():
