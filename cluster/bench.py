@@ -180,24 +180,30 @@ def run_bench(
         fn(prompts[0][:16], greedy.model_copy(update={"max_new_tokens": 4}))
     costs = measure_costs(target, draft, prompts[0], cfg.ks)
 
+    # Prompt by prompt, every row in turn (forwards, then backwards for the next prompt): this VM's speed drifts by
+    # tens of percent over minutes, and row after row (each over all prompts) charged a slow spell to whichever rows
+    # ran in it (one run measured T=0.8 speculation at 0.79x target-only, the next at 1.56x, same models).
+    counts = {id(row): [0, 0, 0] for row, _ in plan}  # drafted, accepted, rounds
     bar = tqdm(total=len(plan) * len(prompts), desc="bench", unit="gen", disable=not progress, file=sys.stderr)
-    for row, fn in plan:
-        drafted = accepted = rounds = 0
-        for prompt in prompts:
+    for i, prompt in enumerate(prompts):
+        for row, fn in plan if i % 2 == 0 else plan[::-1]:
             t0 = time.perf_counter()
             tokens, stats = fn(prompt, params_for(row, greedy, sampled))
             row.seconds += time.perf_counter() - t0
             row.tokens += len(tokens)
             row.outputs.append(tokens)
             if stats is not None:
-                drafted, accepted, rounds = drafted + stats.drafted, accepted + stats.accepted, rounds + stats.rounds
+                c = counts[id(row)]
+                c[0], c[1], c[2] = c[0] + stats.drafted, c[1] + stats.accepted, c[2] + stats.rounds
             bar.update(1)
+    bar.close()
+    for row, _ in plan:
         row.tokens_per_s = row.tokens / row.seconds
+        drafted, accepted, rounds = counts[id(row)]
         if row.method in ("draft", "ngram"):
             row.acceptance_rate = accepted / drafted if drafted else 0.0
             row.mean_accepted_length = 1 + accepted / rounds
             _fill_bounds(row, costs, drafted / rounds if row.k == "auto" else float(row.k))
-    bar.close()
 
     for temp in {r.temperature for r, _ in plan}:
         base = next(r for r, _ in plan if r.method == "target-only" and r.temperature == temp)
