@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -77,8 +78,8 @@ def held_out_prompts(tokenizer, paths: list[str], n: int, length: int) -> list[l
     return prompts
 
 
-def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -> float:
-    """Median seconds of a cached forward over `new` fresh positions after `prompt`."""
+def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -> list[float]:
+    """Seconds of `reps` cached forwards over `new` fresh positions after `prompt`."""
     times = []
     for i in range(reps):
         runner.logits_for("cost", prompt, 1)
@@ -87,18 +88,34 @@ def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -
         runner.logits_for("cost", seq, new)
         times.append(time.perf_counter() - t0)
     runner.release("cost")
-    return sorted(times)[len(times) // 2]
+    return times
 
 
-def measure_costs(target: LoadedModel, draft: LoadedModel, prompt: list[int], ks, reps: int = 15) -> Costs:
-    t_runner, d_runner = ModelRunner(target, KVCacheConfig()), ModelRunner(draft, KVCacheConfig())
-    _time_forward(t_runner, prompt, 5, reps)  # warm-up: allocator and kernel caches
-    _time_forward(d_runner, prompt, 1, reps)
-    return Costs(
-        t_draft=_time_forward(d_runner, prompt, 1, reps),
-        t_target=_time_forward(t_runner, prompt, 1, reps),
-        t_verify={k: _time_forward(t_runner, prompt, k + 1, reps) for k in sorted(set(ks) | {1, 2, 4, 6, 8})},
-    )
+class CostSampler:
+    """Per-token costs, sampled a few times per prompt between the rows (so the VM's drift lands on the costs as on
+    the rows, and `ratio_to_bound` compares like with like); `costs()` takes the medians of all samples."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel, ks, reps: int = 5):
+        self.t_runner, self.d_runner = ModelRunner(target, KVCacheConfig()), ModelRunner(draft, KVCacheConfig())
+        self.verify_ks = sorted(set(ks) | {1, 2, 4, 6, 8})
+        self.reps = reps
+        self.samples: dict[str, list[float]] = {}
+
+    def warm_up(self, prompt: list[int]) -> None:
+        _time_forward(self.t_runner, prompt, 5, self.reps)  # allocator and kernel caches
+        _time_forward(self.d_runner, prompt, 1, self.reps)
+
+    def sample(self, prompt: list[int]) -> None:
+        add = lambda key, times: self.samples.setdefault(key, []).extend(times)  # noqa: E731
+        add("draft", _time_forward(self.d_runner, prompt, 1, self.reps))
+        add("target", _time_forward(self.t_runner, prompt, 1, self.reps))
+        for k in self.verify_ks:
+            add(f"verify{k}", _time_forward(self.t_runner, prompt, k + 1, self.reps))
+
+    def costs(self) -> Costs:
+        med = lambda key: statistics.median(self.samples[key])  # noqa: E731
+        return Costs(t_draft=med("draft"), t_target=med("target"),
+                     t_verify={k: med(f"verify{k}") for k in self.verify_ks})  # fmt: skip
 
 
 def distinct_ngram_fraction(tokens: list[int], n: int = 4) -> float:
@@ -178,7 +195,8 @@ def run_bench(
     # Warm up every code path once so the first measured row does not pay for lazy initialisation.
     for _, fn in {id(fn): (r, fn) for r, fn in plan}.values():
         fn(prompts[0][:16], greedy.model_copy(update={"max_new_tokens": 4}))
-    costs = measure_costs(target, draft, prompts[0], cfg.ks)
+    sampler = CostSampler(target, draft, cfg.ks)
+    sampler.warm_up(prompts[0])
 
     # Prompt by prompt, every row in turn (forwards, then backwards for the next prompt): this VM's speed drifts by
     # tens of percent over minutes, and row after row (each over all prompts) charged a slow spell to whichever rows
@@ -186,6 +204,7 @@ def run_bench(
     counts = {id(row): [0, 0, 0] for row, _ in plan}  # drafted, accepted, rounds
     bar = tqdm(total=len(plan) * len(prompts), desc="bench", unit="gen", disable=not progress, file=sys.stderr)
     for i, prompt in enumerate(prompts):
+        sampler.sample(prompt)
         for row, fn in plan if i % 2 == 0 else plan[::-1]:
             t0 = time.perf_counter()
             tokens, stats = fn(prompt, params_for(row, greedy, sampled))
@@ -197,6 +216,7 @@ def run_bench(
                 c[0], c[1], c[2] = c[0] + stats.drafted, c[1] + stats.accepted, c[2] + stats.rounds
             bar.update(1)
     bar.close()
+    costs = sampler.costs()
     for row, _ in plan:
         row.tokens_per_s = row.tokens / row.seconds
         drafted, accepted, rounds = counts[id(row)]
