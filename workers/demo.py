@@ -25,7 +25,7 @@ from tqdm import tqdm
 from specserve.workers.demo_corpus import stdlib_corpus
 from specserve.workers.demo_train import encode_stream, llama_config, train_lm, train_tokenizer, use_bf16
 from specserve.workers.loading import resolve_device
-from specserve.workers.onpolicy import continuation_pool, pool_batches
+from specserve.workers.onpolicy import continuation_pool, pool_batches, teacher_logprobs
 from specserve.workers.unlikelihood import unlikelihood_finetune
 
 
@@ -39,35 +39,46 @@ class DemoSpec(BaseModel):
     target_layers: int = Field(24, gt=0, description="Target transformer layers.")
     target_hidden: int = Field(128, gt=0, description="Target hidden width (multiple of 64).")
     draft_layers: int = Field(1, gt=0, description="Draft transformer layers.")
-    draft_hidden: int = Field(128, gt=0, description="Draft hidden width (multiple of 64).")
+    draft_hidden: int = Field(256, gt=0, description="Draft hidden width (multiple of 64).")
     max_positions: int = Field(2048, gt=0, description="Context length of both models.")
     seq_len: int = Field(256, gt=0, description="Training window length.")
     batch: int = Field(8, gt=0, description="Training windows per step.")
     target_steps: int = Field(480, gt=0, description="Target training steps (cross-entropy on the corpus).")
-    draft_steps: int = Field(300, gt=0, description="Draft distillation steps (KL to the target's logits).")
     unlikelihood_steps: int = Field(
         150,
         ge=0,
         description="Target fine-tuning steps with sequence-level unlikelihood on "
         "its own greedy continuations (stops greedy loops), after target_steps.",
     )
+    draft_steps: int = Field(
+        0, ge=0, description="Draft distillation steps on corpus windows (KL to the final target's logits)."
+    )
     draft_onpolicy_steps: int = Field(
-        300,
+        1200,
         ge=0,
         description="Draft distillation steps on the final target's greedy continuations of corpus prefixes "
         "(the text it emits at serving time), after draft_steps.",
     )
-    onpolicy_pool: int = Field(512, gt=0, description="Greedy continuations generated for the on-policy stage.")
+    onpolicy_pool: int = Field(2048, gt=0, description="Greedy continuations generated for the on-policy stage.")
     onpolicy_batch: int = Field(12, gt=0, description="Pooled continuations per on-policy step.")
     onpolicy_argmax_weight: float = Field(
         0.3, ge=0, description="Weight of cross-entropy on the target's argmax beside the KL in the on-policy stage."
     )
+    onpolicy_lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate of the on-policy stage.")
     lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
     seed: int = Field(0, ge=0, description="Seed of every random choice.")
     max_files: int | None = Field(None, gt=0, description="Use only the first N corpus files (tiny builds).")
 
     def key(self) -> str:
         return hashlib.sha1(self.model_dump_json().encode()).hexdigest()[:10]
+
+    def target_recipe(self) -> dict:
+        """The fields the tokenizer and the final target depend on (the draft's do not change them)."""
+        return self.model_dump(include=set(TARGET_FIELDS))
+
+
+TARGET_FIELDS = ("vocab_size", "target_layers", "target_hidden", "max_positions", "seq_len", "batch", "target_steps",
+                 "unlikelihood_steps", "lr", "seed", "max_files")  # fmt: skip
 
 
 TINY_SPEC = DemoSpec(
@@ -138,36 +149,27 @@ def build_demo_family(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     started = time.time()
-    torch.manual_seed(spec.seed)
     log(progress, f"building demo family {final.name} in {final.parent} (one-time; cached afterwards)")
 
     corpus = stdlib_corpus(corpus_root, max_files=spec.max_files)
     texts = corpus.read(corpus.train)
     log(progress, f"corpus: {len(corpus.train)} training files, {len(corpus.held_out)} held out, from {corpus.root}")
-    tokenizer = train_tokenizer(texts, spec.vocab_size)
-    stream = encode_stream(tokenizer, texts)
-    log(progress, f"tokenizer: {len(tokenizer)} tokens; corpus is {len(stream):,} tokens")
-
-    def make(layers: int, hidden: int):
-        from transformers import LlamaForCausalLM
-
-        cfg = llama_config(len(tokenizer), layers, hidden, spec.max_positions, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id)  # fmt: skip
-        return LlamaForCausalLM(cfg).to(on)
-
     log(progress, f"training on {where}" + (", bf16 autocast" if use_bf16(on) else ", fp32"))
-    target = make(spec.target_layers, spec.target_hidden)
-    target_losses = _train("target", target, stream, spec.target_steps, spec, None, progress)
-    draft = make(spec.draft_layers, spec.draft_hidden)
-    draft_losses = _train("draft", draft, stream, spec.draft_steps, spec, target, progress)
-    ul_losses = onpolicy_losses = []
-    if spec.unlikelihood_steps:
-        ul_losses = _unlikelihood(target, stream, spec, progress)
+    tokenizer, stream, target, target_meta = _final_target(spec, texts, on, progress)
+
+    # Seeded here, not by whatever the target stages left in the global generator (they may have been skipped).
+    torch.manual_seed(spec.seed + 5)
+    draft = _llama(tokenizer, spec.draft_layers, spec.draft_hidden, spec).to(on)
+    draft_losses = onpolicy_losses = []
+    if spec.draft_steps:
+        draft_losses = _train("draft", draft, stream, spec.draft_steps, spec, target, progress)
     if spec.draft_onpolicy_steps:
         pool = _continuation_pool(target, stream, spec, on, progress)
-        onpolicy_losses = _train("draft on target text", draft, stream, spec.draft_onpolicy_steps, spec, target,
-                                 progress, data=pool_batches(pool, spec.onpolicy_batch, spec.seed + 4),
-                                 lr=spec.lr / 2, argmax_weight=spec.onpolicy_argmax_weight)  # fmt: skip
+        logprobs = _teacher_logprobs(target, pool, progress)
+        onpolicy_losses = _train("draft on target text", draft, stream, spec.draft_onpolicy_steps, spec, None,
+                                 progress, data=pool_batches(pool, spec.onpolicy_batch, spec.seed + 4, logprobs),
+                                 lr=spec.onpolicy_lr, argmax_weight=spec.onpolicy_argmax_weight)  # fmt: skip
+        del logprobs
 
     for name, model in (("target", target), ("draft", draft)):
         model.to("cpu")
@@ -185,9 +187,8 @@ def build_demo_family(
         "train_tokens": len(stream),
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
-        "target_final_loss": _tail_mean(target_losses),
-        "draft_final_kl": _tail_mean(onpolicy_losses or draft_losses),
-        "target_final_unlikelihood": _tail_mean(ul_losses) if ul_losses else None,
+        **target_meta,
+        "draft_final_kl": _tail_mean(onpolicy_losses or draft_losses) if onpolicy_losses or draft_losses else None,
         "trained_on": where,
         "build_seconds": round(time.time() - started, 1),
     }
@@ -195,6 +196,68 @@ def build_demo_family(
     move_into_place(staging, final)
     log(progress, f"demo family ready in {manifest['build_seconds']:.0f} s: {final}")
     return DemoFamily(final)
+
+
+def _llama(tokenizer, layers: int, hidden: int, spec: DemoSpec):
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(len(tokenizer), layers, hidden, spec.max_positions, tokenizer.eos_token_id,
+                       tokenizer.pad_token_id)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def target_stage_dir(spec: DemoSpec, texts: list[str], on: torch.device) -> Path:
+    """Where the tokenizer and final target of this target recipe, corpus, device type and torch are kept."""
+    h = hashlib.sha1(json.dumps([spec.target_recipe(), on.type, torch.__version__]).encode())
+    for text in texts:
+        h.update(text.encode())
+        h.update(b"\0")
+    return specserve_home() / "stages" / f"target-{h.hexdigest()[:10]}"
+
+
+def _final_target(spec: DemoSpec, texts: list[str], on: torch.device, progress: bool):
+    """(tokenizer, corpus token stream, final target on `on`, manifest fields): trained (tokenizer, cross-entropy,
+    unlikelihood), or loaded from the checkpoint an earlier build of the same target recipe left (a recipe that
+    changes only the draft then skips the target's ~20 minutes; the stages are deterministic, so the weights are the
+    same)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stage = target_stage_dir(spec, texts, on)
+    if (stage / "stage.json").is_file():
+        log(progress, f"target: the checkpoint of this target recipe, {stage}")
+        tokenizer = AutoTokenizer.from_pretrained(stage, local_files_only=True)
+        target = AutoModelForCausalLM.from_pretrained(stage, local_files_only=True, dtype=torch.float32).to(on)
+        meta = json.loads((stage / "stage.json").read_text())
+        return tokenizer, encode_stream(tokenizer, texts), target.eval(), meta
+
+    torch.manual_seed(spec.seed)
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    stream = encode_stream(tokenizer, texts)
+    log(progress, f"tokenizer: {len(tokenizer)} tokens; corpus is {len(stream):,} tokens")
+    target = _llama(tokenizer, spec.target_layers, spec.target_hidden, spec).to(on)
+    losses = _train("target", target, stream, spec.target_steps, spec, None, progress)
+    ul_losses = []
+    if spec.unlikelihood_steps:
+        ul_losses = _unlikelihood(target, stream, spec, progress)
+    meta = {
+        "target_final_loss": _tail_mean(losses),
+        "target_final_unlikelihood": _tail_mean(ul_losses) if ul_losses else None,
+    }
+    staging = stage.with_name(stage.name + f".saving-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    target.save_pretrained(staging)  # fp32, whatever the family's packaged copy is rounded to
+    tokenizer.save_pretrained(staging)
+    (staging / "stage.json").write_text(json.dumps(meta, indent=2))
+    move_into_place(staging, stage)
+    return tokenizer, stream, target, meta
+
+
+def _teacher_logprobs(target, pool, progress: bool):
+    bar = tqdm(total=len(pool), desc="target log-probs", unit="seq", disable=not progress, file=sys.stderr)
+    try:
+        return teacher_logprobs(target, pool, on_batch=bar.update)
+    finally:
+        bar.close()
 
 
 def move_into_place(staging: Path, final: Path) -> None:

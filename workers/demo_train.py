@@ -110,15 +110,17 @@ def train_lm(
     seed: int,
     teacher: LlamaForCausalLM | None = None,
     on_step: Callable[[int, float], None] | None = None,
-    data: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    data: Iterator[tuple[torch.Tensor, ...]] | None = None,
     argmax_weight: float = 0.0,
 ) -> list[float]:
     """Train `model` (on its device) for exactly `steps` steps: next-token cross-entropy, or, with a teacher,
     KL(teacher || model) on the teacher's full next-token distributions (distillation makes the draft agree with the
     target, which is what acceptance measures). bf16 autocast on GPUs (`use_bf16`), fp32 elsewhere. AdamW with
     warmup and cosine decay. `data`: the ([B, T] inputs, [B, T] labels) batches (default: random corpus windows);
-    positions labelled -100 are left out of the loss. `argmax_weight`: with a teacher, adds that much cross-entropy on
-    the teacher's argmax (what greedy acceptance counts). Returns the losses."""
+    positions labelled -100 are left out of the loss. A batch may carry a third item, the teacher's log-probs of its
+    last M positions ([B, M, V], computed once for a fixed pool): then no teacher forward runs per step.
+    `argmax_weight`: with a teacher, adds that much cross-entropy on the teacher's argmax (what greedy acceptance
+    counts). Returns the losses."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     bf16 = use_bf16(device)
@@ -129,10 +131,15 @@ def train_lm(
     losses: list[float] = []
     data = data if data is not None else batches(stream, batch, seq, seed, device)
     for step in range(steps):
-        inputs, labels = next(data)
+        inputs, labels, *cached = next(data)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(input_ids=inputs).logits.float()  # [B, T, V]
-            if teacher is None:
+            if cached:  # the teacher's log-probs of the last M positions, computed once: [B, M, V]
+                target_logp = cached[0].to(device).float()
+                m = target_logp.shape[1]
+                loss = distillation_loss(torch.log_softmax(logits[:, -m:], -1), target_logp, labels[:, -m:] != -100,
+                                         argmax_weight)  # fmt: skip
+            elif teacher is None:
                 loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             else:
                 with torch.no_grad():

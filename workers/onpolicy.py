@@ -43,12 +43,36 @@ def continuation_pool(
     return torch.cat(rows)
 
 
-def pool_batches(pool: torch.Tensor, batch: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless ([batch, L-1] inputs, [batch, L-1] labels) of random pool rows. Labels of the prefix's positions are
-    -100 (left out of the loss: that text is the corpus's, not the target's); the rest are the continuation."""
+@torch.no_grad()
+def teacher_logprobs(
+    teacher: LlamaForCausalLM, pool: torch.Tensor, on_batch: Callable[[int], None] | None = None
+) -> torch.Tensor:
+    """[N, POOL_CONTINUATION, V] float16 on the CPU: `teacher`'s log-probs at every continuation position of the
+    pool's rows ([N, PREFIX + POOL_CONTINUATION]), computed once so the draft's many passes over the pool need no
+    teacher forward per step (the 24-layer teacher's forward was most of each step). fp16 keeps 2048 rows of the
+    demo's 4096-token vocabulary at 2.1 GB."""
+    device = next(teacher.parameters()).device
+    rows = []
+    for start in range(0, len(pool), POOL_BATCH):
+        seq = pool[start : start + POOL_BATCH].to(device)
+        logits = teacher(input_ids=seq[:, :-1]).logits[:, PREFIX - 1 :].float()  # [b, POOL_CONTINUATION, V]
+        rows.append(torch.log_softmax(logits, -1).half().cpu())
+        if on_batch is not None:
+            on_batch(len(seq))
+    return torch.cat(rows)
+
+
+def pool_batches(
+    pool: torch.Tensor, batch: int, seed: int, logprobs: torch.Tensor | None = None
+) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Endless ([batch, L-1] inputs, [batch, L-1] labels) of random pool rows, on the pool's device. Labels of the
+    prefix's positions are -100 (left out of the loss: that text is the corpus's, not the target's); the rest are
+    the continuation. With `logprobs` (`teacher_logprobs` of the pool), each batch also carries its rows' teacher
+    log-probs, [batch, POOL_CONTINUATION, V]."""
     g = torch.Generator().manual_seed(seed)
     while True:
-        seq = pool[torch.randint(0, len(pool), (batch,), generator=g)]  # [batch, L]
+        idx = torch.randint(0, len(pool), (batch,), generator=g)
+        seq = pool[idx.to(pool.device)]  # [batch, L]
         labels = seq[:, 1:].clone()
         labels[:, : PREFIX - 1] = -100
-        yield seq[:, :-1], labels
+        yield (seq[:, :-1], labels) if logprobs is None else (seq[:, :-1], labels, logprobs[idx])

@@ -62,6 +62,30 @@ def test_build_is_reproducible(tiny_family, tmp_path, monkeypatch):
         assert a == b, f"{name} weights differ between two builds of the same spec"
 
 
+def test_a_draft_only_recipe_change_reuses_the_target_and_builds_what_a_fresh_build_does(tiny_family, tmp_path,
+                                                                                        monkeypatch):  # fmt: skip
+    from specserve.workers import demo
+
+    other_draft = TINY_SPEC.model_copy(update={"draft_onpolicy_steps": 3, "onpolicy_lr": 1e-3})
+    assert other_draft.target_recipe() == TINY_SPEC.target_recipe() and other_draft.key() != TINY_SPEC.key()
+    fresh_home = tmp_path / "fresh"
+    monkeypatch.setenv("SPECSERVE_HOME", str(fresh_home))
+    fresh = build_demo_family(other_draft, progress=False)
+
+    monkeypatch.setenv("SPECSERVE_HOME", str(tiny_family.root.parent.parent))  # holds the tiny target's checkpoint
+    trained = []
+    real_train = demo._train
+    monkeypatch.setattr(demo, "_train", lambda name, *a, **k: trained.append(name) or real_train(name, *a, **k))
+    monkeypatch.setattr(demo, "_unlikelihood", lambda *a, **k: pytest.fail("the target was fine-tuned again"))
+    reused = build_demo_family(other_draft, progress=False)
+    assert "target" not in trained and "draft on target text" in trained
+    for name in ("target", "draft"):
+        a = (fresh.root / name / "model.safetensors").read_bytes()
+        b = (reused.root / name / "model.safetensors").read_bytes()
+        assert a == b, f"{name} weights differ between a fresh build and one from the target checkpoint"
+    assert reused.manifest["target_final_loss"] == fresh.manifest["target_final_loss"]
+
+
 def test_training_device_is_chosen_and_checked():
     from specserve.workers.demo_train import use_bf16
     from specserve.workers.errors import ModelLoadError

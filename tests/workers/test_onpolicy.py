@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specserve.workers.demo_train import distillation_loss, llama_config, train_lm
-from specserve.workers.onpolicy import POOL_CONTINUATION, continuation_pool, pool_batches
+from specserve.workers.onpolicy import POOL_CONTINUATION, continuation_pool, pool_batches, teacher_logprobs
 from specserve.workers.unlikelihood import PREFIX
 
 
@@ -49,6 +49,31 @@ def test_pool_batches_leave_the_prefix_out_of_the_loss():
     assert inputs.shape == labels.shape == (4, PREFIX + 9)
     assert (labels[:, : PREFIX - 1] == -100).all()
     assert torch.equal(labels[:, PREFIX - 1 :], inputs[:, PREFIX - 1 :] + 1)  # the next token of the same row
+
+
+def test_cached_teacher_logprobs_train_like_the_live_teacher():
+    teacher = _model(2, 0)
+    stream = torch.randint(2, 32, (4000,), generator=torch.Generator().manual_seed(1))
+    pool = continuation_pool(stream, teacher, 5, seed=5)
+    logprobs = teacher_logprobs(teacher, pool)
+    assert logprobs.shape == (5, POOL_CONTINUATION, 32) and logprobs.dtype == torch.float16
+    with torch.no_grad():
+        live = torch.log_softmax(teacher(input_ids=pool[:, :-1]).logits[:, PREFIX - 1 :], -1)
+    assert torch.allclose(logprobs.float(), live, atol=1e-2)
+    inputs, labels, cached = next(pool_batches(pool, 3, seed=0, logprobs=logprobs))
+    plain_inputs, plain_labels = next(pool_batches(pool, 3, seed=0))  # the same rows, with their own log-probs
+    assert torch.equal(inputs, plain_inputs) and torch.equal(labels, plain_labels)
+    rows = [next(i for i in range(len(pool)) if torch.equal(pool[i, :-1], row)) for row in inputs]
+    assert torch.equal(cached, logprobs[rows])
+
+    # Steps from the cached log-probs train a draft as the live teacher does (up to their fp16 rounding).
+    live_draft, cached_draft = _model(1, 1), _model(1, 1)
+    live_losses = train_lm(live_draft, stream, 5, 3, 64, 3e-3, 0, teacher=teacher, data=pool_batches(pool, 3, 0),
+                           argmax_weight=0.3)  # fmt: skip
+    cached_losses = train_lm(cached_draft, stream, 5, 3, 64, 3e-3, 0, data=pool_batches(pool, 3, 0, logprobs),
+                             argmax_weight=0.3)  # fmt: skip
+    # (Losses, not weights: Adam turns the fp16 rounding of tiny gradients into full-size steps of either sign.)
+    assert torch.allclose(torch.tensor(cached_losses), torch.tensor(live_losses), rtol=1e-2)
 
 
 def _markov_stream(length: int, seed: int) -> torch.Tensor:
