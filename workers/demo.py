@@ -23,7 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from specserve.workers.demo_corpus import stdlib_corpus
-from specserve.workers.demo_train import encode_stream, llama_config, train_lm, train_tokenizer, use_bf16
+from specserve.workers.demo_train import (
+    encode_stream,
+    llama_config,
+    saved_tokenizer,
+    train_lm,
+    train_tokenizer,
+    use_bf16,
+)
 from specserve.workers.loading import resolve_device
 from specserve.workers.onpolicy import continuation_pool, pool_batches, teacher_logprobs
 from specserve.workers.unlikelihood import unlikelihood_finetune
@@ -39,7 +46,7 @@ class DemoSpec(BaseModel):
     target_layers: int = Field(24, gt=0, description="Target transformer layers.")
     target_hidden: int = Field(128, gt=0, description="Target hidden width (multiple of 64).")
     draft_layers: int = Field(1, gt=0, description="Draft transformer layers.")
-    draft_hidden: int = Field(256, gt=0, description="Draft hidden width (multiple of 64).")
+    draft_hidden: int = Field(128, gt=0, description="Draft hidden width (multiple of 64).")
     max_positions: int = Field(2048, gt=0, description="Context length of both models.")
     seq_len: int = Field(256, gt=0, description="Training window length.")
     batch: int = Field(8, gt=0, description="Training windows per step.")
@@ -220,12 +227,12 @@ def _final_target(spec: DemoSpec, texts: list[str], on: torch.device, progress: 
     unlikelihood), or loaded from the checkpoint an earlier build of the same target recipe left (a recipe that
     changes only the draft then skips the target's ~20 minutes; the stages are deterministic, so the weights are the
     same)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     stage = target_stage_dir(spec, texts, on)
     if (stage / "stage.json").is_file():
         log(progress, f"target: the checkpoint of this target recipe, {stage}")
-        tokenizer = AutoTokenizer.from_pretrained(stage, local_files_only=True)
+        tokenizer = saved_tokenizer(stage / "tokenizer.json")
         target = AutoModelForCausalLM.from_pretrained(stage, local_files_only=True, dtype=torch.float32).to(on)
         meta = json.loads((stage / "stage.json").read_text())
         return tokenizer, encode_stream(tokenizer, texts), target.eval(), meta

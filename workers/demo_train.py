@@ -21,7 +21,16 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     bpe.train_from_iterator(
         texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD], show_progress=False
     )
-    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, pad_token=PAD, bos_token=EOS)
+    return _fast(tokenizer_object=bpe._tokenizer)
+
+
+def saved_tokenizer(tokenizer_json) -> PreTrainedTokenizerFast:
+    """The tokenizer `train_tokenizer` made, from its saved tokenizer.json (saved again, the same files)."""
+    return _fast(tokenizer_file=str(tokenizer_json))
+
+
+def _fast(**source) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(**source, eos_token=EOS, pad_token=PAD, bos_token=EOS)
 
 
 def encode_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:

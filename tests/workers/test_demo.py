@@ -80,9 +80,11 @@ def test_a_draft_only_recipe_change_reuses_the_target_and_builds_what_a_fresh_bu
     reused = build_demo_family(other_draft, progress=False)
     assert "target" not in trained and "draft on target text" in trained
     for name in ("target", "draft"):
-        a = (fresh.root / name / "model.safetensors").read_bytes()
-        b = (reused.root / name / "model.safetensors").read_bytes()
-        assert a == b, f"{name} weights differ between a fresh build and one from the target checkpoint"
+        files = sorted(p.name for p in (fresh.root / name).iterdir())
+        assert files == sorted(p.name for p in (reused.root / name).iterdir()) and "model.safetensors" in files
+        for file in files:
+            a, b = (fresh.root / name / file).read_bytes(), (reused.root / name / file).read_bytes()
+            assert a == b, f"{name}/{file} differs between a fresh build and one from the target checkpoint"
     assert reused.manifest["target_final_loss"] == fresh.manifest["target_final_loss"]
 
 
