@@ -3,7 +3,8 @@
 `specserve models build-demo` puts it under $SPECSERVE_HOME (default ~/.cache/specserve): from the weights packaged
 with specserve (`demo_package`) when they match the spec, else trained (`--from-scratch` always trains);
 `ensure_demo_family` returns the cached family, installing or building it first when missing. Saved in Hugging Face
-format, so it loads through the same path as any user model.
+format, so it loads through the same path as any user model. A build also keeps its final target under
+$SPECSERVE_HOME/stages/, so a later recipe that changes only the draft starts from it.
 """
 
 from __future__ import annotations
