@@ -128,8 +128,8 @@ def train_lm(
     warmup and cosine decay. `data`: the ([B, T] inputs, [B, T] labels) batches (default: random corpus windows);
     positions labelled -100 are left out of the loss. A batch may carry a third item, the teacher's log-probs of its
     last M positions ([B, M, V], computed once for a fixed pool): then no teacher forward runs per step.
-    `argmax_weight`: with a teacher, adds that much cross-entropy on the teacher's argmax (what greedy acceptance
-    counts). Returns the losses."""
+    `argmax_weight`: with a teacher (live or cached), adds that much cross-entropy on the teacher's argmax (what
+    greedy acceptance counts). Returns the losses."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     bf16 = use_bf16(device)
