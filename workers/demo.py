@@ -62,12 +62,12 @@ class DemoSpec(BaseModel):
         0, ge=0, description="Draft distillation steps on corpus windows (KL to the final target's logits)."
     )
     draft_onpolicy_steps: int = Field(
-        1200,
+        2400,
         ge=0,
         description="Draft distillation steps on the final target's greedy continuations of corpus prefixes "
         "(the text it emits at serving time), after draft_steps.",
     )
-    onpolicy_pool: int = Field(2048, gt=0, description="Greedy continuations generated for the on-policy stage.")
+    onpolicy_pool: int = Field(6144, gt=0, description="Greedy continuations generated for the on-policy stage.")
     onpolicy_batch: int = Field(12, gt=0, description="Pooled continuations per on-policy step.")
     onpolicy_argmax_weight: float = Field(
         0.3, ge=0, description="Weight of cross-entropy on the target's argmax beside the KL in the on-policy stage."
