@@ -246,6 +246,8 @@ def run_bench(
         "t_verify_ms": {k: v * 1e3 for k, v in costs.t_verify.items()},
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
+        # whether each model ran without transformers' forward wrappers (workers/lean_forward.py)
+        "lean_forward": {"target": engine.verifier.runner.lean, "draft": draft_runner.lean},
         "prompts": len(prompts),
         "prompt_tokens": cfg.prompt_tokens,
         "max_new_tokens": cfg.max_new_tokens,

@@ -8,6 +8,7 @@ import torch
 
 from specserve.workers.config import KVCacheConfig
 from specserve.workers.kv_cache import KVCacheStore
+from specserve.workers.lean_forward import full_forward, lean_forward
 from specserve.workers.loading import LoadedModel
 from specserve.workers.slot_cache import BatchPlan, batch_mask, single_row_mask
 
@@ -27,6 +28,9 @@ class ModelRunner:
         self.device = loaded.device
         self.vocab_size = vocab_size or loaded.vocab_size  # logits are cut/padded to this width
         self.store = KVCacheStore(kv_config, bytes_per_token=loaded.kv_bytes_per_token)
+        lean = lean_forward(self.model)
+        self.lean = lean is not None  # transformers' wrappers skipped, same logits (workers/lean_forward.py)
+        self._forward = lean or full_forward(self.model)
         self.forward_calls = 0
         self.forward_positions = 0
 
@@ -87,19 +91,12 @@ class ModelRunner:
             mask = batch_mask(starts, lengths, width, kv_len, self.model.dtype, self.device)
         cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
         keep = max(n for _, _, n in rows)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        out = self._forward(input_ids, positions, mask, cache, keep)  # [B, keep, V]
         for rid, new in zip(ids, news, strict=False):
             self.store.commit(rid, new)
         self.forward_calls += 1
         self.forward_positions += sum(lengths)
-        logits = out.logits[:, -keep:].float()  # [B, keep, V]
+        logits = out[:, -keep:].float()  # [B, keep, V]
         return [self._fit_vocab(logits[b, keep - n :]) for b, (_, _, n) in enumerate(rows)]  # each [n, V]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:

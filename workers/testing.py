@@ -147,8 +147,8 @@ class LocalWorkers:
 
 
 def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results) -> None:
-    """One rank of a test: shard the model, run `rows` through the mirrored runner, rank 0 puts the logits in
-    `results` (a multiprocessing queue)."""
+    """One rank of a test: shard the model, run `rows` through the mirrored runner, rank 0 puts the logits and
+    whether its runner took the lean forward path in `results` (a multiprocessing queue)."""
     import torch.distributed as dist
 
     from specserve.workers.config import KVCacheConfig, ModelConfig
@@ -162,7 +162,7 @@ def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results
             tp = TensorParallelRunner(runner)
             first = tp.logits_for_batch(rows[:1])  # cache the first row, then a ragged batch on top of it
             out = tp.logits_for_batch(rows[1:])
-            results.put([t.tolist() for t in first + out])
+            results.put(([t.tolist() for t in first + out], runner.lean))
             tp.shutdown()
         else:
             follow(runner)

@@ -43,10 +43,11 @@ def test_sharded_logits_equal_the_single_process_model(tiny_target):
              for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
-    sharded = results.get(timeout=180)
+    sharded, sharded_lean = results.get(timeout=180)
     for p in procs:
         p.join(30)
     runner = ModelRunner(load_model(ModelConfig(path=tiny_target, device="cpu")), KVCacheConfig())
+    assert sharded_lean and runner.lean  # the sharded model's wrappers are skipped too (workers/lean_forward.py)
     expected = runner.logits_for_batch(rows[:1]) + runner.logits_for_batch(rows[1:])
     for got, want in zip(sharded, expected, strict=True):
         assert torch.allclose(torch.tensor(got), want, atol=1e-5, rtol=0)
