@@ -96,7 +96,7 @@ class ModelRunner:
             self.store.commit(rid, new)
         self.forward_calls += 1
         self.forward_positions += sum(lengths)
-        logits = out[:, -keep:].float()  # [B, keep, V]
+        logits = out.float()  # [B, keep, V]
         return [self._fit_vocab(logits[b, keep - n :]) for b, (_, _, n) in enumerate(rows)]  # each [n, V]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
