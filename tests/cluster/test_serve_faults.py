@@ -50,11 +50,12 @@ def server(tiny_target, tiny_draft):
     ray.shutdown()
 
 
-def _replica_actor(deployment: str):
-    """A live replica actor of the deployment (Serve names them ...specserve#<deployment>#<replica id>)."""
+def _replica(deployment: str):
+    """(actor, worker id) of a live replica of the deployment (Serve names replica actors
+    ...specserve#<deployment>#<replica id>; pool replicas register as <deployment>-<replica id>)."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == "serve" and f"specserve#{deployment}#" in a["name"]]  # fmt: skip
-    return ray.get_actor(names[0], namespace="serve")
+    return ray.get_actor(names[0], namespace="serve"), f"{deployment}-{names[0].rsplit('#', 1)[-1]}"
 
 
 def _streams(server, results: dict, errors: list, drafted_at: dict | None = None) -> list[threading.Thread]:
@@ -89,7 +90,9 @@ def test_killed_draft_replica_mid_stream(server, reference):
     threads = _streams(server, results, errors, drafted_at)
     time.sleep(1.0)
     killed = time.monotonic()
-    ray.kill(_replica_actor("draft-tiny"), no_restart=True)  # Serve replaces the replica
+    actor, killed_id = _replica("draft-tiny")
+    assert killed_id in before
+    ray.kill(actor, no_restart=True)  # Serve replaces the replica
     for t in threads:
         t.join(300)
     assert errors == [] and [results[i][0] for i in range(len(PROMPTS))] == reference
@@ -99,10 +102,15 @@ def test_killed_draft_replica_mid_stream(server, reference):
     reattached = {i: min([t for t in drafted_at.get(i, []) if t > killed], default=None) for i in running}
     assert running and all(t is not None for t in reattached.values()), reattached
     print(f"{len(running)} streams drafting again {max(reattached.values()) - killed:.2f} s after the kill (slowest)")
-    while time.monotonic() - killed < 120 and len(_healthy(server)["drafts"]) < 2:
+    # The dead replica leaves /health at its first failed call or when its registration expires (30 s without a
+    # heartbeat), whichever comes first; its replacement joins once loaded.
+    drafts = set(before)
+    while time.monotonic() - killed < 120 and (killed_id in drafts or not drafts - set(before)):
         time.sleep(0.25)
-    assert set(_healthy(server)["drafts"]) - set(before), "the replacement draft replica joined"
-    print(f"replacement draft replica joined {time.monotonic() - killed:.1f} s after the kill")
+        drafts = set(_healthy(server)["drafts"])
+    assert killed_id not in drafts, f"the killed draft replica {killed_id} is still listed as healthy: {drafts}"
+    assert drafts - set(before), f"no replacement draft replica joined: {drafts}"
+    print(f"replacement draft replica joined, killed one gone, {time.monotonic() - killed:.1f} s after the kill")
     with SpecServeClient(server["grpc"], timeout_s=120) as client:
         out = client.generate(PROMPTS[0], max_new_tokens=N, k=3)
     assert out["token_ids"] == reference[0] and out["stats"]["drafted"] > 0  # drafting again
@@ -112,7 +120,7 @@ def test_killed_target_replica_mid_request(server, reference):
     results, errors = {}, []
     threads = _streams(server, results, errors)
     time.sleep(1.0)
-    ray.kill(_replica_actor("target-tiny"), no_restart=True)
+    ray.kill(_replica("target-tiny")[0], no_restart=True)
     for t in threads:
         t.join(300)
     assert errors == [] and [results[i][0] for i in range(len(PROMPTS))] == reference
@@ -140,7 +148,7 @@ def test_killed_scheduler_fails_in_flight_calls_with_unavailable_and_the_client_
     for t in threads:
         t.start()
     assert streaming.wait(120)
-    ray.kill(_replica_actor("scheduler"), no_restart=True)
+    ray.kill(_replica("scheduler")[0], no_restart=True)
     for t in threads:
         t.join(300)
     assert outcome["unary"] == reference[1]  # retried on the replacement scheduler replica
