@@ -484,7 +484,8 @@ def main_bench(args) -> int:
         meta["concurrency"] = levels_json(levels)
     print(format_table(rows, meta))
     if levels:
-        print(f"\nConcurrency sweep (greedy, {new_tokens} new tokens per request, closed-loop streams, disaggregated "
+        lengths = f"{new_tokens // 2}-{new_tokens * 3 // 2}"
+        print(f"\nConcurrency sweep (greedy, {lengths} new tokens per request, closed-loop streams, disaggregated "
               "over gRPC; per level: the policy settles, unmeasured, then off and on segments alternate):")  # fmt: skip
         print(format_levels(levels))
     if args.json:

@@ -4,9 +4,14 @@ runs the scheduler), speculation on (k='auto' under the load-aware speculation p
 off, measured side by side in one run.
 
 The policy's state (acceptance, the target's fitted step cost, the measured switch) is kept across levels, as a running
-service keeps it while its load changes. A stream is a closed loop: it sends its next request (new_tokens long) when the
-last one finished. Each level first runs a `settle_s` pass with the policy live, unmeasured (it settles at the new
-load, as in a service that has been at that load for a while), then `pairs` pairs of an off and an on segment,
+service keeps it while its load changes. A stream is a closed loop: it sends its next request when the last one
+finished. Requests ask for new_tokens on average, each a different length between half and one and a half times that
+(fixed per request index, so both modes run the same requests): with equal lengths, plain decoding's streams ran in
+lockstep, all prefilling together and all decoding in one batch, a best case for it that independent arrivals never
+give (measured at 16 streams: 0.89x that throughput once the same streams were out of step).
+
+Each level first runs a `settle_s` pass with the policy live, unmeasured (it settles at the new load, as in a service
+that has been at that load for a while), then `pairs` pairs of an off and an on segment,
 `segment_s` seconds apiece, in Thue-Morse order (off on, on off, on off, off on, ...: so that this machine's slow
 phases land on both modes alike, and a steady drift of its speed, which ABAB order charges to the later mode, cancels
 out); a segment ends when its streams finish the requests they started in time, but its throughput counts only the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -67,7 +73,7 @@ class LevelRow:
     streams: int
     speculation: str  # "on (k=auto + policy)" | "off"
     requests: int = 0  # in all (each stream sends the next when its last one finished)
-    new_tokens: int = 0  # per request
+    new_tokens: int = 0  # per request, on average (see request_length)
     tokens: int = 0  # every request's tokens, those finishing after the window included
     seconds: float = 0.0
     window_tokens: int = 0  # tokens committed within the measured window
@@ -84,6 +90,11 @@ class LevelRow:
     segment_tokens_per_s: list[float] = field(default_factory=list)
     outputs: dict[int, list[int]] = field(default_factory=dict, repr=False)  # request index -> tokens
     tpots: list[float] = field(default_factory=list, repr=False)
+
+
+def request_length(i: int, new_tokens: int) -> int:
+    """Request i's max_new_tokens: uniform over [new_tokens / 2, 3 new_tokens / 2], seeded by i."""
+    return random.Random(i).randint(max(1, new_tokens // 2), max(1, new_tokens * 3 // 2))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -110,7 +121,6 @@ async def _level(
     # No drafting ahead (PEARL-style pre-drafts): both worker processes share this machine's cores, so a pre-draft
     # competes with the verification it overlaps (measured on 2 cores, 1 stream, k=4: 65 tok/s with, 93 without).
     pipeline = Pipeline(scheduler, drafts, targets, predraft=False, verify_costs=costs)
-    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
     if speculate:  # the policy's current decision applies from the first round, as in a running service
         state.apply(pipeline, cost_ratio, None)
@@ -119,6 +129,7 @@ async def _level(
         prompt = prompts[i % len(prompts)]
         cut = (i // len(prompts)) % max(1, len(prompt) // 2)  # requests beyond the prompt count differ too
         prompt = prompt[: len(prompt) - cut]
+        params = SamplingParams(max_new_tokens=request_length(i, new_tokens), stop_at_eos=False)
         req = pipeline.scheduler.add(prompt, params, spec, frozenset())
         start = last = time.perf_counter()
         prev = (0, 0)

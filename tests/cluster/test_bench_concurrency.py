@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specserve.cluster.bench_concurrency import PAIRS, LevelRow, _pairs, _segment_order, ratio_ci95
+from specserve.cluster.bench_concurrency import PAIRS, LevelRow, _pairs, _segment_order, ratio_ci95, request_length
 
 
 @pytest.mark.parametrize("pairs", [4, PAIRS])
@@ -39,3 +39,12 @@ def test_ratio_interval_covers_the_true_ratio_about_95_percent_of_the_time():
     assert lo < 1.0 < hi and math.sqrt(lo * hi) == pytest.approx((0.95 * 1.05) ** 0.25)  # around the geometric mean
     assert ratio_ci95([0.8, 0.82, 0.79, 0.81])[1] < 1.0  # consistently slower: the interval excludes a tie
     assert ratio_ci95([1.2]) is None  # one pair: no spread to judge by
+
+
+def test_requests_differ_in_length_around_the_mean_and_each_mode_gets_the_same_ones():
+    lengths = [request_length(i, 32) for i in range(2000)]
+    assert min(lengths) == 16 and max(lengths) == 48  # half to one and a half times the mean, ends included
+    assert abs(sum(lengths) / len(lengths) - 32) < 1
+    assert len(set(lengths[:16])) >= 8  # the streams' first requests do not end together
+    assert lengths == [request_length(i, 32) for i in range(2000)]  # fixed per request index
+    assert request_length(5, 1) == 1

@@ -133,8 +133,8 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
         (n, off) for n in (1, 4, 16, 32) for off in (False, True)
     ]
     assert all(r["identical"] is True for r in levels if r["speculation"] != "off")
-    for r in levels:  # closed-loop streams: each ran at least one 16-token request
-        assert r["requests"] >= r["streams"] and r["tokens"] == r["requests"] * 16
+    for r in levels:  # closed-loop streams: each ran at least one request of 8-24 tokens (16 on average)
+        assert r["requests"] >= r["streams"] and 8 * r["requests"] <= r["tokens"] <= 24 * r["requests"]
         assert len(r["segment_tokens_per_s"]) == 4
         if r["speculation"] != "off":  # each on segment against the off segment beside it, and the interval
             lo, hi = r["ratio_ci95"]
