@@ -79,6 +79,15 @@ def _streams(server, results: dict, errors: list, drafted_at: dict | None = None
     return threads
 
 
+def _wait_until_all_stream(drafted_at: dict, timeout_s: float = 120) -> None:
+    """Until every stream has had its first chunk (requests this short finish within a second: a fixed sleep before
+    the fault could let them all finish first, and the fault would hit no request)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(("rounds", i) in drafted_at for i in range(len(PROMPTS))):
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.005)
+
+
 def _healthy(server) -> dict:
     return json.loads(urllib.request.urlopen(server["http"] + "/health", timeout=30).read())["tiny"]
 
@@ -88,9 +97,9 @@ def test_killed_draft_replica_mid_stream(server, reference):
     assert len(before) == 2
     results, errors, drafted_at = {}, [], {}
     threads = _streams(server, results, errors, drafted_at)
-    time.sleep(1.0)
-    killed = time.monotonic()
     actor, killed_id = _replica("draft-tiny")
+    _wait_until_all_stream(drafted_at)
+    killed = time.monotonic()
     assert killed_id in before
     ray.kill(actor, no_restart=True)  # Serve replaces the replica
     for t in threads:
@@ -117,13 +126,17 @@ def test_killed_draft_replica_mid_stream(server, reference):
 
 
 def test_killed_target_replica_mid_request(server, reference):
-    results, errors = {}, []
-    threads = _streams(server, results, errors)
-    time.sleep(1.0)
-    ray.kill(_replica("target-tiny")[0], no_restart=True)
+    results, errors, drafted_at = {}, [], {}
+    threads = _streams(server, results, errors, drafted_at)
+    actor, _ = _replica("target-tiny")
+    _wait_until_all_stream(drafted_at)
+    killed = time.monotonic()
+    ray.kill(actor, no_restart=True)
     for t in threads:
         t.join(300)
     assert errors == [] and [results[i][0] for i in range(len(PROMPTS))] == reference
+    # the fault hit requests in flight: streams went on committing rounds after it
+    assert any(t > killed for i in range(len(PROMPTS)) for t in drafted_at[("rounds", i)])
 
 
 def test_killed_scheduler_fails_in_flight_calls_with_unavailable_and_the_client_retries(server, reference):
