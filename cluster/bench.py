@@ -469,7 +469,7 @@ def main_bench(args) -> int:
         meta["tensor_parallel"] = {"world_size": tp_n, **profile}
     levels = []
     if args.concurrency:
-        from specserve.cluster.bench_concurrency import concurrency_rows, format_levels, levels_json
+        from specserve.cluster.bench_concurrency import concurrency_rows, format_levels, levels_json, request_lengths
 
         new_tokens = 16 if args.quick else 32
         levels = concurrency_rows(
@@ -484,7 +484,7 @@ def main_bench(args) -> int:
         meta["concurrency"] = levels_json(levels)
     print(format_table(rows, meta))
     if levels:
-        lengths = f"{new_tokens // 2}-{new_tokens * 3 // 2}"
+        lengths = "-".join(map(str, request_lengths(new_tokens)))
         print(f"\nConcurrency sweep (greedy, {lengths} new tokens per request, closed-loop streams, disaggregated "
               "over gRPC; per level: the policy settles, unmeasured, then off and on segments alternate):")  # fmt: skip
         print(format_levels(levels))

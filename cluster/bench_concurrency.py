@@ -92,9 +92,14 @@ class LevelRow:
     tpots: list[float] = field(default_factory=list, repr=False)
 
 
+def request_lengths(new_tokens: int) -> tuple[int, int]:
+    """(shortest, longest) max_new_tokens of the sweep's requests: half to one and a half times the mean."""
+    return max(1, new_tokens // 2), max(1, new_tokens * 3 // 2)
+
+
 def request_length(i: int, new_tokens: int) -> int:
-    """Request i's max_new_tokens: uniform over [new_tokens / 2, 3 new_tokens / 2], seeded by i."""
-    return random.Random(i).randint(max(1, new_tokens // 2), max(1, new_tokens * 3 // 2))
+    """Request i's max_new_tokens: uniform over request_lengths(new_tokens), seeded by i."""
+    return random.Random(i).randint(*request_lengths(new_tokens))
 
 
 def _percentile(values: list[float], q: float) -> float:
