@@ -62,12 +62,12 @@ class DemoSpec(BaseModel):
         0, ge=0, description="Draft distillation steps on corpus windows (KL to the final target's logits)."
     )
     draft_onpolicy_steps: int = Field(
-        2400,
+        4800,
         ge=0,
         description="Draft distillation steps on the final target's greedy continuations of corpus prefixes "
         "(the text it emits at serving time), after draft_steps.",
     )
-    onpolicy_pool: int = Field(6144, gt=0, description="Greedy continuations generated for the on-policy stage.")
+    onpolicy_pool: int = Field(16384, gt=0, description="Greedy continuations generated for the on-policy stage.")
     onpolicy_batch: int = Field(12, gt=0, description="Pooled continuations per on-policy step.")
     onpolicy_argmax_weight: float = Field(
         0.3, ge=0, description="Weight of cross-entropy on the target's argmax beside the KL in the on-policy stage."
@@ -173,11 +173,15 @@ def build_demo_family(
         draft_losses = _train("draft", draft, stream, spec.draft_steps, spec, target, progress)
     if spec.draft_onpolicy_steps:
         pool = _continuation_pool(target, stream, spec, on, progress)
-        logprobs = _teacher_logprobs(target, pool, progress)
-        onpolicy_losses = _train("draft on target text", draft, stream, spec.draft_onpolicy_steps, spec, None,
-                                 progress, data=pool_batches(pool, spec.onpolicy_batch, spec.seed + 4, logprobs),
-                                 lr=spec.onpolicy_lr, argmax_weight=spec.onpolicy_argmax_weight)  # fmt: skip
-        del logprobs
+        file = staging.with_name(staging.name + ".logprobs")
+        try:
+            logprobs = _teacher_logprobs(target, pool, progress, file)
+            onpolicy_losses = _train("draft on target text", draft, stream, spec.draft_onpolicy_steps, spec, None,
+                                     progress, data=pool_batches(pool, spec.onpolicy_batch, spec.seed + 4, logprobs),
+                                     lr=spec.onpolicy_lr, argmax_weight=spec.onpolicy_argmax_weight)  # fmt: skip
+            del logprobs
+        finally:
+            file.unlink(missing_ok=True)
 
     for name, model in (("target", target), ("draft", draft)):
         model.to("cpu")
@@ -260,10 +264,10 @@ def _final_target(spec: DemoSpec, texts: list[str], on: torch.device, progress: 
     return tokenizer, stream, target, meta
 
 
-def _teacher_logprobs(target, pool, progress: bool):
+def _teacher_logprobs(target, pool, progress: bool, file: Path):
     bar = tqdm(total=len(pool), desc="target log-probs", unit="seq", disable=not progress, file=sys.stderr)
     try:
-        return teacher_logprobs(target, pool, on_batch=bar.update)
+        return teacher_logprobs(target, pool, on_batch=bar.update, file=file)
     finally:
         bar.close()
 

@@ -76,6 +76,18 @@ def test_cached_teacher_logprobs_train_like_the_live_teacher():
     assert torch.allclose(torch.tensor(cached_losses), torch.tensor(live_losses), rtol=1e-2)
 
 
+def test_teacher_logprobs_into_a_file_match_in_memory(tmp_path):
+    teacher = _model(2, 0)
+    stream = torch.randint(2, 32, (4000,), generator=torch.Generator().manual_seed(1))
+    pool = continuation_pool(stream, teacher, 3, seed=5)
+    file = tmp_path / "logprobs.bin"
+    mapped = teacher_logprobs(teacher, pool, file=file)
+    assert torch.equal(mapped, teacher_logprobs(teacher, pool))
+    assert file.stat().st_size == mapped.numel() * 2  # fp16, written through to the file
+    again = torch.from_file(str(file), size=mapped.numel(), dtype=torch.float16).view(mapped.shape)
+    assert torch.equal(again, mapped)
+
+
 def _markov_stream(length: int, seed: int) -> torch.Tensor:
     """Tokens that mostly follow a fixed permutation (a target trained on it has varied, learnable greedy text)."""
     g = torch.Generator().manual_seed(seed)
