@@ -36,6 +36,7 @@ def test_tiny_build_end_to_end(tiny_family):
     assert manifest["spec"]["name"] == "tiny"
     assert manifest["train_tokens"] > 1000
     assert manifest["target_final_unlikelihood"] is not None  # the unlikelihood and on-policy stages ran
+    assert [d.name for d in tiny_family.root.parent.iterdir()] == [tiny_family.root.name]  # log-probs file removed
     target = load_model(ModelConfig(path=tiny_family.target, device="cpu"))
     draft = load_model(ModelConfig(path=tiny_family.draft, device="cpu"))
     assert target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
