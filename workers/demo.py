@@ -47,7 +47,7 @@ class DemoSpec(BaseModel):
     target_layers: int = Field(24, gt=0, description="Target transformer layers.")
     target_hidden: int = Field(128, gt=0, description="Target hidden width (multiple of 64).")
     draft_layers: int = Field(1, gt=0, description="Draft transformer layers.")
-    draft_hidden: int = Field(128, gt=0, description="Draft hidden width (multiple of 64).")
+    draft_hidden: int = Field(192, gt=0, description="Draft hidden width (multiple of 64).")
     max_positions: int = Field(2048, gt=0, description="Context length of both models.")
     seq_len: int = Field(256, gt=0, description="Training window length.")
     batch: int = Field(8, gt=0, description="Training windows per step.")
