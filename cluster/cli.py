@@ -245,7 +245,7 @@ def _add_models(sub) -> None:
     b = msub.add_parser("build-demo", help="build the demo tokenizer, target and draft (cached under SPECSERVE_HOME)")
     b.add_argument("--tiny", action="store_true", help="a seconds-long toy build, for smoke tests")
     b.add_argument("--from-scratch", "--force", dest="from_scratch", action="store_true",
-                   help="train from the corpus (about 70 min on 2 cores) even when cached or packaged")  # fmt: skip
+                   help="train from the corpus (about 80 min on 2 cores) even when cached or packaged")  # fmt: skip
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where --from-scratch trains (auto: a CUDA GPU when there is one, bf16 autocast)")  # fmt: skip
     b.set_defaults(func=_build_demo)

@@ -1,5 +1,5 @@
-"""The demo family's packaged copy: specserve ships its weights (`workers/demo_family/`, fp16, about 12 MB), so a fresh
-machine installs the family in seconds instead of training it (about 70 minutes on 2 cores).
+"""The demo family's packaged copy: specserve ships its weights (`workers/demo_family/`, fp16, about 13 MB), so a fresh
+machine installs the family in seconds instead of training it (about 80 minutes on 2 cores).
 
 The copy is the output of the default recipe (`DemoSpec()`: fixed seeds, fixed step counts) that
 `specserve models build-demo --from-scratch` runs, rounded to fp16 to stay small; loading upcasts it to the
