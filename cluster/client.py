@@ -2,6 +2,7 @@
 
     with SpecServeClient("localhost:9000") as client:
         out = client.generate("def fib(n):", max_new_tokens=32)          # dict: text, token_ids, finish_reason, stats
+        out = client.generate(messages=[{"role": "user", "content": "Hi!"}])  # chat, with the model's template
         for chunk in client.generate_stream("def fib(n):"):               # one chunk per round
             print(chunk["text"], end="")
 
@@ -77,7 +78,7 @@ class SpecServeClient:
 
     @staticmethod
     def request(
-        prompt: str | list[int],
+        prompt: str | list[int] | None = None,
         max_new_tokens: int = 0,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -86,21 +87,26 @@ class SpecServeClient:
         method: str = "",
         k: int | str | None = None,
         model: str = "",
+        messages: list[dict] | None = None,
     ) -> pb.GenerateRequest:
+        """A GenerateRequest: a raw `prompt` (text or token ids), or chat `messages` ([{"role", "content"}, ...])
+        that the server renders with the model's chat template."""
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
         if seed is not None:
             sampling.seed = seed
         req = pb.GenerateRequest(model=model, sampling=sampling)
+        if messages is not None:
+            req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
         if isinstance(prompt, str):
             req.prompt = prompt
-        else:
+        elif prompt is not None:
             req.prompt_token_ids.extend(prompt)
         if method or k is not None:
             req.speculation.method = method
             req.speculation.k = 0 if k in (None, "auto") else int(k)
         return req
 
-    def generate(self, prompt: str | list[int], **kw) -> dict:
+    def generate(self, prompt: str | list[int] | None = None, **kw) -> dict:
         req = self.request(prompt, **kw)
         delay = 0.5
         for attempt in range(self.retries + 1):
@@ -113,7 +119,7 @@ class SpecServeClient:
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def generate_stream(self, prompt: str | list[int], **kw) -> Iterator[dict]:
+    def generate_stream(self, prompt: str | list[int] | None = None, **kw) -> Iterator[dict]:
         req = self.request(prompt, **kw)
         for chunk in self.stub.GenerateStream(req, timeout=self.timeout_s, metadata=self.metadata):
             if chunk.token_ids or chunk.finish_reason:  # Serve may send an empty first message

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.workers.chat import ROLES, ChatMessage, ChatPrompt
 from specserve.workers.errors import InvalidRequestError
 
 # OpenAI fields specserve accepts only at their neutral value (anything else would silently change the output).
@@ -40,7 +41,7 @@ _COMMON = {"model", "stream", "max_tokens", "max_completion_tokens", "temperatur
 @dataclass
 class ParsedRequest:
     model: str
-    prompt: str | list[int]
+    prompt: str | list[int] | ChatPrompt
     sampling: dict
     speculation: dict
     stream: bool
@@ -100,27 +101,22 @@ def parse_completion(body: Any) -> ParsedRequest:
     return ParsedRequest(prompt=prompt, **common)
 
 
-def parse_chat(body: Any, tokenizer) -> ParsedRequest:
+def parse_chat(body: Any) -> ParsedRequest:
+    """The messages become a ChatPrompt, rendered with the served model's own chat template (workers/chat.py)."""
     common = _common(body, {"messages"})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
+    typed = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
             raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
-        if m.get("role") not in ("system", "user", "assistant", "developer"):
+        if m.get("role") not in ROLES:
             raise InvalidRequestError(f"messages[{i}].role", f"unsupported role {m.get('role')!r}")
         if not isinstance(m.get("content"), str):
             raise InvalidRequestError(f"messages[{i}].content", "must be a string")
-    return ParsedRequest(prompt=chat_prompt(tokenizer, messages), **common)
-
-
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
-    """The tokenizer's chat template when it has one; otherwise a plain 'role: content' transcript."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
+        typed.append(ChatMessage(m["role"], m["content"]))
+    return ParsedRequest(prompt=ChatPrompt(tuple(typed)), **common)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

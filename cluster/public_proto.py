@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from specserve.protos import specserve_pb2 as pb
+from specserve.workers.chat import ChatMessage, ChatPrompt
 from specserve.workers.errors import (
     InvalidRequestError,
     KVCapacityError,
@@ -14,13 +15,18 @@ from specserve.workers.errors import (
 )
 
 
-def request_fields(request: pb.GenerateRequest) -> tuple[str, str | list[int], dict, dict]:
+def request_fields(request: pb.GenerateRequest) -> tuple[str, str | list[int] | ChatPrompt, dict, dict]:
     """(model, prompt, sampling, speculation) as the service's `prepare` takes them. Zero/empty fields mean "unset"
     as the proto documents."""
-    has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
-    if has_text == has_ids:
-        raise InvalidRequestError("prompt", "set exactly one of prompt and prompt_token_ids")
-    prompt = request.prompt if has_text else list(request.prompt_token_ids)
+    given = [bool(request.prompt), len(request.prompt_token_ids) > 0, len(request.messages) > 0]
+    if sum(given) != 1:
+        raise InvalidRequestError("prompt", "set exactly one of prompt, prompt_token_ids and messages")
+    if given[0]:
+        prompt = request.prompt
+    elif given[1]:
+        prompt = list(request.prompt_token_ids)
+    else:
+        prompt = ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in request.messages))
     s = request.sampling
     sampling: dict = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p or 1.0}
     if s.max_new_tokens:

@@ -18,6 +18,7 @@ from specserve.cluster.pipeline import Pipeline
 from specserve.cluster.policies import SpeculationControl
 from specserve.cluster.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
+from specserve.workers.chat import ChatPrompt, chat_prompt_ids
 from specserve.workers.config import SamplingParams, SpecParams, validate
 from specserve.workers.engine import check_request, encode_prompt
 from specserve.workers.errors import InvalidRequestError, OverloadedError, UnavailableError
@@ -181,7 +182,7 @@ class SpecService:
 
     # -- requests --------------------------------------------------------------------------------------------------
 
-    def prepare(self, model: str, prompt: str | list[int], sampling: dict, speculation: dict) -> Prepared:
+    def prepare(self, model: str, prompt: str | list[int] | ChatPrompt, sampling: dict, speculation: dict) -> Prepared:
         """Validate one request. Raises InvalidRequestError naming the bad field."""
         cfg = self.app.model(model)
         serving = self.models[cfg.name]
@@ -199,7 +200,12 @@ class SpecService:
             raise InvalidRequestError("speculation.method", f"model {cfg.name!r} has no draft model (use ngram/none)")
         if isinstance(prompt, str) and len(prompt) > 16 * limits.max_prompt_tokens:
             raise InvalidRequestError("prompt", f"{len(prompt)} characters is over the limit")
-        ids = encode_prompt(serving.tokenizer, prompt)
+        if isinstance(prompt, ChatPrompt):
+            if sum(len(m.content) for m in prompt.messages) > 16 * limits.max_prompt_tokens:
+                raise InvalidRequestError("messages", "the conversation's characters are over the limit")
+            ids = chat_prompt_ids(serving.tokenizer, prompt.messages)
+        else:
+            ids = encode_prompt(serving.tokenizer, prompt)
         if len(ids) > limits.max_prompt_tokens:
             raise InvalidRequestError("prompt", f"{len(ids)} tokens exceed this server's limit of "
                                                 f"{limits.max_prompt_tokens}")  # fmt: skip

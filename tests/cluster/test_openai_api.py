@@ -5,8 +5,8 @@ import json
 import pytest
 
 from specserve.cluster import openai_api as oai
+from specserve.workers.chat import ChatMessage, ChatPrompt
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.testing import byte_tokenizer
 
 
 def test_completion_fields_map_to_sampling_and_speculation():
@@ -50,22 +50,14 @@ def test_bad_completion_requests_name_the_field(body, field):
     assert e.value.field == field
 
 
-def test_chat_uses_a_plain_transcript_without_a_template_and_validates_messages():
-    tok = byte_tokenizer()
-    p = oai.parse_chat({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
-                       tok)  # fmt: skip
-    assert p.prompt == "system: be brief\nuser: hi\nassistant:"
+def test_chat_messages_become_a_typed_chat_prompt_and_are_validated():
+    p = oai.parse_chat({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
+    assert p.prompt == ChatPrompt((ChatMessage("system", "be brief"), ChatMessage("user", "hi")))
     for messages, field in (([], "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
                             ([{"role": "user", "content": 3}], "messages[0].content")):  # fmt: skip
         with pytest.raises(InvalidRequestError) as e:
-            oai.parse_chat({"messages": messages}, tok)
+            oai.parse_chat({"messages": messages})
         assert e.value.field == field
-
-
-def test_chat_uses_the_tokenizers_template_when_it_has_one():
-    tok = byte_tokenizer()
-    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
-    assert oai.parse_chat({"messages": [{"role": "user", "content": "hi"}]}, tok).prompt == "<user>hi<assistant>"
 
 
 def test_response_and_stream_shapes():
