@@ -17,6 +17,7 @@ from specserve.workers.config import MAX_K, BatchingConfig, KVCacheConfig, valid
 from specserve.workers.errors import InvalidRequestError
 
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
+DEFAULT_MODEL = "smollm2-135m-instruct"  # a known name (workers/known_models.json): pulled and converted on first use
 IMPORT_PATH = "specserve.cluster.serve_app:build_app"
 APP_NAME = "specserve"
 AUTOSCALING_POLICY = "specserve.cluster.policies:PoolAutoscalingPolicy"
@@ -66,9 +67,16 @@ class WorkerPoolConfig(_Strict):
 class ModelPairConfig(_Strict):
     """One served model: a target and how it is drafted for."""
 
-    name: str = Field(DEMO, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="Served name.")
-    target: str = Field(DEMO, min_length=1, description="Target model directory, or 'demo' for the demo family.")
-    draft: str = Field(DEMO, min_length=1, description="Draft model directory, 'ngram', 'none', or 'demo'.")
+    name: str = Field(
+        DEFAULT_MODEL, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
+        description="Served name (the `model` of requests, /v1/models, logs and metrics).",
+    )  # fmt: skip
+    target: str = Field(
+        DEFAULT_MODEL, min_length=1, description="Target model: a known name (`specserve models list`), a .gguf file "
+        "(converted once, cached by its sha256), a Hugging Face directory, or 'demo' for the demo family."
+    )  # fmt: skip
+    draft: str = Field("ngram", min_length=1, description="Draft model (name, .gguf file or directory), 'ngram' "
+                       "(prompt lookup), 'none', or 'demo' (the demo family's draft, with target 'demo').")  # fmt: skip
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="Model dtype.")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
     k: int | Literal["auto"] = Field(4, description=f"Default tokens drafted per round (1..{MAX_K}) or 'auto'.")
@@ -88,6 +96,8 @@ class ModelPairConfig(_Strict):
     def _k(self):
         if self.k != "auto" and not 1 <= self.k <= MAX_K:
             raise ValueError(f"k must be 1..{MAX_K} or 'auto', got {self.k}")
+        if self.draft == DEMO and self.target != DEMO:
+            raise ValueError("draft 'demo' (the demo family's draft) drafts only for target 'demo'")
         return self
 
     @property
@@ -95,12 +105,17 @@ class ModelPairConfig(_Strict):
         return self.draft not in ("ngram", "none")
 
 
+def demo_model() -> ModelPairConfig:
+    """The demo family (5M toy target and its trained draft, packaged with specserve: offline, seconds to start)."""
+    return ModelPairConfig(name=DEMO, target=DEMO, draft=DEMO)
+
+
 class LimitsConfig(_Strict):
     """Per-request limits, enforced at the ingress before any model work."""
 
     max_prompt_tokens: int = Field(8192, gt=0, description="Longest prompt accepted, in tokens.")
     max_new_tokens: int = Field(4096, gt=0, description="Largest max_tokens accepted.")
-    default_max_new_tokens: int = Field(64, gt=0, description="max_tokens when a request does not say.")
+    default_max_new_tokens: int = Field(256, gt=0, description="max_tokens when a request does not say.")
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest HTTP request body accepted.")
 
 

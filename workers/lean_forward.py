@@ -37,7 +37,7 @@ def full_forward(model) -> Forward:
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            cache=cache,
             use_cache=cache is not None,
             logits_to_keep=logits_to_keep,
         ).logits
@@ -57,7 +57,7 @@ def _lean(model) -> Forward:
                 hidden,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=cache is not None,
                 position_embeddings=position_embeddings,
             )
