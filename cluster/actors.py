@@ -157,12 +157,14 @@ class SchedulerActor:
         self.secret = secret
         from transformers import AutoConfig, AutoTokenizer
 
+        from specserve.workers.loading import directory_eos_ids
+
         self.config = config
         self.draft_addresses = draft_addresses
         self.target_addresses = target_addresses
         self.workers = workers or {}
         self.tokenizer = AutoTokenizer.from_pretrained(config.target.model.path, local_files_only=True)
-        self.eos = frozenset({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.eos = directory_eos_ids(config.target.model.path, self.tokenizer)
         model_config = AutoConfig.from_pretrained(config.target.model.path, local_files_only=True)
         self.max_positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
         self.pipeline = None

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel
 
-from specserve.cluster.app_config import load_serve_config
+from specserve.cluster.app_config import IMPORT_PATH, app_config, load_serve_config
 
 Variant = Literal["gpu", "cpu"]
 VARIANTS: tuple[Variant, ...] = ("gpu", "cpu")
@@ -37,15 +37,17 @@ _HEAD_PORTS = [
     {"containerPort": 8080, "name": "metrics"},
 ]
 
+# Draft groups start empty: n-gram drafting (the default model's) deploys no draft pool, and the in-tree autoscaler
+# adds draft nodes once a draft pool's replicas ask for `draft_gpu`.
 _GROUPS: dict[Variant, list[dict]] = {
     "gpu": [
-        {"name": "draft", "resource": "draft_gpu", "cpu": "4", "memory": "16Gi", "gpus": 1, "min": 1, "max": 8,
+        {"name": "draft", "resource": "draft_gpu", "cpu": "4", "memory": "16Gi", "gpus": 1, "min": 0, "max": 8,
          "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}},
         {"name": "target", "resource": "target_gpu", "cpu": "8", "memory": "64Gi", "gpus": 1, "min": 1, "max": 4,
          "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}},
     ],
     "cpu": [
-        {"name": "draft", "resource": "draft_gpu", "cpu": "1", "memory": "2Gi", "gpus": 0, "min": 1, "max": 2,
+        {"name": "draft", "resource": "draft_gpu", "cpu": "1", "memory": "2Gi", "gpus": 0, "min": 0, "max": 2,
          "node_selector": {}},
         {"name": "target", "resource": "target_gpu", "cpu": "2", "memory": "4Gi", "gpus": 0, "min": 1, "max": 2,
          "node_selector": {}},
@@ -77,12 +79,23 @@ def _container(name: str, cpu: str, memory: str, gpus: int, ports: list | None =
     return c
 
 
-def _pod(container: dict, node_selector: dict, gpus: int) -> dict:
+def _pull_models(names: list[str]) -> dict:
+    """An init container that pulls the config's known model names onto the models volume (a no-op once they are
+    there), so replicas start from the cache and the serving containers download nothing."""
+    pull = " && ".join(f"specserve models pull {n}" for n in names)
+    c = _container("pull-models", "1", "2Gi", 0)
+    c["command"] = ["sh", "-c", pull]
+    return c
+
+
+def _pod(container: dict, node_selector: dict, gpus: int, pulls: list[str]) -> dict:
     spec: dict[str, Any] = {
         "containers": [container],
-        # Models come from a volume (a PVC filled once, or a baked image): nothing is downloaded at run time.
+        # Models live on a volume (a PVC, filled by the init container or by hand with .gguf files / directories).
         "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "specserve-models"}}],
     }
+    if pulls:
+        spec["initContainers"] = [_pull_models(pulls)]
     if node_selector:
         spec["nodeSelector"] = node_selector
     if gpus:
@@ -118,7 +131,18 @@ def _grpc_tls_sidecar() -> dict:
     }
 
 
+def known_names(serve_config: dict) -> list[str]:
+    """The known model names (`specserve models list`) the config's models use, in order."""
+    from specserve.workers.model_names import known_models
+
+    known = known_models()
+    app = next(a for a in serve_config["applications"] if a.get("import_path") == IMPORT_PATH)
+    refs = [r for m in app_config(app.get("args") or {}).models for r in (m.target, m.draft)]
+    return [r for i, r in enumerate(refs) if r in known and r not in refs[:i]]
+
+
 def rayservice(serve_config: dict, variant: Variant) -> dict:
+    pulls = known_names(serve_config)
     groups = []
     for g in _GROUPS[variant]:
         container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"])
@@ -132,10 +156,10 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
             # memory/resources (KubeRay rejects both at once).
             "resources": {"CPU": g["cpu"], **({"GPU": str(g["gpus"])} if g["gpus"] else {}),
                           g["resource"]: str(max(g["gpus"], 1))},
-            "template": _pod(container, g["node_selector"], g["gpus"]),
+            "template": _pod(container, g["node_selector"], g["gpus"], pulls),
         })  # fmt: skip
     head = _container("ray-head", "2", "8Gi", 0, ports=_HEAD_PORTS)
-    head_pod = _pod(head, {}, 0)
+    head_pod = _pod(head, {}, 0, pulls)
     if variant == "gpu":  # production shape: gRPC over TLS (the cpu variant is for kind/minikube, plaintext)
         head_pod["spec"]["containers"].append(_grpc_tls_sidecar())
         head_pod["spec"]["volumes"].append({"name": "grpc-tls", "secret": {"secretName": GRPC_TLS_SECRET}})

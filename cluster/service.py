@@ -22,6 +22,7 @@ from specserve.workers.chat import ChatPrompt, chat_prompt_ids
 from specserve.workers.config import SamplingParams, SpecParams, validate
 from specserve.workers.engine import check_request, encode_prompt
 from specserve.workers.errors import InvalidRequestError, OverloadedError, UnavailableError
+from specserve.workers.loading import directory_eos_ids
 
 
 @dataclass
@@ -105,7 +106,7 @@ class SpecService:
                 tokenizer=tok,
                 vocab_size=text_cfg.vocab_size,
                 max_positions=getattr(text_cfg, "max_position_embeddings", None),
-                eos=frozenset({tok.eos_token_id} if tok.eos_token_id is not None else set()),
+                eos=directory_eos_ids(target_path, tok),
                 pipeline=pipeline,
             )
 

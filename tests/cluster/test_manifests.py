@@ -117,3 +117,19 @@ def test_unknown_keys_finds_nested_typos():
         "applications[0].nmae",
         "http_option",
     ]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_pod_pulls_the_known_models_its_config_serves(variant):
+    manifest = yaml.safe_load(output_path(variant).read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    serve = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    app = next(a for a in serve["applications"] if a["import_path"] == IMPORT_PATH)
+    targets = [m.target for m in app_config(app["args"]).models]
+    assert "smollm2-135m-instruct" in targets  # the real model, by name
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        (init,) = pod["spec"]["initContainers"]
+        assert init["command"][-1] == "specserve models pull smollm2-135m-instruct"
+        serving = pod["spec"]["containers"][0]
+        assert init["env"] == serving["env"] and init["volumeMounts"] == serving["volumeMounts"]  # same cache
