@@ -32,6 +32,7 @@ from specserve.workers.demo_train import (
     train_tokenizer,
     use_bf16,
 )
+from specserve.workers.home import specserve_home
 from specserve.workers.loading import resolve_device
 from specserve.workers.onpolicy import continuation_pool, pool_batches, teacher_logprobs
 from specserve.workers.unlikelihood import unlikelihood_finetune
@@ -111,10 +112,6 @@ class DemoFamily:
     @property
     def manifest(self) -> dict:
         return json.loads((self.root / "family.json").read_text())
-
-
-def specserve_home() -> Path:
-    return Path(os.environ.get("SPECSERVE_HOME") or Path.home() / ".cache" / "specserve")
 
 
 def family_dir(spec: DemoSpec) -> Path:
