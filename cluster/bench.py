@@ -1,81 +1,49 @@
-"""`specserve bench`: speculative decoding measured side by side with target-only decoding and Hugging Face assisted
-generation, in one run, on the same held-out prompts, pair and machine. Speed claims are ratios from this run."""
+"""`specserve bench`: speculative decoding measured side by side with target-only decoding and Hugging Face's
+generate (plain, prompt lookup, assisted), in one run, on the same held-out prompts, models and machine. Speed claims
+are ratios from this run. Which rows run: cluster/bench_rows.py; the table, JSON and plots: cluster/bench_report.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
-import torch
 from tqdm import tqdm
 
+from specserve.cluster.bench_report import format_table, machine_info, plot, to_json
+from specserve.cluster.bench_rows import (
+    NGRAM_KS,
+    QUICK,
+    SAMPLED_NGRAM_K,
+    TARGET_FULL,
+    TARGET_QUICK,
+    BenchConfig,
+    Row,
+    RowFn,
+    bench_prompts,
+    bench_questions,
+    best_draft_k,
+    plan_rows,
+    prompt_lookup_row,
+)
 from specserve.workers.adaptive_k import fit_acceptance, leviathan_speedup
-from specserve.workers.config import KVCacheConfig, SamplingParams, SpecParams
+from specserve.workers.config import KVCacheConfig, SamplingParams
 from specserve.workers.engine import SpecEngine
+from specserve.workers.errors import InvalidRequestError
 from specserve.workers.loading import LoadedModel
 from specserve.workers.runner import ModelRunner
 
-
-@dataclass
-class BenchConfig:
-    prompts: int = 6
-    prompt_tokens: int = 96
-    max_new_tokens: int = 128
-    ks: tuple[int, ...] = (1, 2, 4, 6)
-    temperature: float = 0.8
-    seed: int = 1234
-    hf_rows: bool = True
-
-
-QUICK = BenchConfig(prompts=2, prompt_tokens=64, max_new_tokens=48, ks=(2, 4))
-
-
-@dataclass
-class Row:
-    name: str
-    method: str  # target-only | hf-generate | hf-assisted | draft | ngram
-    k: float | str | None
-    temperature: float
-    tokens: int = 0
-    seconds: float = 0.0
-    tokens_per_s: float = 0.0
-    speedup: float = 1.0
-    acceptance_rate: float | None = None
-    mean_accepted_length: float | None = None
-    t_draft_ms: float | None = None
-    t_target_ms: float | None = None
-    t_verify_ms: float | None = None
-    leviathan_bound: float | None = None
-    bound: float | None = None
-    ratio_to_bound: float | None = None
-    identical: bool | None = None  # greedy rows: same tokens as target-only; sampling rows: None (compare laws)
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
+__all__ = ["BenchConfig", "Row", "format_table", "machine_info", "plot", "to_json", "main_bench", "run_bench"]
 
 
 @dataclass
 class Costs:
-    t_draft: float  # seconds per drafted token (draft model, cached, one token)
+    t_draft: float  # seconds per drafted token (draft model, cached, one token); 0 without a draft model
     t_target: float  # seconds per target token (cached, one token)
     t_verify: dict[int, float]  # seconds per target forward over k + 1 new positions
-
-
-def held_out_prompts(tokenizer, paths: list[str], n: int, length: int) -> list[list[int]]:
-    """The first `length` tokens of the first n held-out files long enough to continue."""
-    prompts = []
-    for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            ids = tokenizer(f.read(), add_special_tokens=False)["input_ids"]
-        if len(ids) >= length * 3:
-            prompts.append(ids[:length])
-        if len(prompts) == n:
-            break
-    return prompts
 
 
 def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -> list[float]:
@@ -93,28 +61,32 @@ def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -
 
 class CostSampler:
     """Per-token costs, sampled a few times per prompt between the rows (so the VM's drift lands on the costs as on
-    the rows, and `ratio_to_bound` compares like with like); `costs()` takes the medians of all samples."""
+    the rows, and `ratio_to_bound` compares like with like); `costs()` takes the medians of all samples. Without a
+    draft model (n-gram drafting costs next to nothing) t_draft is 0 and the verify costs are what matter."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel, ks, reps: int = 5):
-        self.t_runner, self.d_runner = ModelRunner(target, KVCacheConfig()), ModelRunner(draft, KVCacheConfig())
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, ks, reps: int = 5):
+        self.t_runner = ModelRunner(target, KVCacheConfig())
+        self.d_runner = ModelRunner(draft, KVCacheConfig()) if draft is not None else None
         self.verify_ks = sorted(set(ks) | {1, 2, 4, 6, 8})
         self.reps = reps
         self.samples: dict[str, list[float]] = {}
 
     def warm_up(self, prompt: list[int]) -> None:
         _time_forward(self.t_runner, prompt, 5, self.reps)  # allocator and kernel caches
-        _time_forward(self.d_runner, prompt, 1, self.reps)
+        if self.d_runner is not None:
+            _time_forward(self.d_runner, prompt, 1, self.reps)
 
     def sample(self, prompt: list[int]) -> None:
         add = lambda key, times: self.samples.setdefault(key, []).extend(times)  # noqa: E731
-        add("draft", _time_forward(self.d_runner, prompt, 1, self.reps))
+        if self.d_runner is not None:
+            add("draft", _time_forward(self.d_runner, prompt, 1, self.reps))
         add("target", _time_forward(self.t_runner, prompt, 1, self.reps))
         for k in self.verify_ks:
             add(f"verify{k}", _time_forward(self.t_runner, prompt, k + 1, self.reps))
 
     def costs(self) -> Costs:
         med = lambda key: statistics.median(self.samples[key])  # noqa: E731
-        return Costs(t_draft=med("draft"), t_target=med("target"),
+        return Costs(t_draft=med("draft") if "draft" in self.samples else 0.0, t_target=med("target"),
                      t_verify={k: med(f"verify{k}") for k in self.verify_ks})  # fmt: skip
 
 
@@ -123,11 +95,22 @@ def distinct_ngram_fraction(tokens: list[int], n: int = 4) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def verify_cost(costs: Costs, k: float) -> float:
+    """Seconds of a target forward over k + 1 positions: the sampled cost, interpolated between sampled widths for a
+    fractional k (a mean over rounds; k = 0 is a plain one-token step)."""
+    points = sorted({0: costs.t_target, **costs.t_verify}.items())
+    if k >= points[-1][0]:
+        return points[-1][1]
+    for (k0, t0), (k1, t1) in zip(points, points[1:], strict=False):
+        if k0 <= k <= k1:
+            return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+    return points[0][1]
+
+
 def _fill_bounds(row: Row, costs: Costs, k: float) -> None:
     """Leviathan's S(k) with a fitted a, and the cost-aware bound B(k) = E t_target / (k t_draft + t_verify(k+1))."""
     E = row.mean_accepted_length
-    k_int = max(1, round(k))
-    t_verify = costs.t_verify.get(k_int) or costs.t_verify[min(costs.t_verify, key=lambda x: abs(x - k_int))]
+    t_verify = verify_cost(costs, k)
     t_draft = costs.t_draft if row.method == "draft" else 0.0
     c = t_draft / costs.t_target
     row.t_draft_ms, row.t_target_ms, row.t_verify_ms = t_draft * 1e3, costs.t_target * 1e3, t_verify * 1e3
@@ -135,76 +118,17 @@ def _fill_bounds(row: Row, costs: Costs, k: float) -> None:
     row.bound = E * costs.t_target / (k * t_draft + t_verify)
 
 
-def run_bench(
-    engine: SpecEngine,
-    prompts: list[list[int]],
-    cfg: BenchConfig,
-    progress: bool = True,
-) -> tuple[list[Row], dict]:
-    target = engine.target
-    draft_runner = engine.drafters["draft"].runner
-    draft = draft_runner.loaded
+def _measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampler: CostSampler | None = None):
+    """Prompt by prompt, every row in turn (forwards, then backwards for the next prompt): this VM's speed drifts by
+    tens of percent over minutes, and row after row (each over all prompts) charged a slow spell to whichever rows
+    ran in it (one run measured T=0.8 speculation at 0.79x target-only, the next at 1.56x, same models).
+    Returns {id(row): [drafted, accepted, rounds]}."""
     greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
     sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
-
-    plan: list[tuple[Row, Callable[[list[int], SamplingParams], tuple[list[int], dict | None]]]] = []
-
-    def spec_fn(method: str, k):
-        def run(prompt, params):
-            r = engine.generate(prompt, params, SpecParams(method=method, k=k))
-            return r.token_ids, r.stats
-
-        return run
-
-    def hf_fn(assistant_k: int | None, assisted: bool):
-        def run(prompt, params):
-            kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not params.greedy)
-            if not params.greedy:
-                kwargs["temperature"] = params.temperature
-                torch.manual_seed(params.seed or 0)
-            if assisted:
-                kwargs["assistant_model"] = draft.model
-                gc = draft.model.generation_config
-                saved = (getattr(gc, "num_assistant_tokens", None), getattr(gc, "num_assistant_tokens_schedule", None))
-                if assistant_k is not None:
-                    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = assistant_k, "constant"
-            try:
-                ids = torch.tensor([prompt], device=target.device)
-                out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-            finally:
-                if assisted:
-                    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
-            return out[0, len(prompt) :].tolist(), None
-
-        return run
-
-    best_k = 4 if 4 in cfg.ks else cfg.ks[-1]
-    for temp in (0.0, cfg.temperature):
-        tag = "greedy" if temp == 0 else f"T={temp}"
-        plan.append((Row(f"target-only {tag}", "target-only", None, temp), spec_fn("none", 1)))
-        if cfg.hf_rows:
-            plan.append((Row(f"hf generate {tag}", "hf-generate", None, temp), hf_fn(None, False)))
-            plan.append((Row(f"hf assisted default {tag}", "hf-assisted", "hf-default", temp), hf_fn(None, True)))
-            plan.append((Row(f"hf assisted k={best_k} {tag}", "hf-assisted", best_k, temp), hf_fn(best_k, True)))
-        for k in cfg.ks if temp == 0 else (best_k,):
-            plan.append((Row(f"specserve k={k} {tag}", "draft", k, temp), spec_fn("draft", k)))
-        plan.append((Row(f"specserve k=auto {tag}", "draft", "auto", temp), spec_fn("draft", "auto")))
-        if temp == 0:
-            plan.append((Row(f"specserve ngram k={best_k} {tag}", "ngram", best_k, temp), spec_fn("ngram", best_k)))
-
-    # Warm up every code path once so the first measured row does not pay for lazy initialisation.
-    for _, fn in {id(fn): (r, fn) for r, fn in plan}.values():
-        fn(prompts[0][:16], greedy.model_copy(update={"max_new_tokens": 4}))
-    sampler = CostSampler(target, draft, cfg.ks)
-    sampler.warm_up(prompts[0])
-
-    # Prompt by prompt, every row in turn (forwards, then backwards for the next prompt): this VM's speed drifts by
-    # tens of percent over minutes, and row after row (each over all prompts) charged a slow spell to whichever rows
-    # ran in it (one run measured T=0.8 speculation at 0.79x target-only, the next at 1.56x, same models).
-    counts = {id(row): [0, 0, 0] for row, _ in plan}  # drafted, accepted, rounds
-    bar = tqdm(total=len(plan) * len(prompts), desc="bench", unit="gen", disable=not progress, file=sys.stderr)
+    counts = {id(row): [0, 0, 0] for row, _ in plan}
     for i, prompt in enumerate(prompts):
-        sampler.sample(prompt)
+        if sampler is not None:
+            sampler.sample(prompt)
         for row, fn in plan if i % 2 == 0 else plan[::-1]:
             t0 = time.perf_counter()
             tokens, stats = fn(prompt, params_for(row, greedy, sampled))
@@ -215,19 +139,43 @@ def run_bench(
                 c = counts[id(row)]
                 c[0], c[1], c[2] = c[0] + stats.drafted, c[1] + stats.accepted, c[2] + stats.rounds
             bar.update(1)
-    bar.close()
-    costs = sampler.costs()
     for row, _ in plan:
         row.tokens_per_s = row.tokens / row.seconds
+    return counts
+
+
+def run_bench(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, progress: bool = True):
+    """Measure every row of `plan_rows(engine, cfg)` on `prompts`; returns (rows, meta)."""
+    target = engine.target
+    draft_runner = engine.drafters["draft"].runner if "draft" in engine.drafters else None
+    plan = plan_rows(engine, cfg)
+    # The target suite adds, after the others, HF prompt lookup at the best n-gram k beside a target-only rerun.
+    pl_best = cfg.suite == "target" and cfg.hf_rows
+
+    # Warm up every code path once so the first measured row does not pay for lazy initialisation.
+    warm = SamplingParams(max_new_tokens=4)
+    for _, fn in {id(fn): (r, fn) for r, fn in plan}.values():
+        fn(prompts[0][:16], warm)
+    ks = cfg.ks if cfg.suite == "demo" else (*NGRAM_KS, *(cfg.ks if draft_runner else ()))
+    sampler = CostSampler(target, draft_runner.loaded if draft_runner else None, ks)
+    sampler.warm_up(prompts[0])
+
+    total = (len(plan) + (2 if pl_best else 0)) * len(prompts)
+    bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress, file=sys.stderr)
+    counts = _measure(plan, prompts, cfg, bar, sampler)
+    costs = sampler.costs()
+    for row, _ in plan:
         drafted, accepted, rounds = counts[id(row)]
         if row.method in ("draft", "ngram"):
             row.acceptance_rate = accepted / drafted if drafted else 0.0
             row.mean_accepted_length = 1 + accepted / rounds
-            _fill_bounds(row, costs, drafted / rounds if row.k == "auto" else float(row.k))
-
-    for temp in {r.temperature for r, _ in plan}:
-        base = next(r for r, _ in plan if r.method == "target-only" and r.temperature == temp)
-        for row, _ in plan:
+            # n-gram rounds draft fewer tokens than k (none) when the lookup finds no (long enough) match
+            fixed = row.method == "draft" and row.k != "auto"
+            _fill_bounds(row, costs, float(row.k) if fixed else drafted / rounds)
+    rows = [r for r, _ in plan]
+    for temp in {r.temperature for r in rows}:
+        base = next(r for r in rows if r.method == "target-only" and r.temperature == temp)
+        for row in rows:
             if row.temperature != temp:
                 continue
             row.speedup = row.tokens_per_s / base.tokens_per_s
@@ -235,11 +183,23 @@ def run_bench(
                 row.ratio_to_bound = row.speedup / row.bound
             if temp == 0 and row is not base:
                 row.identical = row.outputs == base.outputs
-    rows = [r for r, _ in plan]
     greedy_base = rows[0]
-    meta = {
-        "distinct_4gram_target_greedy": sum(distinct_ngram_fraction(o) for o in greedy_base.outputs)
-        / len(greedy_base.outputs),
+    meta = {}
+    if pl_best:
+        ngram = [r for r in rows if r.method == "ngram" and r.temperature == 0 and isinstance(r.k, int)]
+        best = max(ngram, key=lambda r: r.speedup).k
+        rerun = Row("target-only greedy (rerun)", "target-only", None, 0.0)
+        row, fn = prompt_lookup_row(engine, best, " (best ngram k)")
+        _measure([(rerun, plan[0][1]), (row, fn)], prompts, cfg, bar)
+        row.speedup = row.tokens_per_s / rerun.tokens_per_s
+        row.identical = row.outputs == greedy_base.outputs
+        at = next(i for i, r in enumerate(rows) if r.method == "hf-prompt-lookup") + 1
+        rows.insert(at, row)
+        meta["prompt_lookup_best_k"] = {"n": best, "paired_target_only_tokens_per_s": rerun.tokens_per_s}
+    bar.close()
+    meta.update({
+        "suite": cfg.suite,
+        "distinct_4gram_target_greedy": statistics.fmean(distinct_ngram_fraction(o) for o in greedy_base.outputs),
         "cost_ratio_c": costs.t_draft / costs.t_target,
         "t_draft_ms": costs.t_draft * 1e3,
         "t_target_ms": costs.t_target * 1e3,
@@ -247,18 +207,20 @@ def run_bench(
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
         # whether each model ran without transformers' forward wrappers (workers/lean_forward.py)
-        "lean_forward": {"target": engine.verifier.runner.lean, "draft": draft_runner.lean},
+        "lean_forward": {"target": engine.verifier.runner.lean, "draft": draft_runner.lean if draft_runner else None},
         "prompts": len(prompts),
-        "prompt_tokens": cfg.prompt_tokens,
+        "prompt_tokens": round(statistics.fmean(len(p) for p in prompts)),
         "max_new_tokens": cfg.max_new_tokens,
-    }
+        "mean_new_tokens": greedy_base.tokens / len(prompts),
+    })  # fmt: skip
     return rows, meta
 
 
-def distributed_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg: BenchConfig, k: int,
-                     device: str, base: Row) -> tuple[list[Row], dict]:  # fmt: skip
-    """The disaggregated path on a local Ray cluster: a draft worker actor and a target worker actor over gRPC,
-    driven by the scheduler actor. One stream (within-request pipelining only) and all prompts at once."""
+def distributed_rows(target_path: str, draft_path: str | None, prompts: list[list[int]], cfg: BenchConfig, k: int,
+                     device: str, base: Row, method: str = "draft") -> tuple[list[Row], dict]:  # fmt: skip
+    """The disaggregated path on a local Ray cluster: a draft worker actor (none for n-gram drafting, which runs in
+    the scheduler) and a target worker actor over gRPC, driven by the scheduler actor. One stream (within-request
+    pipelining only) and all prompts at once."""
     import ray
 
     from specserve.cluster.builders import deploy
@@ -268,16 +230,17 @@ def distributed_rows(target_path: str, draft_path: str, prompts: list[list[int]]
     if started:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     deployment = deploy(local_config(target_path, draft_path, device=device))
-    sampling, spec = {"max_new_tokens": cfg.max_new_tokens}, {"method": "draft", "k": k}
+    sampling, spec = {"max_new_tokens": cfg.max_new_tokens}, {"method": method, "k": k}
+    what = f"{'ngram ' if method == 'ngram' else ''}k={k}"
     try:
         ray.get(deployment.scheduler.generate.remote(prompts[0][:16], {"max_new_tokens": 4}, spec))  # warm-up
-        one = Row(f"disaggregated k={k} greedy, 1 stream", "disaggregated", k, 0.0)
+        one = Row(f"disaggregated {what} greedy, 1 stream", "disaggregated", k, 0.0)
         for prompt in prompts:
             t0 = time.perf_counter()
             out = ray.get(deployment.scheduler.generate.remote(prompt, sampling, spec))
             one.seconds += time.perf_counter() - t0
             one.outputs.append(out["token_ids"])
-        many = Row(f"disaggregated k={k} greedy, {len(prompts)} streams", "disaggregated", k, 0.0)
+        many = Row(f"disaggregated {what} greedy, {len(prompts)} streams", "disaggregated", k, 0.0)
         t0 = time.perf_counter()
         outs = ray.get([deployment.scheduler.generate.remote(p, sampling, spec) for p in prompts])
         many.seconds = time.perf_counter() - t0
@@ -304,167 +267,82 @@ def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> Sam
     return greedy if row.temperature == 0 else sampled
 
 
-def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
-    """Where the bench ran: the host, and the device and dtype the models ran in."""
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype).removeprefix("torch."),
-        "date": time.strftime("%Y-%m-%d"),
+def _add_distributed(rows, meta, target_path, draft_path, prompts, cfg, device) -> None:
+    """The disaggregated and Serve rows, next to the in-process row they compare with (draft k=4, or n-gram k=4)."""
+    from specserve.cluster.bench_serve import serve_rows
+
+    method, k = ("draft", best_draft_k(cfg)) if draft_path else ("ngram", SAMPLED_NGRAM_K)
+    in_process = next(r for r in rows if r.method == method and r.k == k and r.temperature == 0)
+    extra, status = distributed_rows(target_path, draft_path, prompts, cfg, k, device, rows[0], method)
+    rows[rows.index(in_process) + 1 : rows.index(in_process) + 1] = extra
+    meta["disaggregated"] = {
+        "vs_in_process_1_stream": extra[0].tokens_per_s / in_process.tokens_per_s,
+        "vs_in_process_all_streams": extra[1].tokens_per_s / in_process.tokens_per_s,
+        "orchestration_ms_p50": status["orchestration_ms_p50"],
+        "wire_bytes_per_round": status["wire_bytes_per_round"],
     }
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return info
-
-
-def _fmt(v, spec=".2f") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    if isinstance(v, float):
-        return format(v, spec)
-    return str(v)
-
-
-def format_table(rows: list[Row], meta: dict) -> str:
-    head = ["row", "tok/s", "speedup", "accept", "E[tok/round]", "t_draft ms", "t_verify ms", "S(k)", "bound B(k)",
-            "ratio/bound", "identical"]  # fmt: skip
-    lines = [head]
-    for r in rows:
-        lines.append([
-            r.name, _fmt(r.tokens_per_s, ".1f"), _fmt(r.speedup) + "x", _fmt(r.acceptance_rate),
-            _fmt(r.mean_accepted_length), _fmt(r.t_draft_ms), _fmt(r.t_verify_ms), _fmt(r.leviathan_bound),
-            _fmt(r.bound), _fmt(r.ratio_to_bound), _fmt(r.identical) if r.temperature == 0 else "n/a (sampled)",
-        ])  # fmt: skip
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
-    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    out.append("")
-    if "disaggregated" in meta:
-        d = meta["disaggregated"]
-        out.append(
-            f"disaggregated vs in-process (same k): {d['vs_in_process_1_stream']:.2f}x with 1 stream, "
-            f"{d['vs_in_process_all_streams']:.2f}x with all streams at once; scheduler overhead p50 "
-            f"{d['orchestration_ms_p50']:.2f} ms per round; {d['wire_bytes_per_round']:.0f} bytes on the wire per round"
-        )
-    if "tensor_parallel" in meta:
-        t = meta["tensor_parallel"]
-        out.append(
-            f"TP={t['world_size']} decode step: {t['ms_per_step']:.2f} ms, collectives {t['communication_share']:.0%} "
-            f"of it (rank 0 profile)"
-        )
-    out.append(
-        f"c = t_draft/t_target = {meta['cost_ratio_c']:.3f} (t_draft {meta['t_draft_ms']:.2f} ms, t_target "
-        f"{meta['t_target_ms']:.2f} ms); target greedy distinct 4-grams: {meta['distinct_4gram_target_greedy']:.0%}; "
-        f"{meta['prompts']} held-out prompts x {meta['max_new_tokens']} new tokens; {meta['device']}, {meta['dtype']}"
-    )
-    return "\n".join(out)
-
-
-def to_json(rows: list[Row], meta: dict, machine: dict) -> dict:
-    out_rows = []
-    for r in rows:
-        d = asdict(r)
-        d.pop("outputs")
-        out_rows.append(d)
-    return {"machine": machine, "meta": meta, "rows": out_rows}
-
-
-def plot(rows: list[Row], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    spec_rows = [r for r in rows if r.method == "draft" and isinstance(r.k, int) and r.temperature == 0]
-    ks = [r.k for r in spec_rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(ks, [r.speedup for r in spec_rows], "o-", label="measured speedup")
-    ax1.plot(ks, [r.bound for r in spec_rows], "s--", label="bound B(k)")
-    ax1.plot(ks, [r.leviathan_bound for r in spec_rows], "^:", label="Leviathan S(k)")
-    for r in rows:
-        if r.method == "hf-assisted" and r.temperature == 0 and isinstance(r.k, int):
-            ax1.axhline(r.speedup, color="gray", linestyle="-.", label=f"HF assisted k={r.k}")
-    ax1.axhline(1.0, color="black", linewidth=0.5)
-    ax1.set_xlabel("k (drafted tokens per round)")
-    ax1.set_ylabel("speedup over target-only greedy")
-    ax1.legend()
-    ax2.plot(ks, [r.acceptance_rate for r in spec_rows], "o-", label="acceptance rate")
-    ax2.plot(ks, [r.mean_accepted_length for r in spec_rows], "s-", label="tokens per round")
-    ax2.set_xlabel("k")
-    ax2.legend()
-    fig.suptitle("specserve bench (greedy, held-out code)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # A Serve model whose draft is 'ngram' drafts by prompt lookup by default
+    served = serve_rows(target_path, draft_path or "ngram", prompts, cfg, k, device, rows[0])
+    if not draft_path:
+        for row in served:
+            row.name = row.name.replace(f"k={k}", f"ngram k={k}", 1)
+    at = rows.index(extra[-1]) + 1
+    rows[at:at] = served
+    meta["disaggregated"]["serve_vs_in_process_1_stream"] = served[0].tokens_per_s / in_process.tokens_per_s
 
 
 def main_bench(args) -> int:
     from specserve.workers.config import ModelConfig, validate
-    from specserve.workers.demo import ensure_demo_family
     from specserve.workers.loading import load_model
 
-    cfg = QUICK if args.quick else BenchConfig()
-    if args.distributed is None:
-        args.distributed = not args.quick
+    questions = bench_questions(args)  # a bad file fails before any model loads
     if args.target:
-        target_path, draft_path = args.target, args.draft
+        from specserve.workers.model_names import resolve_model
+
+        target_path = resolve_model(args.target)
+        draft_path = resolve_model(args.draft) if args.draft else None
+        cfg = TARGET_QUICK if args.quick else TARGET_FULL
         held_out = args.prompts_from or []
     else:
+        from specserve.workers.demo import ensure_demo_family
+
+        if args.draft:
+            raise InvalidRequestError("draft", "--draft applies with --target (the demo family has its own draft)")
         family = ensure_demo_family()
         target_path, draft_path = family.target, family.draft
+        cfg = QUICK if args.quick else BenchConfig()
         root = family.manifest["corpus_root"]
-        held_out = [os.path.join(root, p) for p in family.manifest["held_out_files"]]
-    if not draft_path:
-        raise SystemExit("specserve bench: --draft is required with --target")
+        held_out = args.prompts_from or [os.path.join(root, p) for p in family.manifest["held_out_files"]]
+    if args.distributed is None:
+        args.distributed = not args.quick
+    if args.concurrency is None:
+        args.concurrency = not args.target
+    tp_n = args.tensor_parallel if args.tensor_parallel is not None else (0 if args.quick or args.target else 2)
+    # Said before the long run starts: extras that need a draft model, asked for without one
+    if tp_n > 1 and not draft_path:
+        print("specserve bench: skipping the tensor-parallel rows: they pair the TP target with a draft worker, and "
+              "there is no draft model (give --draft)")  # fmt: skip
+        tp_n = 0
+    if args.concurrency and not draft_path:
+        print("specserve bench: skipping the concurrency sweep: it measures a draft model's speculation under the "
+              "load-aware policy, and there is no draft model (give --draft)")  # fmt: skip
+        args.concurrency = False
     target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device, "dtype": args.dtype})
-    draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device, "dtype": args.dtype})
-    target, draft = load_model(target_cfg), load_model(draft_cfg)
-    engine = SpecEngine(target, draft)
-    prompts = held_out_prompts(target.tokenizer, held_out, cfg.prompts, cfg.prompt_tokens)
-    if not prompts:
-        raise SystemExit("specserve bench: no held-out prompts found (give --prompts-from FILES)")
+    draft_cfg = None
+    if draft_path:
+        draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device, "dtype": args.dtype})
+    target = load_model(target_cfg)
+    engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None)
+    prompts, kind = bench_prompts(target.tokenizer, cfg, questions, held_out)
     rows, meta = run_bench(engine, prompts, cfg)
+    meta["prompts_kind"] = kind
     if args.distributed:
-        k = 4 if 4 in cfg.ks else cfg.ks[-1]
-        in_process = next(r for r in rows if r.method == "draft" and r.k == k and r.temperature == 0)
-        extra, status = distributed_rows(target_path, draft_path, prompts, cfg, k, args.device, rows[0])
-        rows[rows.index(in_process) + 1 : rows.index(in_process) + 1] = extra
-        meta["disaggregated"] = {
-            "vs_in_process_1_stream": extra[0].tokens_per_s / in_process.tokens_per_s,
-            "vs_in_process_all_streams": extra[1].tokens_per_s / in_process.tokens_per_s,
-            "orchestration_ms_p50": status["orchestration_ms_p50"],
-            "wire_bytes_per_round": status["wire_bytes_per_round"],
-        }
-        from specserve.cluster.bench_serve import serve_rows
-
-        served = serve_rows(target_path, draft_path, prompts, cfg, k, args.device, rows[0])
-        at = rows.index(extra[-1]) + 1
-        rows[at:at] = served
-        meta["disaggregated"]["serve_vs_in_process_1_stream"] = served[0].tokens_per_s / in_process.tokens_per_s
-    tp_n = args.tensor_parallel if args.tensor_parallel is not None else (0 if args.quick else 2)
+        _add_distributed(rows, meta, target_path, draft_path, prompts, cfg, args.device)
     if tp_n > 1:
         from specserve.cluster.bench_tp import tp_rows
 
-        k = 4 if 4 in cfg.ks else cfg.ks[-1]
-        extra, profile = tp_rows(
-            target_cfg,
-            draft_cfg,
-            target.vocab_size,
-            prompts,
-            cfg.max_new_tokens,
-            k,
-            rows[0],
-            tp_n,
-        )
+        extra, profile = tp_rows(target_cfg, draft_cfg, target.vocab_size, prompts, cfg.max_new_tokens,
+                                 best_draft_k(cfg), rows[0], tp_n)  # fmt: skip
         rows += extra
         meta["tensor_parallel"] = {"world_size": tp_n, **profile}
     levels = []
@@ -492,7 +370,7 @@ def main_bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump(to_json(rows, meta, machine_info(target.device, target.dtype)), f, indent=2)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, meta, args.plot)
         if levels:
             from specserve.cluster.bench_concurrency import plot_levels
 

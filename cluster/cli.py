@@ -140,6 +140,10 @@ def _add_serve(sub) -> None:
                                    "Hugging Face directory, or 'demo' (default: smollm2-135m-instruct)")
     p.add_argument("--draft", help="with --model: a draft model, 'ngram' or 'none' (default: ngram; the demo's "
                                    "draft for --model demo)")
+    p.add_argument("--host", default=None, help="address the gRPC and HTTP proxies and the TLS gateway listen on "
+                                                "(default: the config's http_options.host, else 127.0.0.1: this "
+                                                "machine only; 0.0.0.0 for every interface, with SPECSERVE_API_KEY "
+                                                "set)")  # fmt: skip
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC proxy port (default: the config's, 9000)")
     p.add_argument("--http-port", type=int, default=None, help="HTTP proxy port (default: the config's, 8000)")
     p.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus metrics port")
@@ -155,12 +159,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     tls = None
     if args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca:
-        tls = _gateway_config(listen=f"0.0.0.0:{args.grpc_tls_port}", certfile=args.grpc_tls_cert,
+        # The gateway listens on the proxies' host (set once the config is read).
+        tls = _gateway_config(listen=f"127.0.0.1:{args.grpc_tls_port}", certfile=args.grpc_tls_cert,
                               keyfile=args.grpc_tls_key, client_ca=args.grpc_tls_client_ca)  # fmt: skip
     if args.config and (args.model or args.draft):
         raise SpecServeError("--model and --draft apply without --config (the config file names its models)")
     return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port, grpc_tls=tls,
-                         model=args.model, draft=args.draft)  # fmt: skip
+                         model=args.model, draft=args.draft, host=args.host)  # fmt: skip
 
 
 def _gateway_config(**fields):
@@ -217,13 +222,31 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="measure speculative decoding against target-only and HF assisted generation")
-    p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts, rows and tokens (< 5 min)")
+    p = sub.add_parser(
+        "bench",
+        help="measure speculative decoding against target-only decoding and Hugging Face's generate",
+        description="Without --target: the demo family (its draft model, held-out code). With --target: any model, "
+        "asked the built-in held-out chat questions through its chat template (stopping at its end of turn); rows: "
+        "target-only, HF generate, HF prompt-lookup decoding (N=10 and N = the best n-gram k), specserve's n-gram "
+        "drafting at k=1..8 and auto, and a sampled (T=0.8) section; a draft model's rows and HF assisted "
+        "generation only with --draft. On 2 CPU cores and a 135M target --quick took 6 min; the full run (12 "
+        "questions x 128 tokens, with the disaggregated and Serve rows) should take 35-40 min.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="a shorter run: fewer prompts and tokens (demo 2 x 48, < 5 min; --target 4 x 64)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write {machine, meta, rows} as JSON")
     p.add_argument("--plot", metavar="FILE", help="draw speedup and acceptance vs k (PNG)")
-    p.add_argument("--target", help="target model path (default: the demo family)")
-    p.add_argument("--draft", help="draft model path (required with --target)")
-    p.add_argument("--prompts-from", nargs="*", metavar="FILE", help="text files whose openings are the prompts")
+    p.add_argument("--target", metavar="NAME|PATH", help="target model name or directory (default: the demo family)")
+    p.add_argument("--draft", metavar="NAME|PATH",
+                   help="draft model (with --target): adds its rows and HF assisted generation; without it, "
+                   "speculation is n-gram prompt lookup only")  # fmt: skip
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompts-from", nargs="*", metavar="FILE",
+                         help="text files whose openings are the prompts (no chat template)")  # fmt: skip
+    prompts.add_argument("--chat-prompts", metavar="FILE",
+                         help="chat questions, one a line ('#' comments and blank lines skipped), sent through the "
+                         "target's chat template; the first 4 with --quick, 12 otherwise for --target "
+                         "(default with --target: the built-in held-out questions)")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     p.add_argument(
         "--dtype",
@@ -235,21 +258,24 @@ def _add_bench(sub) -> None:
         "--distributed",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="add rows for the disaggregated path on a local Ray cluster (default: on, off with --quick)",
+        help="add rows for the disaggregated path on a local Ray cluster and through Ray Serve, with the draft "
+        "model or, without one, n-gram drafting (default: on, off with --quick)",
     )
     p.add_argument(
         "--concurrency",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="add the concurrency sweep: 1, 4, 16, 32 streams, speculation on vs off (default: on)",
+        default=None,
+        help="add the concurrency sweep: 1, 4, 16, 32 streams, draft-model speculation under the load-aware policy "
+        "on vs off (default: on for the demo family; off with --target, where it needs --draft and adds ~30 min)",
     )
     p.add_argument(
         "--tensor-parallel",
         type=int,
         metavar="N",
         default=None,
-        help="add rows through a TP=N target replica (N local processes) and its communication share "
-        "(default: 2, off with --quick; 0 turns it off)",
+        help="add rows through a TP=N target replica (N local processes, paired with the draft worker) and its "
+        "communication share (default: 2 for the demo family, off with --quick or --target; 0 turns it off; "
+        "skipped without a draft model)",
     )
     p.set_defaults(func=_bench)
 

@@ -109,10 +109,10 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(["bench", "--quick", "--target", tiny_family.target, "--draft", tiny_family.draft, "--device", "cpu",
                  "--prompts-from", *files, "--json", str(out_json), "--plot", str(out_png),
-                 "--tensor-parallel", "2"])  # fmt: skip
+                 "--tensor-parallel", "2", "--concurrency"])  # fmt: skip
     assert code == 0
     table = capsys.readouterr().out
-    assert "target-only greedy" in table and "specserve k=4 greedy" in table
+    assert "target-only greedy" in table and "specserve draft k=4 greedy" in table and "ngram k=8" in table
     report = json.loads(out_json.read_text())
     assert {"machine", "rows"} <= set(report)
     assert report["machine"]["device"] == "cpu" and report["machine"]["dtype"] == "float32"  # where it really ran

@@ -1,0 +1,140 @@
+"""`specserve bench --target` without a draft model: n-gram and prompt-lookup rows, chat prompts, stops at EOS."""
+
+import json
+
+import pytest
+
+from specserve.cluster.bench import distributed_rows, run_bench
+from specserve.cluster.bench_rows import NGRAM_KS, PROMPT_LOOKUP_N, BenchConfig, Row
+from specserve.cluster.cli import main
+from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.engine import SpecEngine
+from specserve.workers.loading import load_model
+from specserve.workers.testing import save_tiny_llama
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [20, 21, 22, 23, 20, 21, 22], [30, 31, 32, 30, 31]]
+CFG = BenchConfig(prompts=3, max_new_tokens=24, ks=(2, 4), suite="target")
+
+
+def _engine(target: str, draft: str | None = None, eos_after: int | None = None) -> SpecEngine:
+    """An engine whose target also stops at the token it generates `eos_after` tokens into the first prompt, so
+    that generations end early on EOS (a random tiny model rarely samples its tokenizer's EOS)."""
+    loaded = load_model(ModelConfig(path=target, device="cpu"))
+    engine = SpecEngine(loaded, load_model(ModelConfig(path=draft, device="cpu")) if draft else None)
+    if eos_after is not None:
+        plain = SamplingParams(max_new_tokens=CFG.max_new_tokens, stop_at_eos=False)
+        tokens = engine.generate(PROMPTS[0], plain, SpecParams(method="none")).token_ids
+        loaded.model.generation_config.eos_token_id = sorted(loaded.eos_token_ids | {tokens[eos_after]})
+        engine.first_stop = tokens.index(tokens[eos_after]) + 1  # where the first prompt's generations end
+    return engine
+
+
+def test_without_a_draft_rows_are_prompt_lookup_and_ngram_and_greedy_rows_match(tiny_target):
+    engine = _engine(tiny_target, eos_after=5)
+    rows, meta = run_bench(engine, PROMPTS, CFG, progress=False)
+
+    assert {r.method for r in rows} == {"target-only", "hf-generate", "hf-prompt-lookup", "ngram"}  # no draft rows
+    greedy = [r for r in rows if r.temperature == 0]
+    assert [r.k for r in greedy if r.method == "ngram"] == [*NGRAM_KS, "auto"]
+    best = max((r for r in greedy if r.method == "ngram" and r.k != "auto"), key=lambda r: r.speedup).k
+    assert [r.k for r in greedy if r.method == "hf-prompt-lookup"] == [PROMPT_LOOKUP_N, best]
+    assert meta["prompt_lookup_best_k"]["n"] == best
+    assert all(r.identical is True for r in greedy[1:])  # every greedy row: the target-only tokens exactly
+    # EOS ends the first prompt's generations early in every row, HF's included
+    assert all(len(r.outputs[0]) == engine.first_stop < CFG.max_new_tokens for r in greedy)
+    assert meta["mean_new_tokens"] < CFG.max_new_tokens
+
+    sampled = [(r.method, r.k) for r in rows if r.temperature > 0]
+    assert sampled == [("target-only", None), ("ngram", 4), ("ngram", "auto")]
+    assert all(r.identical is None for r in rows if r.temperature > 0)
+
+    ngram = [r for r in rows if r.method == "ngram"]
+    assert any(r.mean_accepted_length > 1 for r in ngram)  # prompt lookup did draft and get tokens accepted
+    assert all(r.t_draft_ms == 0 and r.bound > 0 and r.acceptance_rate is not None for r in ngram)
+    assert meta["cost_ratio_c"] == 0 and sorted(meta["t_verify_ms"]) == list(NGRAM_KS)
+    assert all(r.tokens == sum(len(o) for o in r.outputs) and r.tokens_per_s > 0 for r in rows)
+
+
+def test_with_a_draft_the_draft_and_hf_assisted_rows_are_added(tiny_target, tmp_path):
+    same_vocab_draft = save_tiny_llama(tmp_path / "draft", seed=1, layers=1, hidden=32)
+    rows, _ = run_bench(_engine(tiny_target, same_vocab_draft), PROMPTS[:2], CFG, progress=False)
+    draft = [(r.k, r.temperature) for r in rows if r.method == "draft"]
+    assert draft == [(2, 0.0), (4, 0.0), ("auto", 0.0), (4, 0.8), ("auto", 0.8)]
+    assert [r.k for r in rows if r.method == "hf-assisted"] == ["hf-default", 4]
+    assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
+
+
+def test_hf_assisted_rows_are_skipped_with_a_reason_when_the_draft_vocabulary_is_padded(tiny_target, tiny_draft,
+                                                                                        capsys):  # fmt: skip
+    rows, _ = run_bench(_engine(tiny_target, tiny_draft), PROMPTS[:1], CFG, progress=False)
+    assert "no HF assisted rows" in capsys.readouterr().err
+    assert not [r for r in rows if r.method == "hf-assisted"]
+    assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
+
+
+def test_cli_quick_bench_on_a_target_with_a_chat_prompts_file(tiny_target, tmp_path, capsys):
+    questions = tmp_path / "questions.txt"
+    questions.write_text("# questions\nWhat is two plus two?\n\nName a red fruit.\nHow do I sort a list?\n"
+                         "Why is the sea salty?\nWhat is a cat?\n")  # fmt: skip
+    out = tmp_path / "bench.json"
+    args = ["bench", "--quick", "--target", tiny_target, "--no-distributed", "--no-concurrency", "--tensor-parallel",
+            "0", "--json", str(out), "--chat-prompts", str(questions), "--device", "cpu"]  # fmt: skip
+    code = main(args)
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "no chat template" in printed.err  # the plain transcript fallback is said, once
+    assert "warn" not in printed.err.lower() and "warn" not in printed.out.lower()
+    assert "| specserve ngram k=8 greedy" in printed.out
+    result = json.loads(out.read_text())
+    assert result["meta"]["prompts"] == 4 and result["meta"]["prompts_kind"] == "chat"  # --quick: the first 4
+    assert result["meta"]["max_new_tokens"] == 64
+    methods = {r["method"] for r in result["rows"]}
+    assert methods == {"target-only", "hf-generate", "hf-prompt-lookup", "ngram"}
+    for row in result["rows"]:
+        assert {"method", "k", "speedup", "tokens_per_s", "acceptance_rate", "identical"} <= set(row)
+        assert row["identical"] is (True if row["temperature"] == 0 and row["name"] != "target-only greedy" else None)
+
+
+@pytest.mark.parametrize("content, message", [("\n# nothing\n", "holds no questions"), (None, "cannot read")])
+def test_cli_bad_chat_prompts_file_exits_2_before_loading_models(tmp_path, capsys, content, message):
+    path = tmp_path / "questions.txt"
+    if content is not None:
+        path.write_text(content)
+    # the target does not exist: the file is checked first
+    code = main(["bench", "--target", str(tmp_path / "no-model"), "--chat-prompts", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "chat_prompts" in err and message in err and "questions.txt" in err
+
+
+def test_the_demo_suite_keeps_its_rows(tiny_target, tmp_path):
+    same_vocab_draft = save_tiny_llama(tmp_path / "draft", seed=1, layers=1, hidden=32)
+    cfg = BenchConfig(prompts=1, max_new_tokens=8, ks=(2, 4))
+    rows, meta = run_bench(_engine(tiny_target, same_vocab_draft), PROMPTS[:1], cfg, progress=False)
+    assert [r.name for r in rows] == [
+        "target-only greedy", "hf generate greedy", "hf assisted default greedy", "hf assisted k=4 greedy",
+        "specserve k=2 greedy", "specserve k=4 greedy", "specserve k=auto greedy", "specserve ngram k=4 greedy",
+        "target-only T=0.8", "hf generate T=0.8", "hf assisted default T=0.8", "hf assisted k=4 T=0.8",
+        "specserve k=4 T=0.8", "specserve k=auto T=0.8",
+    ]  # fmt: skip
+    assert "prompt_lookup_best_k" not in meta and meta["cost_ratio_c"] > 0
+
+
+@pytest.mark.slow
+def test_disaggregated_rows_without_a_draft_model_draft_by_prompt_lookup(tiny_target):
+    import ray
+
+    engine = _engine(tiny_target)
+    greedy = SamplingParams(max_new_tokens=12)
+    base = Row("target-only greedy", "target-only", None, 0.0, tokens_per_s=100.0)
+    base.outputs = [engine.generate(p, greedy, SpecParams(method="none")).token_ids for p in PROMPTS]
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    try:
+        cfg = BenchConfig(prompts=3, max_new_tokens=12, suite="target")
+        rows, status = distributed_rows(tiny_target, None, PROMPTS, cfg, 4, "cpu", base, method="ngram")
+    finally:
+        ray.shutdown()
+    assert [r.name for r in rows] == ["disaggregated ngram k=4 greedy, 1 stream",
+                                      "disaggregated ngram k=4 greedy, 3 streams"]  # fmt: skip
+    assert [r.identical for r in rows] == [True, True]
+    assert status["wire_bytes_per_round"] >= 0
