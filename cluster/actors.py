@@ -30,16 +30,21 @@ class _WorkerActor:
     def _servicer(self):
         raise NotImplementedError
 
-    async def start(self, secret: str | None = None) -> str:
+    async def start(self, secret: str | None = None, max_message_bytes: int | None = None) -> str:
         """Start the gRPC server on this node (inside the actor's event loop) unless it runs; returns its address.
         Called again after Ray restarts the actor, which comes back with a fresh process and a new port. With
-        `secret`, the server accepts only calls carrying it (the deployment's shared secret)."""
-        from specserve.workers.grpc_service import create_server
+        `secret`, the server accepts only calls carrying it (the deployment's shared secret). It listens on the
+        node's cluster address only (Ray's node IP; loopback on a local-only Ray), never on every interface."""
+        from specserve.workers.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES, create_server
 
         if getattr(self, "address", None) is None:
             self.servicer = self._servicer()
-            self.server, port = await create_server(self.servicer, "0.0.0.0:0", secret)
-            self.address = f"{_host()}:{port}"
+            host = _host()
+            host = f"[{host}]" if ":" in host else host
+            self.server, port = await create_server(
+                self.servicer, f"{host}:0", secret, max_message_bytes or DEFAULT_SERVER_MESSAGE_BYTES
+            )
+            self.address = f"{host}:{port}"
         return self.address
 
     async def node(self) -> dict:

@@ -21,7 +21,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"  # a known name (workers/known_models.js
 IMPORT_PATH = "specserve.cluster.serve_app:build_app"
 APP_NAME = "specserve"
 AUTOSCALING_POLICY = "specserve.cluster.policies:PoolAutoscalingPolicy"
-GRPC_SERVICER = "specserve.protos.specserve_pb2_grpc.add_SpecServeServicer_to_server"
+# The generated add_SpecServeServicer_to_server, with a request deserializer that never raises (INVALID_ARGUMENT,
+# not UNKNOWN, for bytes that are no GenerateRequest).
+GRPC_SERVICER = "specserve.cluster.public_proto.add_servicer_to_server"
 
 
 class _Strict(BaseModel):
@@ -113,10 +115,24 @@ def demo_model() -> ModelPairConfig:
 class LimitsConfig(_Strict):
     """Per-request limits, enforced at the ingress before any model work."""
 
-    max_prompt_tokens: int = Field(8192, gt=0, description="Longest prompt accepted, in tokens.")
-    max_new_tokens: int = Field(4096, gt=0, description="Largest max_tokens accepted.")
-    default_max_new_tokens: int = Field(256, gt=0, description="max_tokens when a request does not say.")
-    max_request_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest HTTP request body accepted.")
+    max_prompt_tokens: int = Field(
+        8192, gt=0, description="Longest prompt accepted, in tokens (and never more than the model's context less "
+        "one). A longer prompt is refused by its length in characters before it is tokenized when it cannot fit."
+    )  # fmt: skip
+    max_new_tokens: int = Field(4096, gt=0, le=1_000_000, description="Largest max_tokens accepted.")
+    default_max_new_tokens: int = Field(
+        256, gt=0, description="max_tokens when a request does not say, lowered to what fits in the model's context "
+        "after the prompt (so an unset max_tokens is never an error)."
+    )  # fmt: skip
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Largest HTTP request body accepted (413 above it)."
+    )
+    max_grpc_message_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, le=2**31 - 1, description="Largest gRPC message Serve's gRPC proxy accepts "
+        "(RESOURCE_EXHAUSTED above it, refused before it is buffered). Worker gRPC servers take at least this, and "
+        "more when the token limits need it. `specserve serve` and the KubeRay manifests apply it to the proxy "
+        "(RAY_SERVE_GRPC_MAX_MESSAGE_SIZE); under `serve run`/`serve deploy` set that variable yourself."
+    )  # fmt: skip
 
 
 class IngressConfig(_Strict):
@@ -174,8 +190,9 @@ class AppConfig(_Strict):
 def serve_config(
     app: AppConfig | None = None, grpc_port: int = 9000, http_port: int = 8000, http_host: str = "127.0.0.1"
 ) -> dict[str, Any]:
-    """A Ray Serve config file (ServeDeploySchema) running specserve with `app` as its args. HTTP listens on
-    localhost by default; a cluster deployment (RayService) sets 0.0.0.0."""
+    """A Ray Serve config file (ServeDeploySchema) running specserve with `app` as its args. `http_host` is where
+    `specserve serve` binds the HTTP proxy and the gRPC proxy (Serve's gRPC options have no host): localhost by
+    default; a cluster deployment (RayService) sets 0.0.0.0 and requires an API key."""
     app = app or AppConfig()
     application: dict[str, Any] = {
         "name": APP_NAME,

@@ -9,10 +9,16 @@ shape on CPU nodes, for kind/minikube). Worker groups declare the Ray custom res
 through the group's `resources` field; the pools' Serve replicas ask for one unit, so each pool lands on its group.
 The `gpu` variant's head pod also runs the gRPC TLS gateway (port 9443, certificate from the `specserve-grpc-tls`
 Secret).
+
+Unlike a laptop's `specserve serve`, the cluster binds wide (http_options.host 0.0.0.0, Serve's proxies on every
+interface, workers on their pod IPs), so every Ray container takes the API key from the `specserve-api-key` Secret
+(the variable the config's auth.api_key_env names; an ingress replica may land on any node), and the head's container
+carries the proxies' limits (cluster/proxy_limits.py) from the config's `limits`.
 """
 
 from __future__ import annotations
 
+import copy
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +26,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel
 
-from specserve.cluster.app_config import IMPORT_PATH, app_config, load_serve_config
+from specserve.cluster.app_config import IMPORT_PATH, AppConfig, app_config, load_serve_config
+from specserve.cluster.proxy_limits import proxy_env
 
 Variant = Literal["gpu", "cpu"]
 VARIANTS: tuple[Variant, ...] = ("gpu", "cpu")
@@ -63,14 +70,19 @@ def output_path(variant: Variant) -> Path:
     return MANIFEST_DIR / f"rayservice-{variant}.yaml"
 
 
-def _container(name: str, cpu: str, memory: str, gpus: int, ports: list | None = None) -> dict:
+API_KEY_SECRET = "specserve-api-key"
+API_KEY_SECRET_KEY = "api-key"
+
+
+def _container(name: str, cpu: str, memory: str, gpus: int, ports: list | None = None,
+               env: list[dict] | None = None) -> dict:  # fmt: skip
     limits: dict[str, Any] = {"cpu": cpu, "memory": memory}
     if gpus:
         limits["nvidia.com/gpu"] = gpus
     c: dict[str, Any] = {
         "name": name,
         "image": IMAGE,
-        "env": [{"name": "SPECSERVE_HOME", "value": "/models/specserve-home"}],
+        "env": [{"name": "SPECSERVE_HOME", "value": "/models/specserve-home"}, *copy.deepcopy(env or [])],
         "resources": {"limits": dict(limits), "requests": dict(limits)},
         "volumeMounts": [{"name": "models", "mountPath": "/models"}],
     }
@@ -131,21 +143,36 @@ def _grpc_tls_sidecar() -> dict:
     }
 
 
+def _app(serve_config: dict) -> AppConfig:
+    app = next(a for a in serve_config["applications"] if a.get("import_path") == IMPORT_PATH)
+    return app_config(app.get("args") or {})
+
+
 def known_names(serve_config: dict) -> list[str]:
     """The known model names (`specserve models list`) the config's models use, in order."""
     from specserve.workers.model_names import known_models
 
     known = known_models()
-    app = next(a for a in serve_config["applications"] if a.get("import_path") == IMPORT_PATH)
-    refs = [r for m in app_config(app.get("args") or {}).models for r in (m.target, m.draft)]
+    refs = [r for m in _app(serve_config).models for r in (m.target, m.draft)]
     return [r for i, r in enumerate(refs) if r in known and r not in refs[:i]]
+
+
+def _api_key_env(app: AppConfig) -> list[dict]:
+    """The API key from its Secret (required: pods do not start without it), unless the config turns keys off."""
+    if not app.auth.api_key_env:
+        return []
+    ref = {"secretKeyRef": {"name": API_KEY_SECRET, "key": API_KEY_SECRET_KEY}}
+    return [{"name": app.auth.api_key_env, "valueFrom": ref}]
 
 
 def rayservice(serve_config: dict, variant: Variant) -> dict:
     pulls = known_names(serve_config)
+    app = _app(serve_config)
+    key_env = _api_key_env(app)
+    limits = proxy_env(app.limits.max_grpc_message_bytes, app.limits.max_request_bytes)
     groups = []
     for g in _GROUPS[variant]:
-        container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"])
+        container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"], env=key_env)
         groups.append({
             "groupName": g["name"],
             "replicas": g["min"],
@@ -158,7 +185,9 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
                           g["resource"]: str(max(g["gpus"], 1))},
             "template": _pod(container, g["node_selector"], g["gpus"], pulls),
         })  # fmt: skip
-    head = _container("ray-head", "2", "8Gi", 0, ports=_HEAD_PORTS)
+    # Serve's proxies run on the head only (proxy_location HeadOnly) and read their limits from its environment.
+    proxy_vars = [{"name": k, "value": v} for k, v in limits.items()]
+    head = _container("ray-head", "2", "8Gi", 0, ports=_HEAD_PORTS, env=key_env + proxy_vars)
     head_pod = _pod(head, {}, 0, pulls)
     if variant == "gpu":  # production shape: gRPC over TLS (the cpu variant is for kind/minikube, plaintext)
         head_pod["spec"]["containers"].append(_grpc_tls_sidecar())
@@ -201,7 +230,8 @@ def render(variant: Variant) -> str:
     manifest = rayservice(config, variant)
     manifest["spec"]["serveConfigV2"] = _LiteralStr(manifest["spec"]["serveConfigV2"])
     header = (f"# Generated by `specserve manifests render` from manifests/serve-{variant}.yaml: edit that file, "
-              "then re-render.\n")  # fmt: skip
+              "then re-render.\n# Needs the API key in a Secret first: kubectl create secret generic "
+              f"{API_KEY_SECRET} --from-literal={API_KEY_SECRET_KEY}=\"$(openssl rand -hex 32)\"\n")  # fmt: skip
     return header + yaml.safe_dump(manifest, sort_keys=False, width=120)
 
 

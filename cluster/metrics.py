@@ -1,6 +1,14 @@
 """specserve's Prometheus metrics, recorded through Ray's metrics API so they appear on every node's Ray metrics
 endpoint (Ray's exporter prefixes them with `ray_`: `specserve_rounds_total` is scraped as
 `ray_specserve_rounds_total`). Created inside Serve replicas only.
+
+The gauges (`specserve_acceptance_rate`, `specserve_mean_accepted_length`, `specserve_queue_depth`) are exported for
+every served model from the start, at 0: a series that exists before the first request, as Prometheus users expect
+(absent series break dashboards and `absent()`-style alerts). NaN, PromQL's own "0/0", would be the truer value for
+an undefined ratio, but Ray 2.60's exporter drops NaN samples, which would leave the series missing again. So 0 means
+"nothing drafted yet" as long as `specserve_drafted_tokens_total` has not moved (a real mean accepted length is
+never below 1); alert on, e.g., `acceptance_rate < 0.5 and rate(drafted_tokens_total[5m]) > 0`, and prefer
+rate(accepted) / rate(drafted) for windowed averages.
 """
 
 from __future__ import annotations
@@ -10,9 +18,10 @@ MAX_POSITIONS = 16
 
 
 class ServiceMetrics:
-    """Ingress-side metrics: requests, rounds, acceptance, latency, queue depth."""
+    """Scheduler-side metrics: requests, rounds, acceptance, latency, queue depth."""
 
-    def __init__(self):
+    def __init__(self, models: list[str] = ()):
+        """models: the served models, whose gauges are exported from the start (at 0)."""
         from ray.util.metrics import Counter, Gauge, Histogram
 
         m = ("model",)
@@ -28,18 +37,25 @@ class ServiceMetrics:
         self.position_accepted = Counter(
             "specserve_position_accepted_total", "Rounds whose position i was accepted.", tag_keys=mp
         )
-        self.acceptance_rate = Gauge("specserve_acceptance_rate", "accepted / drafted since start.", tag_keys=m)
-        self.mean_accepted_length = Gauge(
-            "specserve_mean_accepted_length", "Tokens committed per round since start.", tag_keys=m
+        self.acceptance_rate = Gauge(
+            "specserve_acceptance_rate", "accepted / drafted since start (0 until something is drafted).", tag_keys=m
         )
+        self.mean_accepted_length = Gauge(
+            "specserve_mean_accepted_length", "Tokens committed per round since start (0 before the first round).",
+            tag_keys=m,
+        )  # fmt: skip
         self.queue_depth = Gauge("specserve_queue_depth", "Requests in flight at this ingress replica.", tag_keys=m)
         self.ttft = Histogram("specserve_ttft_seconds", "Time to first token.", _LATENCY_BOUNDARIES_S, tag_keys=m)
         self.per_token = Histogram(
-            "specserve_per_token_latency_seconds", "Round time / tokens the round committed.", _LATENCY_BOUNDARIES_S,
-            tag_keys=m,
+            "specserve_per_token_latency_seconds", "Time per output token (TPOT), one observation per generated token "
+            "after the first: a round's time / its tokens; 0 for the first round's other tokens, which arrive with the "
+            "first. sum / count = (latency - TTFT) / (tokens - 1).", _LATENCY_BOUNDARIES_S, tag_keys=m,
         )  # fmt: skip
         self._totals: dict[str, list[int]] = {}  # model -> [drafted, accepted, rounds, generated]
         self._inflight: dict[str, int] = {}
+        for model in models:
+            for gauge in (self.acceptance_rate, self.mean_accepted_length, self.queue_depth):
+                gauge.set(0.0, tags={"model": model})
 
     def request_started(self, model: str) -> None:
         self._inflight[model] = self._inflight.get(model, 0) + 1
@@ -77,8 +93,10 @@ class ServiceMetrics:
         self.mean_accepted_length.set(totals[3] / totals[2], tags=tags)
         if first:
             self.ttft.observe(since_start, tags=tags)
-        if committed:
-            self.per_token.observe(seconds / committed, tags=tags)
+        # A round's tokens arrive together; the first token's own time is TTFT, not TPOT.
+        per_token = 0.0 if first else seconds / max(committed, 1)
+        for _ in range(committed - 1 if first else committed):
+            self.per_token.observe(per_token, tags=tags)
 
 
 class WorkerMetrics:
@@ -97,3 +115,19 @@ class WorkerMetrics:
         self.used.set(store.used_tokens, tags=tags)
         self.capacity.set(store.capacity_tokens, tags=tags)
         self.requests.set(len(store), tags=tags)
+
+
+class IngressMetrics:
+    """Ingress-side metrics: requests refused before they run (bad input, no API key, too large, over capacity)."""
+
+    def __init__(self):
+        from ray.util.metrics import Counter
+
+        self.refused = Counter(
+            "specserve_refused_requests_total",
+            "Requests refused, by route (HTTP path or gRPC method) and status (HTTP status code or gRPC status name).",
+            tag_keys=("route", "status"),
+        )
+
+    def refuse(self, route: str, status: str) -> None:
+        self.refused.inc(1, tags={"route": route, "status": status})

@@ -1,9 +1,13 @@
 """OpenAI-compatible request parsing and response shapes (completions, chat completions, models, errors). Pure
 functions over dicts: the HTTP routes in cluster/serve_app.py call them, tests call them alone.
 
-Extensions beyond OpenAI's fields: `top_k`, and `speculation: {"method": "draft"|"ngram"|"none", "k": 1..16|"auto"}`
-(pass them with the openai package's `extra_body=`). Every response carries `specserve` stats (rounds, drafted,
-accepted, acceptance_rate, mean_accepted_length).
+Requests are validated once, here, by strict pydantic models of OpenAI's bodies (field names as OpenAI spells them,
+so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `Request` that `SpecService.prepare`
+takes. Extensions beyond OpenAI's fields: `top_k`, and `speculation: {"method": "draft"|"ngram"|"none", "k":
+1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the output in ways
+specserve does not implement (`n`, `stop`, `logit_bias`, penalties, logprobs, tools, ...) are accepted only at their
+neutral value. Every response carries `specserve` stats (rounds, drafted, accepted, acceptance_rate,
+mean_accepted_length).
 """
 
 from __future__ import annotations
@@ -11,112 +15,300 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
-from specserve.workers.chat import ROLES, ChatMessage, ChatPrompt
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic_core import PydanticCustomError
+
+from specserve.cluster.edge import (
+    MAX_NAME_CHARS,
+    MAX_TEMPERATURE,
+    SEED_LIMIT,
+    UINT32_MAX,
+    EdgeModel,
+    PayloadTooLargeError,
+    Request,
+    Text,
+    json_type,
+    one_of,
+    parse,
+    shown,
+    text,
+    unsupported,
+)
+from specserve.workers.chat import ChatMessage, ChatPrompt, Role
+from specserve.workers.config import MAX_K, SpecMethod
 from specserve.workers.errors import InvalidRequestError
 
-# OpenAI fields specserve accepts only at their neutral value (anything else would silently change the output).
-_NEUTRAL = {
-    "n": (1, None),
-    "best_of": (1, None),
-    "echo": (False, None),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "frequency_penalty": (0, 0.0, None),
-    "presence_penalty": (0, 0.0, None),
-    "logit_bias": (None, {}),
-    "stop": (None, [], ""),
-    "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
+MAX_MESSAGES = 4096
+MAX_PARTS = 256  # content parts of one message
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+TOKEN_ID_LIMIT = 2**31  # token ids travel to the workers as int32
+SHORT = 256  # characters of a user id, a message's author name, a metadata value
+
+
+def _token_ids(ids: list) -> tuple[int, ...]:
+    # One pass that stops at the first bad element (pydantic would make an error per element).
+    for i, t in enumerate(ids):
+        if type(t) is not int or not 0 <= t < TOKEN_ID_LIMIT:
+            raise PydanticCustomError(
+                "token_id", "element {i} is not a token id (an integer, 0 <= id < 2^31)", {"i": i}
+            )
+    return tuple(ids)
+
+
+def _single(prompts: list) -> list:
+    if len(prompts) != 1:
+        raise PydanticCustomError(
+            "batch", "specserve takes one prompt per request, not a list of {n}", {"n": len(prompts)}
+        )
+    return prompts
+
+
+def _prompt_list_kind(value: list) -> str:
+    first = json_type(value[0]) if value else None
+    return {"string": "<texts>", "array": "<id lists>"}.get(first, "<ids>")
+
+
+NonEmptyText = text(min_length=1)
+TokenIds = Annotated[list, Field(min_length=1), AfterValidator(_token_ids)]
+_PromptList = Annotated[
+    Union[  # noqa: UP007 - tagged members
+        Annotated[TokenIds, Tag("<ids>")],
+        Annotated[list[NonEmptyText], BeforeValidator(_single), AfterValidator(lambda v: v[0]), Tag("<texts>")],
+        Annotated[list[TokenIds], BeforeValidator(_single), AfterValidator(lambda v: v[0]), Tag("<id lists>")],
+    ],
+    Discriminator(_prompt_list_kind),
+]
+Prompt = one_of("must be a string or a list of token ids", string=NonEmptyText, array=_PromptList)
+
+
+class TextPart(EdgeModel):
+    type: Literal["text"]
+    text: Text
+
+
+class OtherPart(BaseModel):
+    """A content part of another type (image_url, input_audio, file, ...): refused, naming its `type`."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Any = Field(None, validate_default=True)
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, value: Any) -> Any:
+        if value is None:
+            raise PydanticCustomError("part_type", "is required (specserve takes text parts: type 'text')")
+        kind = repr(shown(value)) if isinstance(value, str) else f"a {json_type(value)}"
+        raise PydanticCustomError("part_type", "{kind} content parts are not supported by specserve (it takes "
+                                  "text parts only: type 'text')", {"kind": kind})  # fmt: skip
+
+
+def _part_kind(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    return "<text>" if value.get("type") == "text" else "<other>"
+
+
+Part = Annotated[
+    Union[Annotated[TextPart, Tag("<text>")], Annotated[OtherPart, Tag("<other>")]],  # noqa: UP007 - tagged members
+    Discriminator(_part_kind, custom_error_type="type", custom_error_message="must be a content part object"),
+]
+Content = one_of(
+    "must be a string or a list of text parts (null content goes with assistant tool calls, which specserve does "
+    "not take)",
+    string=Text,
+    array=Annotated[list[Part], Field(min_length=1, max_length=MAX_PARTS, fail_fast=True)],
+)
+
+
+class Message(EdgeModel):
+    role: Role
+    content: Content
+    name: text(max_length=SHORT) | None = None
+
+    def joined_text(self) -> str:
+        """The message's text; text parts joined by newlines (as other OpenAI-compatible servers do)."""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class StreamOptions(EdgeModel):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # no effect here
+
+
+class Speculation(EdgeModel):
+    method: SpecMethod | None = None
+    k: one_of(f"must be 1..{MAX_K} or 'auto'", integer=Annotated[int, Field(ge=1, le=MAX_K)],
+              string=Literal["auto"], null=None) = None  # fmt: skip
+
+
+def _metadata(value: dict) -> dict:
+    if len(value) > 16 or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                                  for k, v in value.items()):  # fmt: skip
+        raise PydanticCustomError("metadata", "must be at most 16 string keys (64 characters) and values (512)")
+    return value
+
+
+# Accepted only at these values (anything else would silently change the output): field -> (values, as shown).
+_NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "1"),
+    "best_of": ((1,), "1"),
+    "echo": ((False,), "false"),
+    "logprobs": ((0, False), "null"),
+    "top_logprobs": ((0,), "0"),
+    "frequency_penalty": ((0,), "0"),
+    "presence_penalty": ((0,), "0"),
+    "logit_bias": (({},), "{}"),
+    "stop": (("", []), "[]"),
+    "suffix": (("",), '""'),
+    "response_format": (({"type": "text"},), '{"type": "text"}'),
+    "tools": (([],), "[]"),
+    "tool_choice": (("none",), '"none"'),
 }
-_IGNORED = {"user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls"}
-_COMMON = {"model", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-           "speculation"}  # fmt: skip
+
+Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
-@dataclass
+class _Body(EdgeModel):
+    """The fields completions and chat completions share."""
+
+    model: text(max_length=MAX_NAME_CHARS) | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
+    speculation: Speculation | None = None
+    # neutral only (_NEUTRAL)
+    n: int | None = None
+    top_logprobs: int | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    logit_bias: dict | None = None
+    stop: one_of("must be a string or a list of strings", string=Text, null=None,
+                 array=Annotated[list[Text], Field(max_length=MAX_STOP, fail_fast=True)]) = None  # fmt: skip
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: one_of("must be a string or an object", string=Text, object=dict, null=None) = None
+    # accepted and ignored
+    user: text(max_length=SHORT) | None = None
+    metadata: Annotated[dict, AfterValidator(_metadata)] | None = None
+    store: bool | None = None
+    service_tier: text(max_length=64) | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator(*(f for f in _NEUTRAL if f not in ("best_of", "echo", "suffix", "logprobs")))
+    @classmethod
+    def _neutral(cls, value: Any, info) -> Any:
+        return _check_neutral(info.field_name, value)
+
+    def request(self, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str) -> Request:
+        spec = self.speculation or Speculation()
+        max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return Request(
+            model=self.model or "",
+            prompt=prompt,
+            # OpenAI's default temperature is 1 (sampling); send 0 for greedy decoding.
+            temperature=float(1.0 if self.temperature is None else self.temperature),
+            top_p=float(1.0 if self.top_p is None else self.top_p),
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            max_new_tokens=max_new,
+            method=spec.method,
+            k=spec.k,
+            prompt_field=prompt_field,
+            max_tokens_field="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
+        )
+
+
+def _check_neutral(name: str, value: Any) -> Any:
+    accepted, neutral = _NEUTRAL[name]
+    if value is None or any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in accepted):
+        return value
+    raise unsupported(neutral)
+
+
+class CompletionBody(_Body):
+    prompt: Prompt
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: Text | None = None
+
+    @field_validator("best_of", "echo", "logprobs", "suffix")
+    @classmethod
+    def _neutral_here(cls, value: Any, info) -> Any:
+        return _check_neutral(info.field_name, value)
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _neutral_here(cls, value: Any, info) -> Any:
+        return _check_neutral(info.field_name, value)
+
+
+@dataclass(frozen=True)
 class ParsedRequest:
-    model: str
-    prompt: str | list[int] | ChatPrompt
-    sampling: dict
-    speculation: dict
+    request: Request
     stream: bool
     include_usage: bool
 
 
-def _type(name: str, value: Any, types: tuple, what: str) -> Any:
-    # bool is an int subclass: reject it where a number is expected
-    if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
-        raise InvalidRequestError(name, f"must be {what}, got {type(value).__name__}")
-    return value
-
-
-def _common(body: Any, allowed: set[str]) -> dict:
-    if not isinstance(body, dict):
-        raise InvalidRequestError("body", "must be a JSON object")
-    unknown = sorted(set(body) - allowed - _COMMON - set(_NEUTRAL) - _IGNORED)
-    if unknown:
-        raise InvalidRequestError(unknown[0], "unknown field" + (f" (also: {', '.join(unknown[1:])})" if unknown[1:]
-                                                                  else ""))  # fmt: skip
-    for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] not in neutral:
-            raise InvalidRequestError(name, f"{body[name]!r} is not supported by specserve (omit it)")
-    model = _type("model", body.get("model", ""), (str,), "a string") or ""
-    stream = _type("stream", body.get("stream", False), (bool,), "a boolean") or False
-    opts = _type("stream_options", body.get("stream_options"), (dict,), "an object") or {}
-    sampling: dict = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        sampling["max_new_tokens"] = _type("max_tokens", max_tokens, (int,), "an integer")
-    # OpenAI's default temperature is 1 (sampling); send 0 for greedy decoding.
-    sampling["temperature"] = _type("temperature", body.get("temperature", 1.0), (int, float), "a number")
-    for name, types, what in (("top_p", (int, float), "a number"), ("top_k", (int,), "an integer"),
-                              ("seed", (int,), "an integer")):  # fmt: skip
-        if body.get(name) is not None:
-            sampling[name] = _type(name, body[name], types, what)
-    speculation = _type("speculation", body.get("speculation"), (dict,), "an object") or {}
-    extra = sorted(set(speculation) - {"method", "k"})
-    if extra:
-        raise InvalidRequestError(f"speculation.{extra[0]}", "unknown field")
-    return {"model": model, "stream": stream, "include_usage": bool(opts.get("include_usage")),
-            "sampling": sampling, "speculation": dict(speculation)}  # fmt: skip
+def _parsed(body: _Body, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str) -> ParsedRequest:
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage)
 
 
 def parse_completion(body: Any) -> ParsedRequest:
-    common = _common(body, {"prompt"})
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
-    elif not isinstance(prompt, str):
-        raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
-    if isinstance(prompt, str) and not prompt:
-        raise InvalidRequestError("prompt", "must not be empty")
-    return ParsedRequest(prompt=prompt, **common)
+    """A /v1/completions body (parsed JSON) -> the typed request; InvalidRequestError naming the bad field."""
+    parsed: CompletionBody = parse(CompletionBody, body)
+    return _parsed(parsed, parsed.prompt, "prompt")
 
 
 def parse_chat(body: Any) -> ParsedRequest:
-    """The messages become a ChatPrompt, rendered with the served model's own chat template (workers/chat.py)."""
-    common = _common(body, {"messages"})
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
-    typed = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
-            raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
-        if m.get("role") not in ROLES:
-            raise InvalidRequestError(f"messages[{i}].role", f"unsupported role {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise InvalidRequestError(f"messages[{i}].content", "must be a string")
-        typed.append(ChatMessage(m["role"], m["content"]))
-    return ParsedRequest(prompt=ChatPrompt(tuple(typed)), **common)
+    """A /v1/chat/completions body -> the typed request; the messages become a ChatPrompt, rendered with the served
+    model's own chat template by `SpecService.prepare` (workers/chat.py)."""
+    parsed: ChatBody = parse(ChatBody, body)
+    prompt = ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages))
+    return _parsed(parsed, prompt, "messages")
+
+
+async def read_json(chunks: AsyncIterator[bytes], declared_length: str | None, max_bytes: int) -> Any:
+    """A request body (its chunks, as the server receives them) parsed as JSON, read up to `max_bytes`: a
+    PayloadTooLargeError (413) beyond, before reading when the declared Content-Length says so. Every malformed body
+    is an InvalidRequestError naming `body`."""
+    declared = declared_length or ""
+    if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > max_bytes):
+        raise PayloadTooLargeError("body", f"{declared[:16]} bytes exceed the limit of {max_bytes}")
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLargeError("body", f"is longer than the limit of {max_bytes} bytes")
+        parts.append(chunk)
+    try:
+        text = b"".join(parts).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError("body", f"is not valid UTF-8 (at byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError("body", f"is not valid JSON: {e.msg} at position {e.pos}") from None
+    except RecursionError:
+        raise InvalidRequestError("body", "nests arrays or objects too deeply") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise InvalidRequestError("body", "holds a number too long to read") from None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -23,18 +23,26 @@ from ray import serve
 
 from specserve.cluster import openai_api as oai
 from specserve.cluster.app_config import APP_NAME, DEMO, AppConfig, ModelPairConfig, app_config
-from specserve.cluster.public_proto import http_status_for, request_fields, response, status_for
+from specserve.cluster.edge import PayloadTooLargeError, client_message
+from specserve.cluster.public_proto import (
+    http_status_for,
+    refused_status,
+    request_from_proto,
+    response,
+    status_for,
+)
 from specserve.cluster.registry import registry_actor
 from specserve.workers.errors import (
-    InvalidRequestError,
     OverloadedError,
-    SpecServeError,
     UnauthenticatedError,
     UnavailableError,
 )
 
 HEARTBEAT_S = 5.0
 POLL_S = 1.0
+# A restarted registry knows only the workers that re-registered since: within this long of its restart, pollers keep
+# the workers they knew (every live one re-registers within a heartbeat).
+REJOIN_S = 2 * HEARTBEAT_S + POLL_S
 
 
 def resolve_paths(model: ModelPairConfig) -> tuple[str, str | None]:
@@ -65,7 +73,7 @@ class PoolWorker:
     """One replica of a draft or target pool: loads the model, serves it over its own gRPC server and keeps its
     address registered (a heartbeat, so a restarted registry relearns it)."""
 
-    async def __init__(self, model: dict, kind: str):
+    async def __init__(self, model: dict, kind: str, max_message_bytes: int | None = None):
         import ray
 
         from specserve.cluster.actors import DraftWorkerActor, TargetWorkerActor
@@ -90,7 +98,7 @@ class PoolWorker:
             self.body = DraftWorkerActor(pool, vocab)
             self.store = self.body.worker.store
         self.registry = registry_actor(_app_name())
-        self.address = await self.body.start(await self.registry.secret.remote())
+        self.address = await self.body.start(await self.registry.secret.remote(), max_message_bytes)
         self.model, self.kind = cfg.name, kind
         ctx = serve.get_replica_context()
         self.worker_id = f"{kind}-{cfg.name}-{ctx.replica_id.unique_id}"
@@ -151,9 +159,10 @@ class SchedulerReplica:
 
         self.config: AppConfig = app_config(app_args)
         paths = {m.name: resolve_paths(m) for m in self.config.models}
-        self.service = SpecService(self.config, paths, metrics=ServiceMetrics())
+        self.service = SpecService(self.config, paths, metrics=ServiceMetrics([m.name for m in self.config.models]))
         self._poller: asyncio.Task | None = None
-        self._version = -1
+        self._seen: tuple[str, int] | None = None  # (registry incarnation, version) last applied
+        self._rows: list[dict] = []
 
     # -- worker membership ---------------------------------------------------------------------------------------
 
@@ -165,10 +174,15 @@ class SchedulerReplica:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
 
     async def _poll_once(self) -> None:
-        version, rows = await self.registry.members.remote()
-        if version != self._version:
+        snap = await self.registry.snapshot.remote()
+        rows, seen = snap["members"], (snap["incarnation"], snap["version"])
+        if snap["uptime_s"] < REJOIN_S:  # a restarted registry: workers it has not heard from yet are still there
+            known = {r["worker_id"] for r in rows}
+            rows = rows + [r for r in self._rows if r["worker_id"] not in known]
+            seen = None  # merged, not the registry's own: apply again next time
+        if seen is None or seen != self._seen:
             self.service.sync_workers(rows)
-            self._version = version
+        self._seen, self._rows = seen, rows
 
     async def _poll(self) -> None:
         while True:
@@ -216,9 +230,11 @@ class SpecServeIngress:
     redo."""
 
     def __init__(self, app_args: dict, scheduler: Any):
+        from specserve.cluster.metrics import IngressMetrics
         from specserve.cluster.service import SpecService
 
         self.config: AppConfig = app_config(app_args)
+        self.metrics = IngressMetrics()
         paths = {m.name: resolve_paths(m) for m in self.config.models}
         self.requests = SpecService(self.config, paths)  # tokenizers and limits only: no workers behind it
         self.scheduler = scheduler
@@ -236,7 +252,7 @@ class SpecServeIngress:
         if self._api_key is None:
             return
         sent = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(sent.encode(), self._api_key.encode()):
+        if not hmac.compare_digest(sent.encode(errors="surrogatepass"), self._api_key.encode(errors="surrogatepass")):
             raise UnauthenticatedError("missing or wrong API key (send 'authorization: Bearer <key>')")
 
     def _check_grpc_key(self, grpc_context) -> None:
@@ -259,22 +275,30 @@ class SpecServeIngress:
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method name
         try:
             self._check_grpc_key(grpc_context)
-            prepared = self.requests.prepare(*request_fields(request))
+            prepared = self.requests.prepare(request_from_proto(request))
             out = await self._generate(prepared)
             return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"])
         except Exception as e:
-            _set_grpc_error(grpc_context, e)
+            self._grpc_failed("Generate", grpc_context, e)
             raise
 
     async def GenerateStream(self, request, grpc_context):  # noqa: N802 - gRPC method name
+        started = False
         try:
             self._check_grpc_key(grpc_context)
-            prepared = self.requests.prepare(*request_fields(request))
+            prepared = self.requests.prepare(request_from_proto(request))
             async for chunk in self._run(prepared):
+                started = True
                 yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats)
         except Exception as e:
-            _set_grpc_error(grpc_context, e)
+            self._grpc_failed("GenerateStream", grpc_context, e, refused=not started)
             raise
+
+    def _grpc_failed(self, method: str, grpc_context, error: BaseException, refused: bool = True) -> None:
+        status = refused_status(error, http=False) if refused else None
+        if status:
+            self.metrics.refuse(f"/specserve.v1.SpecServe/{method}", status)
+        _set_grpc_error(grpc_context, error)
 
     # -- HTTP: OpenAI-compatible -----------------------------------------------------------------------------------
 
@@ -283,7 +307,7 @@ class SpecServeIngress:
         try:
             self._check_key(request.headers.get("authorization"))
         except UnauthenticatedError as e:
-            return _http_error(e)
+            return self._refuse("/v1/models", e)
         return JSONResponse(oai.models_list([m.name for m in self.config.models], self.created))
 
     @http_app.get("/health")
@@ -295,18 +319,19 @@ class SpecServeIngress:
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._openai(request, chat=False)
+        return await self._openai(request, "/v1/completions")
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._openai(request, chat=True)
+        return await self._openai(request, "/v1/chat/completions")
 
-    async def _openai(self, request: Request, chat: bool):
+    async def _openai(self, request: Request, route: str):
+        chat = route == "/v1/chat/completions"
         try:
             self._check_key(request.headers.get("authorization"))
             body = await _json_body(request, self.config.limits.max_request_bytes)
             parsed = oai.parse_chat(body) if chat else oai.parse_completion(body)
-            prepared = self.requests.prepare(parsed.model, parsed.prompt, parsed.sampling, parsed.speculation)
+            prepared = self.requests.prepare(parsed.request)
             rid = oai.new_id("chatcmpl" if chat else "cmpl")
             if not parsed.stream:
                 out = await self._generate(prepared)
@@ -315,7 +340,14 @@ class SpecServeIngress:
             return StreamingResponse(self._sse(rid, prepared, parsed.include_usage, chat),
                                      media_type="text/event-stream")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
-            return _http_error(e)
+            return self._refuse(route, e)
+
+    def _refuse(self, route: str, error: BaseException) -> JSONResponse:
+        """The error response; counted when the client caused it (4xx)."""
+        status = refused_status(error, http=True)
+        if status:
+            self.metrics.refuse(route, status)
+        return _http_error(error)
 
     async def _sse(self, rid: str, prepared, include_usage: bool, chat: bool) -> AsyncIterator[str]:
         generated, stats = 0, {}
@@ -329,8 +361,8 @@ class SpecServeIngress:
                 yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, stats, chat)
             yield oai.sse("[DONE]")
         except Exception as e:  # noqa: BLE001 - headers are sent: report the error as an event
-            status, kind = http_status_for(e)
-            yield oai.sse(oai.error_body(str(e), kind, getattr(e, "field", None)))
+            _, kind = http_status_for(e)
+            yield oai.sse(oai.error_body(client_message(e), kind, getattr(e, "field", None)))
 
 
 # Applied at import time in every process: Serve pickles the ingress class by reference to this module, and the
@@ -367,35 +399,24 @@ def _scheduler_error(error: BaseException) -> BaseException:
 def _set_grpc_error(grpc_context, error: BaseException) -> None:
     if grpc_context is not None:
         grpc_context.set_code(status_for(error))
-        grpc_context.set_details(str(error) if isinstance(error, SpecServeError) else f"internal error: {error!r}")
+        grpc_context.set_details(client_message(error))
 
 
 async def _json_body(request: Request, max_bytes: int) -> Any:
-    import json
+    from starlette.requests import ClientDisconnect
 
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise InvalidRequestError("body", f"{len(raw)} bytes exceed the limit of {max_bytes}")
     try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise InvalidRequestError("body", "is not valid UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError("body", f"is not valid JSON: {e.msg} at position {e.pos}") from None
-
-
-_HTTP_FIELD_NAMES = {"max_new_tokens": "max_tokens"}  # OpenAI's names for the fields it names differently
+        return await oai.read_json(request.stream(), request.headers.get("content-length"), max_bytes)
+    except ClientDisconnect:  # Serve's proxy cut an oversize chunked body off (its 413 is already sent)
+        raise PayloadTooLargeError("body", f"is longer than the limit of {max_bytes} bytes") from None
 
 
 def _http_error(error: BaseException) -> JSONResponse:
-    if isinstance(error, InvalidRequestError) and error.field in _HTTP_FIELD_NAMES:
-        error = InvalidRequestError(_HTTP_FIELD_NAMES[error.field], error.message)
     status, kind = http_status_for(error)
-    message = str(error) if isinstance(error, SpecServeError) else f"internal error: {error!r}"
-    code = "model_not_found" if getattr(error, "field", None) == "model" else None
+    field = getattr(error, "field", None)
+    code = "model_not_found" if field == "model" and "unknown model" in str(error) else None
     headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if isinstance(error, OverloadedError) else None
-    body = oai.error_body(message, kind, getattr(error, "field", None), code)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(oai.error_body(client_message(error), kind, field, code), status_code=status, headers=headers)
 
 
 def _pool_options(name: str, pool) -> dict:
@@ -420,17 +441,25 @@ def _pool_options(name: str, pool) -> dict:
     return options
 
 
+def worker_message_bytes(app: AppConfig) -> int:
+    """Largest message a worker's gRPC server accepts: the app's gRPC limit, raised to what its largest legitimate
+    call needs (a whole context's token ids, at most 5 bytes each, and a round's sparse draft distributions)."""
+    limits = app.limits
+    return max(limits.max_grpc_message_bytes, 5 * (limits.max_prompt_tokens + limits.max_new_tokens) + (1 << 20))
+
+
 def build_app(args: dict | AppConfig | None = None):
     """The Serve application for `args` (an AppConfig or its dict; the Serve config file's `args`)."""
     app = app_config(args or {})
     pools = []
+    message_bytes = worker_message_bytes(app)
     for m in app.models:
         model = m.model_dump(mode="json")
         pools.append(serve.deployment(PoolWorker).options(**_pool_options(f"target-{m.name}", m.target_pool))
-                     .bind(model, "target"))  # fmt: skip
+                     .bind(model, "target", message_bytes))  # fmt: skip
         if m.drafts_with_model:
             pools.append(serve.deployment(PoolWorker).options(**_pool_options(f"draft-{m.name}", m.draft_pool))
-                         .bind(model, "draft"))  # fmt: skip
+                         .bind(model, "draft", message_bytes))  # fmt: skip
     args = app.model_dump(mode="json")
     scheduler = serve.deployment(SchedulerReplica).options(
         name="scheduler",

@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.cluster.app_config import AppConfig, ModelPairConfig
+from specserve.cluster.edge import Request
 from specserve.cluster.pipeline import Pipeline
 from specserve.cluster.policies import SpeculationControl
 from specserve.cluster.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.worker_clients import DraftClient, TargetClient
 from specserve.workers.chat import ChatPrompt, chat_prompt_ids
-from specserve.workers.config import SamplingParams, SpecParams, validate
-from specserve.workers.engine import check_request, encode_prompt
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.engine import encode_prompt
 from specserve.workers.errors import InvalidRequestError, OverloadedError, UnavailableError
 from specserve.workers.loading import directory_eos_ids
+from specserve.workers.worker_state import check_token_ids
 
 
 @dataclass
@@ -75,6 +77,7 @@ class ModelServing:
     max_positions: int | None
     eos: frozenset[int]
     pipeline: Pipeline
+    max_token_chars: int = 64  # characters of the vocabulary's longest token (a bound on a prompt's length)
     speculation: SpeculationControl = field(default_factory=SpeculationControl)
     addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -108,6 +111,7 @@ class SpecService:
                 max_positions=getattr(text_cfg, "max_position_embeddings", None),
                 eos=directory_eos_ids(target_path, tok),
                 pipeline=pipeline,
+                max_token_chars=max_token_chars(tok),
             )
 
     # -- membership ----------------------------------------------------------------------------------------------
@@ -183,34 +187,37 @@ class SpecService:
 
     # -- requests --------------------------------------------------------------------------------------------------
 
-    def prepare(self, model: str, prompt: str | list[int] | ChatPrompt, sampling: dict, speculation: dict) -> Prepared:
-        """Validate one request. Raises InvalidRequestError naming the bad field."""
-        cfg = self.app.model(model)
+    def prepare(self, request: Request) -> Prepared:
+        """Check a request an edge validated against the served model and the app's limits, cheapest first (a
+        prompt's size before it is tokenized), and tokenize it. Raises InvalidRequestError naming the client's
+        field."""
+        cfg = self.app.model(request.model)
         serving = self.models[cfg.name]
         limits = self.app.limits
-        sampling = {"max_new_tokens": limits.default_max_new_tokens, **sampling}
-        params = validate(SamplingParams, sampling)
-        if params.max_new_tokens > limits.max_new_tokens:
-            raise InvalidRequestError(
-                "max_new_tokens", f"{params.max_new_tokens} exceeds this server's limit of {limits.max_new_tokens}"
-            )
-        method = "draft" if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
-        speculation = {"method": method, "k": cfg.k, **{k: v for k, v in speculation.items() if v is not None}}
-        spec = validate(SpecParams, speculation)
+        if request.max_new_tokens is not None and request.max_new_tokens > limits.max_new_tokens:
+            raise InvalidRequestError(request.max_tokens_field, f"{request.max_new_tokens} exceeds this server's "
+                                      f"limit of {limits.max_new_tokens}")  # fmt: skip
+        default_method = "draft" if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
+        spec = SpecParams(method=request.method or default_method, k=cfg.k if request.k is None else request.k)
         if spec.method == "draft" and not cfg.drafts_with_model:
             raise InvalidRequestError("speculation.method", f"model {cfg.name!r} has no draft model (use ngram/none)")
-        if isinstance(prompt, str) and len(prompt) > 16 * limits.max_prompt_tokens:
-            raise InvalidRequestError("prompt", f"{len(prompt)} characters is over the limit")
-        if isinstance(prompt, ChatPrompt):
-            if sum(len(m.content) for m in prompt.messages) > 16 * limits.max_prompt_tokens:
-                raise InvalidRequestError("messages", "the conversation's characters are over the limit")
-            ids = chat_prompt_ids(serving.tokenizer, prompt.messages)
+        ids = _prompt_ids(serving, request, limits.max_prompt_tokens)
+        room = None if serving.max_positions is None else serving.max_positions - len(ids)
+        if request.max_new_tokens is None:  # what fits, not an error
+            max_new = limits.default_max_new_tokens if room is None else min(limits.default_max_new_tokens, room)
+        elif room is not None and request.max_new_tokens > room:
+            raise InvalidRequestError(request.max_tokens_field, f"{request.max_new_tokens} new tokens after a "
+                                      f"{len(ids)}-token prompt exceed the model's context of {serving.max_positions} "
+                                      f"positions (at most {room}; leave it unset for what fits)")  # fmt: skip
         else:
-            ids = encode_prompt(serving.tokenizer, prompt)
-        if len(ids) > limits.max_prompt_tokens:
-            raise InvalidRequestError("prompt", f"{len(ids)} tokens exceed this server's limit of "
-                                                f"{limits.max_prompt_tokens}")  # fmt: skip
-        check_request(ids, params, serving.vocab_size, serving.max_positions)
+            max_new = request.max_new_tokens
+        params = SamplingParams(
+            temperature=request.temperature,
+            top_k=0 if request.top_k >= serving.vocab_size else request.top_k,  # the same distribution
+            top_p=request.top_p,
+            max_new_tokens=max_new,
+            seed=request.seed,
+        )
         return Prepared(cfg.name, ids, params, spec)
 
     def check_capacity(self, model: str) -> None:
@@ -239,14 +246,17 @@ class SpecService:
             text = IncrementalText(serving.tokenizer)
             last = time.perf_counter()
             prev = sched_req.state.stats.to_dict()
-            first = True
+            first, generated = True, 0
             try:
                 async for committed in serving.pipeline.rounds(sched_req):
                     now = time.perf_counter()
                     state = sched_req.state
                     stats = state.stats.to_dict()
-                    if self.metrics:
-                        self.metrics.round(req.model, prev, stats, len(committed), now - last, first, now - started)
+                    if self.metrics:  # TTFT at the round that commits the first token, TPOT for each one after it
+                        first_token = generated == 0 and bool(committed)
+                        self.metrics.round(req.model, prev, stats, len(committed), now - last, first_token,
+                                           now - started)  # fmt: skip
+                    generated += len(committed)
                     serving.speculation.after_round(
                         stats["drafted"] - prev["drafted"], stats["accepted"] - prev["accepted"], len(committed),
                         now - last, now - started if state.finished else None,
@@ -294,6 +304,39 @@ class SpecService:
             "stats": chunk.stats,
             "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(tokens)},
         }
+
+
+def _prompt_ids(serving: ModelServing, request: Request, max_prompt_tokens: int) -> list[int]:
+    """The prompt's token ids, refused by its length in characters (or messages) before the tokenizer runs when it
+    cannot fit: a token spans at most `max_token_chars` characters, so that many per allowed token is a bound that
+    never refuses a prompt that would fit."""
+    prompt, field = request.prompt, request.prompt_field
+    limit, why = max_prompt_tokens, f"this server's limit of {max_prompt_tokens} prompt tokens"
+    if serving.max_positions is not None and serving.max_positions - 1 < limit:
+        limit = serving.max_positions - 1
+        why = f"the model's context of {serving.max_positions} positions, less one for the answer"
+    if isinstance(prompt, tuple):
+        ids = list(prompt[: limit + 1])
+    else:
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m.content) for m in prompt.messages)
+        if chars > limit * serving.max_token_chars:
+            raise InvalidRequestError(field, f"{chars} characters cannot fit in {why}")
+        if isinstance(prompt, ChatPrompt):
+            if len(prompt.messages) > limit:  # each message renders to a token at least
+                raise InvalidRequestError(field, f"{len(prompt.messages)} messages cannot fit in {why}")
+            ids = chat_prompt_ids(serving.tokenizer, prompt.messages)
+        else:
+            ids = encode_prompt(serving.tokenizer, prompt)
+    if len(ids) > limit:
+        size = f"{len(prompt)} tokens" if isinstance(prompt, tuple) else f"{len(ids)} tokens"
+        raise InvalidRequestError(field, f"{size} exceed {why}")
+    check_token_ids(field, ids, serving.vocab_size)
+    return ids
+
+
+def max_token_chars(tokenizer) -> int:
+    """Characters of the longest token in the vocabulary (added tokens too): no token spans more of a text."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
 
 
 async def _wait(serving: ModelServing, deadline: float) -> None:

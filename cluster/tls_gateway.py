@@ -40,7 +40,10 @@ class GatewayConfig(BaseModel):
                                        "certificate it signed (mutual TLS).")  # fmt: skip
     app_name: str = Field(APP_NAME, min_length=1, description="Serve application for calls that name none.")
     default_timeout_s: float = Field(3600.0, gt=0, description="Deadline of forwarded calls that arrive without one.")
-    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Largest request or response message.")
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Largest request or response message, as the app's "
+        "limits.max_grpc_message_bytes (larger ones are refused, not buffered)."
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _readable(self):

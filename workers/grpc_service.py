@@ -22,10 +22,22 @@ from specserve.workers.errors import InvalidRequestError, KVCapacityError, Reque
 from specserve.workers.target_worker import TargetWorker, VerifyCall
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Channel options of specserve's clients: the servers they call set the real limits.
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# A worker server's default limit: its largest legitimate message (a prompt's token ids) is far smaller, and gRPC
+# buffers a whole message before the secret interceptor can refuse it, so a large limit is memory for anyone to take.
+DEFAULT_SERVER_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def server_options(max_message_bytes: int = DEFAULT_SERVER_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC server options: messages over `max_message_bytes` are refused with RESOURCE_EXHAUSTED, unread."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -191,12 +203,16 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def create_server(
-    servicer: _Servicer, address: str = "127.0.0.1:0", secret: str | None = None
+    servicer: _Servicer,
+    address: str = "127.0.0.1:0",
+    secret: str | None = None,
+    max_message_bytes: int = DEFAULT_SERVER_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server for a draft or target servicer; returns (server, bound port). Port 0 picks a free one.
-    With `secret`, calls without it are rejected (UNAUTHENTICATED)."""
+    With `secret`, calls without it are rejected (UNAUTHENTICATED); messages over `max_message_bytes` are refused
+    (RESOURCE_EXHAUSTED)."""
     interceptors = [SecretInterceptor(secret)] if secret else []
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
     if isinstance(servicer, DraftWorkerServicer):
         pb_grpc.add_DraftWorkerServicer_to_server(servicer, server)
     else:

@@ -132,4 +132,24 @@ def test_every_pod_pulls_the_known_models_its_config_serves(variant):
         (init,) = pod["spec"]["initContainers"]
         assert init["command"][-1] == "specserve models pull smollm2-135m-instruct"
         serving = pod["spec"]["containers"][0]
-        assert init["env"] == serving["env"] and init["volumeMounts"] == serving["volumeMounts"]  # same cache
+        assert init["env"] == serving["env"][:1] and init["volumeMounts"] == serving["volumeMounts"]  # same cache
+        assert init["env"] == [{"name": "SPECSERVE_HOME", "value": "/models/specserve-home"}]  # and no secrets
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cluster_binds_wide_with_the_api_key_from_a_secret_and_the_proxy_limits(variant):
+    manifest = yaml.safe_load(output_path(variant).read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    serve = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    assert serve["http_options"]["host"] == "0.0.0.0"  # reachable through the cluster's services
+    cfg = app_config(next(a for a in serve["applications"] if a["import_path"] == IMPORT_PATH)["args"])
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:  # an ingress replica may run on any node: each one needs the key
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        ref = env[cfg.auth.api_key_env]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "specserve-api-key", "key": "api-key"} and "value" not in env[cfg.auth.api_key_env]
+    head = {e["name"]: e.get("value") for e in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+    assert head["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(cfg.limits.max_grpc_message_bytes)
+    assert head["SPECSERVE_PROXY_MAX_REQUEST_BYTES"] == str(cfg.limits.max_request_bytes)
+    assert head["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specserve.cluster.proxy_limits.proxy_middlewares"
+    assert "kubectl create secret generic specserve-api-key" in output_path(variant).read_text().splitlines()[1]

@@ -1,4 +1,7 @@
-"""The worker registry alone: membership, versions, heartbeats and expiry."""
+"""The worker registry alone: membership, versions, heartbeats and expiry; its restart (Ray re-running the
+constructor with the same arguments) keeps the secret, and a scheduler polling it keeps its workers meanwhile."""
+
+import asyncio
 
 import pytest
 
@@ -36,3 +39,87 @@ def test_members_that_stop_heartbeating_expire():
     reg.register("m", "target", "t2", "h:2")
     clock.now = 40
     assert [r["worker_id"] for r in reg.members()[1]] == ["t2"]
+
+
+def test_a_restarted_registry_keeps_the_secret_it_was_created_with():
+    first = WorkerRegistry(secret="s3cret")
+    again = WorkerRegistry(secret="s3cret")  # what Ray runs on restart: the same constructor arguments
+    assert first.secret() == again.secret() == "s3cret"
+    assert first.incarnation != again.incarnation  # pollers can tell, since versions count again from 0
+    assert WorkerRegistry().secret() != WorkerRegistry().secret()  # without one, a fresh random secret
+    assert len(WorkerRegistry().secret()) >= 32
+
+
+def test_registry_actor_passes_a_fresh_secret_to_the_constructor(monkeypatch):
+    import ray
+
+    from specserve.cluster import registry
+
+    created = {}
+
+    class Options:
+        def options(self, **options):
+            created["options"] = options
+            return self
+
+        def remote(self, **kwargs):
+            created["kwargs"] = kwargs
+
+    monkeypatch.setattr(ray, "remote", lambda cls: Options())
+    registry.registry_actor("app")
+    assert created["options"]["max_restarts"] == -1 and created["options"]["get_if_exists"] is True
+    assert len(created["kwargs"]["secret"]) >= 32
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+class _Handle:
+    """What a Ray actor handle looks like to SchedulerReplica: method.remote(...) awaitables."""
+
+    def __init__(self, registry: WorkerRegistry):
+        self.snapshot = _Method(registry.snapshot)
+
+
+def test_scheduler_keeps_its_workers_while_a_restarted_registry_relearns_them(tiny_target):
+    from specserve.cluster.serve_app import REJOIN_S, SchedulerReplica
+
+    clock = Clock()
+    args = {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu"}]}
+    replica = SchedulerReplica(args)
+    addresses = replica.service.models["tiny"].addresses
+
+    async def main():
+        before = WorkerRegistry(secret="s", clock=clock)
+        clock.now = 100.0
+        before.register("tiny", "target", "t1", "127.0.0.1:1")
+        before.register("tiny", "target", "t2", "127.0.0.1:2")
+        replica.registry = _Handle(before)
+        await replica._poll_once()
+        seen = [dict(addresses)]
+        after = WorkerRegistry(secret="s", clock=clock)  # restarted at t=100: knows nobody yet
+        replica.registry = _Handle(after)
+        await replica._poll_once()
+        seen.append(dict(addresses))
+        after.register("tiny", "target", "t1", "127.0.0.1:1")  # heartbeats arrive; t2's replica died meanwhile
+        after.register("tiny", "target", "t3", "127.0.0.1:3")  # version 2 again, as before the restart
+        await replica._poll_once()
+        seen.append(dict(addresses))
+        clock.now = 100.0 + REJOIN_S + 1
+        await replica._poll_once()
+        seen.append(dict(addresses))
+        return seen
+
+    seen = asyncio.run(main())
+    assert sorted(seen[0]) == ["t1", "t2"]
+    assert sorted(seen[1]) == ["t1", "t2"]  # nobody dropped by an empty, just-restarted registry
+    assert sorted(seen[2]) == ["t1", "t2", "t3"]  # a new worker joins at once
+    assert sorted(seen[3]) == ["t1", "t3"]  # past the rejoin window the registry's view is the truth

@@ -3,6 +3,7 @@ set (UNAUTHENTICATED / 401 otherwise), HTTP over TLS, gRPC over TLS through the 
 reject calls without the app's shared secret, and requests above the configured capacity get RESOURCE_EXHAUSTED /
 429 with a retry hint, never a hang."""
 
+import http.client
 import json
 import ssl
 import urllib.request
@@ -97,6 +98,33 @@ def test_https_requires_the_api_key(server):
     assert status == 200 and out["usage"]["completion_tokens"] == 2
     with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # an untrusting client
         urllib.request.urlopen(server["http"] + "/health", timeout=30, context=ssl.create_default_context())
+
+
+def test_odd_api_keys_and_bodies_are_refused_not_crashed(server):
+    host, port = server["http"].removeprefix("https://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2}).encode()
+    keys = [b"Bearer \xed\xa0\x80", b"Bearer \xff\xfe", b"\xed\xb0\x80", b"Bearer k-123\xc3\xa9",
+            b"Bearer " + b"k" * 6000, b"Basic k-123", b"Bearer"]  # fmt: skip
+    for key in keys:
+        conn = http.client.HTTPSConnection(host, int(port), timeout=60, context=server["tls"])
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body)))
+        conn.putheader("Authorization", key)
+        conn.endheaders(body)
+        r = conn.getresponse()
+        assert r.status == 401 and json.loads(r.read())["error"]["type"] == "authentication_error", key[:20]
+        conn.close()
+    # the right key with a lone surrogate in the prompt, the model or the key's own body field
+    for raw, field in ((rb'{"prompt": "\ud800"}', "prompt"), (rb'{"prompt": "x", "model": "\udfff"}', "model"),
+                       (rb'{"prompt": "x", "api_key": "\ud800"}', "api_key")):  # fmt: skip
+        req = urllib.request.Request(server["http"] + "/v1/completions", raw, method="POST",
+                                     headers={"Authorization": "Bearer k-123"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60, context=server["tls"])
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == field
+    status, _, out = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}, "k-123")
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
 
 
 def test_above_capacity_requests_are_told_to_retry_and_the_rest_complete(server):

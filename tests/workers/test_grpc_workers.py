@@ -147,3 +147,39 @@ def test_worker_with_a_secret_rejects_calls_without_it(models):
     codes, health = asyncio.run(main())
     assert codes == [(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")] * 2
     assert health.healthy and health.kv_capacity_tokens == KVCacheConfig().capacity_tokens  # also when empty
+
+
+def test_worker_refuses_messages_over_its_limit_before_the_secret_check_and_keeps_serving(models):
+    """An oversize message is RESOURCE_EXHAUSTED from anyone (with or without the secret): a stranger cannot make
+    the worker hold a large message; normal calls still work afterwards."""
+    from specserve.cluster.worker_clients import DraftClient
+    from specserve.workers.draft_worker import DraftWorker
+    from specserve.workers.drafters import ModelDrafter
+    from specserve.workers.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES, DraftWorkerServicer, create_server
+    from specserve.workers.runner import ModelRunner
+
+    assert DEFAULT_SERVER_MESSAGE_BYTES == 4 * 1024 * 1024
+    target, draft = models
+    limit = 64 * 1024
+    big = pb.ProposeRequest(request_id="x" * (2 * limit), committed_len=2, new_tokens=[5, 6], k=2)
+
+    async def main():
+        runner = ModelRunner(draft, KVCacheConfig(), vocab_size=target.vocab_size)
+        worker = DraftWorker(ModelDrafter(runner), target.vocab_size, "draft", runner.store)
+        server, port = await create_server(DraftWorkerServicer(worker), "127.0.0.1:0", "s3cret", limit)
+        address = f"127.0.0.1:{port}"
+        try:
+            codes = []
+            for metadata in (None, (("x-specserve-secret", "s3cret"),)):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    try:
+                        await pb_grpc.DraftWorkerStub(channel).Propose(big, timeout=10, metadata=metadata)
+                    except grpc.aio.AioRpcError as e:
+                        codes.append(e.code())
+            return codes, await DraftClient(address, 10, "s3cret").health()
+        finally:
+            await server.stop(None)
+
+    codes, health = asyncio.run(main())
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    assert health.healthy
