@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from specserve.cluster.app_config import DEFAULT_MODEL
 from specserve.cluster.client import SpecServeClient
 
+from .serve_process import wait_until_serving
 from .test_serve_app import free_port
 
 pytestmark = pytest.mark.slow
@@ -77,10 +77,7 @@ def server(pulled, tmp_path_factory):
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     try:
-        line, deadline = "", time.time() + 600
-        while "specserve is serving" not in line and time.time() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "specserve is serving" in line, f"no ready line (exit {proc.poll()}): {log.read_text()[-3000:]}"
+        wait_until_serving(proc, 600, log=log)
         yield {"grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{http_port}", "log": log}
     finally:
         if proc.poll() is None:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import psutil
@@ -18,6 +17,7 @@ from specserve.cluster import serve_binds
 from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.server import _warn_without_api_key, prepare_config
 
+from .serve_process import wait_until_serving
 from .test_serve_app import free_port
 from .test_serve_cli import _marked
 from .tls_certs import CertAuthority
@@ -141,11 +141,7 @@ def test_default_serve_listens_on_loopback_only(tmp_path, tiny_target, tiny_draf
     log = tmp_path / "serve.log"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     try:
-        line = ""
-        deadline = time.time() + 400
-        while "specserve is serving" not in line and time.time() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "specserve is serving" in line, f"no ready line (exit code {proc.poll()})"
+        wait_until_serving(proc, 400)
         with SpecServeClient(f"127.0.0.1:{ports['grpc']}", timeout_s=120) as client:
             assert client.generate("def add(a, b):", max_new_tokens=8, k=2)["token_ids"]
         with SpecServeClient(f"127.0.0.1:{ports['tls']}", timeout_s=120, ca_file=ca.cert_file) as client:

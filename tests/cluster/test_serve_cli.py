@@ -19,6 +19,7 @@ from specserve.workers.engine import SpecEngine
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.loading import load_model
 
+from .serve_process import wait_until_serving
 from .test_serve_app import free_port
 
 pytestmark = pytest.mark.slow
@@ -49,11 +50,7 @@ def test_serve_starts_serves_and_stops_cleanly_on_sigterm(tmp_path, tiny_target,
     cmd = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--config", str(config_file), *ports]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        line = ""
-        deadline = time.time() + 400
-        while "specserve is serving" not in line and time.time() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "specserve is serving" in line, f"no ready line (exit code {proc.poll()})"
+        line = wait_until_serving(proc, 400)
         assert f"127.0.0.1:{grpc_port}" in line and f"http://127.0.0.1:{http_port}" in line
         with SpecServeClient(f"127.0.0.1:{grpc_port}", timeout_s=120) as client:
             out = client.generate("def add(a, b):", max_new_tokens=16, k=2)
