@@ -13,14 +13,18 @@ whole body before reading the answer (most do) then gets the 413 instead of a co
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 
 GRPC_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # read by Serve's gRPC proxy at import (2 GiB by default)
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # Serve calls it for the HTTP proxy's middlewares
 CALLBACK = "specserve.cluster.proxy_limits.proxy_middlewares"
 BODY_BYTES_ENV = "SPECSERVE_PROXY_MAX_REQUEST_BYTES"
+log = logging.getLogger(__name__)
 DRAIN_BYTES = 128 * 1024 * 1024
+DRAIN_S = 2.0  # a client that announced a body and sends none (or slowly) still gets its 413 this soon
 
 
 def proxy_env(max_grpc_message_bytes: int, max_request_bytes: int) -> dict[str, str]:
@@ -51,7 +55,14 @@ def _content_length(scope) -> int | None:
 
 
 async def _drain(receive, received: int) -> None:
-    """Read and drop the rest of the body, up to DRAIN_BYTES in all."""
+    """Read and drop the rest of the body, up to DRAIN_BYTES in all and for at most DRAIN_S seconds."""
+    try:
+        await asyncio.wait_for(_drain_all(receive, received), DRAIN_S)
+    except TimeoutError:
+        pass
+
+
+async def _drain_all(receive, received: int) -> None:
     while received < DRAIN_BYTES:
         message = await receive()
         if message["type"] != "http.request":
@@ -66,6 +77,18 @@ class BodyLimit:
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
+        self.metrics = None  # made on the first refusal, inside the proxy actor
+
+    def _count(self, path: str) -> None:
+        """The ingress's refused-requests counter, for the 413s the ingress never sees."""
+        try:
+            if self.metrics is None:
+                from specserve.cluster.metrics import IngressMetrics
+
+                self.metrics = IngressMetrics()
+            self.metrics.refuse(path, "413")
+        except Exception:  # noqa: BLE001 - a metrics failure must not turn a 413 into a 500
+            log.exception("could not count a refused request")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -73,6 +96,7 @@ class BodyLimit:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await _drain(receive, 0)
+            self._count(scope.get("path", ""))
             return await self._refuse(send, declared)
         received, refused, started = 0, False, False
 
@@ -88,6 +112,7 @@ class BodyLimit:
                     if not started:
                         if message.get("more_body"):
                             await _drain(receive, received)
+                        self._count(scope.get("path", ""))
                         await self._refuse(send, None)
                     return {"type": "http.disconnect"}
             return message

@@ -345,7 +345,7 @@ class SpecServeIngress:
     def _refuse(self, route: str, error: BaseException) -> JSONResponse:
         """The error response; counted when the client caused it (4xx)."""
         status = refused_status(error, http=True)
-        if status:
+        if status and not getattr(error, "counted", False):
             self.metrics.refuse(route, status)
         return _http_error(error)
 
@@ -407,8 +407,10 @@ async def _json_body(request: Request, max_bytes: int) -> Any:
 
     try:
         return await oai.read_json(request.stream(), request.headers.get("content-length"), max_bytes)
-    except ClientDisconnect:  # Serve's proxy cut an oversize chunked body off (its 413 is already sent)
-        raise PayloadTooLargeError("body", f"is longer than the limit of {max_bytes} bytes") from None
+    except ClientDisconnect:  # Serve's proxy cut an oversize chunked body off: its 413 is sent and counted already
+        error = PayloadTooLargeError("body", f"is longer than the limit of {max_bytes} bytes")
+        error.counted = True
+        raise error from None
 
 
 def _http_error(error: BaseException) -> JSONResponse:
