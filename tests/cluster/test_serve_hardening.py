@@ -161,6 +161,19 @@ def test_oversize_requests_are_refused_and_memory_stays_bounded(server):
     _normal_requests_work(server)
 
 
+def _secret_after_restart(registry, timeout_s: float = 60) -> str:
+    """The restarted actor's secret; a call that reaches it while Ray is still restarting it fails fast
+    (ActorUnavailableError), so it is retried until the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(registry.secret.remote(), timeout=timeout_s)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_registry_restart_mid_traffic_loses_no_request(server):
     registry = ray.get_actor(registry_name(server["app"]), namespace=REGISTRY_NAMESPACE)
     secret = ray.get(registry.secret.remote())
@@ -186,12 +199,15 @@ def test_registry_restart_mid_traffic_loses_no_request(server):
 
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(traffic, i) for i in range(4)]
-        time.sleep(3)
-        killed_at = time.monotonic()
-        ray.kill(registry, no_restart=False)
-        assert ray.get(registry.secret.remote(), timeout=60) == secret  # restarted by Ray, with the same secret
-        # Past the rejoin window: every worker has re-registered and the schedulers trust the registry again.
-        stop_at[0] = time.monotonic() + REJOIN_S + 5
+        try:
+            time.sleep(3)
+            killed_at = time.monotonic()
+            ray.kill(registry, no_restart=False)
+            assert _secret_after_restart(registry) == secret  # restarted by Ray, with the same secret
+            # Past the rejoin window: every worker has re-registered and the schedulers trust the registry again.
+            stop_at[0] = time.monotonic() + REJOIN_S + 5
+        finally:
+            stop_at[0] = min(stop_at[0], time.monotonic() + REJOIN_S + 5)  # a failure above ends the traffic too
         for f in futures:
             f.result()
     failed = [ok for _, ok in results if ok is not True]
