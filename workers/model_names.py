@@ -153,7 +153,7 @@ def _is_present(model: KnownModel, final: Path, verify: bool, progress: bool) ->
         final.unlink()
         return False
     if verify:
-        got = _sha256_file(final, progress, f"verify {final.name}")
+        got = _sha256_file(final, progress)
         if got != model.gguf_sha256:
             log.warning("%s: sha256 %s, expected %s: fetching it again", final, got, model.gguf_sha256)
             final.unlink()
@@ -168,13 +168,10 @@ def _remove_stale_parts(final: Path) -> None:
                 part.unlink()
 
 
-def _sha256_file(path: Path, progress: bool = False, desc: str = "") -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f, _bytes_bar(path.stat().st_size, desc, progress) as bar:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
+def _sha256_file(path: Path, progress: bool = False) -> str:
+    from specserve.workers.gguf_store import file_sha256  # one hasher for both stores
+
+    return file_sha256(path, progress)
 
 
 def _bytes_bar(total: int, desc: str, progress: bool) -> tqdm:
