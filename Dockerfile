@@ -11,6 +11,6 @@ COPY --chown=ray:users protos ./protos
 COPY --chown=ray:users src ./src
 RUN pip install --no-cache-dir --index-url ${TORCH_INDEX} torch==2.13.0 \
  && pip install --no-cache-dir . \
- && python -c "import specserve.cluster.serve_app"
+ && python -c "import specserve.cluster.serve.serve_app"
 # Models are mounted at /models (see manifests/); nothing is downloaded at run time.
 ENV SPECSERVE_HOME=/models/specserve-home

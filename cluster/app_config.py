@@ -1,7 +1,7 @@
 """The Serve application's one configuration: a Ray Serve config file whose application `args` are an `AppConfig`.
 
 The same YAML file is read by `specserve serve --config FILE`, by `serve run FILE` / `serve deploy FILE` (its
-`import_path` is `specserve.cluster.serve_app:build_app`, which validates `args` into an AppConfig) and is embedded as
+`import_path` is `specserve.cluster.serve.serve_app:build_app`, which validates `args` into an AppConfig) and is embedded as
 a RayService's `serveConfigV2`, so there is no second copy to drift.
 """
 
@@ -17,13 +17,13 @@ from specserve.workers.config import MAX_K, BatchingConfig, KVCacheConfig, valid
 from specserve.workers.errors import InvalidRequestError
 
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
-DEFAULT_MODEL = "smollm2-135m-instruct"  # a known name (workers/known_models.json): pulled and converted on first use
-IMPORT_PATH = "specserve.cluster.serve_app:build_app"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # a known name (workers/models/known_models.json): pulled and converted on first use
+IMPORT_PATH = "specserve.cluster.serve.serve_app:build_app"
 APP_NAME = "specserve"
-AUTOSCALING_POLICY = "specserve.cluster.policies:PoolAutoscalingPolicy"
+AUTOSCALING_POLICY = "specserve.cluster.scheduling.policies:PoolAutoscalingPolicy"
 # The generated add_SpecServeServicer_to_server, with a request deserializer that never raises (INVALID_ARGUMENT,
 # not UNKNOWN, for bytes that are no GenerateRequest).
-GRPC_SERVICER = "specserve.cluster.public_proto.add_servicer_to_server"
+GRPC_SERVICER = "specserve.cluster.serve.public_proto.add_servicer_to_server"
 
 
 class _Strict(BaseModel):
@@ -201,7 +201,7 @@ def serve_config(
         "args": app.model_dump(mode="json"),
     }
     if any(p.autoscaling for m in app.models for p in (m.target_pool, m.draft_pool)):
-        # Scale each model's draft and target pools together from the replicas' busy time (cluster/policies.py).
+        # Scale each model's draft and target pools together from the replicas' busy time (cluster/scheduling/policies.py).
         application["autoscaling_policy"] = {
             "policy_function": AUTOSCALING_POLICY,
             "policy_kwargs": {"goal_busy_fraction": app.autoscaling_goal_busy_fraction},

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.workers.testing import save_tiny_llama
+from tests.worker_helpers import save_tiny_llama
 
 # Keep tests quiet and single-threaded per process: CI has 2 cores and Ray tests start several processes.
 torch.set_num_threads(1)

@@ -4,7 +4,7 @@ become (one STRICT_PACK bundle per rank)."""
 import pytest
 
 from specserve.cluster.app_config import app_config
-from specserve.cluster.serve_app import _pool_options
+from specserve.cluster.serve.serve_app import _pool_options
 from specserve.workers.errors import InvalidRequestError
 
 

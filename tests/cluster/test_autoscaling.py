@@ -10,8 +10,8 @@ import ray
 from ray import serve
 
 from specserve.cluster.app_config import AppConfig, serve_config
-from specserve.cluster.client import SpecServeClient
-from specserve.cluster.server import start, stop
+from specserve.client import SpecServeClient
+from specserve.cluster.serve.server import start, stop
 
 from .test_serve_app import free_port
 

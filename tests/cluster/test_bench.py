@@ -2,9 +2,9 @@ import statistics
 
 import pytest
 
-from specserve.cluster.bench import Costs, CostSampler, verify_cost
+from specserve.cluster.bench.runner import Costs, CostSampler, verify_cost
 from specserve.workers.config import ModelConfig
-from specserve.workers.loading import load_model
+from specserve.workers.runtime.loading import load_model
 
 
 def test_costs_are_medians_of_samples_taken_after_every_prompt(tiny_target, tiny_draft):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specserve.cluster.bench_concurrency import PAIRS, LevelRow, _pairs, _segment_order, ratio_ci95, request_length
+from specserve.cluster.bench.concurrency import PAIRS, LevelRow, _pairs, _segment_order, ratio_ci95, request_length
 
 
 @pytest.mark.parametrize("pairs", [4, PAIRS])

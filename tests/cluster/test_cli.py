@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.cluster.cli import main
+from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.engine import SpecEngine
-from specserve.workers.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.runtime.loading import load_model
 
 
 @pytest.fixture
@@ -89,10 +89,10 @@ def test_console_script_is_installed(tiny_target):
 
 def test_models_build_demo_installs_the_packaged_family_and_from_scratch_trains(run_cli, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
-    from specserve.workers.demo import find_demo_family
+    from specserve.workers.training.demo_build import find_demo_family
 
     trained = []  # training stubbed out: it would take half an hour
-    monkeypatch.setattr("specserve.workers.demo.build_demo_family",
+    monkeypatch.setattr("specserve.workers.training.demo_build.build_demo_family",
                         lambda spec, **k: trained.append((spec, k)) or find_demo_family(spec))  # fmt: skip
     proc = run_cli("models", "build-demo")
     assert proc.returncode == 0 and not trained

@@ -10,7 +10,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from specserve.cluster.app_config import IMPORT_PATH, app_config
-from specserve.cluster.manifests import VARIANTS, output_path, render, unknown_keys
+from specserve.cluster.serve.manifests import VARIANTS, output_path, render, unknown_keys
 
 CRDS = Path(__file__).resolve().parents[2].parent / "shared" / "k8s" / "crds"
 
@@ -96,7 +96,7 @@ def test_kuberay_rules_and_serve_config(variant):
 
 
 def test_gpu_head_serves_grpc_over_tls_through_the_gateway():
-    from specserve.cluster.cli import build_parser
+    from specserve.cluster.cli.main import build_parser
 
     head = yaml.safe_load(output_path("gpu").read_text())["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
     (sidecar,) = [c for c in head["spec"]["containers"] if c["name"] == "grpc-tls"]
@@ -151,5 +151,5 @@ def test_cluster_binds_wide_with_the_api_key_from_a_secret_and_the_proxy_limits(
     head = {e["name"]: e.get("value") for e in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
     assert head["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(cfg.limits.max_grpc_message_bytes)
     assert head["SPECSERVE_PROXY_MAX_REQUEST_BYTES"] == str(cfg.limits.max_request_bytes)
-    assert head["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specserve.cluster.proxy_limits.proxy_middlewares"
+    assert head["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specserve.cluster.serve.proxy_limits.proxy_middlewares"
     assert "kubectl create secret generic specserve-api-key" in output_path(variant).read_text().splitlines()[1]

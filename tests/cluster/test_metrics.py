@@ -3,7 +3,7 @@ observation per generated token after the first, TTFT one per request."""
 
 import pytest
 
-from specserve.cluster.metrics import ServiceMetrics
+from specserve.cluster.serve.metrics import ServiceMetrics
 
 
 class Recorder:

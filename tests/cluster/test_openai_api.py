@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from specserve.cluster import openai_api as oai
-from specserve.cluster.edge import PayloadTooLargeError, Request
-from specserve.workers.chat import ChatMessage, ChatPrompt
+from specserve.cluster.serve import openai_api as oai
+from specserve.cluster.serve.edge import PayloadTooLargeError, Request
+from specserve.workers.models.chat import ChatMessage, ChatPrompt
 from specserve.workers.errors import InvalidRequestError
 
 

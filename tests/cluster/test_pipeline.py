@@ -5,13 +5,13 @@ import asyncio
 
 import pytest
 
-from specserve.cluster.pipeline import Pipeline
-from specserve.cluster.scheduler import Scheduler
-from specserve.cluster.worker_clients import DraftClient, TargetClient
+from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.engine import SpecEngine
-from specserve.workers.loading import load_model
-from specserve.workers.testing import LocalWorkers, save_perturbed_copy
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.runtime.loading import load_model
+from tests.worker_helpers import LocalWorkers, save_perturbed_copy
 
 PROMPTS = [
     "def add(a, b):\n    return",

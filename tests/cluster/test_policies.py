@@ -7,7 +7,7 @@ import random
 import pytest
 from ray.serve.config import AutoscalingContext
 
-from specserve.cluster.policies import (
+from specserve.cluster.scheduling.policies import (
     ModelLoad,
     PoolAutoscalingPolicy,
     SpeculationControl,

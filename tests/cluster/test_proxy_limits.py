@@ -5,8 +5,8 @@ to a bound; others pass through untouched."""
 import asyncio
 import json
 
-from specserve.cluster import proxy_limits
-from specserve.cluster.proxy_limits import BodyLimit
+from specserve.cluster.serve import proxy_limits
+from specserve.cluster.serve.proxy_limits import BodyLimit
 
 
 class App:
@@ -90,7 +90,7 @@ def test_other_scopes_pass_through():
 def test_the_proxy_callback_reads_its_limit_from_the_environment(monkeypatch):
     env = proxy_limits.proxy_env(1234, 5678)
     assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == "1234"
-    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specserve.cluster.proxy_limits.proxy_middlewares"
+    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specserve.cluster.serve.proxy_limits.proxy_middlewares"
     monkeypatch.setenv(proxy_limits.BODY_BYTES_ENV, env[proxy_limits.BODY_BYTES_ENV])
     (middleware,) = proxy_limits.proxy_middlewares()
     assert middleware.cls is BodyLimit and middleware.kwargs == {"max_bytes": 5678}

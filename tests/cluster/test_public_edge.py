@@ -7,20 +7,20 @@ from concurrent import futures
 import grpc
 import pytest
 
-from specserve.cluster import openai_api as oai
+from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.app_config import AppConfig
-from specserve.cluster.edge import PayloadTooLargeError, Request
-from specserve.cluster.public_proto import (
+from specserve.cluster.serve.edge import PayloadTooLargeError, Request
+from specserve.cluster.serve.public_proto import (
     add_servicer_to_server,
     decode_request,
     refused_status,
     request_from_proto,
     status_for,
 )
-from specserve.cluster.service import SpecService
+from specserve.cluster.scheduling.service import SpecService
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.chat import ChatMessage, ChatPrompt
+from specserve.workers.models.chat import ChatMessage, ChatPrompt
 from specserve.workers.errors import (
     InvalidRequestError,
     KVCapacityError,

@@ -8,11 +8,11 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from specserve.cluster.builders import deploy
+from specserve.cluster.pools.builders import deploy
 from specserve.cluster.config import DistributedConfig, PoolConfig
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.engine import SpecEngine
-from specserve.workers.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.runtime.loading import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,7 @@ def test_killed_actor_is_restarted_by_ray_and_its_requests_continue(cluster, con
 
 
 def test_cli_distributed_json_contract(cluster, tiny_target, tiny_draft, capsys):
-    from specserve.cluster.cli import main
+    from specserve.cluster.cli.main import main
 
     code = main(["generate", PROMPTS[0], "--local", "--distributed", "--target", tiny_target, "--draft", tiny_draft,
                  "--max-new-tokens", "12", "--json", "--device", "cpu"])  # fmt: skip

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specserve.cluster.app_config import DEFAULT_MODEL
-from specserve.cluster.client import SpecServeClient
+from specserve.client import SpecServeClient
 
 from .serve_process import wait_until_serving
 from .test_serve_app import free_port
@@ -26,7 +26,7 @@ NEW_TOKENS = 40
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specserve.cluster.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specserve.cluster.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 
@@ -35,7 +35,7 @@ def pulled():
     """The model pulled and converted into the machine's cache (a no-op once done), as `specserve models pull`."""
     proc = _cli("models", "pull", DEFAULT_MODEL)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from specserve.workers.model_names import gguf_path
+    from specserve.workers.models.catalog import gguf_path
 
     return gguf_path(DEFAULT_MODEL)
 
@@ -72,7 +72,7 @@ def server(pulled, tmp_path_factory):
     """`specserve serve` exactly as the README starts it, on free ports."""
     grpc_port, http_port = free_port(), free_port()
     ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(free_port())]
-    cmd = [sys.executable, "-m", "specserve.cluster.cli", "serve", *ports]
+    cmd = [sys.executable, "-m", "specserve.cluster.cli.main", "serve", *ports]
     log = tmp_path_factory.mktemp("serve") / "stderr.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)

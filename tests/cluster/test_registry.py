@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from specserve.cluster.registry import WorkerRegistry
+from specserve.cluster.serve.registry import WorkerRegistry
 
 
 class Clock:
@@ -53,7 +53,7 @@ def test_a_restarted_registry_keeps_the_secret_it_was_created_with():
 def test_registry_actor_passes_a_fresh_secret_to_the_constructor(monkeypatch):
     import ray
 
-    from specserve.cluster import registry
+    from specserve.cluster.serve import registry
 
     created = {}
 
@@ -90,7 +90,7 @@ class _Handle:
 
 
 def test_scheduler_keeps_its_workers_while_a_restarted_registry_relearns_them(tiny_target):
-    from specserve.cluster.serve_app import REJOIN_S, SchedulerReplica
+    from specserve.cluster.serve.serve_app import REJOIN_S, SchedulerReplica
 
     clock = Clock()
     args = {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu"}]}

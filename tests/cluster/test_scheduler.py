@@ -3,7 +3,7 @@ requests moving off a worker that left, re-attaching to a draft worker that came
 
 import pytest
 
-from specserve.cluster.scheduler import NoTargetWorker, Scheduler
+from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
 from specserve.workers.config import SamplingParams, SpecParams
 
 PARAMS, SPEC = SamplingParams(max_new_tokens=8), SpecParams(method="draft", k=2)

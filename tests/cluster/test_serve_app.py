@@ -15,11 +15,11 @@ import pytest
 import ray
 
 from specserve.cluster.app_config import AppConfig, serve_config
-from specserve.cluster.client import SpecServeClient
-from specserve.cluster.server import start, stop
+from specserve.client import SpecServeClient
+from specserve.cluster.serve.server import start, stop
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.engine import SpecEngine
-from specserve.workers.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.runtime.loading import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -219,7 +219,7 @@ def test_metrics_move_by_the_expected_amounts(server, client):
 
 
 def test_cli_generate_against_the_server(server, reference, capsys):
-    from specserve.cluster.cli import main
+    from specserve.cluster.cli.main import main
 
     p = PROMPTS[0]
     assert main(["generate", p, "--address", server["grpc"], "--max-new-tokens", str(N), "--json"]) == 0

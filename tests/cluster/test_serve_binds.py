@@ -13,9 +13,9 @@ import psutil
 import pytest
 import yaml
 
-from specserve.cluster import serve_binds
+from specserve.cluster.serve import serve_binds
 from specserve.cluster.app_config import AppConfig, serve_config
-from specserve.cluster.server import _warn_without_api_key, prepare_config
+from specserve.cluster.serve.server import _warn_without_api_key, prepare_config
 
 from .serve_process import wait_until_serving
 from .test_serve_app import free_port
@@ -70,7 +70,7 @@ def test_setup_hook_leaves_serve_alone_for_a_wildcard_host(monkeypatch):
 
 
 def test_host_comes_from_the_flag_then_the_config_then_loopback(tmp_path):
-    from specserve.cluster.cli import build_parser
+    from specserve.cluster.cli.main import build_parser
 
     assert build_parser().parse_args(["serve"]).host is None
     assert build_parser().parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
@@ -85,7 +85,7 @@ def test_host_comes_from_the_flag_then_the_config_then_loopback(tmp_path):
 
 def test_binding_wide_without_an_api_key_warns(monkeypatch, caplog):
     app = AppConfig()
-    caplog.set_level(logging.WARNING, logger="specserve.cluster.server")
+    caplog.set_level(logging.WARNING, logger="specserve.cluster.serve.server")
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     _warn_without_api_key("127.0.0.1", app)
     assert caplog.records == []
@@ -119,7 +119,7 @@ def _loopback(ip: str) -> bool:
 def test_default_serve_listens_on_loopback_only(tmp_path, tiny_target, tiny_draft):
     """Every socket that any process of a default `specserve serve` listens on (the CLI, Ray's GCS, raylet and agents,
     Serve's controller, proxies and replicas, the workers, the metrics exporter, the TLS gateway) is loopback."""
-    from specserve.cluster.client import SpecServeClient
+    from specserve.client import SpecServeClient
 
     pool = {"num_cpus": 0.5}
     app = AppConfig.model_validate(
@@ -134,7 +134,7 @@ def test_default_serve_listens_on_loopback_only(tmp_path, tiny_target, tiny_draf
     marker = uuid.uuid4().hex
     env = {**os.environ, "SPECSERVE_TEST_MARKER": marker, "SPECSERVE_HOME": str(tmp_path / "home")}
     env.pop("SPECSERVE_API_KEY", None)
-    cmd = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--config", str(config_file),
+    cmd = [sys.executable, "-m", "specserve.cluster.cli.main", "serve", "--config", str(config_file),
            "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]), "--metrics-port",
            str(ports["metrics"]), "--grpc-tls-cert", cert, "--grpc-tls-key", key, "--grpc-tls-port",
            str(ports["tls"])]  # fmt: skip

@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from specserve.cluster.app_config import AppConfig, load_serve_config, serve_config
-from specserve.cluster.client import SpecServeClient
+from specserve.client import SpecServeClient
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.engine import SpecEngine
+from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.loading import load_model
+from specserve.workers.runtime.loading import load_model
 
 from .serve_process import wait_until_serving
 from .test_serve_app import free_port
@@ -47,7 +47,7 @@ def test_serve_starts_serves_and_stops_cleanly_on_sigterm(tmp_path, tiny_target,
     marker = uuid.uuid4().hex
     env = {**os.environ, "SPECSERVE_TEST_MARKER": marker, "SPECSERVE_HOME": str(tmp_path / "home")}
     ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(free_port())]
-    cmd = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--config", str(config_file), *ports]
+    cmd = [sys.executable, "-m", "specserve.cluster.cli.main", "serve", "--config", str(config_file), *ports]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = wait_until_serving(proc, 400)

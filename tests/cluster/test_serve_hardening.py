@@ -15,13 +15,13 @@ import pytest
 import ray
 
 from specserve.cluster.app_config import AppConfig, serve_config
-from specserve.cluster.client import SpecServeClient
-from specserve.cluster.registry import REGISTRY_NAMESPACE, registry_name
-from specserve.cluster.serve_app import REJOIN_S
-from specserve.cluster.server import start, stop
+from specserve.client import SpecServeClient
+from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
+from specserve.cluster.serve.serve_app import REJOIN_S
+from specserve.cluster.serve.server import start, stop
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.grpc_service import GRPC_OPTIONS
+from specserve.workers.service.grpc_service import GRPC_OPTIONS
 
 from .test_serve_app import free_port
 

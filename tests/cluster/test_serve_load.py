@@ -12,9 +12,9 @@ import pytest
 import ray
 
 from specserve.cluster.app_config import AppConfig, serve_config
-from specserve.cluster.client import SpecServeClient
-from specserve.cluster.registry import REGISTRY_NAMESPACE, registry_name
-from specserve.cluster.server import start, stop
+from specserve.client import SpecServeClient
+from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
+from specserve.cluster.serve.server import start, stop
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 

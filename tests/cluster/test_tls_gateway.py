@@ -9,8 +9,8 @@ import threading
 import grpc
 import pytest
 
-from specserve.cluster.client import SpecServeClient
-from specserve.cluster.tls_gateway import GatewayConfig, GatewayThread
+from specserve.client import SpecServeClient
+from specserve.cluster.serve.tls_gateway import GatewayConfig, GatewayThread
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import validate
@@ -150,7 +150,7 @@ def test_mutual_tls_requires_a_certificate_from_the_client_ca(pki, upstream):
 
 
 def test_an_upstream_that_is_down_answers_unavailable(pki):
-    from specserve.workers.local_processes import free_port
+    from specserve.workers.service.local_processes import free_port
 
     gw = _gateway(pki, f"127.0.0.1:{free_port()}")
     try:

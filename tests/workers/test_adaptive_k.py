@@ -1,6 +1,6 @@
 import pytest
 
-from specserve.workers.adaptive_k import (
+from specserve.workers.speculation.adaptive_k import (
     AdaptiveK,
     expected_tokens_per_round,
     fit_acceptance,

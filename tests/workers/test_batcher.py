@@ -5,7 +5,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from specserve.workers.batcher import Batcher
+from specserve.workers.service.batcher import Batcher
 from specserve.workers.config import BatchingConfig
 
 

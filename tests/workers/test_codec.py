@@ -2,7 +2,7 @@ import msgpack
 import pytest
 import torch
 
-from specserve.workers.codec import decode_probs, encode_probs, normalise, slice_rows, sparsify
+from specserve.workers.speculation.codec import decode_probs, encode_probs, normalise, slice_rows, sparsify
 
 
 def _dist(V, seed, temperature=1.0):

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.demo import TINY_SPEC, build_demo_family, ensure_demo_family, find_demo_family
-from specserve.workers.demo_corpus import stdlib_corpus, stdlib_root
-from specserve.workers.engine import SpecEngine
-from specserve.workers.loading import load_model
+from specserve.workers.training.demo_build import TINY_SPEC, build_demo_family, ensure_demo_family, find_demo_family
+from specserve.workers.training.demo_corpus import stdlib_corpus, stdlib_root
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.runtime.loading import load_model
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_tiny_build_end_to_end(tiny_family):
 def test_cached_family_is_found_not_rebuilt(tiny_family, monkeypatch):
     monkeypatch.setenv("SPECSERVE_HOME", str(tiny_family.root.parent.parent))
     assert find_demo_family(TINY_SPEC) == tiny_family
-    monkeypatch.setattr("specserve.workers.demo.build_demo_family", lambda *a, **k: pytest.fail("rebuilt"))
+    monkeypatch.setattr("specserve.workers.training.demo_build.build_demo_family", lambda *a, **k: pytest.fail("rebuilt"))
     assert ensure_demo_family(TINY_SPEC) == tiny_family
 
 
@@ -65,7 +65,7 @@ def test_build_is_reproducible(tiny_family, tmp_path, monkeypatch):
 
 def test_a_draft_only_recipe_change_reuses_the_target_and_builds_what_a_fresh_build_does(tiny_family, tmp_path,
                                                                                         monkeypatch):  # fmt: skip
-    from specserve.workers import demo
+    from specserve.workers.training import demo_build as demo
 
     other_draft = TINY_SPEC.model_copy(update={"draft_onpolicy_steps": 3, "onpolicy_lr": 1e-3})
     assert other_draft.target_recipe() == TINY_SPEC.target_recipe() and other_draft.key() != TINY_SPEC.key()
@@ -90,9 +90,9 @@ def test_a_draft_only_recipe_change_reuses_the_target_and_builds_what_a_fresh_bu
 
 
 def test_training_device_is_chosen_and_checked():
-    from specserve.workers.demo_train import use_bf16
+    from specserve.workers.training.demo_train import use_bf16
     from specserve.workers.errors import ModelLoadError
-    from specserve.workers.loading import resolve_device  # what build_demo_family trains on
+    from specserve.workers.runtime.loading import resolve_device  # what build_demo_family trains on
 
     assert resolve_device("cpu") == torch.device("cpu") and not use_bf16(torch.device("cpu"))  # a fixed fp32 recipe
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,7 +102,7 @@ def test_training_device_is_chosen_and_checked():
 
 
 def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
-    from specserve.cluster.cli import main
+    from specserve.cluster.cli.main import main
 
     corpus = stdlib_corpus(max_files=TINY_SPEC.max_files)
     files = [str(p) for p in corpus.train[:4]]
@@ -149,14 +149,14 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
 
 
 def test_the_packaged_family_installs_without_training_and_matches_the_default_recipe(tmp_path, monkeypatch):
-    from specserve.workers.demo import DemoSpec
-    from specserve.workers.demo_package import PACKAGED, packaged_spec
+    from specserve.workers.training.demo_build import DemoSpec
+    from specserve.workers.models.demo_package import PACKAGED, packaged_spec
 
     assert packaged_spec() == DemoSpec(), "the packaged weights are not the default recipe's: regenerate them"
     size = sum(p.stat().st_size for p in PACKAGED.rglob("*") if p.is_file())
     assert size <= 20 * 2**20, f"packaged family is {size / 2**20:.1f} MB (limit 20)"
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr("specserve.workers.demo.build_demo_family", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr("specserve.workers.training.demo_build.build_demo_family", lambda *a, **k: pytest.fail("trained"))
     family = ensure_demo_family(progress=False)
     assert family.root.parent.parent == tmp_path and find_demo_family() == family
     manifest = family.manifest

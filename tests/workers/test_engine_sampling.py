@@ -12,10 +12,10 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.engine import SpecEngine
-from specserve.workers.loading import load_model
-from specserve.workers.sampling import logits_to_probs
-from specserve.workers.testing import sample_in_processes
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.sampling import logits_to_probs
+from tests.worker_helpers import sample_in_processes
 
 PROMPT = [1, 3, 4, 3, 4, 3]  # <s> a b a b a: repeats, so n-gram lookup has something to propose
 NEW = 3

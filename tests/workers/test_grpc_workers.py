@@ -9,8 +9,8 @@ import pytest
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import KVCacheConfig, ModelConfig
-from specserve.workers.loading import load_model
-from specserve.workers.testing import LocalWorkers
+from specserve.workers.runtime.loading import load_model
+from tests.worker_helpers import LocalWorkers
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +117,11 @@ def test_prefill_then_verify_sends_no_tokens_again(models):
 
 
 def test_worker_with_a_secret_rejects_calls_without_it(models):
-    from specserve.cluster.worker_clients import DraftClient
-    from specserve.workers.draft_worker import DraftWorker
-    from specserve.workers.drafters import ModelDrafter
-    from specserve.workers.grpc_service import DraftWorkerServicer, create_server
-    from specserve.workers.runner import ModelRunner
+    from specserve.cluster.scheduling.worker_clients import DraftClient
+    from specserve.workers.service.draft_worker import DraftWorker
+    from specserve.workers.speculation.drafters import ModelDrafter
+    from specserve.workers.service.grpc_service import DraftWorkerServicer, create_server
+    from specserve.workers.runtime.runner import ModelRunner
 
     target, draft = models
 
@@ -152,11 +152,11 @@ def test_worker_with_a_secret_rejects_calls_without_it(models):
 def test_worker_refuses_messages_over_its_limit_before_the_secret_check_and_keeps_serving(models):
     """An oversize message is RESOURCE_EXHAUSTED from anyone (with or without the secret): a stranger cannot make
     the worker hold a large message; normal calls still work afterwards."""
-    from specserve.cluster.worker_clients import DraftClient
-    from specserve.workers.draft_worker import DraftWorker
-    from specserve.workers.drafters import ModelDrafter
-    from specserve.workers.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES, DraftWorkerServicer, create_server
-    from specserve.workers.runner import ModelRunner
+    from specserve.cluster.scheduling.worker_clients import DraftClient
+    from specserve.workers.service.draft_worker import DraftWorker
+    from specserve.workers.speculation.drafters import ModelDrafter
+    from specserve.workers.service.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES, DraftWorkerServicer, create_server
+    from specserve.workers.runtime.runner import ModelRunner
 
     assert DEFAULT_SERVER_MESSAGE_BYTES == 4 * 1024 * 1024
     target, draft = models

@@ -3,9 +3,9 @@ import torch
 
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
-from specserve.workers.kv_cache import common_prefix_length
-from specserve.workers.loading import load_model
-from specserve.workers.runner import ModelRunner
+from specserve.workers.runtime.kv_cache import common_prefix_length
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.runtime.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from specserve.workers.config import KVCacheConfig, ModelConfig
-from specserve.workers.lean_forward import _agrees, _lean, full_forward, lean_forward
-from specserve.workers.loading import load_model
-from specserve.workers.runner import ModelRunner
-from specserve.workers.slot_cache import single_row_mask
+from specserve.workers.runtime.lean_forward import _agrees, _lean, full_forward, lean_forward
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.slot_cache import single_row_mask
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ training on it makes a draft agree with the target's argmax."""
 import torch
 from transformers import LlamaForCausalLM
 
-from specserve.workers.demo_train import distillation_loss, llama_config, train_lm
-from specserve.workers.onpolicy import POOL_CONTINUATION, continuation_pool, pool_batches, teacher_logprobs
-from specserve.workers.unlikelihood import PREFIX
+from specserve.workers.training.demo_train import distillation_loss, llama_config, train_lm
+from specserve.workers.training.onpolicy import POOL_CONTINUATION, continuation_pool, pool_batches, teacher_logprobs
+from specserve.workers.training.unlikelihood import PREFIX
 
 
 def _model(layers: int, seed: int) -> LlamaForCausalLM:

@@ -3,8 +3,8 @@
 import torch
 from transformers import LlamaForCausalLM
 
-from specserve.workers.demo_train import llama_config, train_lm
-from specserve.workers.unlikelihood import (
+from specserve.workers.training.demo_train import llama_config, train_lm
+from specserve.workers.training.unlikelihood import (
     greedy_continuations,
     repeated_ngram_mask,
     unlikelihood_finetune,

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specserve.workers.sampling import exponential_noise, make_generator, uniform_noise
-from specserve.workers.verification import greedy_verify, rejection_verify
+from specserve.workers.speculation.sampling import exponential_noise, make_generator, uniform_noise
+from specserve.workers.speculation.verification import greedy_verify, rejection_verify
 
 
 def _t(rows):

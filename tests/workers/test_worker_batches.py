@@ -4,15 +4,15 @@ in the KV cache falls back to rows one at a time instead of failing them all."""
 import pytest
 import torch
 
-from specserve.workers.codec import decode_probs
+from specserve.workers.speculation.codec import decode_probs
 from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams
-from specserve.workers.draft_worker import DraftWorker, ProposeCall
-from specserve.workers.drafters import ModelDrafter
+from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
+from specserve.workers.speculation.drafters import ModelDrafter
 from specserve.workers.errors import InvalidRequestError, RequestNotFoundError
-from specserve.workers.loading import load_model
-from specserve.workers.runner import ModelRunner
-from specserve.workers.target import TargetVerifier
-from specserve.workers.target_worker import TargetWorker, VerifyCall
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.speculation.target import TargetVerifier
+from specserve.workers.service.target_worker import TargetWorker, VerifyCall
 
 GREEDY = SamplingParams(max_new_tokens=8)
 

@@ -1,0 +1,130 @@
+"""`specserve bench`'s output: the table, the JSON file and the plots, and where the run happened."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict
+
+import torch
+
+from specserve.cluster.bench.rows import Row
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
+    """Where the bench ran: the host, and the device and dtype the models ran in."""
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+def _fmt(v, spec=".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def format_table(rows: list[Row], meta: dict) -> str:
+    head = ["row", "tok/s", "speedup", "accept", "E[tok/round]", "t_draft ms", "t_verify ms", "S(k)", "bound B(k)",
+            "ratio/bound", "identical"]  # fmt: skip
+    lines = [head]
+    for r in rows:
+        lines.append([
+            r.name, _fmt(r.tokens_per_s, ".1f"), _fmt(r.speedup) + "x", _fmt(r.acceptance_rate),
+            _fmt(r.mean_accepted_length), _fmt(r.t_draft_ms), _fmt(r.t_verify_ms), _fmt(r.leviathan_bound),
+            _fmt(r.bound), _fmt(r.ratio_to_bound), _fmt(r.identical) if r.temperature == 0 else "n/a (sampled)",
+        ])  # fmt: skip
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    out.append("")
+    if "disaggregated" in meta:
+        d = meta["disaggregated"]
+        out.append(
+            f"disaggregated vs in-process (same k): {d['vs_in_process_1_stream']:.2f}x with 1 stream, "
+            f"{d['vs_in_process_all_streams']:.2f}x with all streams at once; scheduler overhead p50 "
+            f"{d['orchestration_ms_p50']:.2f} ms per round; {d['wire_bytes_per_round']:.0f} bytes on the wire per round"
+        )
+    if "tensor_parallel" in meta:
+        t = meta["tensor_parallel"]
+        out.append(
+            f"TP={t['world_size']} decode step: {t['ms_per_step']:.2f} ms, collectives {t['communication_share']:.0%} "
+            f"of it (rank 0 profile)"
+        )
+    if "prompt_lookup_best_k" in meta:
+        p = meta["prompt_lookup_best_k"]
+        out.append(
+            f"hf prompt-lookup N={p['n']} (the best n-gram k) ran after the other rows, beside a target-only rerun "
+            f"({p['paired_target_only_tokens_per_s']:.1f} tok/s): its speedup is over that rerun"
+        )
+    if any(r.method == "ngram" for r in rows):
+        out.append("n-gram rows: t_draft = 0; their bounds take the tokens drafted per round, which prompt lookup "
+                   "cuts short when it finds no match")  # fmt: skip
+    kind = {"chat": "held-out chat questions", "text": "held-out prompts"}[meta.get("prompts_kind", "text")]
+    out.append(
+        f"c = t_draft/t_target = {meta['cost_ratio_c']:.3f} (t_draft {meta['t_draft_ms']:.2f} ms, t_target "
+        f"{meta['t_target_ms']:.2f} ms); target greedy distinct 4-grams: {meta['distinct_4gram_target_greedy']:.0%}; "
+        f"{meta['prompts']} {kind} x up to {meta['max_new_tokens']} new tokens (mean {meta['mean_new_tokens']:.0f}, "
+        f"stopping at EOS); {meta['device']}, {meta['dtype']}"
+    )
+    return "\n".join(out)
+
+
+def to_json(rows: list[Row], meta: dict, machine: dict) -> dict:
+    out_rows = []
+    for r in rows:
+        d = asdict(r)
+        d.pop("outputs")
+        out_rows.append(d)
+    return {"machine": machine, "meta": meta, "rows": out_rows}
+
+
+def plot(rows: list[Row], meta: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    method = "draft" if any(r.method == "draft" for r in rows) else "ngram"
+    spec_rows = [r for r in rows if r.method == method and isinstance(r.k, int) and r.temperature == 0]
+    ks = [r.k for r in spec_rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(ks, [r.speedup for r in spec_rows], "o-", label="measured speedup")
+    ax1.plot(ks, [r.bound for r in spec_rows], "s--", label="bound B(k)")
+    ax1.plot(ks, [r.leviathan_bound for r in spec_rows], "^:", label="Leviathan S(k)")
+    for r in rows:
+        if r.method in ("hf-assisted", "hf-prompt-lookup") and r.temperature == 0 and isinstance(r.k, int):
+            label = "HF assisted" if r.method == "hf-assisted" else "HF prompt lookup"
+            ax1.axhline(r.speedup, color="gray", linestyle="-.", label=f"{label} k={r.k}")
+    ax1.axhline(1.0, color="black", linewidth=0.5)
+    ax1.set_xlabel("k (drafted tokens per round)")
+    ax1.set_ylabel("speedup over target-only greedy")
+    ax1.legend()
+    ax2.plot(ks, [r.acceptance_rate for r in spec_rows], "o-", label="acceptance rate")
+    ax2.plot(ks, [r.mean_accepted_length for r in spec_rows], "s-", label="tokens per round")
+    ax2.set_xlabel("k")
+    ax2.legend()
+    what = "draft model" if method == "draft" else "n-gram drafting"
+    prompts = "held-out chat questions" if meta.get("prompts_kind") == "chat" else "held-out prompts"
+    fig.suptitle(f"specserve bench ({what}, greedy, {prompts})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,231 @@
+"""The rows of `specserve bench`: which rows a run measures on which prompts, and the generate call behind each.
+
+Two suites. `demo`: the demo family's rows (draft-model speculation at several k, Hugging Face assisted generation with
+the same draft, one n-gram row). `target`: any target, with or without a draft model: prompt lookup on both sides
+(specserve's n-gram drafting at k = 1..8 and auto, Hugging Face's prompt-lookup decoding, its peer), and the draft
+model's rows (and HF assisted generation) only when a draft model is loaded."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids, read_questions
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.errors import InvalidRequestError
+
+NGRAM_KS = tuple(range(1, 9))  # the target suite's n-gram sweep
+PROMPT_LOOKUP_N = 10  # Hugging Face's usual prompt_lookup_num_tokens
+SAMPLED_NGRAM_K = 4
+
+
+@dataclass
+class BenchConfig:
+    prompts: int = 6
+    prompt_tokens: int = 96  # text-file prompts: the first this many tokens (chat prompts are whole questions)
+    max_new_tokens: int = 128
+    ks: tuple[int, ...] = (1, 2, 4, 6)  # draft-model rows
+    temperature: float = 0.8
+    seed: int = 1234
+    hf_rows: bool = True
+    suite: Literal["demo", "target"] = "demo"  # see the module docstring
+
+
+QUICK = BenchConfig(prompts=2, prompt_tokens=64, max_new_tokens=48, ks=(2, 4))
+# A real target: ~60 ms a token for a 135M model on 2 CPU cores; quick stays under 15 min, the full run ~30-40 min.
+TARGET_QUICK = BenchConfig(prompts=4, max_new_tokens=64, ks=(2, 4), suite="target")
+TARGET_FULL = BenchConfig(prompts=12, max_new_tokens=128, suite="target")
+
+
+@dataclass
+class Row:
+    name: str
+    method: str  # target-only | hf-generate | hf-assisted | hf-prompt-lookup | draft | ngram | disaggregated | serve
+    k: float | str | None
+    temperature: float
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    speedup: float = 1.0
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    t_draft_ms: float | None = None
+    t_target_ms: float | None = None
+    t_verify_ms: float | None = None
+    leviathan_bound: float | None = None
+    bound: float | None = None
+    ratio_to_bound: float | None = None
+    identical: bool | None = None  # greedy rows: same tokens as target-only; sampling rows: None (compare laws)
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+
+RowFn = Callable[[list[int], SamplingParams], tuple[list[int], object | None]]  # -> (tokens, RequestStats | None)
+
+
+def best_draft_k(cfg: BenchConfig) -> int:
+    return 4 if 4 in cfg.ks else cfg.ks[-1]
+
+
+def held_out_prompts(tokenizer, paths: list[str], n: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of the first n held-out files long enough to continue."""
+    prompts = []
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids = tokenizer(f.read(), add_special_tokens=False)["input_ids"]
+        if len(ids) >= length * 3:
+            prompts.append(ids[:length])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def bench_questions(args) -> list[str] | None:
+    """The chat questions of this run: --chat-prompts, or the built-in held-out ones for a target given without
+    --prompts-from; None: text-file prompts. Read before any model loads, so a bad file fails at once."""
+    if args.chat_prompts:
+        return read_questions(args.chat_prompts)
+    if args.target and not args.prompts_from:
+        return list(HELD_OUT_QUESTIONS)
+    return None
+
+
+def bench_prompts(tokenizer, cfg: BenchConfig, questions: list[str] | None,
+                  held_out_files: list[str]) -> tuple[list[list[int]], str]:  # fmt: skip
+    """(prompts, kind): the first cfg.prompts questions through the chat template ('chat'), or the openings of
+    held-out text files ('text')."""
+    if questions is None:
+        prompts = held_out_prompts(tokenizer, held_out_files, cfg.prompts, cfg.prompt_tokens)
+        if not prompts:
+            raise InvalidRequestError("prompts_from", f"no file is {cfg.prompt_tokens * 3} tokens long or more")
+        return prompts, "text"
+    if not getattr(tokenizer, "chat_template", None):
+        print("specserve bench: the target's tokenizer has no chat template: questions are sent as plain "
+              "'user: ...' transcripts, as the OpenAI chat endpoint does", file=sys.stderr)  # fmt: skip
+    return [chat_prompt_ids(tokenizer, q) for q in questions[: cfg.prompts]], "chat"
+
+
+def spec_fn(engine: SpecEngine, method: str, k) -> RowFn:
+    def run(prompt, params):
+        r = engine.generate(prompt, params, SpecParams(method=method, k=k))
+        return r.token_ids, r.stats
+
+    return run
+
+
+def hf_stop_kwargs(engine: SpecEngine) -> dict:
+    """eos and pad ids for HF generate: the same stop tokens as the engine's, given explicitly so generate neither
+    guesses them nor warns about it."""
+    eos = sorted(engine.target.eos_token_ids)
+    pad = engine.tokenizer.pad_token_id
+    if pad is None:
+        pad = getattr(engine.target.model.generation_config, "pad_token_id", None)
+    if pad is None and eos:
+        pad = eos[0]
+    return {"eos_token_id": eos or None, "pad_token_id": pad}
+
+
+def hf_fn(engine: SpecEngine, assistant_k: int | None = None, assisted: bool = False,
+          prompt_lookup: int | None = None) -> RowFn:  # fmt: skip
+    """Hugging Face generate on the target: plain, assisted by the draft model (its default schedule, or a constant
+    `assistant_k`), or prompt-lookup decoding proposing `prompt_lookup` tokens a round."""
+    target = engine.target
+    stop = hf_stop_kwargs(engine)
+
+    def run(prompt, params):
+        kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not params.greedy, **stop)
+        if not params.greedy:
+            kwargs["temperature"] = params.temperature
+            torch.manual_seed(params.seed or 0)
+        if prompt_lookup is not None:
+            kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+        if assisted:
+            draft = engine.drafters["draft"].runner.loaded
+            kwargs["assistant_model"] = draft.model
+            gc = draft.model.generation_config
+            saved = (getattr(gc, "num_assistant_tokens", None), getattr(gc, "num_assistant_tokens_schedule", None))
+            if assistant_k is not None:
+                gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = assistant_k, "constant"
+        try:
+            ids = torch.tensor([prompt], device=target.device)
+            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        finally:
+            if assisted:
+                gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
+        return out[0, len(prompt) :].tolist(), None
+
+    return run
+
+
+def prompt_lookup_row(engine: SpecEngine, n: int, note: str = "") -> tuple[Row, RowFn]:
+    row = Row(f"hf prompt-lookup N={n}{note} greedy", "hf-prompt-lookup", n, 0.0)
+    return row, hf_fn(engine, prompt_lookup=n)
+
+
+def hf_can_assist(engine: SpecEngine) -> bool:
+    """Whether HF generate can use the draft model token for token: it takes a draft whose vocabulary size differs
+    (a padded output layer) for another tokenizer and asks for universal assisted decoding, which re-tokenizes text
+    between the models, no peer of token-level drafting. Says why when it cannot."""
+    if "draft" not in engine.drafters:
+        return False
+    sizes = [loaded.model.config.get_text_config().vocab_size
+             for loaded in (engine.target, engine.drafters["draft"].runner.loaded)]  # fmt: skip
+    if sizes[0] != sizes[1]:
+        print(f"specserve bench: no HF assisted rows: the draft's vocabulary size ({sizes[1]}) differs from the "
+              f"target's ({sizes[0]}); HF generate then re-tokenizes text between them", file=sys.stderr)  # fmt: skip
+        return False
+    return True
+
+
+def plan_rows(engine: SpecEngine, cfg: BenchConfig) -> list[tuple[Row, RowFn]]:
+    """The rows a run measures, in table order: greedy first, then sampled at cfg.temperature."""
+    assisted = cfg.hf_rows and hf_can_assist(engine)
+    return _demo_plan(engine, cfg, assisted) if cfg.suite == "demo" else _target_plan(engine, cfg, assisted)
+
+
+def _demo_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[tuple[Row, RowFn]]:
+    plan: list[tuple[Row, RowFn]] = []
+    best_k = best_draft_k(cfg)
+    for temp in (0.0, cfg.temperature):
+        tag = "greedy" if temp == 0 else f"T={temp}"
+        plan.append((Row(f"target-only {tag}", "target-only", None, temp), spec_fn(engine, "none", 1)))
+        if cfg.hf_rows:
+            plan.append((Row(f"hf generate {tag}", "hf-generate", None, temp), hf_fn(engine)))
+        if assisted:
+            plan.append((Row(f"hf assisted default {tag}", "hf-assisted", "hf-default", temp),
+                         hf_fn(engine, assisted=True)))  # fmt: skip
+            plan.append((Row(f"hf assisted k={best_k} {tag}", "hf-assisted", best_k, temp),
+                         hf_fn(engine, best_k, assisted=True)))  # fmt: skip
+        for k in cfg.ks if temp == 0 else (best_k,):
+            plan.append((Row(f"specserve k={k} {tag}", "draft", k, temp), spec_fn(engine, "draft", k)))
+        plan.append((Row(f"specserve k=auto {tag}", "draft", "auto", temp), spec_fn(engine, "draft", "auto")))
+        if temp == 0:
+            plan.append((Row(f"specserve ngram k={best_k} {tag}", "ngram", best_k, temp),
+                         spec_fn(engine, "ngram", best_k)))  # fmt: skip
+    return plan
+
+
+def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[tuple[Row, RowFn]]:
+    has_draft = "draft" in engine.drafters
+    best_k = best_draft_k(cfg)
+    plan: list[tuple[Row, RowFn]] = []
+    add = lambda name, method, k, temp, fn: plan.append((Row(name, method, k, temp), fn))  # noqa: E731
+    for temp in (0.0, cfg.temperature):
+        tag = "greedy" if temp == 0 else f"T={temp}"
+        add(f"target-only {tag}", "target-only", None, temp, spec_fn(engine, "none", 1))
+        if temp == 0 and cfg.hf_rows:
+            add("hf generate greedy", "hf-generate", None, temp, hf_fn(engine))
+            plan.append(prompt_lookup_row(engine, PROMPT_LOOKUP_N))
+        for k in (*NGRAM_KS, "auto") if temp == 0 else (SAMPLED_NGRAM_K, "auto"):
+            add(f"specserve ngram k={k} {tag}", "ngram", k, temp, spec_fn(engine, "ngram", k))
+        if has_draft:
+            for k in (*cfg.ks, "auto") if temp == 0 else (best_k, "auto"):
+                add(f"specserve draft k={k} {tag}", "draft", k, temp, spec_fn(engine, "draft", k))
+            if temp == 0 and assisted:
+                add("hf assisted default greedy", "hf-assisted", "hf-default", temp, hf_fn(engine, assisted=True))
+                add(f"hf assisted k={best_k} greedy", "hf-assisted", best_k, temp, hf_fn(engine, best_k, True))
+    return plan

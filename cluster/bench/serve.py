@@ -1,0 +1,52 @@
+"""The benchmark's end-to-end rows: requests through Ray Serve's gRPC proxy to the Serve application (ingress with
+the scheduler, a draft pool and a target pool replica), with the public client, one stream and all at once."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from specserve.cluster.bench.runner import BenchConfig, Row, finish_stream_rows
+from specserve.workers.service.local_processes import free_port
+
+
+def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg: BenchConfig, k: int, device: str,
+               base: Row) -> list[Row]:  # fmt: skip
+    import ray
+
+    from specserve.cluster.app_config import AppConfig, serve_config
+    from specserve.client import SpecServeClient
+    from specserve.cluster.serve.server import start, stop
+
+    app = AppConfig.model_validate(
+        {"models": [{"name": "bench", "target": target_path, "draft": draft_path, "device": device, "k": k,
+                     "target_pool": {"num_cpus": 0.5}, "draft_pool": {"num_cpus": 0.5}}],
+         "ingress": {"num_cpus": 0.5}}
+    )  # fmt: skip
+    config = serve_config(app, grpc_port=free_port(), http_port=free_port())
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    info = start(config, ready_timeout_s=600)
+    try:
+        with SpecServeClient(info["grpc"], timeout_s=600) as client:
+
+            def one_request(prompt: list[int]) -> list[int]:
+                return client.generate(prompt, max_new_tokens=cfg.max_new_tokens, k=k)["token_ids"]
+
+            client.generate(prompts[0][:16], max_new_tokens=4, k=k)  # warm-up
+            one = Row(f"serve gRPC e2e k={k} greedy, 1 stream", "serve", k, 0.0)
+            for prompt in prompts:
+                t0 = time.perf_counter()
+                one.outputs.append(one_request(prompt))
+                one.seconds += time.perf_counter() - t0
+            many = Row(f"serve gRPC e2e k={k} greedy, {len(prompts)} streams", "serve", k, 0.0)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                many.outputs = list(pool.map(one_request, prompts))
+            many.seconds = time.perf_counter() - t0
+    finally:
+        stop({**info, "started_ray": False})
+        if started:
+            ray.shutdown()
+    return finish_stream_rows([one, many], base)

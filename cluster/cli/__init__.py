@@ -1,0 +1,1 @@
+"""The `specserve` command line."""

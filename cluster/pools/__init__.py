@@ -1,0 +1,1 @@
+"""Worker pools: the Ray actors that host workers and schedulers, their builders, and local worker processes."""

@@ -1,0 +1,250 @@
+"""Ray actor bodies: plain classes (no decorator) that host a worker's gRPC server or the scheduler inside an async
+actor's event loop. `cluster/pools/builders.py` applies `ray.remote` with resources; tests can use the classes directly."""
+
+from __future__ import annotations
+
+import socket
+
+from specserve.cluster.config import DistributedConfig, PoolConfig
+from specserve.workers.config import SamplingParams, SpecParams, validate
+
+
+def _node() -> dict:
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+
+def _host() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return socket.gethostbyname("localhost")
+
+
+class _WorkerActor:
+    """Hosts `self.worker` behind the gRPC servicer made by `_servicer()`."""
+
+    def _servicer(self):
+        raise NotImplementedError
+
+    async def start(self, secret: str | None = None, max_message_bytes: int | None = None) -> str:
+        """Start the gRPC server on this node (inside the actor's event loop) unless it runs; returns its address.
+        Called again after Ray restarts the actor, which comes back with a fresh process and a new port. With
+        `secret`, the server accepts only calls carrying it (the deployment's shared secret). It listens on the
+        node's cluster address only (Ray's node IP; loopback on a local-only Ray), never on every interface."""
+        from specserve.workers.service.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES, create_server
+
+        if getattr(self, "address", None) is None:
+            self.servicer = self._servicer()
+            host = _host()
+            host = f"[{host}]" if ":" in host else host
+            self.server, port = await create_server(
+                self.servicer, f"{host}:0", secret, max_message_bytes or DEFAULT_SERVER_MESSAGE_BYTES
+            )
+            self.address = f"{host}:{port}"
+        return self.address
+
+    async def node(self) -> dict:
+        return _node()
+
+    async def followers_nodes(self) -> list[str]:
+        """Node ids of this replica's follower ranks (tensor parallelism), for placement checks."""
+        return [await actor.node_id.remote() for actor, _ in getattr(self, "followers", [])]
+
+    def _tensor_parallel_runner(self, pool: PoolConfig, vocab_size: int | None = None):
+        """This actor is rank 0; ranks 1..N-1 are follower actors in the same placement group (the Serve
+        replica's, when there is one), which die with it."""
+        import ray
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from specserve.workers.service.local_processes import free_port
+        from specserve.workers.runtime.runner import ModelRunner
+        from specserve.workers.service.tensor_parallel import (
+            Rendezvous,
+            TensorParallelRunner,
+            check_replica,
+            init_rank,
+            load_sharded,
+            run_follower,
+        )
+
+        n = pool.tensor_parallel_size
+        device = check_replica(pool.model, n)
+        rendezvous = Rendezvous(_host(), free_port(""), n, timeout_s=300)
+        follower = ray.remote(max_restarts=0, max_concurrency=2)(TensorParallelFollower)  # node_id while it runs
+        pg = get_current_placement_group()
+        self.followers = []
+        for rank in range(1, n):
+            options = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus or (1.0 if device == "cuda" else 0.0)}
+            if pg is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            actor = follower.options(**options).remote()
+            self.followers.append((actor, actor.run.remote(run_follower, rank, rendezvous, pool.model, pool.kv_cache)))
+        init_rank(0, rendezvous, device)
+        return TensorParallelRunner(ModelRunner(load_sharded(pool.model), pool.kv_cache, vocab_size=vocab_size))
+
+
+class DraftWorkerActor(_WorkerActor):
+    """A draft model behind a DraftWorker gRPC server."""
+
+    def __init__(self, pool: PoolConfig, target_vocab_size: int):
+        from specserve.workers.service.draft_worker import DraftWorker
+        from specserve.workers.speculation.drafters import ModelDrafter
+        from specserve.workers.runtime.loading import load_model
+        from specserve.workers.runtime.runner import ModelRunner
+
+        if pool.tensor_parallel_size > 1:  # independent of the target's degree
+            runner = self._tensor_parallel_runner(pool, target_vocab_size)
+        else:
+            runner = ModelRunner(load_model(pool.model), pool.kv_cache, vocab_size=target_vocab_size)
+        self.runner = runner
+        self.worker = DraftWorker(ModelDrafter(runner), target_vocab_size, pool.model.path, runner.store)
+        self.batching = pool.batching
+
+    def _servicer(self):
+        from specserve.workers.service.grpc_service import DraftWorkerServicer
+
+        return DraftWorkerServicer(self.worker, self.batching)
+
+
+class TargetWorkerActor(_WorkerActor):
+    """A target model behind a TargetWorker gRPC server."""
+
+    def __init__(self, pool: PoolConfig):
+        from specserve.workers.runtime.loading import load_model
+        from specserve.workers.runtime.runner import ModelRunner
+        from specserve.workers.speculation.target import TargetVerifier
+        from specserve.workers.service.target_worker import TargetWorker
+
+        if pool.tensor_parallel_size > 1:
+            runner = self._tensor_parallel_runner(pool)
+        else:
+            runner = ModelRunner(load_model(pool.model), pool.kv_cache)
+        self.runner = runner
+        self.worker = TargetWorker(TargetVerifier(runner), pool.model.path)
+        self.batching = pool.batching
+
+    def _servicer(self):
+        from specserve.workers.service.grpc_service import TargetWorkerServicer
+
+        return TargetWorkerServicer(self.worker, self.batching)
+
+
+class TensorParallelFollower:
+    """A rank > 0 of a tensor-parallel target replica: runs `run_follower` until rank 0 stops or dies."""
+
+    def run(self, fn, *args) -> None:
+        fn(*args)
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+class SchedulerActor:
+    """The scheduler: validates requests, tokenizes, and runs them through the pipelined driver."""
+
+    def __init__(
+        self,
+        config: DistributedConfig,
+        draft_addresses: dict[str, str],
+        target_addresses: dict[str, str],
+        workers: dict | None = None,
+        secret: str | None = None,
+    ):
+        """workers: name -> actor handle, to reach a worker again after Ray restarts it. secret: the workers'
+        shared secret, sent with every call."""
+        self.secret = secret
+        from transformers import AutoConfig, AutoTokenizer
+
+        from specserve.workers.runtime.loading import directory_eos_ids
+
+        self.config = config
+        self.draft_addresses = draft_addresses
+        self.target_addresses = target_addresses
+        self.workers = workers or {}
+        self.tokenizer = AutoTokenizer.from_pretrained(config.target.model.path, local_files_only=True)
+        self.eos = directory_eos_ids(config.target.model.path, self.tokenizer)
+        model_config = AutoConfig.from_pretrained(config.target.model.path, local_files_only=True)
+        self.max_positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+        self.pipeline = None
+
+    def _ensure_pipeline(self):
+        # gRPC channels belong to the actor's event loop, so they are made on the first call, inside it.
+        if self.pipeline is None:
+            from specserve.cluster.scheduling.pipeline import Pipeline
+            from specserve.cluster.scheduling.scheduler import Scheduler
+            from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
+
+            timeout = self.config.call_timeout_s
+            drafts = {n: DraftClient(a, timeout, self.secret) for n, a in self.draft_addresses.items()}
+            targets = {n: TargetClient(a, timeout, self.secret) for n, a in self.target_addresses.items()}
+            scheduler = Scheduler(list(drafts), list(targets), cost_ratio=self.config.cost_ratio)
+            self.pipeline = Pipeline(
+                scheduler, drafts, targets, predraft=self.config.predraft, reconnect=self._reconnect
+            )
+        return self.pipeline
+
+    async def _reconnect(self, worker: str) -> str | None:
+        """The address of the worker's restarted actor, or None when Ray will not restart it. A call that reaches
+        the actor while Ray is still restarting it fails fast (ActorUnavailableError): retried until the deadline."""
+        import asyncio
+        import time
+
+        handle = self.workers.get(worker)
+        if handle is None:
+            return None
+
+        from ray.exceptions import ActorDiedError
+
+        deadline = time.monotonic() + self.config.restart_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                remaining = max(1.0, deadline - time.monotonic())
+                return await asyncio.wait_for(handle.start.remote(self.secret), remaining)
+            except ActorDiedError:
+                return None  # out of restarts (or killed for good): the worker is gone
+            except Exception:  # noqa: BLE001 - restarting (ActorUnavailableError), or start failed: try again
+                await asyncio.sleep(0.5)
+        return None
+
+    async def generate(self, prompt: str | list[int], sampling: dict, speculation: dict) -> dict:
+        """One request; returns the CLI's JSON contract plus scheduling stats."""
+        from specserve.workers.speculation.engine import check_request, encode_prompt
+
+        params = validate(SamplingParams, sampling)
+        spec = validate(SpecParams, speculation)
+        ids = encode_prompt(self.tokenizer, prompt)
+        check_request(ids, params, len(self.tokenizer), self.max_positions)
+        pipeline = self._ensure_pipeline()
+        req = await pipeline.generate(ids, params, spec, self.eos)
+        generated = req.state.generated
+        return {
+            "text": self.tokenizer.decode(generated, skip_special_tokens=True),
+            "token_ids": generated,
+            "finish_reason": req.state.finish_reason,
+            "stats": req.state.stats.to_dict(),
+            "scheduling": {
+                "pipelined_rounds": req.pipelined_rounds,
+                "resent": req.resent,
+                "draft_worker": req.draft_worker,
+                "target_worker": req.target_worker,
+            },
+        }
+
+    async def status(self) -> dict:
+        pipeline = self._ensure_pipeline()
+        rounds = max(1, pipeline.times.rounds)
+        return {
+            "unhealthy": sorted(pipeline.scheduler.unhealthy),
+            "rounds": pipeline.times.rounds,
+            "restarts": pipeline.restarts,
+            "orchestration_ms_mean": 1e3 * pipeline.times.orchestration_s / rounds,
+            "orchestration_ms_p50": pipeline.times.p50_ms(),
+            "wire_bytes_per_round": pipeline.wire_bytes() / rounds,
+        }

@@ -1,0 +1,224 @@
+"""The scheduler as a CPU-only state machine: which worker holds each request, what each worker has been told, what
+the next round drafts and verifies, and how a verified round is applied. No I/O: `cluster/scheduling/pipeline.py` executes its
+plans over gRPC, and the Ray actor wraps that.
+
+Per request it tracks the committed tokens (RequestState), the sticky draft and target workers that hold its KV
+caches, the tokens each of them has been sent (the KV state protocol's tails), k (fixed or adaptive), and
+within-request pipelining (PEARL-style pre-drafting: while the target verifies round r, the draft already drafts
+round r + 1 assuming every drafted token is accepted; used if that assumption and the bonus token hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+
+from specserve.workers.speculation.adaptive_k import AdaptiveK
+from specserve.workers.speculation.codec import slice_rows
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.runtime.kv_cache import common_prefix_length
+from specserve.workers.speculation.request import RequestState
+
+
+@dataclass
+class Call:
+    """One worker call: the KV state protocol's fields plus what to do."""
+
+    worker: str
+    request_id: str
+    committed_len: int
+    new_tokens: list[int]
+    k: int = 0  # draft calls
+    drafted: list[int] = field(default_factory=list)  # verify calls
+    draft_probs: bytes = b""  # verify calls
+    # The whole sequence committed_len counts (never sent unless the worker lost the request). Kept on the call
+    # because a concurrent restart may clear what the scheduler remembers telling the worker.
+    sequence: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class PreDraft:
+    """Tokens drafted ahead for round r + 1, continuing the drafted tokens of round r."""
+
+    after: list[int]  # the committed + drafted sequence they continue
+    drafted: list[int]
+    draft_probs: bytes
+
+
+@dataclass
+class SchedRequest:
+    state: RequestState
+    params: SamplingParams
+    spec: SpecParams
+    draft_worker: str | None
+    target_worker: str
+    adaptive: AdaptiveK | None
+    told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
+    pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
+    resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+
+class NoTargetWorker(RuntimeError):
+    """No healthy target worker is left to run a request on."""
+
+
+class Scheduler:
+    def __init__(self, draft_workers: list[str], target_workers: list[str], cost_ratio: float = 0.1):
+        """Workers may also join later (`add_worker`): a Serve pool scales while the scheduler runs."""
+        self.draft_workers = list(draft_workers)
+        self.target_workers = list(target_workers)
+        self.cost_ratio = cost_ratio
+        self.requests: dict[str, SchedRequest] = {}
+        self.unhealthy: set[str] = set()
+        # Upper bound on k for k='auto' requests, set by the load-aware speculation policy (0: no speculation while
+        # the target pool is saturated). Fixed-k requests keep the k they asked for.
+        self.auto_k_cap: int | None = None
+
+    # -- placement -------------------------------------------------------------------------------------------------
+
+    def _least_loaded(self, workers: list[str], attr: str) -> str | None:
+        healthy = [w for w in workers if w not in self.unhealthy]
+        if not healthy:
+            return None
+        load = {w: 0 for w in healthy}
+        for req in self.requests.values():
+            w = getattr(req, attr)
+            if w in load:
+                load[w] += 1
+        return min(healthy, key=lambda w: (load[w], healthy.index(w)))
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: SpecParams,
+        eos_token_ids: frozenset[int],
+        request_id: str | None = None,
+    ) -> SchedRequest:
+        target = self._least_loaded(self.target_workers, "target_worker")
+        if target is None:
+            raise NoTargetWorker("no healthy target worker")
+        draft = self._least_loaded(self.draft_workers, "draft_worker") if spec.method == "draft" else None
+        state = RequestState(
+            request_id=request_id or uuid.uuid4().hex,
+            tokens=list(prompt_ids),
+            prompt_len=len(prompt_ids),
+            max_new_tokens=params.max_new_tokens,
+            eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset(),
+        )
+        adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
+        req = SchedRequest(state, params, spec, draft, target, adaptive)
+        self.requests[state.request_id] = req
+        return req
+
+    def mark_unhealthy(self, worker: str) -> None:
+        """Move the worker's requests elsewhere; they re-send their committed prefix to the new worker."""
+        self.unhealthy.add(worker)
+        for req in self.requests.values():
+            if req.draft_worker == worker:
+                req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")  # None: target-only
+            if req.target_worker == worker:
+                # No replacement: the request stays stranded on the failed worker and its driver fails it.
+                req.target_worker = self._least_loaded(self.target_workers, "target_worker") or worker
+            req.told.pop(worker, None)
+
+    def add_worker(self, kind: str, worker: str) -> None:
+        """A new worker joined its pool (or a replaced one came back under the same name)."""
+        workers = self.draft_workers if kind == "draft" else self.target_workers
+        if worker not in workers:
+            workers.append(worker)
+        self.unhealthy.discard(worker)
+        self.forget_worker(worker)
+
+    def remove_worker(self, worker: str) -> None:
+        """The worker left its pool: its requests move to the others, as for a failure."""
+        if worker in self.draft_workers or worker in self.target_workers:
+            self.mark_unhealthy(worker)
+        for workers in (self.draft_workers, self.target_workers):
+            if worker in workers:
+                workers.remove(worker)
+        self.unhealthy.discard(worker)
+
+    def healthy(self, kind: str) -> list[str]:
+        workers = self.draft_workers if kind == "draft" else self.target_workers
+        return [w for w in workers if w not in self.unhealthy]
+
+    def forget_worker(self, worker: str) -> None:
+        """The worker was replaced by a fresh process: it has been told nothing."""
+        for req in self.requests.values():
+            req.told.pop(worker, None)
+
+    # -- planning ---------------------------------------------------------------------------------------------------
+
+    def stranded(self, req: SchedRequest) -> bool:
+        """The request's target worker failed and no healthy one was left to take it."""
+        return req.target_worker in self.unhealthy
+
+    def k_for(self, req: SchedRequest) -> int:
+        if req.spec.method == "draft" and req.draft_worker is None:  # re-attach once a draft worker is back
+            req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
+        if req.spec.method == "none" or (req.spec.method == "draft" and req.draft_worker is None):
+            return 0
+        if req.adaptive is not None:
+            k = req.adaptive.k if self.auto_k_cap is None else min(req.adaptive.k, self.auto_k_cap)
+        else:
+            k = req.spec.k
+        return req.state.draft_budget(k) if k else 0
+
+    def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
+        told = req.told.get(worker, [])
+        start = common_prefix_length(told, sequence)
+        sequence = list(sequence)
+        req.told[worker] = sequence
+        return Call(worker, req.request_id, len(sequence), sequence[start:], sequence=sequence, **kw)
+
+    def resend(self, req: SchedRequest, call: Call) -> Call:
+        """The worker lost the request: the same call with the whole sequence."""
+        req.resent += 1
+        req.told[call.worker] = call.sequence
+        return dataclasses.replace(call, new_tokens=list(call.sequence))
+
+    def plan_draft(self, req: SchedRequest, k: int) -> Call:
+        return self._call(req, req.draft_worker, req.state.tokens, k=k)
+
+    def plan_predraft(self, req: SchedRequest, drafted: list[int], k: int) -> Call | None:
+        """Round r + 1's draft, assuming all of round r's drafted tokens are accepted (None when pointless)."""
+        if req.draft_worker is None or not drafted or req.state.remaining <= len(drafted) + 2:
+            return None
+        return self._call(req, req.draft_worker, req.state.tokens + drafted, k=k)
+
+    def plan_verify(self, req: SchedRequest, drafted: list[int], draft_probs: bytes) -> Call:
+        return self._call(req, req.target_worker, req.state.tokens, drafted=drafted, draft_probs=draft_probs)
+
+    # -- applying results -------------------------------------------------------------------------------------------
+
+    def apply_verify(self, req: SchedRequest, drafted: list[int], accepted: int, next_token: int) -> list[int]:
+        if req.adaptive is not None and drafted:
+            req.adaptive.observe(len(drafted), accepted)
+        return req.state.commit_round(drafted, accepted, next_token)
+
+    def use_predraft(self, req: SchedRequest, pre: PreDraft | None) -> tuple[list[int], bytes] | None:
+        """The next round's draft from a pre-draft, if its assumption held: the committed sequence now continues
+        exactly as the pre-draft assumed and its first token equals the bonus token. Its first token is dropped
+        (already committed as the bonus token); the rest are a valid proposal for the next round."""
+        if pre is None or req.state.finished:
+            return None
+        tokens = req.state.tokens
+        if len(tokens) != len(pre.after) + 1 or tokens[:-1] != pre.after or not pre.drafted:
+            return None
+        if pre.drafted[0] != tokens[-1] or len(pre.drafted) < 2:
+            return None
+        budget = self.k_for(req)
+        drafted = pre.drafted[1 : 1 + budget]
+        probs = slice_rows(pre.draft_probs, 1, 1 + len(drafted))
+        return (drafted, probs) if drafted else None
+
+    def finish(self, req: SchedRequest) -> list[str]:
+        """Forget the request; returns the workers whose caches should be released."""
+        self.requests.pop(req.request_id, None)
+        return list(req.told)

@@ -1,0 +1,109 @@
+"""Async gRPC clients of draft and target workers: they execute the scheduler's Calls with explicit deadlines and
+turn the KV state protocol's NOT_FOUND into WorkerLostRequest, so the caller can re-send the whole prefix."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import grpc
+
+from specserve.cluster.scheduling.scheduler import Call
+from specserve.protos import specserve_pb2 as pb
+from specserve.protos import specserve_pb2_grpc as pb_grpc
+from specserve.workers.config import SamplingParams
+from specserve.workers.service.grpc_service import GRPC_OPTIONS, SECRET_METADATA, sampling_to_proto
+
+
+class WorkerLostRequest(Exception):
+    """The worker does not hold (enough of) the request: re-send the committed sequence."""
+
+
+class WorkerUnavailable(Exception):
+    """The worker cannot be reached or failed the call; its requests must move elsewhere."""
+
+
+_LOST = {grpc.StatusCode.NOT_FOUND}
+# UNAUTHENTICATED: the worker does not share our secret (a replica of another deployment): not usable either.
+_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+         grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAUTHENTICATED}  # fmt: skip
+
+
+class _Client:
+    def __init__(self, address: str, timeout_s: float, secret: str | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.secret = secret
+        self.metadata = ((SECRET_METADATA, secret),) if secret else None
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.wire_bytes = 0  # serialized request + response bytes of every call
+
+    async def _invoke(self, method, message):
+        try:
+            response = await method(message, timeout=self.timeout_s, metadata=self.metadata)
+            self.wire_bytes += message.ByteSize() + response.ByteSize()
+            return response
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _LOST:
+                raise WorkerLostRequest(e.details()) from None
+            if e.code() in _DOWN:
+                raise WorkerUnavailable(f"{self.address}: {e.code().name}: {e.details()}") from None
+            raise
+
+    async def release(self, request_id: str) -> bool:
+        return (await self._invoke(self.stub.Release, pb.ReleaseRequest(request_id=request_id))).released
+
+    async def health(self) -> pb.HealthResponse:
+        return await self._invoke(self.stub.Health, pb.HealthRequest())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class DraftClient(_Client):
+    def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None):
+        super().__init__(address, timeout_s, secret)
+        self.stub = pb_grpc.DraftWorkerStub(self.channel)
+
+    async def propose(self, call: Call, params: SamplingParams) -> tuple[list[int], bytes]:
+        """(drafted tokens, encoded draft weights)."""
+        response = await self._invoke(
+            self.stub.Propose,
+            pb.ProposeRequest(
+                request_id=call.request_id,
+                committed_len=call.committed_len,
+                new_tokens=call.new_tokens,
+                k=call.k,
+                sampling=sampling_to_proto(params),
+            ),
+        )
+        return list(response.drafted), response.draft_probs
+
+
+class VerifyReply(NamedTuple):
+    accepted: int
+    next_token: int  # recovered or bonus
+    batch_rows: int  # requests in the target batch this call ran in
+    batch_tokens: int  # positions that batch fed
+    batch_seconds: float
+
+
+class TargetClient(_Client):
+    def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None):
+        super().__init__(address, timeout_s, secret)
+        self.stub = pb_grpc.TargetWorkerStub(self.channel)
+
+    async def verify(self, call: Call, params: SamplingParams) -> VerifyReply:
+        response = await self._invoke(
+            self.stub.Verify,
+            pb.VerifyRequest(
+                request_id=call.request_id,
+                committed_len=call.committed_len,
+                new_tokens=call.new_tokens,
+                drafted=call.drafted,
+                draft_probs=call.draft_probs,
+                sampling=sampling_to_proto(params),
+            ),
+        )
+        return VerifyReply(
+            response.accepted, response.next_token, response.batch_rows, response.batch_tokens, response.compute_seconds
+        )

@@ -1,0 +1,191 @@
+"""What both public edges (the OpenAI HTTP API and the SpecServe gRPC service) share: strict pydantic models for what a
+client sends, errors that name the field the way the client wrote it, and the typed `Request` they hand to
+`SpecService.prepare`.
+
+Every value a client sends is checked here once (types, ranges, valid Unicode); what depends on the served model and
+the app's limits (vocabulary, context, prompt length) is checked by `prepare`, which takes only the typed Request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from specserve.workers.models.chat import ChatPrompt
+from specserve.workers.config import SpecMethod
+from specserve.workers.errors import InvalidRequestError, SpecServeError
+
+log = logging.getLogger(__name__)
+
+MAX_TEMPERATURE = 100.0  # SamplingParams' bound
+UINT32_MAX = 2**32 - 1  # top_k travels to the workers as a uint32
+SEED_LIMIT = 2**63  # SamplingParams' bound (torch generators take int64 seeds)
+MAX_NAME_CHARS = 256  # a model name (served names are at most 128 characters)
+_SHOWN_CHARS = 64  # of a client's own key or value, in an error message
+_OTHERS_SHOWN = 3
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """A request body over the configured size (HTTP 413; gRPC's own message size limit answers
+    RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request as an edge validated it: types and ranges checked, defaults not applied yet. The
+    `*_field` names are the client's own (HTTP `max_tokens`, gRPC `sampling.max_new_tokens`, ...), for the errors
+    `prepare` may still raise."""
+
+    model: str  # "" = the first served model
+    prompt: str | tuple[int, ...] | ChatPrompt
+    temperature: float
+    top_p: float
+    top_k: int  # 0 disables top-k
+    seed: int | None
+    max_new_tokens: int | None  # None: what fits the model's context, at most limits.default_max_new_tokens
+    method: SpecMethod | None  # None: the model's default
+    k: int | Literal["auto"] | None  # None: the model's default
+    prompt_field: str = "prompt"
+    max_tokens_field: str = "max_new_tokens"
+
+
+class EdgeModel(BaseModel):
+    """What a client sent: strict types (no "5" for 5, no true for 1, no 1.0 for an integer), no unknown fields.
+    Lists in these models are `fail_fast` and objects refuse many unknown keys at once: pydantic's errors cost
+    hundreds of bytes each, and a 4 MB body of bad elements would otherwise make a million of them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields):
+            unknown = [k for k in data if k not in cls.model_fields]
+            if len(unknown) > _OTHERS_SHOWN:
+                names = ", ".join(shown(str(k)) for k in unknown[:_OTHERS_SHOWN])
+                raise PydanticCustomError("unknown_fields", "{n} unknown fields ({names}, ...): specserve does not "
+                                          "take them", {"n": len(unknown), "names": names})  # fmt: skip
+        return data
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON's "\ud800" escapes decode to lone surrogates: no tokenizer, template or UTF-8 encoder takes them.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "unicode", "is not valid Unicode (a lone UTF-16 surrogate at character {pos})", {"pos": e.start}
+        ) from None
+    return text
+
+
+def text(min_length: int = 0, max_length: int | None = None) -> Any:
+    """A string of valid Unicode (no lone surrogates) of a bounded length."""
+    return Annotated[str, Field(min_length=min_length, max_length=max_length), AfterValidator(_valid_unicode)]
+
+
+Text = text()
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed value (bool apart from number: Python's bool is an int)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "integer" if isinstance(value, int) else "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def one_of(expected: str, **members: Any) -> Any:
+    """A union chosen by the JSON type of the value (members keyed by json_type), so that an error names the field
+    and not pydantic's union members; `expected` is the message for any other type."""
+
+    def kind(value: Any) -> str | None:
+        t = json_type(value)
+        return f"<{t}>" if t in members else None
+
+    union = Union[tuple(Annotated[tp, Tag(f"<{t}>")] for t, tp in members.items())]  # noqa: UP007 - from a tuple
+    return Annotated[union, Discriminator(kind, custom_error_type="type", custom_error_message=expected)]
+
+
+def shown(value: str) -> str:
+    """A client's string, made safe to put in an error message: cut to a few dozen characters, escapes for what is
+    not printable (lone surrogates would break the JSON encoder of the error response)."""
+    cut = value[:_SHOWN_CHARS] + ("..." if len(value) > _SHOWN_CHARS else "")
+    return cut if cut.isprintable() else repr(cut)[1:-1]
+
+
+def field_name(loc: tuple, kind: str) -> str:
+    """pydantic's error location as the client wrote it: `messages[0].content[1].type`. Tags of `one_of` unions
+    ('<string>') and dict-key markers are pydantic's, not the client's; an unknown key is always shown."""
+    out = ""
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif last and kind == "extra_forbidden":
+            out += ("." if out else "") + shown(part)
+        elif part.startswith("<") or part == "[key]":
+            continue
+        else:
+            out += ("." if out else "") + part
+    return out or "body"
+
+
+_MESSAGES = {
+    "extra_forbidden": "unknown field (specserve does not take it)",
+    "missing": "is required",
+    "string_unicode": "is not valid Unicode (a lone UTF-16 surrogate)",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+}
+
+
+def parse(model: type[EdgeModel], data: Any) -> Any:
+    """Validate what a client sent into `model`; an InvalidRequestError naming the first bad field as the client
+    wrote it (a few others after it)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        by_field: dict[str, list[str]] = {}
+        for err in e.errors(include_url=False, include_input=False):
+            msg = _MESSAGES.get(err["type"], err["msg"])
+            by_field.setdefault(field_name(err["loc"], err["type"]), []).append(msg)
+        (first, msgs), *others = by_field.items()
+        message = "; ".join(dict.fromkeys(msgs))
+        if others:
+            more = len(others) - _OTHERS_SHOWN
+            message += " (also: " + "; ".join(f"{f}: {m[0]}" for f, m in others[:_OTHERS_SHOWN])
+            message += f"; and {more} more)" if more > 0 else ")"
+        raise InvalidRequestError(first, message) from None
+
+
+def unsupported(neutral: str) -> PydanticCustomError:
+    """The error for an OpenAI field that specserve takes only at its neutral value (anything else would silently
+    change the output)."""
+    return PydanticCustomError("unsupported", "is not supported by specserve: omit it (or send {neutral})",
+                               {"neutral": neutral})  # fmt: skip
+
+
+def client_message(error: BaseException) -> str:
+    """What a client is told of an error: a specserve error's own message; anything else is a bug, logged here with
+    its traceback and reported without internals (no exception class names, no reprs)."""
+    if isinstance(error, SpecServeError):
+        return str(error)
+    log.error("internal error answering a request", exc_info=error)
+    return "internal error (the server's log has the details)"

@@ -1,0 +1,366 @@
+"""OpenAI-compatible request parsing and response shapes (completions, chat completions, models, errors). Pure
+functions over dicts: the HTTP routes in cluster/serve/serve_app.py call them, tests call them alone.
+
+Requests are validated once, here, by strict pydantic models of OpenAI's bodies (field names as OpenAI spells them,
+so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `Request` that `SpecService.prepare`
+takes. Extensions beyond OpenAI's fields: `top_k`, and `speculation: {"method": "draft"|"ngram"|"none", "k":
+1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the output in ways
+specserve does not implement (`n`, `stop`, `logit_bias`, penalties, logprobs, tools, ...) are accepted only at their
+neutral value. Every response carries `specserve` stats (rounds, drafted, accepted, acceptance_rate,
+mean_accepted_length).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic_core import PydanticCustomError
+
+from specserve.cluster.serve.edge import (
+    MAX_NAME_CHARS,
+    MAX_TEMPERATURE,
+    SEED_LIMIT,
+    UINT32_MAX,
+    EdgeModel,
+    PayloadTooLargeError,
+    Request,
+    Text,
+    json_type,
+    one_of,
+    parse,
+    shown,
+    text,
+    unsupported,
+)
+from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
+from specserve.workers.config import MAX_K, SpecMethod
+from specserve.workers.errors import InvalidRequestError
+
+MAX_MESSAGES = 4096
+MAX_PARTS = 256  # content parts of one message
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+TOKEN_ID_LIMIT = 2**31  # token ids travel to the workers as int32
+SHORT = 256  # characters of a user id, a message's author name, a metadata value
+
+
+def _token_ids(ids: list) -> tuple[int, ...]:
+    # One pass that stops at the first bad element (pydantic would make an error per element).
+    for i, t in enumerate(ids):
+        if type(t) is not int or not 0 <= t < TOKEN_ID_LIMIT:
+            raise PydanticCustomError(
+                "token_id", "element {i} is not a token id (an integer, 0 <= id < 2^31)", {"i": i}
+            )
+    return tuple(ids)
+
+
+def _single(prompts: list) -> list:
+    if len(prompts) != 1:
+        raise PydanticCustomError(
+            "batch", "specserve takes one prompt per request, not a list of {n}", {"n": len(prompts)}
+        )
+    return prompts
+
+
+def _prompt_list_kind(value: list) -> str:
+    first = json_type(value[0]) if value else None
+    return {"string": "<texts>", "array": "<id lists>"}.get(first, "<ids>")
+
+
+NonEmptyText = text(min_length=1)
+TokenIds = Annotated[list, Field(min_length=1), AfterValidator(_token_ids)]
+_PromptList = Annotated[
+    Union[  # noqa: UP007 - tagged members
+        Annotated[TokenIds, Tag("<ids>")],
+        Annotated[list[NonEmptyText], BeforeValidator(_single), AfterValidator(lambda v: v[0]), Tag("<texts>")],
+        Annotated[list[TokenIds], BeforeValidator(_single), AfterValidator(lambda v: v[0]), Tag("<id lists>")],
+    ],
+    Discriminator(_prompt_list_kind),
+]
+Prompt = one_of("must be a string or a list of token ids", string=NonEmptyText, array=_PromptList)
+
+
+class TextPart(EdgeModel):
+    type: Literal["text"]
+    text: Text
+
+
+class OtherPart(BaseModel):
+    """A content part of another type (image_url, input_audio, file, ...): refused, naming its `type`."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Any = Field(None, validate_default=True)
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, value: Any) -> Any:
+        if value is None:
+            raise PydanticCustomError("part_type", "is required (specserve takes text parts: type 'text')")
+        kind = repr(shown(value)) if isinstance(value, str) else f"a {json_type(value)}"
+        raise PydanticCustomError("part_type", "{kind} content parts are not supported by specserve (it takes "
+                                  "text parts only: type 'text')", {"kind": kind})  # fmt: skip
+
+
+def _part_kind(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    return "<text>" if value.get("type") == "text" else "<other>"
+
+
+Part = Annotated[
+    Union[Annotated[TextPart, Tag("<text>")], Annotated[OtherPart, Tag("<other>")]],  # noqa: UP007 - tagged members
+    Discriminator(_part_kind, custom_error_type="type", custom_error_message="must be a content part object"),
+]
+Content = one_of(
+    "must be a string or a list of text parts (null content goes with assistant tool calls, which specserve does "
+    "not take)",
+    string=Text,
+    array=Annotated[list[Part], Field(min_length=1, max_length=MAX_PARTS, fail_fast=True)],
+)
+
+
+class Message(EdgeModel):
+    role: Role
+    content: Content
+    name: text(max_length=SHORT) | None = None
+
+    def joined_text(self) -> str:
+        """The message's text; text parts joined by newlines (as other OpenAI-compatible servers do)."""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class StreamOptions(EdgeModel):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # no effect here
+
+
+class Speculation(EdgeModel):
+    method: SpecMethod | None = None
+    k: one_of(f"must be 1..{MAX_K} or 'auto'", integer=Annotated[int, Field(ge=1, le=MAX_K)],
+              string=Literal["auto"], null=None) = None  # fmt: skip
+
+
+def _metadata(value: dict) -> dict:
+    if len(value) > 16 or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                                  for k, v in value.items()):  # fmt: skip
+        raise PydanticCustomError("metadata", "must be at most 16 string keys (64 characters) and values (512)")
+    return value
+
+
+# Accepted only at these values (anything else would silently change the output): field -> (values, as shown).
+_NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "1"),
+    "best_of": ((1,), "1"),
+    "echo": ((False,), "false"),
+    "logprobs": ((0, False), "null"),
+    "top_logprobs": ((0,), "0"),
+    "frequency_penalty": ((0,), "0"),
+    "presence_penalty": ((0,), "0"),
+    "logit_bias": (({},), "{}"),
+    "stop": (("", []), "[]"),
+    "suffix": (("",), '""'),
+    "response_format": (({"type": "text"},), '{"type": "text"}'),
+    "tools": (([],), "[]"),
+    "tool_choice": (("none",), '"none"'),
+}
+
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Body(EdgeModel):
+    """The fields completions and chat completions share."""
+
+    model: text(max_length=MAX_NAME_CHARS) | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
+    speculation: Speculation | None = None
+    # neutral only (_NEUTRAL)
+    n: int | None = None
+    top_logprobs: int | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    logit_bias: dict | None = None
+    stop: one_of("must be a string or a list of strings", string=Text, null=None,
+                 array=Annotated[list[Text], Field(max_length=MAX_STOP, fail_fast=True)]) = None  # fmt: skip
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: one_of("must be a string or an object", string=Text, object=dict, null=None) = None
+    # accepted and ignored
+    user: text(max_length=SHORT) | None = None
+    metadata: Annotated[dict, AfterValidator(_metadata)] | None = None
+    store: bool | None = None
+    service_tier: text(max_length=64) | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator(*(f for f in _NEUTRAL if f not in ("best_of", "echo", "suffix", "logprobs")))
+    @classmethod
+    def _neutral(cls, value: Any, info) -> Any:
+        return _check_neutral(info.field_name, value)
+
+    def request(self, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str) -> Request:
+        spec = self.speculation or Speculation()
+        max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return Request(
+            model=self.model or "",
+            prompt=prompt,
+            # OpenAI's default temperature is 1 (sampling); send 0 for greedy decoding.
+            temperature=float(1.0 if self.temperature is None else self.temperature),
+            top_p=float(1.0 if self.top_p is None else self.top_p),
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            max_new_tokens=max_new,
+            method=spec.method,
+            k=spec.k,
+            prompt_field=prompt_field,
+            max_tokens_field="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
+        )
+
+
+def _check_neutral(name: str, value: Any) -> Any:
+    accepted, neutral = _NEUTRAL[name]
+    if value is None or any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in accepted):
+        return value
+    raise unsupported(neutral)
+
+
+class CompletionBody(_Body):
+    prompt: Prompt
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: Text | None = None
+
+    @field_validator("best_of", "echo", "logprobs", "suffix")
+    @classmethod
+    def _neutral_here(cls, value: Any, info) -> Any:
+        return _check_neutral(info.field_name, value)
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _neutral_here(cls, value: Any, info) -> Any:
+        return _check_neutral(info.field_name, value)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    request: Request
+    stream: bool
+    include_usage: bool
+
+
+def _parsed(body: _Body, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str) -> ParsedRequest:
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage)
+
+
+def parse_completion(body: Any) -> ParsedRequest:
+    """A /v1/completions body (parsed JSON) -> the typed request; InvalidRequestError naming the bad field."""
+    parsed: CompletionBody = parse(CompletionBody, body)
+    return _parsed(parsed, parsed.prompt, "prompt")
+
+
+def parse_chat(body: Any) -> ParsedRequest:
+    """A /v1/chat/completions body -> the typed request; the messages become a ChatPrompt, rendered with the served
+    model's own chat template by `SpecService.prepare` (workers/models/chat.py)."""
+    parsed: ChatBody = parse(ChatBody, body)
+    prompt = ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages))
+    return _parsed(parsed, prompt, "messages")
+
+
+async def read_json(chunks: AsyncIterator[bytes], declared_length: str | None, max_bytes: int) -> Any:
+    """A request body (its chunks, as the server receives them) parsed as JSON, read up to `max_bytes`: a
+    PayloadTooLargeError (413) beyond, before reading when the declared Content-Length says so. Every malformed body
+    is an InvalidRequestError naming `body`."""
+    declared = declared_length or ""
+    if declared.isascii() and declared.isdigit() and (len(declared) > 15 or int(declared) > max_bytes):
+        raise PayloadTooLargeError("body", f"{declared[:16]} bytes exceed the limit of {max_bytes}")
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLargeError("body", f"is longer than the limit of {max_bytes} bytes")
+        parts.append(chunk)
+    try:
+        text = b"".join(parts).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError("body", f"is not valid UTF-8 (at byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError("body", f"is not valid JSON: {e.msg} at position {e.pos}") from None
+    except RecursionError:
+        raise InvalidRequestError("body", "nests arrays or objects too deeply") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise InvalidRequestError("body", "holds a number too long to read") from None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_response(rid: str, model: str, result: dict, chat: bool) -> dict:
+    usage = _usage(result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"])
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
+                  "finish_reason": result["finish_reason"], "logprobs": None}  # fmt: skip
+    else:
+        choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"], "logprobs": None}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage, "specserve": result["stats"]}  # fmt: skip
+
+
+def stream_chunk(rid: str, model: str, text: str, finish_reason: str | None, chat: bool, first: bool) -> str:
+    if chat:
+        delta = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+           "model": model, "choices": [choice]}  # fmt: skip
+    return sse(obj)
+
+
+def usage_chunk(rid: str, model: str, prompt_tokens: int, completion_tokens: int, stats: dict, chat: bool) -> str:
+    obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+           "model": model, "choices": [], "usage": _usage(prompt_tokens, completion_tokens),
+           "specserve": stats}  # fmt: skip
+    return sse(obj)
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def models_list(names: list[str], created: int) -> dict:
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": created, "owned_by": "specserve"} for n in names],
+    }

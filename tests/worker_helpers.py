@@ -1,0 +1,212 @@
+"""Tiny random-weight Llama models with real tokenizers, made from configs: for tests and smoke runs only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = {"<unk>": 0, "<s>": 1, "</s>": 2}
+TINY_WORDS = ["a", "b", "c", "d", "e"]  # with the specials: an 8-token vocabulary
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges: every UTF-8 byte is one token (259 ids with the specials)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = dict(SPECIALS) | {c: i + len(SPECIALS) for i, c in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def tiny_vocab_tokenizer() -> PreTrainedTokenizerFast:
+    """Whitespace-separated words from an 8-token vocabulary, for distribution tests."""
+    vocab = dict(SPECIALS) | {w: i + len(SPECIALS) for i, w in enumerate(TINY_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def save_tiny_llama(
+    path: str | Path,
+    seed: int,
+    layers: int = 2,
+    hidden: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab_pad: int = 0,
+    tiny_vocab: bool = False,
+    init_range: float = 0.2,
+    max_positions: int = 512,
+) -> str:
+    """Save a random-init Llama causal LM + tokenizer at `path` in Hugging Face format; returns the path.
+
+    init_range is larger than Llama's default so logits are peaked: greedy argmaxes then have clear margins and
+    random pairs still disagree often.
+    """
+    path = Path(path)
+    tokenizer = tiny_vocab_tokenizer() if tiny_vocab else byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + vocab_pad,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=init_range,
+        bos_token_id=SPECIALS["<s>"],
+        eos_token_id=SPECIALS["</s>"],
+        pad_token_id=SPECIALS["<unk>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def save_perturbed_copy(source: str | Path, path: str | Path, noise: float, seed: int) -> str:
+    """Copy a saved model with Gaussian noise added to every weight: a draft that agrees with its source on
+    some tokens and not others, so accepted, recovered and bonus tokens all occur."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(path)
+    return str(path)
+
+
+class LocalWorkers:
+    """Draft and target workers for tests, each behind its own real gRPC server on a free localhost port.
+
+    `async with LocalWorkers(target, [draft, ...], n_targets) as w:` gives w.draft_addresses and w.target_addresses
+    (name -> host:port) and the plain worker objects, so a test can make a worker forget a request or stop a server.
+    """
+
+    def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000, batching=None):
+        from specserve.workers.config import KVCacheConfig
+        from specserve.workers.service.draft_worker import DraftWorker
+        from specserve.workers.speculation.drafters import ModelDrafter
+        from specserve.workers.runtime.runner import ModelRunner
+        from specserve.workers.speculation.target import TargetVerifier
+        from specserve.workers.service.target_worker import TargetWorker
+
+        self.drafts = {}
+        for i, draft in enumerate(drafts):
+            runner = ModelRunner(draft, KVCacheConfig(), vocab_size=target.vocab_size)
+            self.drafts[f"draft-{i}"] = DraftWorker(ModelDrafter(runner), target.vocab_size, draft.path, runner.store)
+        self.targets = {
+            f"target-{i}": TargetWorker(
+                TargetVerifier(ModelRunner(target, KVCacheConfig(capacity_tokens=target_capacity))), target.path
+            )
+            for i in range(n_targets)
+        }
+        self.servers = {}
+        self.servicers = {}  # name -> servicer
+        self.batching = batching  # a BatchingConfig; None: the default
+
+    async def __aenter__(self):
+        from specserve.workers.service.grpc_service import DraftWorkerServicer, TargetWorkerServicer, create_server
+
+        self.addresses = {}
+        for name, worker in {**self.drafts, **self.targets}.items():
+            kind = DraftWorkerServicer if name.startswith("draft") else TargetWorkerServicer
+            servicer = kind(worker, self.batching)
+            server, port = await create_server(servicer)
+            self.servers[name] = server
+            self.servicers[name] = servicer
+            self.addresses[name] = f"127.0.0.1:{port}"
+        return self
+
+    @property
+    def draft_addresses(self) -> dict[str, str]:
+        return {n: a for n, a in self.addresses.items() if n.startswith("draft")}
+
+    @property
+    def target_addresses(self) -> dict[str, str]:
+        return {n: a for n, a in self.addresses.items() if n.startswith("target")}
+
+    async def stop(self, name: str) -> None:
+        await self.servers[name].stop(grace=None)
+
+    async def __aexit__(self, *exc):
+        for server in self.servers.values():
+            await server.stop(grace=1)
+        for servicer in self.servicers.values():
+            servicer.close()
+
+
+def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results) -> None:
+    """One rank of a test: shard the model, run `rows` through the mirrored runner, rank 0 puts the logits and
+    whether its runner took the lean forward path in `results` (a multiprocessing queue)."""
+    import torch.distributed as dist
+
+    from specserve.workers.config import KVCacheConfig, ModelConfig
+    from specserve.workers.runtime.runner import ModelRunner
+    from specserve.workers.service.tensor_parallel import TensorParallelRunner, follow, init_rank, load_sharded
+
+    init_rank(rank, rendezvous)
+    runner = ModelRunner(load_sharded(ModelConfig(path=path, device="cpu")), KVCacheConfig())
+    try:
+        if rank == 0:
+            tp = TensorParallelRunner(runner)
+            first = tp.logits_for_batch(rows[:1])  # cache the first row, then a ragged batch on top of it
+            out = tp.logits_for_batch(rows[1:])
+            results.put(([t.tolist() for t in first + out], runner.lean))
+            tp.shutdown()
+        else:
+            follow(runner)
+    finally:
+        dist.destroy_process_group()
+
+
+_SAMPLER = None  # the engine of a `sample_in_processes` worker process
+
+
+def _start_sampler(target_path: str, draft_path: str | None, device: str) -> None:
+    global _SAMPLER
+    from specserve.workers.config import ModelConfig
+    from specserve.workers.speculation.engine import SpecEngine
+    from specserve.workers.runtime.loading import load_model
+
+    torch.set_num_threads(1)
+    draft = load_model(ModelConfig(path=draft_path, device=device)) if draft_path else None
+    _SAMPLER = SpecEngine(load_model(ModelConfig(path=target_path, device=device)), draft)
+
+
+def _sample_seeds(job) -> tuple[list[tuple[int, ...]], int]:
+    prompt, params, spec, seeds = job
+    outputs, accepted = [], 0
+    for seed in seeds:
+        result = _SAMPLER.generate(prompt, params.model_copy(update={"seed": seed}), spec)
+        outputs.append(tuple(result.token_ids))
+        accepted += result.stats.accepted
+    return outputs, accepted
+
+
+def sample_in_processes(
+    target_path: str, draft_path: str | None, device: str, prompt: list[int], params, spec, seeds: list[int],
+    processes: int = 2,
+) -> tuple[list[tuple[int, ...]], int]:  # fmt: skip
+    """One seeded request per seed, alone, as `SpecEngine.generate` runs it, spread over `processes` spawned
+    processes with an engine each (statistical tests need thousands of samples; CI has 2 cores). Every sample is an
+    independent request, so the split changes no output. Returns the outputs in seed order and the accepted
+    draft tokens over all of them."""
+    import multiprocessing
+
+    size = -(-len(seeds) // processes)
+    chunks = [seeds[i : i + size] for i in range(0, len(seeds), size)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(len(chunks), initializer=_start_sampler, initargs=(target_path, draft_path, device)) as pool:
+        results = pool.map(_sample_seeds, [(prompt, params, spec, chunk) for chunk in chunks])
+    return [o for outputs, _ in results for o in outputs], sum(accepted for _, accepted in results)

@@ -1,0 +1,1 @@
+"""Where models come from: known names, GGUF conversion, the packaged demo family, chat rendering."""

@@ -1,0 +1,1 @@
+"""Running a model: loading, the KV caches, the forward pass, per-request state on a worker."""

@@ -1,0 +1,113 @@
+"""A model bound to a KV-cache store: forward passes that reuse and roll back each request's cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.workers.config import KVCacheConfig
+from specserve.workers.runtime.kv_cache import KVCacheStore
+from specserve.workers.runtime.lean_forward import full_forward, lean_forward
+from specserve.workers.runtime.loading import LoadedModel
+from specserve.workers.runtime.slot_cache import BatchPlan, batch_mask, single_row_mask
+
+
+class ModelRunner:
+    """Runs one model for many requests, each with its own KV cache (a slot of one shared buffer).
+
+    The primitive is `logits_for_batch([(request_id, sequence, n), ...])`: for each row, the model's logits at the
+    last n positions of `sequence`, computing only the positions the request's cache does not already hold, all rows
+    in one forward pass. Rejected draft tokens left in a cache are detected by token comparison and rolled back
+    before anything is fed on top of them.
+    """
+
+    def __init__(self, loaded: LoadedModel, kv_config: KVCacheConfig, vocab_size: int | None = None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.vocab_size = vocab_size or loaded.vocab_size  # logits are cut/padded to this width
+        self.store = KVCacheStore(kv_config, bytes_per_token=loaded.kv_bytes_per_token)
+        lean = lean_forward(self.model)
+        self.lean = lean is not None  # transformers' wrappers skipped, same logits (workers/runtime/lean_forward.py)
+        self._forward = lean or full_forward(self.model)
+        self.forward_calls = 0
+        self.forward_positions = 0
+
+    def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
+        """Logits predicting the token after each of the last n positions of `sequence`: [n, vocab_size] float32."""
+        return self.logits_for_batch([(request_id, sequence, n)])[0]
+
+    @torch.inference_mode()
+    def logits_for_batch(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
+        """One forward pass for many requests: rows of (request_id, sequence, n) -> each row's [n, vocab_size] logits.
+
+        Rows are ragged (own cached length, own number of new tokens) and independent: a row's logits are those it
+        would get alone. Raises KVCapacityError, reserving nothing, when the batch's new positions do not fit."""
+        ids = [rid for rid, _, _ in rows]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a request may appear only once in a batch")
+        for _, sequence, n in rows:
+            if not 1 <= n <= len(sequence):
+                raise ValueError(f"need 1 <= n <= len(sequence), got n={n}, len={len(sequence)}")
+        entries = [self.store.sync(rid, seq, keep_at_most=len(seq) - n) for rid, seq, n in rows]
+        starts = [e.length for e in entries]
+        news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts, strict=True)]
+        lengths = [len(new) for new in news]
+        self.store.reserve_batch(ids, lengths)
+        width = max(lengths)
+        B = len(rows)
+        slots = [e.slot for e in entries]
+        kv_len = max(start + n for start, n in zip(starts, lengths, strict=True))
+        cache = self.store.cache
+        if B == 1:  # the common decode step: plain slices, no index tensors
+            start = starts[0]
+            input_ids = torch.tensor([news[0]], device=self.device)  # [1, T]
+            positions = torch.arange(start, start + width, device=self.device).unsqueeze(0)  # [1, T]
+            plan = BatchPlan(slots=None, write_positions=None, kv_len=kv_len, contiguous=slice(slots[0], slots[0] + 1),
+                             single_start=start)  # fmt: skip
+            mask = single_row_mask(start, width, self.model.dtype, self.device)
+        else:
+            # Left-padded rows, built as lists and converted once. Padding columns write to dead positions past
+            # their row's end.
+            pads = [width - n for n in lengths]
+            input_ids = torch.tensor([[0] * p + new for p, new in zip(pads, news, strict=True)], device=self.device)
+            positions = torch.tensor(
+                [[0] * p + list(range(st, st + n)) for p, st, n in zip(pads, starts, lengths, strict=True)],
+                device=self.device,
+            )  # [B, T]
+            writes = torch.tensor(
+                [list(range(st + n, st + width)) + list(range(st, st + n))
+                 for st, n in zip(starts, lengths, strict=True)],
+                device=self.device,
+            )  # fmt: skip
+            consecutive = slots == list(range(slots[0], slots[0] + B))
+            plan = BatchPlan(
+                slots=torch.tensor(slots, device=self.device),
+                write_positions=writes,
+                kv_len=kv_len,
+                contiguous=slice(slots[0], slots[0] + B) if consecutive else None,
+            )
+            mask = batch_mask(starts, lengths, width, kv_len, self.model.dtype, self.device)
+        cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
+        keep = max(n for _, _, n in rows)
+        out = self._forward(input_ids, positions, mask, cache, keep)  # [B, keep, V]
+        for rid, new in zip(ids, news, strict=False):
+            self.store.commit(rid, new)
+        self.forward_calls += 1
+        self.forward_positions += sum(lengths)
+        logits = out.float()  # [B, keep, V]
+        return [self._fit_vocab(logits[b, keep - n :]) for b, (_, _, n) in enumerate(rows)]  # each [n, V]
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, V_model] -> [n, vocab_size]: drop padded rows, or pad with -inf (never sampled)."""
+        v = logits.shape[-1]
+        if v == self.vocab_size:
+            return logits
+        if v > self.vocab_size:
+            return logits[:, : self.vocab_size]
+        pad = logits.new_full((logits.shape[0], self.vocab_size - v), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    def release(self, request_id: str) -> bool:
+        return self.store.release(request_id)

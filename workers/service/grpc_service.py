@@ -1,0 +1,224 @@
+"""gRPC servicers for draft and target workers: thin typed wrappers that map protos to the plain worker classes and
+errors to status codes. Model work runs on one dedicated thread per worker, off the event loop, so the server keeps
+answering (health checks, new calls) while a forward pass runs; Propose and Verify calls that arrive meanwhile are
+batched into the next forward pass (workers/service/batcher.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from specserve.protos import specserve_pb2 as pb
+from specserve.protos import specserve_pb2_grpc as pb_grpc
+from specserve.workers.service.batcher import Batcher
+from specserve.workers.speculation.codec import decode_probs
+from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams, validate
+from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
+from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError, UnavailableError
+from specserve.workers.service.target_worker import TargetWorker, VerifyCall
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Channel options of specserve's clients: the servers they call set the real limits.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# A worker server's default limit: its largest legitimate message (a prompt's token ids) is far smaller, and gRPC
+# buffers a whole message before the secret interceptor can refuse it, so a large limit is memory for anyone to take.
+DEFAULT_SERVER_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def server_options(max_message_bytes: int = DEFAULT_SERVER_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC server options: messages over `max_message_bytes` are refused with RESOURCE_EXHAUSTED, unread."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    data = {"temperature": msg.temperature, "top_k": msg.top_k, "top_p": msg.top_p or 1.0}
+    if msg.max_new_tokens:
+        data["max_new_tokens"] = msg.max_new_tokens
+    if msg.HasField("seed"):
+        data["seed"] = msg.seed
+    return validate(SamplingParams, data)
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, max_new_tokens=params.max_new_tokens
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+class _Servicer:
+    def __init__(self, worker: DraftWorker | TargetWorker, batching: BatchingConfig | None = None):
+        self.worker = worker
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=type(self).__name__)
+        self.busy_s = 0.0  # seconds of model work done: busy fraction for autoscaling
+        self.batcher = Batcher(self._executor, self._run_batch, batching or BatchingConfig(), self._count_batch)
+
+    def _count_batch(self, rows: int, seconds: float) -> None:
+        self.busy_s += seconds
+
+    def _run_batch(self, items: list) -> list:
+        raise NotImplementedError
+
+    async def _batched(self, context: grpc.aio.ServicerContext, key: str, item, cost: int):
+        """Queue one call for the next batch; its own error becomes its own status code."""
+        try:
+            return await self.batcher.submit(key, item, cost)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code below
+            await self._abort(context, e)
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, error: Exception):
+        if isinstance(error, (InvalidRequestError, ValueError)) and not isinstance(error, RequestNotFoundError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if isinstance(error, RequestNotFoundError):
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        if isinstance(error, KVCapacityError):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        if isinstance(error, UnavailableError):  # e.g. a tensor-parallel rank died: try another replica
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        raise error
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn, *args):
+        """Run model work on the worker thread, mapping specserve errors to status codes."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, self._timed, fn, *args)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code, or re-raised
+            await self._abort(context, e)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def Release(self, request, context):
+        self.batcher.forget(request.request_id)
+        return pb.ReleaseResponse(released=await self._run(context, self.worker.release, request.request_id))
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(**self.worker.health())
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidRequestError("request_id", "must not be empty")
+
+
+class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
+    def _run_batch(self, calls: list[ProposeCall]) -> list:
+        return self.worker.propose_batch(calls)
+
+    async def Propose(self, request, context):
+        try:
+            _check_request_id(request.request_id)
+            if not 1 <= request.k <= MAX_K:
+                raise InvalidRequestError("k", f"must be in 1..{MAX_K}, got {request.k}")
+            call = ProposeCall(
+                request.request_id,
+                request.committed_len,
+                list(request.new_tokens),
+                request.k,
+                sampling_from_proto(request.sampling),
+            )
+        except ValueError as e:
+            await self._abort(context, e)
+        drafted, weights, seconds = await self._batched(context, call.request_id, call, len(call.new_tokens) + call.k)
+        return pb.ProposeResponse(
+            drafted=drafted, draft_probs=weights, vocab_size=self.worker.vocab_size, compute_seconds=seconds
+        )
+
+
+class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
+    def _run_batch(self, calls: list[VerifyCall]) -> list:
+        return self.worker.verify_batch(calls)
+
+    async def Verify(self, request, context):
+        try:
+            _check_request_id(request.request_id)
+            weights = decode_probs(request.draft_probs, self.worker.vocab_size)
+            if weights is not None and weights.shape[0] != len(request.drafted):
+                raise InvalidRequestError("draft_probs", f"{weights.shape[0]} rows for {len(request.drafted)} drafted")
+            call = VerifyCall(
+                request.request_id,
+                request.committed_len,
+                list(request.new_tokens),
+                list(request.drafted),
+                weights,
+                sampling_from_proto(request.sampling),
+            )
+        except ValueError as e:
+            await self._abort(context, e)
+        result = await self._batched(context, call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1)
+        return pb.VerifyResponse(
+            accepted=result.accepted,
+            next_token=result.next_token,
+            bonus=result.accepted == len(call.drafted),
+            compute_seconds=result.compute_seconds,
+            batch_rows=result.batch_rows,
+            batch_tokens=result.batch_tokens,
+        )
+
+    async def Prefill(self, request, context):
+        cached = await self._run(context, self.worker.prefill, request.request_id, list(request.tokens))
+        return pb.PrefillResponse(cached_len=cached)
+
+
+SECRET_METADATA = "x-specserve-secret"
+
+
+class SecretInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call that does not carry the cluster's shared secret (UNAUTHENTICATED): worker ports accept
+    only the scheduler, never a stray client on the network."""
+
+    def __init__(self, secret: str):
+        self._secret = secret.encode()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        sent = dict(handler_call_details.invocation_metadata or ()).get(SECRET_METADATA, "")
+        if hmac.compare_digest(str(sent).encode(), self._secret):
+            return await continuation(handler_call_details)
+        return self._deny
+
+
+async def create_server(
+    servicer: _Servicer,
+    address: str = "127.0.0.1:0",
+    secret: str | None = None,
+    max_message_bytes: int = DEFAULT_SERVER_MESSAGE_BYTES,
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server for a draft or target servicer; returns (server, bound port). Port 0 picks a free one.
+    With `secret`, calls without it are rejected (UNAUTHENTICATED); messages over `max_message_bytes` are refused
+    (RESOURCE_EXHAUSTED)."""
+    interceptors = [SecretInterceptor(secret)] if secret else []
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
+    if isinstance(servicer, DraftWorkerServicer):
+        pb_grpc.add_DraftWorkerServicer_to_server(servicer, server)
+    else:
+        pb_grpc.add_TargetWorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind a gRPC server to {address}")
+    await server.start()
+    return server, port

@@ -1,0 +1,123 @@
+"""Drafters: propose k tokens for a request, with the distributions they were drawn from.
+
+Every drafter has the same interface, so the in-process engine and the distributed draft workers use them alike:
+`propose(request_id, tokens, k, params) -> Proposal`, `propose_batch(rows)` (many requests at once),
+`feedback(request_id, num_accepted)`, `release(request_id)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specserve.workers.speculation.codec import sparsify
+from specserve.workers.config import NgramConfig, SamplingParams
+from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.speculation.sampling import DRAFT_SALT, exponential_noise, logits_to_probs, make_generator, sample_with_noise
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # drafted tokens, 0..k of them
+    # [len(tokens), V] weights of the distribution each drafted token was drawn from (unnormalised, float16-exact,
+    # see workers/speculation/codec.py); None = deterministic (one-hot) proposals.
+    probs: torch.Tensor | None
+
+
+class Drafter(Protocol):
+    def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal: ...
+
+    def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]: ...
+
+    def feedback(self, request_id: str, num_accepted: int) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class ModelDrafter:
+    """A small causal LM drafting autoregressively from its own KV cache, sampled like the target.
+
+    Sampled requests draw from `sparsify(q)`: the draft distribution's high-mass support in float16, exactly what a
+    draft worker ships to the target over the wire, so in-process and distributed runs draft the same tokens."""
+
+    def __init__(self, runner: ModelRunner, max_support: int = 256):
+        self.runner = runner
+        self.max_support = max_support
+
+    def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
+        return self.propose_batch([(request_id, tokens, k, params)])[0]
+
+    def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]:
+        """Draft for many requests at once: one forward pass per drafting step over every row still drafting (rows
+        leave as they reach their own k). Each row's tokens are those it would draft alone."""
+        seqs = [list(tokens) for _, tokens, _, _ in rows]
+        drafted: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        while True:
+            active = [b for b, (_, _, k, _) in enumerate(rows) if len(drafted[b]) < k]
+            if not active:
+                break
+            logits = self.runner.logits_for_batch([(rows[b][0], seqs[b], 1) for b in active])
+            for b, row_logits in zip(active, logits, strict=True):
+                params = rows[b][3]
+                token, weights = self._draw(row_logits[0], params, len(seqs[b]))
+                if weights is not None:
+                    probs[b].append(weights)
+                drafted[b].append(token)
+                seqs[b].append(token)
+        return [Proposal(tokens=d, probs=torch.stack(p) if p else None) for d, p in zip(drafted, probs, strict=True)]
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, position: int) -> tuple[int, torch.Tensor | None]:
+        """logits: [V]. The drafted token at absolute `position`, and the weights it was drawn from (None: greedy)."""
+        if params.greedy:
+            return int(logits.argmax()), None
+        weights = sparsify(logits_to_probs(logits, params), self.max_support).cpu()  # [V]
+        # Noise keyed by the drafted token's absolute position: a token drafted early (pipelined) or again (after a
+        # restart) is drawn with the same noise, so seeded requests reproduce in every mode.
+        generator = make_generator(params.seed, DRAFT_SALT, position)
+        noise = exponential_noise(weights.shape[-1], [generator])  # [1, V]
+        return int(sample_with_noise(weights.unsqueeze(0), noise)[0]), weights
+
+    def feedback(self, request_id: str, num_accepted: int) -> None:
+        pass  # the KV cache rolls back lazily on the next call, by token comparison
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: find the latest earlier occurrence of the sequence's last n tokens (longest n first)
+    and propose the tokens that followed it. Deterministic, so its draft distributions are one-hot."""
+
+    def __init__(self, config: NgramConfig | None = None):
+        self.config = config or NgramConfig()
+
+    def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
+        return Proposal(tokens=ngram_lookup(tokens, k, self.config.max_ngram, self.config.min_ngram), probs=None)
+
+    def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]:
+        return [self.propose(*row) for row in rows]  # no model: nothing to batch
+
+    def feedback(self, request_id: str, num_accepted: int) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def ngram_lookup(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier match of the longest matching suffix n-gram."""
+    seq = list(tokens)
+    length = len(seq)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = seq[length - n :]
+        # Scan backwards for the most recent earlier occurrence (not the suffix itself).
+        for start in range(length - n - 1, -1, -1):
+            if seq[start : start + n] == suffix:
+                follow = seq[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []

@@ -1,0 +1,83 @@
+"""The target side of a round: one forward pass over the drafted tokens, then verification."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.workers.speculation.codec import normalise
+from specserve.workers.config import SamplingParams
+from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, uniform_noise
+from specserve.workers.speculation.verification import greedy_verify, rejection_verify
+
+
+class TargetVerifier:
+    """Verifies proposals for requests whose caches live in `runner`."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def verify(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        drafted: Sequence[int],
+        draft_probs: torch.Tensor | None,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[int, int]:
+        """Verify `drafted` as the continuation of committed `tokens`. Returns (num_accepted, next_token).
+
+        draft_probs: [len(drafted), V] weights of the distributions the drafted tokens were drawn from (normalised
+        here), or None for one-hot
+        (deterministic drafters, and greedy requests, where only the tokens matter).
+        With nothing drafted this is plain target-only decoding: the next token is the bonus token from p.
+        """
+        return self.verify_batch([(request_id, tokens, drafted, draft_probs, params, generator)])[0]
+
+    def verify_batch(
+        self,
+        rows: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor | None, SamplingParams, torch.Generator]],
+    ) -> list[tuple[int, int]]:
+        """Verify many requests' proposals in one forward pass; rows are (request_id, tokens, drafted, draft_probs,
+        params, generator) as for `verify`, and each row is verified alone, with its own generator."""
+        logits = self.runner.logits_for_batch(
+            [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows]
+        )
+        return [
+            self._verify_row(list(drafted), probs, params, generator, row_logits)
+            for (_, _, drafted, probs, params, generator), row_logits in zip(rows, logits, strict=True)
+        ]
+
+    def _verify_row(
+        self,
+        drafted: list[int],
+        draft_probs: torch.Tensor | None,
+        params: SamplingParams,
+        generator: torch.Generator,
+        logits: torch.Tensor,  # [k+1, V]
+    ) -> tuple[int, int]:
+        k = len(drafted)
+        draft_row = torch.tensor([drafted], dtype=torch.long, device=logits.device)  # [1, k]
+        if params.greedy:
+            out = greedy_verify(draft_row, logits.argmax(-1).unsqueeze(0))
+        else:
+            V = logits.shape[-1]
+            p = logits_to_probs(logits, params).unsqueeze(0)  # [1, k+1, V]
+            if draft_probs is None:
+                q = torch.nn.functional.one_hot(draft_row, V).float()  # [1, k, V]
+            else:
+                q = normalise(draft_probs.to(p.device, torch.float32)).unsqueeze(0)  # [1, k, V]
+            uniform = uniform_noise(k, [generator], device=p.device)  # [1, k]
+            noise = exponential_noise(V, [generator], device=p.device)  # [1, V]
+            out = rejection_verify(draft_row, q, p, uniform, noise)
+        return int(out.num_accepted[0]), int(out.next_token[0])
+
+    def release(self, request_id: str) -> bool:
+        return self.runner.release(request_id)

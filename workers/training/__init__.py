@@ -1,0 +1,1 @@
+"""Training (the demo family, draft heads); never imported by a serving process."""
