@@ -1,1 +1,1 @@
-"""protos"""
+"""The protocol: `specserve.proto`, its generated stubs, and the wire constants shared by clients and servers."""

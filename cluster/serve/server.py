@@ -41,10 +41,6 @@ from specserve.cluster.serve.serve_binds import (
 log = logging.getLogger(__name__)
 
 
-def _log(msg: str) -> None:
-    print(f"[specserve] {msg}", file=sys.stderr, flush=True)
-
-
 def prepare_config(config_path: str | None, grpc_port: int | None, http_port: int | None, model: str | None = None,
                    draft: str | None = None, host: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The Serve config to run: the file's, or the default (`model` and `draft` when given), with port and host
@@ -83,15 +79,31 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     if local_only:  # before Ray is imported: it reads this once, at import
         os.environ[LOCAL_ONLY_ENV] = "0"
 
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
     from specserve.cluster.serve.serve_app import resolve_paths
 
     for m in app.models:
-        _log(f"model {m.name!r}: target {m.target}, draft {m.draft}")
+        log.info("model %r: target %s, draft %s", m.name, m.target, m.draft)
         resolve_paths(m)  # pull, convert or install with progress here, before any replica looks for it
+    started_ray = _init_ray(host, metrics_port, local_only)
+    _warn_without_api_key(host, app)
+    grpc_opts = config.get("grpc_options") or {}
+    name = app_entry.get("name", APP_NAME)
+    _deploy(config, app, http, grpc_opts, name, ready_timeout_s)
+    connect = DEFAULT_HOST if is_wildcard(host) else host
+    return {
+        "app": name,
+        "host": host,
+        "grpc": host_port(connect, grpc_opts.get("port", 9000)),
+        "http": f"{'https' if http.get('ssl_certfile') else 'http'}://{host_port(connect, http['port'])}",
+        "metrics": f"http://{host_port(connect, metrics_port)}/metrics" if metrics_port else None,
+        "started_ray": started_ray,
+    }
+
+
+def _init_ray(host: str, metrics_port: int | None, local_only: bool) -> bool:
+    """Start a Ray for this process unless one is connected; returns whether this call started it."""
+    import ray
+
     started_ray = not ray.is_initialized()
     if started_ray:
         # A Ray started here inherits this: Serve's 5 s proxy readiness limit killed and restarted proxies that
@@ -109,8 +121,16 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     if started_ray and is_loopback(host) and not is_loopback(node_ip):
         log.warning("Ray's own ports and the workers' gRPC ports listen on the node address %s, not on %s: this Ray "
                     "was not started by `specserve serve` in local-only mode", node_ip, host)  # fmt: skip
-    _warn_without_api_key(host, app)
-    grpc_opts = config.get("grpc_options") or {}
+    return started_ray
+
+
+def _deploy(config: dict[str, Any], app: AppConfig, http: dict, grpc_opts: dict, name: str, timeout_s: float) -> None:
+    """Start Serve with the proxies' limits and deploy the config's applications; returns once every pool serves."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
     # Serve's proxies read their limits from the environment (cluster/serve/proxy_limits.py): they inherit the
     # controller's runtime_env, the one supported way to set it from here (only when this call starts Serve).
     env = proxy_env(app.limits.max_grpc_message_bytes, app.limits.max_request_bytes)
@@ -121,26 +141,13 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
         grpc_options=gRPCOptions(**grpc_opts),
         controller_options={"runtime_env": {"env_vars": env}},
     )
-    name = app_entry.get("name", APP_NAME)
-    _log(f"starting application {name!r}: {len(app.models)} model(s) ...")
+    log.info("starting application %r: %d model(s) ...", name, len(app.models))
     # Deployed from the config, as `serve deploy` and KubeRay do, so every key of the file applies (deployment
     # overrides, the application-level autoscaling policy), not only specserve's args.
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-    _wait_running(name, ready_timeout_s)
+    _wait_running(name, timeout_s)
     handle = serve.get_app_handle(name)
-    handle.wait_ready.remote(ready_timeout_s).result(timeout_s=ready_timeout_s + 30)
-    connect = DEFAULT_HOST if is_wildcard(host) else host
-    return {
-        "app": name,
-        "host": host,
-        "grpc": host_port(connect, grpc_opts.get("port", 9000)),
-        "http": f"{'https' if http.get('ssl_certfile') else 'http'}://{host_port(connect, http['port'])}",
-        "metrics": f"http://{host_port(connect, metrics_port)}/metrics" if metrics_port else None,
-        "started_ray": started_ray,
-    }
+    handle.wait_ready.remote(timeout_s).result(timeout_s=timeout_s + 30)
 
 
 def _warn_without_api_key(host: str, app: AppConfig) -> None:
@@ -211,13 +218,13 @@ def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int
         print(f"specserve is serving: gRPC {info['grpc']} (specserve.v1.SpecServe, reflection on), "
               f"HTTP {info['http']}/v1 (OpenAI-compatible)"
               + (f", metrics {info['metrics']}" if info["metrics"] else ""), flush=True)  # fmt: skip
-        _log("Ctrl-C (SIGINT) or SIGTERM stops it")
+        log.info("Ctrl-C (SIGINT) or SIGTERM stops it")
         while not stop_event.wait(0.5):
             pass
-        _log("shutting down ...")
+        log.info("shutting down ...")
     finally:
         if gateway is not None:
             gateway.stop()
         stop(info)
-    _log("stopped")
+    log.info("stopped")
     return 0

@@ -1,0 +1,172 @@
+"""The house rules of the layout (README "Code map"), checked on every module's imports, at any depth (imports inside
+functions count: a lazy import up a floor is still an import up a floor).
+
+Floors, lowest first: a module may import from its own floor and lower ones, never from a higher one; no module
+circles; training is reached only from the commands that train or build (bench, CLI), never from a serving path; the
+product never imports tests."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {"src/specserve": "specserve", "protos": "specserve.protos", "workers": "specserve.workers",
+           "cluster": "specserve.cluster"}  # folder -> package (pyproject.toml's package-dir)
+FLOORS = [  # lowest first; a module's room is the longest of these its name starts with
+    ("specserve", "specserve.protos"),
+    ("specserve.client",),
+    ("specserve.workers",),  # config, errors: the workers' floor
+    ("specserve.workers.models",),
+    ("specserve.workers.runtime",),
+    ("specserve.workers.speculation",),
+    ("specserve.workers.service",),
+    ("specserve.workers.training",),
+    ("specserve.cluster",),  # config, app_config: the cluster's floor
+    ("specserve.cluster.scheduling",),
+    ("specserve.cluster.pools",),
+    ("specserve.cluster.serve",),
+    ("specserve.cluster.bench",),
+    ("specserve.cluster.cli",),
+]
+ROOMS = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
+TRAINING = "specserve.workers.training"
+MAY_TRAIN = ("specserve.workers.training", "specserve.cluster.bench", "specserve.cluster.cli")
+GENERATED = ("_pb2.py", "_pb2_grpc.py")
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for folder, package in SOURCES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _room(module: str) -> str:
+    return max((r for r in ROOMS if module == r or module.startswith(r + ".")), key=len)
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _imports(module: str) -> set[str]:
+    """The specserve (and tests) modules `module` imports, wherever the import statement stands."""
+    path = MODULES[module]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = module if _is_package(module) else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{node.module}" if node.module else package
+            else:
+                base = node.module or ""
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES)
+    return {m for m in found if m in MODULES or m == "tests" or m.startswith("tests.")}
+
+
+GRAPH = {module: _imports(module) - {module} for module in MODULES}
+
+
+def test_the_map_covers_every_module():
+    assert len(MODULES) > 60
+    for module in MODULES:
+        assert _room(module) in ROOMS, module
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down(module):
+    floor = ROOMS[_room(module)]
+    up = sorted(m for m in GRAPH[module] if m in MODULES and ROOMS[_room(m)] > floor)
+    assert not up, f"{module} (floor {floor}, {_room(module)}) imports from higher floors: {up}"
+
+
+def test_the_client_imports_only_the_protos():
+    for module in MODULES:
+        if _room(module) == "specserve.client":
+            assert all(_room(m) in ("specserve", "specserve.protos") for m in GRAPH[module]), GRAPH[module]
+
+
+def test_the_product_never_imports_tests():
+    leaks = {m: sorted(d for d in deps if d == "tests" or d.startswith("tests.")) for m, deps in GRAPH.items()}
+    assert not {m: d for m, d in leaks.items() if d}
+
+
+def test_training_is_reached_only_from_the_commands_that_train():
+    for module, deps in GRAPH.items():
+        if _room(module) in MAY_TRAIN:
+            continue
+        assert not [d for d in deps if _room(d) == TRAINING], f"{module} imports training code"
+
+
+def test_no_import_circles():
+    # Tarjan's strongly connected components over the module graph; packages' __init__ docstrings import nothing.
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(GRAPH[node] & MODULES.keys()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(MODULES):
+        if module not in index:
+            visit(module)
+    assert not circles
+
+
+def _product_files() -> list[Path]:
+    return [p for p in MODULES.values() if not p.name.endswith(GENERATED)]
+
+
+def test_no_file_is_over_the_limit():
+    long = {str(p.relative_to(ROOT)): n for p in _product_files() if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_no_function_is_over_the_limit():
+    long = {}
+    for path in _product_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(ROOT)}:{node.name}"] = lines
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_each_folder_says_its_job():
+    for module, path in MODULES.items():
+        if path.name == "__init__.py":
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc and len(doc) > 20, f"{path.relative_to(ROOT)} has no one-line docstring saying its job"
