@@ -1,0 +1,71 @@
+"""`specserve bench`: the flags; the benchmark itself (cluster/bench/runner.py) is imported when it runs."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "bench",
+        parents=common,
+        help="measure speculative decoding against target-only decoding and Hugging Face's generate",
+        description="Without --target: the demo family (its draft model, held-out code). With --target: any model, "
+        "asked the built-in held-out chat questions through its chat template (stopping at its end of turn); rows: "
+        "target-only, HF generate, HF prompt-lookup decoding (N=10 and N = the best n-gram k), specserve's n-gram "
+        "drafting at k=1..8 and auto, and a sampled (T=0.8) section; a draft model's rows and HF assisted "
+        "generation only with --draft. On 2 CPU cores and a 135M target --quick took 6 min; the full run (12 "
+        "questions x 128 tokens, with the disaggregated and Serve rows) should take 35-40 min.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="a shorter run: fewer prompts and tokens (demo 2 x 48, < 5 min; --target 4 x 64)")  # fmt: skip
+    p.add_argument("--json", metavar="FILE", help="write {machine, meta, rows} as JSON")
+    p.add_argument("--plot", metavar="FILE", help="draw speedup and acceptance vs k (PNG)")
+    p.add_argument("--target", metavar="NAME|PATH", help="target model name or directory (default: the demo family)")
+    p.add_argument("--draft", metavar="NAME|PATH",
+                   help="draft model (with --target): adds its rows and HF assisted generation; without it, "
+                   "speculation is n-gram prompt lookup only")  # fmt: skip
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompts-from", nargs="*", metavar="FILE",
+                         help="text files whose openings are the prompts (no chat template)")  # fmt: skip
+    prompts.add_argument("--chat-prompts", metavar="FILE",
+                         help="chat questions, one a line ('#' comments and blank lines skipped), sent through the "
+                         "target's chat template; the first 4 with --quick, 12 otherwise for --target "
+                         "(default with --target: the built-in held-out questions)")  # fmt: skip
+    p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="weights and activations dtype of both models (auto: float32 on CPU, bfloat16 on CUDA)",
+    )
+    p.add_argument(
+        "--distributed",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add rows for the disaggregated path on a local Ray cluster and through Ray Serve, with the draft "
+        "model or, without one, n-gram drafting (default: on, off with --quick)",
+    )
+    p.add_argument(
+        "--concurrency",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add the concurrency sweep: 1, 4, 16, 32 streams, draft-model speculation under the load-aware policy "
+        "on vs off (default: on for the demo family; off with --target, where it needs --draft and adds ~30 min)",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        default=None,
+        help="add rows through a TP=N target replica (N local processes, paired with the draft worker) and its "
+        "communication share (default: 2 for the demo family, off with --quick or --target; 0 turns it off; "
+        "skipped without a draft model)",
+    )
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specserve.cluster.bench.runner import main_bench
+
+    return main_bench(args)

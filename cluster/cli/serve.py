@@ -1,0 +1,125 @@
+"""`specserve serve`, `gateway`, `config` and `manifests`: running and describing the Serve app. Ray, the Serve app
+and the TLS gateway are imported inside the command that runs them."""
+
+from __future__ import annotations
+
+import argparse
+
+from specserve.workers.errors import SpecServeError
+
+
+def add_parsers(sub, common: list[argparse.ArgumentParser]) -> None:
+    _add_serve(sub, common)
+    _add_gateway(sub, common)
+    _add_config(sub, common)
+    _add_manifests(sub, common)
+
+
+def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", parents=common,
+                       help="run the Serve app locally: gRPC + OpenAI-compatible HTTP (Ctrl-C stops it)")  # fmt: skip
+    p.add_argument("--config", help="a Serve config file (YAML) with specserve's app args (default: --model's)")
+    p.add_argument(
+        "--model",
+        help="the model to serve when no --config is given: a known name, a .gguf file, a "
+        "Hugging Face directory, or 'demo' (default: smollm2-135m-instruct)",
+    )
+    p.add_argument(
+        "--draft",
+        help="with --model: a draft model, 'ngram' or 'none' (default: ngram; the demo's draft for --model demo)",
+    )
+    p.add_argument("--host", default=None, help="address the gRPC and HTTP proxies and the TLS gateway listen on "
+                                                "(default: the config's http_options.host, else 127.0.0.1: this "
+                                                "machine only; 0.0.0.0 for every interface, with SPECSERVE_API_KEY "
+                                                "set)")  # fmt: skip
+    p.add_argument("--grpc-port", type=int, default=None, help="gRPC proxy port (default: the config's, 9000)")
+    p.add_argument("--http-port", type=int, default=None, help="HTTP proxy port (default: the config's, 8000)")
+    p.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus metrics port")
+    p.add_argument("--grpc-tls-cert", help="PEM certificate: also serve gRPC over TLS (a gateway to the proxy)")
+    p.add_argument("--grpc-tls-key", help="PEM private key of --grpc-tls-cert")
+    p.add_argument("--grpc-tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    p.add_argument("--grpc-tls-port", type=int, default=9443, help="port of the TLS gRPC endpoint (default 9443)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.cluster.serve.server import serve_forever
+
+    tls = None
+    if args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca:
+        # The gateway listens on the proxies' host (set once the config is read).
+        tls = _gateway_config(listen=f"127.0.0.1:{args.grpc_tls_port}", certfile=args.grpc_tls_cert,
+                              keyfile=args.grpc_tls_key, client_ca=args.grpc_tls_client_ca)  # fmt: skip
+    if args.config and (args.model or args.draft):
+        raise SpecServeError("--model and --draft apply without --config (the config file names its models)")
+    return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port, grpc_tls=tls,
+                         model=args.model, draft=args.draft, host=args.host)  # fmt: skip
+
+
+def _gateway_config(**fields):
+    from specserve.cluster.serve.tls_gateway import GatewayConfig
+    from specserve.workers.config import validate
+
+    return validate(GatewayConfig, {k: v for k, v in fields.items() if v is not None})
+
+
+def _add_gateway(sub, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("gateway", parents=common,
+                       help="terminate TLS for the public gRPC API in front of Serve's gRPC proxy")  # fmt: skip
+    p.add_argument("--cert", required=True, help="PEM certificate chain to present")
+    p.add_argument("--key", required=True, help="PEM private key of the certificate")
+    p.add_argument("--client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    p.add_argument("--listen", default="0.0.0.0:9443", help="address to serve TLS on (default 0.0.0.0:9443)")
+    p.add_argument("--upstream", default="127.0.0.1:9000", help="Serve's gRPC proxy (default 127.0.0.1:9000)")
+    p.add_argument("--app", default=None, help="Serve application for calls that name none (default specserve)")
+    p.set_defaults(func=_gateway)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from specserve.cluster.serve.tls_gateway import serve_gateway
+
+    config = _gateway_config(listen=args.listen, upstream=args.upstream, certfile=args.cert, keyfile=args.key,
+                             client_ca=args.client_ca, app_name=args.app)  # fmt: skip
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await serve_gateway(config, stop)
+
+    asyncio.run(run())
+    return 0
+
+
+def _add_config(sub, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("config", parents=common, help="print the default Serve config file (YAML) to start from")
+    p.add_argument("--grpc-port", type=int, default=9000)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.set_defaults(func=_config)
+
+
+def _config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from specserve.cluster.app_config import serve_config
+
+    print(yaml.safe_dump(serve_config(grpc_port=args.grpc_port, http_port=args.http_port), sort_keys=False), end="")
+    return 0
+
+
+def _add_manifests(sub, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("manifests", help="KubeRay manifests rendered from manifests/serve-*.yaml")
+    msub = p.add_subparsers(dest="manifests_command", required=True)
+    render = msub.add_parser("render", parents=common, help="write manifests/rayservice-{gpu,cpu}.yaml")
+    render.set_defaults(func=_render_manifests)
+
+
+def _render_manifests(args: argparse.Namespace) -> int:
+    from specserve.cluster.serve.manifests import write_all
+
+    for path in write_all():
+        print(path)
+    return 0
