@@ -14,17 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from specserve.cluster.scheduling.policies import VerifyCostModel
+from specserve.cluster.scheduling.k_policy import VerifyCostModel
 from specserve.cluster.scheduling.scheduler import Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
-from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
+from specserve.cluster.scheduling.worker_clients import (
+    DraftClient,
+    TargetClient,
+    VerifyReply,
+    WorkerLostRequest,
+    WorkerUnavailable,
+)
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.speculation.drafters import NgramDrafter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,11 +42,37 @@ class RoundTimes:
     rounds: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # per-round orchestration seconds
 
+    def add(self, overhead_s: float) -> None:
+        self.orchestration_s += overhead_s
+        self.recent.append(overhead_s)
+        self.rounds += 1
+
     def p50_ms(self) -> float:
         return 1e3 * statistics.median(self.recent) if self.recent else 0.0
 
 
+class _RoundClock:
+    """One round's wall time, less the time spent awaiting workers."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.waited = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        w0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited += time.perf_counter() - w0
+
+    def overhead(self) -> float:
+        return time.perf_counter() - self.start - self.waited
+
+
 class Pipeline:
+    """Runs one model's requests: the scheduler's plans, executed against its workers' gRPC clients."""
+
     def __init__(
         self,
         scheduler: Scheduler,
@@ -63,7 +98,7 @@ class Pipeline:
         self.ngram = NgramDrafter()  # prompt lookup needs no model: it runs here, next to the committed tokens
         self.times = RoundTimes()
 
-    async def _worker_failed(self, worker: str, failed_client) -> None:
+    async def _worker_failed(self, worker: str, failed_client, error: Exception) -> None:
         """A call found `worker` down: connect to its restarted replacement (which holds no caches, so every request
         re-sends its prefix there), or mark it unhealthy so its requests move elsewhere. Once per failure."""
         lock = self._failure_locks.setdefault(worker, asyncio.Lock())
@@ -71,6 +106,7 @@ class Pipeline:
             clients = self.drafts if worker in self.drafts else self.targets
             if clients.get(worker) is not failed_client or worker in self.scheduler.unhealthy:
                 return  # another request already dealt with this failure
+            log.warning("worker %s failed a call: %s", worker, error)
             address = await self.reconnect(worker) if self.reconnect is not None else None
             if address is None:
                 self.scheduler.mark_unhealthy(worker)
@@ -80,6 +116,7 @@ class Pipeline:
             # retried; closing it would cancel them instead.
             self.scheduler.forget_worker(worker)
             self.restarts += 1
+            log.info("worker %s restarted at %s: its requests re-send their prefixes there", worker, address)
 
     async def _call(self, req: SchedRequest, call: Call, fn, resends: int = 3):
         """A call; when the worker lost the request (restarted, or evicted it for room), the same call with the whole
@@ -87,86 +124,104 @@ class Pipeline:
         for _ in range(resends):
             try:
                 return await fn(call)
-            except WorkerLostRequest:
+            except WorkerLostRequest as e:
+                log.info("worker %s lost request %s (%s): re-sending its %d tokens", call.worker, req.request_id, e,
+                         len(call.sequence))  # fmt: skip
                 call = self.scheduler.resend(req, call)
         return await fn(call)
 
     async def _propose(self, req: SchedRequest, call: Call) -> tuple[list[int], bytes]:
         return await self._call(req, call, lambda c: self.drafts[c.worker].propose(c, req.params))
 
-    async def _verify(self, req: SchedRequest, call: Call) -> tuple[int, int]:
+    async def _verify(self, req: SchedRequest, call: Call) -> VerifyReply:
         return await self._call(req, call, lambda c: self.targets[c.worker].verify(c, req.params))
 
     async def rounds(self, req: SchedRequest) -> AsyncIterator[list[int]]:
         """Run the request's rounds; yields the tokens each round commits."""
-        sched = self.scheduler
         pre: PreDraft | None = None
         try:
             while not req.state.finished:
-                round_start, waited = time.perf_counter(), 0.0
-                k = sched.k_for(req)
-                reused = sched.use_predraft(req, pre) if k else None
-                drafted, probs = [], b""
-                if reused is not None:
-                    drafted, probs = reused
-                    req.pipelined_rounds += 1
-                elif k and req.spec.method == "ngram":
-                    drafted = self.ngram.propose(req.request_id, req.state.tokens, k, req.params).tokens  # no model
-                elif k:
-                    w0 = time.perf_counter()
-                    draft_call = sched.plan_draft(req, k)
-                    client = self.drafts[draft_call.worker]
-                    try:
-                        drafted, probs = await self._propose(req, draft_call)
-                    except WorkerUnavailable:  # this round: target-only; later: the restarted or another drafter
-                        await self._worker_failed(draft_call.worker, client)
-                    waited += time.perf_counter() - w0
-                verify_call = sched.plan_verify(req, drafted, probs)
-                client = self.targets[verify_call.worker]
-                verify = asyncio.ensure_future(self._verify(req, verify_call))
-                pre_task = None
-                if self.predraft and drafted:
-                    pre_call = sched.plan_predraft(req, drafted, k)
-                    if pre_call is not None:
-                        pre_task = asyncio.ensure_future(self._propose(req, pre_call))
-                w0 = time.perf_counter()
-                try:
-                    reply = await verify
-                    accepted, next_token = reply.accepted, reply.next_token
-                    self.verify_costs.observe(reply.batch_tokens, reply.batch_seconds)
-                    self.verify_calls += 1
-                    self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
-                except WorkerUnavailable:
-                    await _cancel(pre_task)
-                    await self._worker_failed(verify_call.worker, client)
-                    if sched.stranded(req):
-                        raise NoTargetWorker(
-                            f"target worker {verify_call.worker} failed mid-request and no healthy target worker "
-                            f"is left; {len(req.state.generated)} tokens were generated before the failure"
-                        ) from None
+                clock = _RoundClock()
+                k = self.scheduler.k_for(req)
+                drafted, probs = await self._draft(req, k, pre, clock)
+                reply, pre_task = await self._verify_round(req, k, drafted, probs, clock)
+                if reply is None:
                     continue  # the round is re-planned on the restarted or another target: nothing was committed
-                finally:
-                    waited += time.perf_counter() - w0
-                committed = sched.apply_verify(req, drafted, accepted, next_token)
-                pre = None
-                if pre_task is not None:
-                    if accepted == len(drafted) and not req.state.finished:
-                        w0 = time.perf_counter()
-                        try:
-                            pre_drafted, pre_probs = await pre_task
-                            pre = PreDraft(after=req.state.tokens[:-1], drafted=pre_drafted, draft_probs=pre_probs)
-                        except (WorkerUnavailable, WorkerLostRequest):
-                            pre = None
-                        waited += time.perf_counter() - w0
-                    else:
-                        await _cancel(pre_task)
-                overhead = time.perf_counter() - round_start - waited
-                self.times.orchestration_s += overhead
-                self.times.recent.append(overhead)
-                self.times.rounds += 1
+                committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token)
+                pre = await self._next_predraft(req, pre_task, reply.accepted == len(drafted), clock)
+                self.times.add(clock.overhead())
                 yield committed
         finally:
             await self.release(req)
+
+    async def _draft(
+        self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock
+    ) -> tuple[list[int], bytes]:
+        """This round's drafted tokens and their probabilities: the pre-draft when its assumption held, else prompt
+        lookup or the draft worker (nothing when k is 0, or the draft worker failed: this round is target-only)."""
+        if not k:
+            return [], b""
+        reused = self.scheduler.use_predraft(req, pre)
+        if reused is not None:
+            req.pipelined_rounds += 1
+            return reused
+        if req.spec.method == "ngram":
+            return self.ngram.propose(req.request_id, req.state.tokens, k, req.params).tokens, b""  # no model
+        with clock.waiting():
+            call = self.scheduler.plan_draft(req, k)
+            client = self.drafts[call.worker]
+            try:
+                return await self._propose(req, call)
+            except WorkerUnavailable as e:  # this round: target-only; later: the restarted or another drafter
+                await self._worker_failed(call.worker, client, e)
+                return [], b""
+
+    async def _verify_round(
+        self, req: SchedRequest, k: int, drafted: list[int], probs: bytes, clock: _RoundClock
+    ) -> tuple[VerifyReply | None, asyncio.Future | None]:
+        """Verify the drafted tokens, pre-drafting the next round meanwhile. (None, None) when the target failed and
+        another (or its restarted replacement) can take the request; NoTargetWorker when none can."""
+        call = self.scheduler.plan_verify(req, drafted, probs)
+        client = self.targets[call.worker]
+        verify = asyncio.ensure_future(self._verify(req, call))
+        pre_task = None
+        if self.predraft and drafted:
+            pre_call = self.scheduler.plan_predraft(req, drafted, k)
+            if pre_call is not None:
+                pre_task = asyncio.ensure_future(self._propose(req, pre_call))
+        with clock.waiting():
+            try:
+                reply = await verify
+            except WorkerUnavailable as e:
+                await _cancel(pre_task)
+                await self._worker_failed(call.worker, client, e)
+                if self.scheduler.stranded(req):
+                    raise NoTargetWorker(
+                        f"target worker {call.worker} failed mid-request and no healthy target worker is left; "
+                        f"{len(req.state.generated)} tokens were generated before the failure"
+                    ) from None
+                return None, None
+            self.verify_costs.observe(reply.batch_tokens, reply.batch_seconds)
+            self.verify_calls += 1
+            self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
+        return reply, pre_task
+
+    async def _next_predraft(
+        self, req: SchedRequest, pre_task: asyncio.Future | None, all_accepted: bool, clock: _RoundClock
+    ) -> PreDraft | None:
+        """The pre-draft for the next round when this one accepted every drafted token (else it is dropped)."""
+        if pre_task is None:
+            return None
+        if not all_accepted or req.state.finished:
+            await _cancel(pre_task)
+            return None
+        with clock.waiting():
+            try:
+                pre_drafted, pre_probs = await pre_task
+            except (WorkerUnavailable, WorkerLostRequest) as e:
+                log.debug("pre-draft for request %s failed (%s): the next round drafts afresh", req.request_id, e)
+                return None
+        return PreDraft(after=req.state.tokens[:-1], drafted=pre_drafted, draft_probs=pre_probs)
 
     def wire_bytes(self) -> int:
         return sum(c.wire_bytes for c in (*self.drafts.values(), *self.targets.values()))
@@ -177,10 +232,15 @@ class Pipeline:
         return self.verify_calls / self.inverse_batch_rows if self.inverse_batch_rows else 0.0
 
     async def release(self, req: SchedRequest) -> None:
-        for worker in self.scheduler.finish(req):
+        """The request ended: the scheduler forgets it and every worker it told anything frees its state."""
+        for worker in self.scheduler.release(req):
             client = self.drafts.get(worker) or self.targets.get(worker)
-            with contextlib.suppress(Exception):  # best effort: a dead worker holds nothing anyway
+            if client is None:
+                continue  # the worker left its pool: nothing to free there
+            try:
                 await client.release(req.request_id)
+            except Exception as e:  # noqa: BLE001 - best effort: a dead worker holds nothing anyway
+                log.debug("releasing request %s on worker %s failed: %s", req.request_id, worker, e)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, spec: SpecParams, eos: frozenset[int]
@@ -192,8 +252,13 @@ class Pipeline:
 
 
 async def _cancel(task: asyncio.Future | None) -> None:
+    """Cancel a pre-draft no longer wanted, and wait for it: its worker's failure does not matter any more."""
     if task is None:
         return
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, WorkerUnavailable, WorkerLostRequest):
-        await task
+    await asyncio.wait([task])
+    error = None if task.cancelled() else task.exception()
+    if isinstance(error, WorkerUnavailable | WorkerLostRequest):
+        log.debug("a dropped pre-draft had failed: %s", error)
+    elif error is not None:
+        raise error

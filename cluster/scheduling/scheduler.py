@@ -1,6 +1,7 @@
 """The scheduler as a CPU-only state machine: which worker holds each request, what each worker has been told, what
-the next round drafts and verifies, and how a verified round is applied. No I/O: `cluster/scheduling/pipeline.py` executes its
-plans over gRPC, and the Ray actor wraps that.
+the next round drafts and verifies, and how a verified round is applied. No I/O: `pipeline.py` executes its plans
+over gRPC; `service.py` (hosted by the Serve deployment's `SchedulerReplica`) and the Ray actor `SchedulerActor`
+(`specserve generate --distributed`, no Serve) each hold one per model.
 
 Per request it tracks the committed tokens (RequestState), the sticky draft and target workers that hold its KV
 caches, the tokens each of them has been sent (the KV state protocol's tails), k (fixed or adaptive), and
@@ -11,14 +12,17 @@ round r + 1 assuming every drafted token is accepted; used if that assumption an
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from dataclasses import dataclass, field
 
-from specserve.workers.speculation.adaptive_k import AdaptiveK
-from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.runtime.kv_cache import common_prefix_length
+from specserve.workers.speculation.adaptive_k import AdaptiveK
+from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.request import RequestState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +72,10 @@ class NoTargetWorker(RuntimeError):
 
 
 class Scheduler:
+    """One model's scheduling state machine: places requests on draft and target workers, plans each round's calls
+    and applies their results. Plain data in, plain data out: `Pipeline` makes the calls. A Serve `SchedulerReplica`
+    and a Ray `SchedulerActor` are hosts of one (or one per model), not schedulers themselves."""
+
     def __init__(self, draft_workers: list[str], target_workers: list[str], cost_ratio: float = 0.1):
         """Workers may also join later (`add_worker`): a Serve pool scales while the scheduler runs."""
         self.draft_workers = list(draft_workers)
@@ -118,6 +126,11 @@ class Scheduler:
 
     def mark_unhealthy(self, worker: str) -> None:
         """Move the worker's requests elsewhere; they re-send their committed prefix to the new worker."""
+        moved = sum(worker in (req.draft_worker, req.target_worker) for req in self.requests.values())
+        log.warning("worker %s failed: its %d requests move to other workers", worker, moved)
+        self._move_requests(worker)
+
+    def _move_requests(self, worker: str) -> None:
         self.unhealthy.add(worker)
         for req in self.requests.values():
             if req.draft_worker == worker:
@@ -132,13 +145,15 @@ class Scheduler:
         workers = self.draft_workers if kind == "draft" else self.target_workers
         if worker not in workers:
             workers.append(worker)
+        log.info("%s worker %s attached%s", kind, worker, " (back from unhealthy)" if worker in self.unhealthy else "")
         self.unhealthy.discard(worker)
         self.forget_worker(worker)
 
     def remove_worker(self, worker: str) -> None:
         """The worker left its pool: its requests move to the others, as for a failure."""
+        log.info("worker %s detached", worker)
         if worker in self.draft_workers or worker in self.target_workers:
-            self.mark_unhealthy(worker)
+            self._move_requests(worker)
         for workers in (self.draft_workers, self.target_workers):
             if worker in workers:
                 workers.remove(worker)
@@ -218,7 +233,8 @@ class Scheduler:
         probs = slice_rows(pre.draft_probs, 1, 1 + len(drafted))
         return (drafted, probs) if drafted else None
 
-    def finish(self, req: SchedRequest) -> list[str]:
-        """Forget the request; returns the workers whose caches should be released."""
+    def release(self, req: SchedRequest) -> list[str]:
+        """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for
+        the caller to release it there."""
         self.requests.pop(req.request_id, None)
         return list(req.told)

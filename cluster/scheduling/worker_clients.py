@@ -50,6 +50,7 @@ class _Client:
             raise
 
     async def release(self, request_id: str) -> bool:
+        """The request ended: the worker frees its state (False: it held none)."""
         return (await self._invoke(self.stub.Release, pb.ReleaseRequest(request_id=request_id))).released
 
     async def health(self) -> pb.HealthResponse:

@@ -1,4 +1,5 @@
-"""Speculation and autoscaling policies alone, over synthetic measurements and Serve autoscaling contexts."""
+"""The k policy, the speculation switch and the autoscaling policy alone, over synthetic measurements and Serve
+autoscaling contexts."""
 
 import heapq
 import math
@@ -7,19 +8,20 @@ import random
 import pytest
 from ray.serve.config import AutoscalingContext
 
-from specserve.cluster.scheduling.policies import (
-    ModelLoad,
-    PoolAutoscalingPolicy,
-    SpeculationControl,
+from specserve.cluster.scheduling.autoscaling import PoolAutoscalingPolicy, pool_sizes
+from specserve.cluster.scheduling.k_policy import (
+    AcceptanceHistory,
     SpeculationPolicy,
-    SpeculationSwitch,
     VerifyCostModel,
     best_k,
-    expected_tokens,
-    pool_sizes,
     speedup,
     target_utilisation,
 )
+from specserve.cluster.scheduling.speculation_control import SpeculationControl
+from specserve.cluster.scheduling.switch import SpeculationSwitch
+from specserve.cluster.scheduling.switch_measure import SwitchSettings
+from specserve.cluster.scheduling.switch_verdict import judge, least_wait, next_probe_wait
+from specserve.workers.speculation.adaptive_k import expected_tokens_per_round as expected_tokens
 
 
 def test_leviathan_formulas():
@@ -57,52 +59,54 @@ def test_policy_turns_off_under_saturation_and_back_on_when_load_drops():
     assert policy.update(0.6, 0.05, 0.0) > 0
 
 
-def _rounds(load: ModelLoad, policy: SpeculationPolicy, clock, a: float, n: int, rng: random.Random, dt=0.03):
+def _rounds(
+    history: AcceptanceHistory, policy: SpeculationPolicy, clock, a: float, n: int, rng: random.Random, dt=0.03
+):
     """n rounds at the policy's k, each drafted token accepted with probability a until the first rejection."""
     for _ in range(n):
         clock.t += dt
         accepted = 0
         while accepted < policy.k and rng.random() < a:
             accepted += 1
-        load.observe(policy.k, accepted)
-        policy.update(load.acceptance(), 0.075, 0.02)
+        history.observe(policy.k, accepted)
+        policy.update(history.estimate(), 0.075, 0.02)
 
 
 def test_acceptance_is_fitted_per_position_from_recent_rounds():
     clock, rng = _Clock(), random.Random(0)
-    load, policy = ModelLoad(clock=clock), SpeculationPolicy()
-    assert load.acceptance() is None  # nothing drafted yet: no estimate, the policy is not run
-    _rounds(load, policy, clock, 0.7, 400, rng)
-    assert load.acceptance() == pytest.approx(0.7, abs=0.08)
+    history, policy = AcceptanceHistory(clock=clock), SpeculationPolicy()
+    assert history.estimate() is None  # nothing drafted yet: no estimate, the policy is not run
+    _rounds(history, policy, clock, 0.7, 400, rng)
+    assert history.estimate() == pytest.approx(0.7, abs=0.08)
     assert policy.k >= 3  # the best k at a = 0.7, c = 0.075 is 4-5
-    _rounds(load, policy, clock, 0.2, 400, rng)  # the workload changed: recent rounds decide
-    assert load.acceptance() == pytest.approx(0.2, abs=0.08) and policy.k <= 2
+    _rounds(history, policy, clock, 0.2, 400, rng)  # the workload changed: recent rounds decide
+    assert history.estimate() == pytest.approx(0.2, abs=0.08) and policy.k <= 2
 
 
 def test_one_unlucky_round_does_not_turn_speculation_off():
     # The bench's sweep: a first round accepted 0 of 4 drafted tokens, the fit said a = 0, and k went to 0 for good.
     clock = _Clock()
-    load, policy = ModelLoad(clock=clock), SpeculationPolicy()
-    load.observe(4, 0)
-    assert policy.update(load.acceptance(), 0.075, 0.02) > 0
+    history, policy = AcceptanceHistory(clock=clock), SpeculationPolicy()
+    history.observe(4, 0)
+    assert policy.update(history.estimate(), 0.075, 0.02) > 0
 
 
 def test_speculation_turned_off_for_low_acceptance_is_measured_again_later():
     # Acceptance is only observed while drafting: off must not be for good, or a draft that got better (or a
     # workload it suits) is never noticed.
     clock, rng = _Clock(), random.Random(1)
-    load, policy = ModelLoad(clock=clock), SpeculationPolicy()
-    _rounds(load, policy, clock, 0.0, 60, rng)
+    history, policy = AcceptanceHistory(clock=clock), SpeculationPolicy()
+    _rounds(history, policy, clock, 0.0, 60, rng)
     assert policy.k == 0
     off_since, seen = clock.t, []
     while clock.t - off_since < 120:
-        _rounds(load, policy, clock, 0.0, 1, rng)  # plain rounds while off (k = 0 drafts nothing), probes while on
+        _rounds(history, policy, clock, 0.0, 1, rng)  # plain rounds while off (k = 0 drafts nothing), probes while on
         seen.append(policy.k)
     back_on = seen.index(next(k for k in seen if k > 0))
     assert 5 < back_on * 0.03 < 60  # after a while, not at once: the evidence fades with time
     assert 0 < sum(k > 0 for k in seen) / len(seen) < 0.05  # re-measuring a useless draft costs little
-    _rounds(load, policy, clock, 0.8, 2000, rng)  # the draft now agrees: speculation comes back and stays
-    assert policy.k >= 3 and load.acceptance() > 0.7
+    _rounds(history, policy, clock, 0.8, 2000, rng)  # the draft now agrees: speculation comes back and stays
+    assert policy.k >= 3 and history.estimate() > 0.7
 
 
 def test_target_utilisation():
@@ -225,7 +229,9 @@ def test_switch_counts_only_rounds_that_did_not_overlap_the_other_mode():
     assert switch.allow() is False
     clock.t += 0.01
     switch.observe(1, 0.5, speculated=False)  # ... then a round that started before the change: not a sample
-    switch.observe(1, 0.5 * switch._round_s[False], speculated=False)  # one that started right after it: not one either
+    switch.observe(
+        1, 0.5 * switch.measurements.round_s[False], speculated=False
+    )  # one that started right after it: not one either
     assert switch.spec_s_per_token == spec and switch.plain_s_per_token is None  # the probe has no sample yet
     clock.t += 1.0
     switch.observe(1, 0.03, speculated=False)  # later rounds of the probe count
@@ -236,7 +242,7 @@ def test_probes_last_several_round_times_under_load():
     clock = _Clock()
     switch = SpeculationSwitch(clock=clock)
     _drive(switch, clock, 12.0, spec_rate=0.1, plain_rate=0.3)  # rounds of 0.3-0.4 s: longer than probe_s
-    assert switch._probe_length() >= switch.probe_rounds * 0.3 and switch.on
+    assert switch.measurements.probe_length() >= switch.settings.probe_rounds * 0.3 and switch.on
     assert switch.measured_speedup() == pytest.approx(3.0)  # clean samples of both modes were collected
 
 
@@ -248,7 +254,7 @@ def test_switch_keeps_winning_speculation_on_and_comes_back_when_it_wins_again()
     _drive(switch, clock, 40.0, spec_rate=0.05, plain_rate=0.02)  # load changed: speculation now loses
     assert not switch.on
     # and wins again: a later probe turns it back on (probes of a clearly losing mode are rare: <= max_interval_s)
-    _drive(switch, clock, switch.max_interval_s + 20.0, spec_rate=0.01, plain_rate=0.02)
+    _drive(switch, clock, switch.settings.max_interval_s + 20.0, spec_rate=0.01, plain_rate=0.02)
     assert switch.on
 
 
@@ -264,7 +270,7 @@ def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_
     pending = switch._next_probe
     assert switch.plain_s_per_token is not None
     switch.note_load(64.0)  # more load cannot make a losing speculation win: nothing to re-measure ...
-    clock.t += 2 * switch.interval_s
+    clock.t += 2 * switch.settings.interval_s
     switch.note_load(64.0)
     assert switch.plain_s_per_token is None  # ... but what was measured at the old load is forgotten ...
     assert switch._next_probe == max(pending, clock.t + switch._interval)  # ... and the wait starts over
@@ -275,19 +281,19 @@ def test_a_change_of_load_that_could_overturn_the_verdict_brings_the_next_probe_
     switch.note_load(16.0)
     assert switch._next_probe == pending and switch._interval >= 8
     switch.note_load(1.0)  # less load for longer than interval_s: probe now, forget what was measured at the old load
-    clock.t += switch.interval_s
+    clock.t += switch.settings.interval_s
     switch.note_load(1.0)
-    assert switch._next_probe <= clock.t and switch._interval == switch.interval_s
+    assert switch._next_probe <= clock.t and switch._interval == switch.settings.interval_s
     assert switch.spec_s_per_token is None and switch.plain_s_per_token is None
     _drive(switch, clock, 5.0, spec_rate=0.01, plain_rate=0.02)  # at this load speculation wins: back on
     assert switch.on
     pending = switch._next_probe
     switch.note_load(0.5)  # speculating: less load cannot make it lose (the wait starts over)
-    clock.t += 2 * switch.interval_s
+    clock.t += 2 * switch.settings.interval_s
     switch.note_load(0.5)
     assert switch._next_probe == max(pending, clock.t + switch._interval) > clock.t
     switch.note_load(4.0)  # but more load can: re-measure, from the safe side (off until speculation wins again)
-    clock.t += switch.interval_s
+    clock.t += switch.settings.interval_s
     switch.note_load(4.0)
     assert switch._next_probe <= clock.t and not switch.on
     _drive_streams(switch, clock, 5.0, 4, spec_round=0.04, plain_round=0.02, rng=rng)  # still wins at 4: back on
@@ -308,9 +314,12 @@ def test_a_probe_without_figures_for_both_modes_is_no_verdict_and_turns_speculat
         switch.allow()
     assert switch._probe_until is None, "decided"
     # No verdict: off (never slower than itself) until a probe says otherwise, probing again soon, not backing off.
-    assert not switch.on and switch._interval == switch.interval_s
+    assert not switch.on and switch._interval == switch.settings.interval_s
     probed = clock.t - switch._probe_started
-    assert switch._next_probe - clock.t <= max(switch.interval_s, probed * (1 / switch.max_probe_share - 1)) + 1e-9
+    assert (
+        switch._next_probe - clock.t
+        <= max(switch.settings.interval_s, probed * (1 / switch.settings.max_probe_share - 1)) + 1e-9
+    )
 
 
 def _drive_streams(switch, clock, seconds, streams, spec_round, plain_round, rng) -> float:
@@ -362,7 +371,7 @@ def test_probes_take_a_bounded_share_of_the_time():
     switch = SpeculationSwitch(clock=clock)
     rounds = _drive(switch, clock, 30.0, spec_rate=0.01, plain_rate=0.02)  # plain loses: probed, never kept
     probe_time = sum(d for s, d in rounds if not s)
-    assert switch.on and 0 < probe_time <= switch.max_probe_share * 30.0 * 1.1
+    assert switch.on and 0 < probe_time <= switch.settings.max_probe_share * 30.0 * 1.1
 
 
 def test_probes_of_a_clearly_losing_mode_cost_a_bounded_share_of_throughput():
@@ -375,7 +384,7 @@ def test_probes_of_a_clearly_losing_mode_cost_a_bounded_share_of_throughput():
     assert not switch.on and switch.last_measured_speedup == pytest.approx(0.5, rel=0.1)
     share = _drive_streams(switch, clock, 60.0, 16, spec_round=0.28, plain_round=0.035, rng=rng)
     # Time share alone (<= 10%) let probes cost 4% of throughput here (measured); their measured cost bounds them.
-    assert 0 < share * (1 - 0.5) <= switch.max_probe_cost * 1.25
+    assert 0 < share * (1 - 0.5) <= switch.settings.max_probe_cost * 1.25
 
 
 def test_every_round_of_a_request_counts_for_its_mode_its_first_too():
@@ -388,7 +397,7 @@ def test_every_round_of_a_request_counts_for_its_mode_its_first_too():
     control.after_round(drafted=4, accepted=4, committed=5, seconds=0.1)
     # Speculation's prefill on the draft worker is its own cost: the rate includes it (0.6 s for 10 tokens).
     assert control.switch.spec_s_per_token == pytest.approx(0.06)
-    assert control.load.acceptance() is not None
+    assert control.acceptance.estimate() is not None
 
 
 def test_a_probe_measures_the_probed_mode_once_it_has_settled():
@@ -426,7 +435,7 @@ def test_windows_and_probes_span_two_request_durations():
             probes.append((clock.t, switch._probe_until - clock.t))
     started, length = probes[0]
     assert started >= 2 * 3.0 and length >= 2 * 3.0
-    assert switch.window_requests * 3.0 <= switch._expected_probe_s(False)
+    assert switch.settings.window_requests * 3.0 <= switch.measurements.expected_probe_s(False)
 
 
 def test_a_near_tie_goes_to_plain_decoding():
@@ -438,3 +447,36 @@ def test_a_near_tie_goes_to_plain_decoding():
     assert switch.on
     _drive(switch, clock, 150.0, spec_rate=0.02 / 0.95, plain_rate=0.02)  # 5% slower: off again
     assert not switch.on
+
+
+def test_a_verdict_keeps_flips_waits_for_confirmation_or_is_no_verdict():
+    settings = SwitchSettings()
+    loads = (4.0, 4.0)
+
+    def verdict(on, s, final=False, loads=loads, both=True):
+        return judge(settings, on, final, s, loads, both, interval_s=4.0, least_s=1.0)
+
+    kept = verdict(True, 1.5)  # speculation wins: kept, and the next probe backs off (twice the interval)
+    assert kept.on and kept.speedup == 1.5 and kept.interval_s == kept.wait_s == 8.0
+    assert not verdict(True, 0.9).on and verdict(True, 0.9).interval_s == settings.interval_s  # loses: off
+    assert verdict(True, 0.98).on  # within the margin: no flapping
+    assert not verdict(False, 1.06).on  # a near tie goes to plain decoding (margin_on > margin)
+    pending = verdict(False, 1.5)  # winning while off: only once plain decoding is measured again
+    assert pending.pending and not pending.on and pending.interval_s == 4.0
+    assert verdict(False, 1.5, final=True).on
+    apart = verdict(True, 0.5, loads=(2.0, 8.0))  # measured at different loads: nothing judged, the mode stays
+    assert not apart.comparable and apart.on and apart.speedup is None and apart.interval_s == 4.0
+    thin = verdict(True, 1.5, both=False)  # too few rounds of a mode: off until a verdict
+    assert not thin.on and thin.speedup is None and thin.comparable
+
+
+def test_probes_of_the_slower_mode_wait_long_enough_to_cost_little():
+    settings = SwitchSettings()
+    close = judge(settings, True, False, 1.2, (1.0, 1.0), True, 1.0, 0.0)
+    clear = judge(settings, True, False, 3.0, (1.0, 1.0), True, 1.0, 0.0)
+    # a 1 s probe of plain decoding loses 1 - 1/s of throughput while it runs: <= max_probe_cost on average
+    assert next_probe_wait(settings, close, 0.0, 1.0) == pytest.approx((1 - 1 / 1.2) / settings.max_probe_cost)
+    assert next_probe_wait(settings, clear, 0.0, 1.0) == pytest.approx((1 - 1 / 3.0) / settings.max_probe_cost)
+    assert next_probe_wait(settings, clear, 0.0, 10.0) == settings.max_interval_s  # capped
+    assert next_probe_wait(settings, clear, 200.0, 1.0) == settings.max_interval_s  # the cap holds for the share too
+    assert least_wait(settings, 1.0) == pytest.approx(1 / settings.max_probe_share - 1)
