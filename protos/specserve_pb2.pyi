@@ -104,20 +104,6 @@ class VerifyResponse(_message.Message):
     batch_tokens: int
     def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
-class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "tokens")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class PrefillResponse(_message.Message):
-    __slots__ = ("cached_len",)
-    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
-    cached_len: int
-    def __init__(self, cached_len: _Optional[int] = ...) -> None: ...
-
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

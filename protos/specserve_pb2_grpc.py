@@ -200,11 +200,6 @@ class TargetWorkerStub:
                 request_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyResponse.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
-                '/specserve.v1.TargetWorker/Prefill',
-                request_serializer=specserve_dot_protos_dot_specserve__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=specserve_dot_protos_dot_specserve__pb2.PrefillResponse.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.TargetWorker/Release',
                 request_serializer=specserve_dot_protos_dot_specserve__pb2.ReleaseRequest.SerializeToString,
@@ -222,13 +217,6 @@ class TargetWorkerServicer:
 
     def Verify(self, request, context):
         """Verify drafted tokens for a request. NOT_FOUND: the worker lost the request's cache (re-send the prefix).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Prefill(self, request, context):
-        """Cache a committed sequence ahead of the first Verify.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -255,11 +243,6 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyRequest.FromString,
                     response_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyResponse.SerializeToString,
-            ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=specserve_dot_protos_dot_specserve__pb2.PrefillRequest.FromString,
-                    response_serializer=specserve_dot_protos_dot_specserve__pb2.PrefillResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -299,33 +282,6 @@ class TargetWorker:
             '/specserve.v1.TargetWorker/Verify',
             specserve_dot_protos_dot_specserve__pb2.VerifyRequest.SerializeToString,
             specserve_dot_protos_dot_specserve__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specserve.v1.TargetWorker/Prefill',
-            specserve_dot_protos_dot_specserve__pb2.PrefillRequest.SerializeToString,
-            specserve_dot_protos_dot_specserve__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -94,37 +94,31 @@ class LocalWorkers:
     """
 
     def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000, batching=None):
-        from specserve.workers.config import KVCacheConfig
-        from specserve.workers.service.draft_worker import DraftWorker
-        from specserve.workers.speculation.drafters import ModelDrafter
-        from specserve.workers.runtime.runner import ModelRunner
-        from specserve.workers.speculation.target import TargetVerifier
-        from specserve.workers.service.target_worker import TargetWorker
+        from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
+        from specserve.workers.service.assembly import WorkerSpec, build_worker
 
-        self.drafts = {}
+        batching = batching or BatchingConfig()
+        built = {}
         for i, draft in enumerate(drafts):
-            runner = ModelRunner(draft, KVCacheConfig(), vocab_size=target.vocab_size)
-            self.drafts[f"draft-{i}"] = DraftWorker(ModelDrafter(runner), target.vocab_size, draft.path, runner.store)
-        self.targets = {
-            f"target-{i}": TargetWorker(
-                TargetVerifier(ModelRunner(target, KVCacheConfig(capacity_tokens=target_capacity))), target.path
-            )
-            for i in range(n_targets)
-        }
+            spec = WorkerSpec("draft", ModelConfig(path=draft.path), batching=batching, vocab_size=target.vocab_size)
+            built[f"draft-{i}"] = build_worker(spec, loaded=draft)
+        spec = WorkerSpec(
+            "target", ModelConfig(path=target.path), KVCacheConfig(capacity_tokens=target_capacity), batching
+        )
+        for i in range(n_targets):
+            built[f"target-{i}"] = build_worker(spec, loaded=target)
+        self.built = built
+        self.drafts = {n: b.worker for n, b in built.items() if b.spec.role == "draft"}
+        self.targets = {n: b.worker for n, b in built.items() if b.spec.role == "target"}
+        self.servicers = {n: b.servicer for n, b in built.items()}
         self.servers = {}
-        self.servicers = {}  # name -> servicer
-        self.batching = batching  # a BatchingConfig; None: the default
 
     async def __aenter__(self):
-        from specserve.workers.service.grpc_service import DraftWorkerServicer, TargetWorkerServicer, create_server
+        from specserve.workers.service.assembly import start_worker_server
 
         self.addresses = {}
-        for name, worker in {**self.drafts, **self.targets}.items():
-            kind = DraftWorkerServicer if name.startswith("draft") else TargetWorkerServicer
-            servicer = kind(worker, self.batching)
-            server, port = await create_server(servicer)
-            self.servers[name] = server
-            self.servicers[name] = servicer
+        for name, built in self.built.items():
+            self.servers[name], port = await start_worker_server(built)
             self.addresses[name] = f"127.0.0.1:{port}"
         return self
 
@@ -176,8 +170,8 @@ _SAMPLER = None  # the engine of a `sample_in_processes` worker process
 def _start_sampler(target_path: str, draft_path: str | None, device: str) -> None:
     global _SAMPLER
     from specserve.workers.config import ModelConfig
-    from specserve.workers.speculation.engine import SpecEngine
     from specserve.workers.runtime.loading import load_model
+    from specserve.workers.speculation.engine import SpecEngine
 
     torch.set_num_threads(1)
     draft = load_model(ModelConfig(path=draft_path, device=device)) if draft_path else None

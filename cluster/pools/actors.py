@@ -25,24 +25,30 @@ def _host() -> str:
 
 
 class _WorkerActor:
-    """Hosts `self.worker` behind the gRPC servicer made by `_servicer()`."""
+    """Hosts a worker built by `_build` (workers/service/assembly.py) behind its gRPC server."""
 
-    def _servicer(self):
-        raise NotImplementedError
+    def _build(self, role: str, pool: PoolConfig, vocab_size: int | None = None) -> None:
+        from specserve.workers.service.assembly import WorkerSpec, build_worker
+
+        # A draft's tensor-parallel degree is independent of the target's.
+        runner = self._tensor_parallel_runner(pool, vocab_size) if pool.tensor_parallel_size > 1 else None
+        spec = WorkerSpec(role, pool.model, pool.kv_cache, pool.batching, vocab_size)
+        self.built = build_worker(spec, runner=runner)
+        self.runner, self.worker, self.servicer = self.built.runner, self.built.worker, self.built.servicer
 
     async def start(self, secret: str | None = None, max_message_bytes: int | None = None) -> str:
         """Start the gRPC server on this node (inside the actor's event loop) unless it runs; returns its address.
         Called again after Ray restarts the actor, which comes back with a fresh process and a new port. With
         `secret`, the server accepts only calls carrying it (the deployment's shared secret). It listens on the
         node's cluster address only (Ray's node IP; loopback on a local-only Ray), never on every interface."""
-        from specserve.workers.service.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES, create_server
+        from specserve.workers.service.assembly import start_worker_server
+        from specserve.workers.service.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES
 
         if getattr(self, "address", None) is None:
-            self.servicer = self._servicer()
             host = _host()
             host = f"[{host}]" if ":" in host else host
-            self.server, port = await create_server(
-                self.servicer, f"{host}:0", secret, max_message_bytes or DEFAULT_SERVER_MESSAGE_BYTES
+            self.server, port = await start_worker_server(
+                self.built, f"{host}:0", secret, max_message_bytes or DEFAULT_SERVER_MESSAGE_BYTES
             )
             self.address = f"{host}:{port}"
         return self.address
@@ -61,8 +67,8 @@ class _WorkerActor:
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from specserve.workers.service.local_processes import free_port
         from specserve.workers.runtime.runner import ModelRunner
+        from specserve.workers.service.local_processes import free_port
         from specserve.workers.service.tensor_parallel import (
             Rendezvous,
             TensorParallelRunner,
@@ -92,46 +98,14 @@ class DraftWorkerActor(_WorkerActor):
     """A draft model behind a DraftWorker gRPC server."""
 
     def __init__(self, pool: PoolConfig, target_vocab_size: int):
-        from specserve.workers.service.draft_worker import DraftWorker
-        from specserve.workers.speculation.drafters import ModelDrafter
-        from specserve.workers.runtime.loading import load_model
-        from specserve.workers.runtime.runner import ModelRunner
-
-        if pool.tensor_parallel_size > 1:  # independent of the target's degree
-            runner = self._tensor_parallel_runner(pool, target_vocab_size)
-        else:
-            runner = ModelRunner(load_model(pool.model), pool.kv_cache, vocab_size=target_vocab_size)
-        self.runner = runner
-        self.worker = DraftWorker(ModelDrafter(runner), target_vocab_size, pool.model.path, runner.store)
-        self.batching = pool.batching
-
-    def _servicer(self):
-        from specserve.workers.service.grpc_service import DraftWorkerServicer
-
-        return DraftWorkerServicer(self.worker, self.batching)
+        self._build("draft", pool, target_vocab_size)
 
 
 class TargetWorkerActor(_WorkerActor):
     """A target model behind a TargetWorker gRPC server."""
 
     def __init__(self, pool: PoolConfig):
-        from specserve.workers.runtime.loading import load_model
-        from specserve.workers.runtime.runner import ModelRunner
-        from specserve.workers.speculation.target import TargetVerifier
-        from specserve.workers.service.target_worker import TargetWorker
-
-        if pool.tensor_parallel_size > 1:
-            runner = self._tensor_parallel_runner(pool)
-        else:
-            runner = ModelRunner(load_model(pool.model), pool.kv_cache)
-        self.runner = runner
-        self.worker = TargetWorker(TargetVerifier(runner), pool.model.path)
-        self.batching = pool.batching
-
-    def _servicer(self):
-        from specserve.workers.service.grpc_service import TargetWorkerServicer
-
-        return TargetWorkerServicer(self.worker, self.batching)
+        self._build("target", pool)
 
 
 class TensorParallelFollower:
@@ -147,7 +121,8 @@ class TensorParallelFollower:
 
 
 class SchedulerActor:
-    """The scheduler: validates requests, tokenizes, and runs them through the pipelined driver."""
+    """The Ray actor of `specserve generate --distributed` and the bench's Ray rows (no Serve): hosts one `Scheduler`
+    state machine and its `Pipeline` for one model pair; validates requests, tokenizes, and runs them through it."""
 
     def __init__(
         self,

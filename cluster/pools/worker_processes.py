@@ -6,49 +6,19 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
+from specserve.workers.config import BatchingConfig, ModelConfig
+from specserve.workers.service.assembly import WorkerSpec, serve_in_process
 from specserve.workers.service.local_processes import wait_ready
 
 
-def serve_worker(
-    kind: str, model: ModelConfig, target_vocab: int, batching: BatchingConfig, ready, threads: int | None = None
-) -> None:
-    """The whole life of one worker process: load, serve on a free localhost port (sent through `ready`), forever.
-    threads: torch's CPU threads in this process (None: torch's default, one per core)."""
-    import asyncio
-
-    import torch
-
+def serve_worker(spec: WorkerSpec, ready, threads: int | None = None) -> None:
+    """The whole life of one worker process: load, serve on a free localhost port ((role, port) sent through
+    `ready`), forever. threads: torch's CPU threads in this process (None: torch's default, one per core)."""
     if threads is not None:
+        import torch
+
         torch.set_num_threads(threads)
-
-    from specserve.workers.service.grpc_service import DraftWorkerServicer, TargetWorkerServicer, create_server
-    from specserve.workers.runtime.loading import load_model
-    from specserve.workers.runtime.runner import ModelRunner
-
-    loaded = load_model(model)
-    if kind == "target":
-        from specserve.workers.speculation.target import TargetVerifier
-        from specserve.workers.service.target_worker import TargetWorker
-
-        servicer = TargetWorkerServicer(
-            TargetWorker(TargetVerifier(ModelRunner(loaded, KVCacheConfig())), model.path), batching
-        )
-    else:
-        from specserve.workers.service.draft_worker import DraftWorker
-        from specserve.workers.speculation.drafters import ModelDrafter
-
-        runner = ModelRunner(loaded, KVCacheConfig(), vocab_size=target_vocab)
-        servicer = DraftWorkerServicer(
-            DraftWorker(ModelDrafter(runner), target_vocab, model.path, runner.store), batching
-        )
-
-    async def main():
-        server, port = await create_server(servicer, "127.0.0.1:0")
-        ready.put((kind, port))
-        await server.wait_for_termination()
-
-    asyncio.run(main())
+    serve_in_process(spec, ready)
 
 
 class WorkerProcesses:
@@ -70,17 +40,15 @@ class WorkerProcesses:
         draft_threads: int | None = 1,
     ):
         """target None: a draft worker only (the target lives elsewhere, e.g. a tensor-parallel replica)."""
-        self.specs = ([("target", target, None)] if target is not None else []) + [("draft", draft, draft_threads)]
-        self.target_vocab, self.batching = target_vocab, batching
+        self.specs = [(WorkerSpec("draft", draft, batching=batching, vocab_size=target_vocab), draft_threads)]
+        if target is not None:
+            self.specs.insert(0, (WorkerSpec("target", target, batching=batching), None))
 
     def __enter__(self):
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         self.processes = [
-            ctx.Process(
-                target=serve_worker, args=(kind, model, self.target_vocab, self.batching, ready, threads), daemon=True
-            )
-            for kind, model, threads in self.specs
+            ctx.Process(target=serve_worker, args=(spec, ready, threads), daemon=True) for spec, threads in self.specs
         ]
         for p in self.processes:
             p.start()

@@ -66,7 +66,7 @@ class DraftClient(_Client):
         self.stub = pb_grpc.DraftWorkerStub(self.channel)
 
     async def propose(self, call: Call, params: SamplingParams) -> tuple[list[int], bytes]:
-        """(drafted tokens, encoded draft weights)."""
+        """(drafted tokens, encoded draft probs)."""
         response = await self._invoke(
             self.stub.Propose,
             pb.ProposeRequest(

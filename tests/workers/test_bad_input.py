@@ -3,9 +3,9 @@
 import pytest
 
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams, validate
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from specserve.workers.service.batcher import Batcher
 from specserve.workers.config import BatchingConfig
+from specserve.workers.service.batcher import Batcher
 
 
 def _batcher(config, gate=None):
@@ -121,3 +121,40 @@ def test_a_prefill_does_not_join_decoding_rows_it_would_pad_but_short_rows_mix()
     # Padded to 90 positions, the prefill would have made the decoding rows' pass compute 20 x 90 positions for 169
     # real ones; it runs on its own, and rows of 1 and 5 positions (little padding) share a pass.
     assert seen == [[0], list(range(1, 16)) + [200, 201, 202, 203], [100]]
+
+
+def test_a_run_that_raises_fails_its_rows_is_logged_and_the_next_batch_still_runs(caplog):
+    calls = []
+
+    def run(items):
+        calls.append(list(items))
+        if len(calls) == 1:
+            raise RuntimeError("forward pass broke")
+        return [x * 2 for x in items]
+
+    async def main():
+        batcher = Batcher(ThreadPoolExecutor(1), run, BatchingConfig(max_wait_ms=0))
+        failed = await asyncio.gather(batcher.submit("a", 1, 1), return_exceptions=True)
+        return failed, await batcher.submit("b", 2, 1)
+
+    with caplog.at_level("ERROR", logger="specserve.workers.service.batcher"):
+        failed, ok = asyncio.run(main())
+    assert isinstance(failed[0], RuntimeError) and ok == 4
+    assert [r.exc_info[0] for r in caplog.records] == [RuntimeError]
+
+
+def test_a_cancelled_drainer_cancels_its_waiting_calls_instead_of_stranding_them():
+    gate = threading.Event()
+
+    async def main():
+        batcher, _ = _batcher(BatchingConfig(max_batch_size=1), gate)
+        running = asyncio.ensure_future(batcher.submit("a", 1, 1))
+        queued = asyncio.ensure_future(batcher.submit("b", 2, 1))
+        await asyncio.sleep(0.05)
+        batcher._drainer.cancel()  # what the loop's shutdown does to it
+        results = await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), 5)
+        gate.set()
+        return results, batcher.queued
+
+    results, queued = asyncio.run(main())
+    assert all(isinstance(r, asyncio.CancelledError) for r in results) and queued == 0

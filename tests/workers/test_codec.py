@@ -10,16 +10,16 @@ def _dist(V, seed, temperature=1.0):
 
 
 def test_round_trip_is_exact():
-    weights = torch.stack([sparsify(_dist(4096, s)) for s in range(4)])  # [4, V]
-    decoded = decode_probs(encode_probs(weights), 4096)
-    assert torch.equal(decoded, weights)
-    assert torch.equal(normalise(decoded), normalise(weights))
+    probs = torch.stack([sparsify(_dist(4096, s)) for s in range(4)])  # [4, V]
+    decoded = decode_probs(encode_probs(probs), 4096)
+    assert torch.equal(decoded, probs)
+    assert torch.equal(normalise(decoded), normalise(probs))
 
 
 def test_round_at_k4_fits_in_8kb_even_for_flat_distributions():
     flat = torch.full((4096,), 1 / 4096)
-    weights = torch.stack([sparsify(flat) for _ in range(4)])
-    assert len(encode_probs(weights)) <= 8 * 1024
+    probs = torch.stack([sparsify(flat) for _ in range(4)])
+    assert len(encode_probs(probs)) <= 8 * 1024
 
 
 def test_sparsify_keeps_the_high_mass_support():
@@ -43,7 +43,7 @@ def test_out_of_range_index_is_rejected():
 
 
 def test_slice_rows_matches_slicing_decoded_rows():
-    weights = torch.stack([sparsify(_dist(300, s)) for s in range(4)])
-    data = encode_probs(weights)
-    assert torch.equal(decode_probs(slice_rows(data, 1, 3), 300), weights[1:3])
+    probs = torch.stack([sparsify(_dist(300, s)) for s in range(4)])
+    data = encode_probs(probs)
+    assert torch.equal(decode_probs(slice_rows(data, 1, 3), 300), probs[1:3])
     assert slice_rows(data, 4, 6) == b"" and slice_rows(b"", 0, 2) == b""

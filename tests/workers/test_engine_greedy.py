@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 from tests.worker_helpers import save_perturbed_copy, save_tiny_llama
 
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Foo", "x = [i * i for i in range(10)]\nprint(x)"]

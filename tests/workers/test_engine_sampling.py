@@ -12,8 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.sampling import logits_to_probs
 from tests.worker_helpers import sample_in_processes
 

@@ -10,6 +10,7 @@ from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.service.assembly import WorkerSpec, build_worker, start_worker_server
 from tests.worker_helpers import LocalWorkers
 
 
@@ -93,42 +94,16 @@ def test_verify_status_codes_and_health(models):
     assert released.released and after.requests == 0 and after.kv_used_tokens == 0
 
 
-def test_prefill_then_verify_sends_no_tokens_again(models):
-    """Prefill caches a committed sequence; the next Verify names its length and sends no tokens, and the result
-    equals a Verify that sends the whole sequence to a fresh worker."""
-
-    async def main():
-        async with LocalWorkers(models[0], [models[1]]) as w:
-            async with grpc.aio.insecure_channel(w.target_addresses["target-0"]) as channel:
-                stub = pb_grpc.TargetWorkerStub(channel)
-                prefill = await stub.Prefill(pb.PrefillRequest(request_id="p", tokens=[5, 6, 7, 8]), timeout=10)
-                warm = await stub.Verify(
-                    pb.VerifyRequest(request_id="p", committed_len=4, new_tokens=[], drafted=[9, 10]), timeout=10
-                )
-                cold = await stub.Verify(
-                    pb.VerifyRequest(request_id="q", committed_len=4, new_tokens=[5, 6, 7, 8], drafted=[9, 10]),
-                    timeout=10,
-                )
-                return prefill, warm, cold
-
-    prefill, warm, cold = asyncio.run(main())
-    assert prefill.cached_len == 3  # all but the last token, which the first Verify feeds
-    assert (warm.accepted, warm.next_token) == (cold.accepted, cold.next_token)
+def _draft_worker(models):
+    target, draft = models
+    return build_worker(WorkerSpec("draft", ModelConfig(path=draft.path), vocab_size=target.vocab_size), draft)
 
 
 def test_worker_with_a_secret_rejects_calls_without_it(models):
     from specserve.cluster.scheduling.worker_clients import DraftClient
-    from specserve.workers.service.draft_worker import DraftWorker
-    from specserve.workers.speculation.drafters import ModelDrafter
-    from specserve.workers.service.grpc_service import DraftWorkerServicer, create_server
-    from specserve.workers.runtime.runner import ModelRunner
-
-    target, draft = models
 
     async def main():
-        runner = ModelRunner(draft, KVCacheConfig(), vocab_size=target.vocab_size)
-        worker = DraftWorker(ModelDrafter(runner), target.vocab_size, "draft", runner.store)
-        server, port = await create_server(DraftWorkerServicer(worker), "127.0.0.1:0", secret="s3cret")
+        server, port = await start_worker_server(_draft_worker(models), "127.0.0.1:0", secret="s3cret")
         address = f"127.0.0.1:{port}"
         try:
             codes = []
@@ -153,20 +128,14 @@ def test_worker_refuses_messages_over_its_limit_before_the_secret_check_and_keep
     """An oversize message is RESOURCE_EXHAUSTED from anyone (with or without the secret): a stranger cannot make
     the worker hold a large message; normal calls still work afterwards."""
     from specserve.cluster.scheduling.worker_clients import DraftClient
-    from specserve.workers.service.draft_worker import DraftWorker
-    from specserve.workers.speculation.drafters import ModelDrafter
-    from specserve.workers.service.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES, DraftWorkerServicer, create_server
-    from specserve.workers.runtime.runner import ModelRunner
+    from specserve.workers.service.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES
 
     assert DEFAULT_SERVER_MESSAGE_BYTES == 4 * 1024 * 1024
-    target, draft = models
     limit = 64 * 1024
     big = pb.ProposeRequest(request_id="x" * (2 * limit), committed_len=2, new_tokens=[5, 6], k=2)
 
     async def main():
-        runner = ModelRunner(draft, KVCacheConfig(), vocab_size=target.vocab_size)
-        worker = DraftWorker(ModelDrafter(runner), target.vocab_size, "draft", runner.store)
-        server, port = await create_server(DraftWorkerServicer(worker), "127.0.0.1:0", "s3cret", limit)
+        server, port = await start_worker_server(_draft_worker(models), "127.0.0.1:0", "s3cret", limit)
         address = f"127.0.0.1:{port}"
         try:
             codes = []
@@ -183,3 +152,72 @@ def test_worker_refuses_messages_over_its_limit_before_the_secret_check_and_keep
     codes, health = asyncio.run(main())
     assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
     assert health.healthy
+
+
+def test_an_assembled_draft_worker_drafts_in_the_targets_vocabulary_and_logs_its_start(models, caplog):
+    target, draft = models
+    assert draft.vocab_size != target.vocab_size  # the tiny draft's output layer is padded
+
+    async def main():
+        server, port = await start_worker_server(_draft_worker(models))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.DraftWorkerStub(channel)
+                request = pb.ProposeRequest(request_id="a", committed_len=2, new_tokens=[5, 6], k=2)
+                return port, await stub.Propose(request, timeout=10), await stub.Health(pb.HealthRequest(), timeout=10)
+        finally:
+            await server.stop(None)
+
+    with caplog.at_level("INFO", logger="specserve.workers.service.assembly"):
+        port, proposed, health = asyncio.run(main())
+    assert proposed.vocab_size == target.vocab_size and len(proposed.drafted) == 2
+    assert health.model == draft.path
+    assert [r.getMessage() for r in caplog.records] == [f"draft worker serving {draft.path} on cpu at 127.0.0.1:{port}"]
+
+
+def test_a_requests_sampling_is_validated_on_its_first_call_only(models, monkeypatch):
+    """Later rounds of a request reuse its validated parameters; a new request, a released one coming back, or
+    changed fields are validated again, and bad fields still answer INVALID_ARGUMENT naming the field."""
+    from specserve.workers.service import grpc_service
+
+    validated = []
+    real = grpc_service.sampling_from_proto
+    monkeypatch.setattr(grpc_service, "sampling_from_proto", lambda msg: validated.append(msg.seed) or real(msg))
+    sampling = pb.SamplingParams(temperature=1.0, seed=3)
+
+    def propose(rid, committed_len, new_tokens, params=sampling):
+        return pb.ProposeRequest(
+            request_id=rid, committed_len=committed_len, new_tokens=new_tokens, k=2, sampling=params
+        )
+
+    async def main():
+        async with LocalWorkers(models[0], [models[1]]) as w:
+            async with grpc.aio.insecure_channel(w.draft_addresses["draft-0"]) as channel:
+                stub = pb_grpc.DraftWorkerStub(channel)
+                await stub.Propose(propose("a", 2, [5, 6]), timeout=10)
+                for n in range(3, 6):  # three more rounds of the same request
+                    await stub.Propose(propose("a", n, [7]), timeout=10)
+                once = list(validated)
+                await stub.Propose(propose("b", 2, [5, 6]), timeout=10)
+                await stub.Release(pb.ReleaseRequest(request_id="a"), timeout=10)
+                await stub.Propose(propose("a", 2, [5, 6]), timeout=10)
+                try:
+                    await stub.Propose(propose("b", 3, [7], pb.SamplingParams(temperature=-1, seed=4)), timeout=10)
+                except grpc.aio.AioRpcError as e:
+                    return once, list(validated), e
+
+    once, validated_all, error = asyncio.run(main())
+    assert once == [3]
+    assert validated_all == [3, 3, 3, 4]
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "invalid temperature" in error.details()
+
+
+def test_the_sampling_cache_is_bounded():
+    from specserve.workers.service.grpc_service import SamplingCache
+
+    cache = SamplingCache(max_requests=2)
+    for rid in ("a", "b", "c"):
+        cache.get(rid, pb.SamplingParams(temperature=0.5))
+    assert len(cache) == 2
+    cache.forget("c")
+    assert len(cache) == 1

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from specserve.workers.config import ModelConfig
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import check_compatible, load_model
+from specserve.workers.speculation.engine import SpecEngine
 
 
 def test_loads_local_model_in_eval_mode_without_grad(tiny_target):

@@ -2,7 +2,13 @@ import pytest
 import torch
 
 from specserve.workers.config import SamplingParams
-from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, make_generator, sample, sample_with_noise
+from specserve.workers.speculation.sampling import (
+    exponential_noise,
+    logits_to_probs,
+    make_generator,
+    sample,
+    sample_with_noise,
+)
 
 
 def test_greedy_is_one_hot_argmax():

@@ -16,11 +16,11 @@ from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClien
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.service.tensor_parallel import LocalTensorParallelReplica, Rendezvous, check_shardable
+from specserve.workers.speculation.engine import SpecEngine
 from tests.worker_helpers import LocalWorkers, tensor_parallel_logits
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,8 @@ def test_sharded_logits_equal_the_single_process_model(tiny_target):
     for p in procs:
         p.join(30)
     runner = ModelRunner(load_model(ModelConfig(path=tiny_target, device="cpu")), KVCacheConfig())
-    assert sharded_lean and runner.lean  # the sharded model's wrappers are skipped too (workers/runtime/lean_forward.py)
+    # The sharded model's wrappers are skipped too (workers/runtime/lean_forward.py).
+    assert sharded_lean and runner.lean
     expected = runner.logits_for_batch(rows[:1]) + runner.logits_for_batch(rows[1:])
     for got, want in zip(sharded, expected, strict=True):
         assert torch.allclose(torch.tensor(got), want, atol=1e-5, rtol=0)

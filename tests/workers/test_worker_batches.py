@@ -4,15 +4,15 @@ in the KV cache falls back to rows one at a time instead of failing them all."""
 import pytest
 import torch
 
-from specserve.workers.speculation.codec import decode_probs
 from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams
-from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
-from specserve.workers.speculation.drafters import ModelDrafter
 from specserve.workers.errors import InvalidRequestError, RequestNotFoundError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
-from specserve.workers.speculation.target import TargetVerifier
+from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
+from specserve.workers.speculation.codec import decode_probs
+from specserve.workers.speculation.drafters import ModelDrafter
+from specserve.workers.speculation.target import TargetVerifier
 
 GREEDY = SamplingParams(max_new_tokens=8)
 
@@ -65,7 +65,7 @@ def test_propose_batch_drafts_what_each_row_drafts_alone(target):
     for call, got in zip(calls, batched, strict=True):
         alone = drafter().propose(call.request_id, call.committed_len, call.new_tokens, call.k, call.params)
         assert got[0] == alone[0] and len(got[0]) == call.k
-        # Batched kernels may round differently in the last bit; float16 weights then differ by at most one ulp.
+        # Batched kernels may round differently in the last bit; float16 probs then differ by at most one ulp.
         if call.params.greedy:
             assert got[1] == alone[1] == b""
         else:

@@ -147,7 +147,3 @@ class KVCacheStore:
         while length >= 512 and longest * 4 <= length:
             length //= 2
         self.cache.shrink(slots, length)
-
-    def lru_idle(self, exclude: set[str] = frozenset()) -> list[str]:
-        """Request ids from least to most recently used, for eviction."""
-        return [rid for rid in self._entries if rid not in exclude]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +15,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from specserve.workers.config import ModelConfig
 from specserve.workers.errors import ModelLoadError
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -104,6 +107,7 @@ def load_model(config: ModelConfig, distributed_config=None) -> LoadedModel:
         )
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    start = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
@@ -114,6 +118,9 @@ def load_model(config: ModelConfig, distributed_config=None) -> LoadedModel:
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not load causal LM weights from {config.path!r}: {e}") from None
     model.to(device).eval().requires_grad_(False)
+    log.info(
+        "loaded %s (%s) on %s as %s in %.1f s", path, hf_config.model_type, device, dtype, time.perf_counter() - start
+    )
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, device=device, dtype=dtype)
 
 

@@ -3,6 +3,7 @@ KV state protocol (see protos/specserve.proto), plus LRU eviction when the KV ca
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -10,6 +11,7 @@ from typing import TypeVar
 from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -74,7 +76,12 @@ def with_eviction(
             victims = sorted(lru, key=spare.__contains__)  # stable: least recent first, spare ones last
             if not victims:
                 raise
-            release(victims[0])
+            _evict(victims[0], release)
+
+
+def _evict(request_id: str, release: Callable[[str], bool]) -> None:
+    log.info("KV cache full: evicting idle request %r (it answers NOT_FOUND and is re-sent)", request_id)
+    release(request_id)
 
 
 def run_batch(
@@ -96,7 +103,7 @@ def run_batch(
             victims = [rid for rid in committed.least_recent() if rid not in in_batch]
             if not victims:
                 break
-            release(victims[0])
+            _evict(victims[0], release)
     results: list[T | Exception] = []
     for i in rows:
         if request_ids[i] not in committed:  # evicted by an earlier row of this loop: the scheduler re-sends it

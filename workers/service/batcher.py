@@ -10,6 +10,7 @@ each paying a whole forward pass: on a target whose step cost is mostly per pass
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.workers.config import BatchingConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,7 +32,7 @@ class _Job:
 
 class Batcher:
     """`await submit(key, item, cost)` -> that item's result from `run(items)`, which runs on `executor` and returns
-    one result or exception per item, in order."""
+    one result or exception per item, in order. A `run` that raises fails every item of its batch with that error."""
 
     def __init__(
         self,
@@ -63,7 +66,7 @@ class Batcher:
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         result = await future
-        if isinstance(result, BaseException):
+        if isinstance(result, Exception):
             raise result
         return result
 
@@ -82,7 +85,7 @@ class Batcher:
             self._arrived = asyncio.Event()
             try:
                 await asyncio.wait_for(self._arrived.wait(), left)
-            except TimeoutError:
+            except TimeoutError:  # the wait budget is spent: run what is queued
                 return
             finally:
                 self._arrived = None
@@ -113,28 +116,38 @@ class Batcher:
         return batch
 
     async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if self._returning and self.config.max_wait_ms > 0:
-                await self._gather()
-            batch = self._take()
-            if not batch:
-                self._returning.clear()
-                return
-            start = time.perf_counter()
-            try:
-                results = await loop.run_in_executor(self._executor, self._run, [job.item for job in batch])
-            except BaseException as e:  # noqa: BLE001 - a failed batch fails its rows, never the drainer
-                results = [e] * len(batch)
-            self._last_run_s = time.perf_counter() - start
-            self._returning = {
-                job.key for job, r in zip(batch, results, strict=True) if not isinstance(r, BaseException)
-            }
-            self.batches += 1
-            self.rows += len(batch)
-            self.largest = max(self.largest, len(batch))
-            if self._on_batch is not None:
-                self._on_batch(len(batch), time.perf_counter() - start)
-            for job, result in zip(batch, results, strict=True):
-                if not job.future.done():
-                    job.future.set_result(result)
+        batch: list[_Job] = []
+        try:
+            while True:
+                if self._returning and self.config.max_wait_ms > 0:
+                    await self._gather()
+                batch = self._take()
+                if not batch:
+                    self._returning.clear()
+                    return
+                await self._run_one(batch)
+        except asyncio.CancelledError:
+            # The loop is shutting down (server stopped): no caller may wait forever on a batch that will not run.
+            for job in batch + self._queue:
+                job.future.cancel()
+            self._queue = []
+            raise
+
+    async def _run_one(self, batch: list[_Job]) -> None:
+        start = time.perf_counter()
+        try:
+            run = asyncio.get_running_loop().run_in_executor(self._executor, self._run, [job.item for job in batch])
+            results = await run
+        except Exception as e:  # a failed batch fails its rows, never the drainer
+            log.error("a batch of %d rows failed", len(batch), exc_info=e)
+            results = [e] * len(batch)
+        self._last_run_s = time.perf_counter() - start
+        self._returning = {job.key for job, r in zip(batch, results, strict=True) if not isinstance(r, Exception)}
+        self.batches += 1
+        self.rows += len(batch)
+        self.largest = max(self.largest, len(batch))
+        if self._on_batch is not None:
+            self._on_batch(len(batch), time.perf_counter() - start)
+        for job, result in zip(batch, results, strict=True):
+            if not job.future.done():
+                job.future.set_result(result)

@@ -6,11 +6,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.workers.speculation.codec import encode_probs
 from specserve.workers.config import SamplingParams
-from specserve.workers.speculation.drafters import Drafter
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
+from specserve.workers.speculation.codec import encode_probs
+from specserve.workers.speculation.drafters import Drafter
 
 
 @dataclass
@@ -35,7 +35,7 @@ class DraftWorker:
     def propose(
         self, request_id: str, committed_len: int, new_tokens: Sequence[int], k: int, params: SamplingParams
     ) -> tuple[list[int], bytes, float]:
-        """(drafted tokens, encoded draft weights, compute seconds). Raises RequestNotFoundError (re-send)."""
+        """(drafted tokens, encoded draft probs, compute seconds). Raises RequestNotFoundError (re-send)."""
         result = self.propose_batch([ProposeCall(request_id, committed_len, list(new_tokens), k, params)])[0]
         if isinstance(result, Exception):
             raise result

@@ -1,32 +1,34 @@
 """gRPC servicers for draft and target workers: thin typed wrappers that map protos to the plain worker classes and
 errors to status codes. Model work runs on one dedicated thread per worker, off the event loop, so the server keeps
 answering (health checks, new calls) while a forward pass runs; Propose and Verify calls that arrive meanwhile are
-batched into the next forward pass (workers/service/batcher.py)."""
+batched into the next forward pass (workers/service/batcher.py).
+
+A request's sampling parameters are validated once, on the first call that carries them; its later rounds reuse the
+typed object (`SamplingCache`)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.service.batcher import Batcher
-from specserve.workers.speculation.codec import decode_probs
+from specserve.protos.wire import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 (importable from here too)
 from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams, validate
-from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError, UnavailableError
+from specserve.workers.service.batcher import Batcher
+from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
+from specserve.workers.speculation.codec import decode_probs
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# Channel options of specserve's clients: the servers they call set the real limits.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+log = logging.getLogger(__name__)
+
 # A worker server's default limit: its largest legitimate message (a prompt's token ids) is far smaller, and gRPC
 # buffers a whole message before the secret interceptor can refuse it, so a large limit is memory for anyone to take.
 DEFAULT_SERVER_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -58,12 +60,51 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
+class SamplingCache:
+    """Request id -> its validated SamplingParams, with the wire fields they came from. Every round of a request
+    carries the same fields, so pydantic runs on the first call only; fields that differ are validated again.
+    Released requests are forgotten; requests never released (their scheduler died) age out past `max_requests`."""
+
+    def __init__(self, max_requests: int = 4096):
+        self.max_requests = max_requests
+        self._params: OrderedDict[str, tuple[tuple, SamplingParams]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    def get(self, request_id: str, msg: pb.SamplingParams) -> SamplingParams:
+        wire = (msg.temperature, msg.top_k, msg.top_p, msg.max_new_tokens, msg.seed if msg.HasField("seed") else None)
+        known = self._params.get(request_id)
+        if known is not None and known[0] == wire:
+            self._params.move_to_end(request_id)
+            return known[1]
+        params = sampling_from_proto(msg)  # raises InvalidRequestError naming the field
+        self._params[request_id] = (wire, params)
+        self._params.move_to_end(request_id)
+        if len(self._params) > self.max_requests:
+            self._params.popitem(last=False)
+        return params
+
+    def forget(self, request_id: str) -> None:
+        self._params.pop(request_id, None)
+
+
+# Error type -> status code, first match wins; anything else is a fault (logged, and UNKNOWN to the caller).
+_STATUS_CODES = (
+    (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # InvalidRequestError included
+    (KVCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnavailableError, grpc.StatusCode.UNAVAILABLE),  # e.g. a tensor-parallel rank died: try another replica
+)
+
+
 class _Servicer:
     def __init__(self, worker: DraftWorker | TargetWorker, batching: BatchingConfig | None = None):
         self.worker = worker
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=type(self).__name__)
         self.busy_s = 0.0  # seconds of model work done: busy fraction for autoscaling
         self.batcher = Batcher(self._executor, self._run_batch, batching or BatchingConfig(), self._count_batch)
+        self.sampling = SamplingCache()
 
     def _count_batch(self, rows: int, seconds: float) -> None:
         self.busy_s += seconds
@@ -78,16 +119,11 @@ class _Servicer:
         except Exception as e:  # noqa: BLE001 - mapped to a status code below
             await self._abort(context, e)
 
-    @staticmethod
-    async def _abort(context: grpc.aio.ServicerContext, error: Exception):
-        if isinstance(error, (InvalidRequestError, ValueError)) and not isinstance(error, RequestNotFoundError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if isinstance(error, RequestNotFoundError):
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
-        if isinstance(error, KVCapacityError):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        if isinstance(error, UnavailableError):  # e.g. a tensor-parallel rank died: try another replica
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+    async def _abort(self, context: grpc.aio.ServicerContext, error: Exception):
+        for kind, code in _STATUS_CODES:
+            if isinstance(error, kind):
+                await context.abort(code, str(error))
+        log.error("%s (%s) failed", type(self).__name__, self.worker.model_name, exc_info=error)
         raise error
 
     def _timed(self, fn, *args):
@@ -110,7 +146,10 @@ class _Servicer:
 
     async def Release(self, request, context):
         self.batcher.forget(request.request_id)
-        return pb.ReleaseResponse(released=await self._run(context, self.worker.release, request.request_id))
+        self.sampling.forget(request.request_id)
+        released = await self._run(context, self.worker.release, request.request_id)
+        log.debug("request %r released (its state was %s)", request.request_id, "freed" if released else "gone")
+        return pb.ReleaseResponse(released=released)
 
     async def Health(self, request, context):
         return pb.HealthResponse(**self.worker.health())
@@ -135,13 +174,13 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
                 request.committed_len,
                 list(request.new_tokens),
                 request.k,
-                sampling_from_proto(request.sampling),
+                self.sampling.get(request.request_id, request.sampling),
             )
         except ValueError as e:
             await self._abort(context, e)
-        drafted, weights, seconds = await self._batched(context, call.request_id, call, len(call.new_tokens) + call.k)
+        drafted, probs, seconds = await self._batched(context, call.request_id, call, len(call.new_tokens) + call.k)
         return pb.ProposeResponse(
-            drafted=drafted, draft_probs=weights, vocab_size=self.worker.vocab_size, compute_seconds=seconds
+            drafted=drafted, draft_probs=probs, vocab_size=self.worker.vocab_size, compute_seconds=seconds
         )
 
 
@@ -152,16 +191,16 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
     async def Verify(self, request, context):
         try:
             _check_request_id(request.request_id)
-            weights = decode_probs(request.draft_probs, self.worker.vocab_size)
-            if weights is not None and weights.shape[0] != len(request.drafted):
-                raise InvalidRequestError("draft_probs", f"{weights.shape[0]} rows for {len(request.drafted)} drafted")
+            probs = decode_probs(request.draft_probs, self.worker.vocab_size)
+            if probs is not None and probs.shape[0] != len(request.drafted):
+                raise InvalidRequestError("draft_probs", f"{probs.shape[0]} rows for {len(request.drafted)} drafted")
             call = VerifyCall(
                 request.request_id,
                 request.committed_len,
                 list(request.new_tokens),
                 list(request.drafted),
-                weights,
-                sampling_from_proto(request.sampling),
+                probs,
+                self.sampling.get(request.request_id, request.sampling),
             )
         except ValueError as e:
             await self._abort(context, e)
@@ -174,10 +213,6 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             batch_rows=result.batch_rows,
             batch_tokens=result.batch_tokens,
         )
-
-    async def Prefill(self, request, context):
-        cached = await self._run(context, self.worker.prefill, request.request_id, list(request.tokens))
-        return pb.PrefillResponse(cached_len=cached)
 
 
 SECRET_METADATA = "x-specserve-secret"

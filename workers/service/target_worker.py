@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from specserve.workers.config import SamplingParams
+from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier
-from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls, with_eviction
 
 
 @dataclass
@@ -31,7 +31,7 @@ class VerifyCall:
     committed_len: int
     new_tokens: list[int]
     drafted: list[int]
-    draft_weights: torch.Tensor | None  # [len(drafted), V], None = one-hot
+    draft_probs: torch.Tensor | None  # [len(drafted), V] as decoded from the wire, None = one-hot
     params: SamplingParams
 
 
@@ -51,11 +51,11 @@ class TargetWorker:
         committed_len: int,
         new_tokens: Sequence[int],
         drafted: Sequence[int],
-        draft_weights: torch.Tensor | None,
+        draft_probs: torch.Tensor | None,
         params: SamplingParams,
     ) -> tuple[int, int, float]:
         """(accepted, next_token, compute seconds). Raises RequestNotFoundError (re-send the committed sequence)."""
-        call = VerifyCall(request_id, committed_len, list(new_tokens), list(drafted), draft_weights, params)
+        call = VerifyCall(request_id, committed_len, list(new_tokens), list(drafted), draft_probs, params)
         result = self.verify_batch([call])[0]
         if isinstance(result, Exception):
             raise result
@@ -72,24 +72,11 @@ class TargetWorker:
             check_token_ids("drafted", call.drafted, self.vocab_size)
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
-            return call.request_id, tokens, call.drafted, call.draft_weights, call.params, generator
+            return call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator
 
         results, rows = run_calls(self.committed, calls, prepare, self.verifier.verify_batch, self.release)
         seconds, tokens = time.perf_counter() - t0, self.verifier.runner.forward_positions - fed
         return [r if isinstance(r, Exception) else VerifyResult(*r, seconds, rows, tokens) for r in results]
-
-    def prefill(self, request_id: str, tokens: Sequence[int]) -> int:
-        """Cache all but the last token of a committed sequence (the first verify feeds the last one)."""
-        check_token_ids("tokens", tokens, self.vocab_size)
-        seq = self.committed.advance(request_id, len(tokens), tokens)
-        if len(seq) > 1:
-            with_eviction(
-                self.committed,
-                request_id,
-                lambda: self.verifier.runner.logits_for(request_id, seq[:-1], 1),
-                self.release,
-            )
-        return self.verifier.runner.store.get(request_id).length if len(seq) > 1 else 0
 
     def release(self, request_id: str) -> bool:
         self.verifier.release(request_id)

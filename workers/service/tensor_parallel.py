@@ -14,9 +14,11 @@ ranks hold the same KV store state (same slots, same lengths, same rollbacks), o
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,9 @@ from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, ModelLoadError, UnavailableError
 from specserve.workers.runtime.loading import LoadedModel, load_model, resolve_device
 from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.service.assembly import WorkerSpec, serve_in_process
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,8 +117,12 @@ class TensorParallelRunner:
         try:
             dist.broadcast_object_list([message], src=0)
         except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead peer in many ways
-            self.failed = f"rank broadcast failed: {e}"
-            raise UnavailableError(f"tensor-parallel replica is down: {self.failed}") from None
+            self._fail(f"rank broadcast failed: {e}", e)
+
+    def _fail(self, reason: str, error: Exception) -> NoReturn:
+        self.failed = reason
+        log.error("tensor-parallel replica is down: %s", reason, exc_info=error)
+        raise UnavailableError(f"tensor-parallel replica is down: {reason}") from None
 
     def logits_for_batch(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
         rows = [(rid, list(seq), n) for rid, seq, n in rows]
@@ -123,8 +132,7 @@ class TensorParallelRunner:
         except (KVCapacityError, ValueError):
             raise  # raised identically on every rank, before any collective
         except RuntimeError as e:  # DistBackendError included
-            self.failed = f"collective failed mid-forward: {e}"
-            raise UnavailableError(f"tensor-parallel replica is down: {self.failed}") from None
+            self._fail(f"collective failed mid-forward: {e}", e)
 
     def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
         return self.logits_for_batch([(request_id, sequence, n)])[0]
@@ -151,8 +159,8 @@ def follow(runner: ModelRunner) -> None:
         elif kind == "batch":
             try:
                 runner.logits_for_batch(payload)
-            except (KVCapacityError, ValueError):
-                pass  # rank 0 raised the same error before any collective and handles it
+            except (KVCapacityError, ValueError) as e:  # rank 0 raised the same before any collective and answers
+                log.debug("rank %d: batch refused as on rank 0: %s", dist.get_rank(), e)
 
 
 def run_follower(rank: int, rendezvous: Rendezvous, model: ModelConfig, kv_cache: KVCacheConfig) -> None:
@@ -165,28 +173,12 @@ def run_follower(rank: int, rendezvous: Rendezvous, model: ModelConfig, kv_cache
         dist.destroy_process_group()
 
 
-def serve_rank0(
-    rendezvous: Rendezvous, model: ModelConfig, kv_cache: KVCacheConfig, name: str, ready, secret: str | None = None
-) -> None:
-    """The whole life of rank 0 as a process: join the group, load its shard, serve the TargetWorker over gRPC on a
-    free port (sent through `ready`, a multiprocessing queue), until terminated."""
-    import asyncio
-
-    from specserve.workers.service.grpc_service import TargetWorkerServicer, create_server
-    from specserve.workers.speculation.target import TargetVerifier
-    from specserve.workers.service.target_worker import TargetWorker
-
-    device = resolve_device(model.device).type
-    init_rank(0, rendezvous, device)
-    runner = TensorParallelRunner(ModelRunner(load_sharded(model), kv_cache))
-    worker = TargetWorker(TargetVerifier(runner), name)
-
-    async def main():
-        server, port = await create_server(TargetWorkerServicer(worker), "127.0.0.1:0", secret)
-        ready.put(port)
-        await server.wait_for_termination()
-
-    asyncio.run(main())
+def serve_rank0(rendezvous: Rendezvous, spec: WorkerSpec, ready, secret: str | None = None) -> None:
+    """The whole life of rank 0 as a process: join the group, load its shard, serve the worker of `spec` over gRPC
+    on a free port ((role, port) sent through `ready`, a multiprocessing queue), until terminated."""
+    init_rank(0, rendezvous, resolve_device(spec.model.device).type)
+    runner = TensorParallelRunner(ModelRunner(load_sharded(spec.model), spec.kv_cache, vocab_size=spec.vocab_size))
+    serve_in_process(spec, ready, runner, secret)
 
 
 def profile_forward(
@@ -246,14 +238,15 @@ class LocalTensorParallelReplica:
         kv = KVCacheConfig(capacity_tokens=self.capacity_tokens)
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
-        self.processes = {0: ctx.Process(target=serve_rank0, args=(rendezvous, model, kv, "tp-target", ready))}
+        spec = WorkerSpec("target", model, kv)
+        self.processes = {0: ctx.Process(target=serve_rank0, args=(rendezvous, spec, ready))}
         for rank in range(1, self.world_size):
             self.processes[rank] = ctx.Process(target=run_follower, args=(rank, rendezvous, model, kv))
         for p in self.processes.values():
             p.daemon = True
             p.start()
         try:
-            (port,) = wait_ready(ready, list(self.processes.values()), 1)
+            ((_, port),) = wait_ready(ready, list(self.processes.values()), 1)
         except RuntimeError:
             self.__exit__()
             raise

@@ -1,9 +1,9 @@
 """Wire encoding of draft distributions: sparse support (int32 indices) + float16 probabilities, in msgpack.
 
 A draft worker must sample from exactly the distribution the verifier will see, or rejection sampling is no longer
-lossless. So the sparse, half-precision form is not a lossy afterthought: `sparsify` builds it first as unnormalised
-weights that float16 represents exactly, the drafter samples from them (argmax(w / E) is scale-free), they travel as
-they are, and both sides normalise them with the same `normalise`.
+lossless. So the sparse, half-precision form is not a lossy afterthought: `sparsify` builds it first as draft probs
+that float16 represents exactly (truncated, not renormalised), the drafter samples from them (argmax(q / E) is
+scale-free), they travel as they are, and both sides normalise them with the same `normalise`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 
 
 def sparsify(probs: torch.Tensor, max_support: int = 256, min_mass: float = 0.999) -> torch.Tensor:
-    """The weights a drafter samples from and ships: [V] probabilities -> [V] float32 weights, unnormalised.
+    """The draft probs a drafter samples from and ships: [V] probabilities -> [V] float32, truncated and not
+    renormalised.
 
     Keeps the most likely tokens until `min_mass` is covered (at most `max_support` of them) and rounds them to
     float16, so that encode -> decode reproduces them exactly. max_support 256 keeps a k=4 round under 8 KB.
@@ -31,13 +32,13 @@ def sparsify(probs: torch.Tensor, max_support: int = 256, min_mass: float = 0.99
     return out
 
 
-def normalise(weights: torch.Tensor) -> torch.Tensor:
-    """[..., V] nonnegative weights -> distributions."""
-    return weights / weights.sum(-1, keepdim=True)
+def normalise(probs: torch.Tensor) -> torch.Tensor:
+    """[..., V] truncated (unnormalised) probs -> distributions that sum to 1."""
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def encode_probs(probs: torch.Tensor | None) -> bytes:
-    """[k, V] sparse float16-exact weights (as made by `sparsify`) -> msgpack bytes; b"" for None (one-hot)."""
+    """[k, V] sparse float16-exact probs (as made by `sparsify`) -> msgpack bytes; b"" for None (one-hot)."""
     if probs is None:
         return b""
     rows = []
@@ -48,7 +49,7 @@ def encode_probs(probs: torch.Tensor | None) -> bytes:
 
 
 def decode_probs(data: bytes, vocab_size: int) -> torch.Tensor | None:
-    """msgpack bytes -> [k, V] float32 weights, exactly as encoded; None for b"" (one-hot proposals)."""
+    """msgpack bytes -> [k, V] float32 probs, exactly as encoded; None for b"" (one-hot proposals)."""
     if not data:
         return None
     rows = msgpack.unpackb(data, raw=False)
@@ -62,7 +63,7 @@ def decode_probs(data: bytes, vocab_size: int) -> torch.Tensor | None:
 
 
 def slice_rows(data: bytes, start: int, stop: int) -> bytes:
-    """Encoded weights of rows start..stop-1, without decoding them (b"" stays b"": one-hot proposals)."""
+    """Encoded probs of rows start..stop-1, without decoding them (b"" stays b"": one-hot proposals)."""
     if not data:
         return b""
     rows = msgpack.unpackb(data, raw=False)[start:stop]

@@ -2,7 +2,8 @@
 
 Every drafter has the same interface, so the in-process engine and the distributed draft workers use them alike:
 `propose(request_id, tokens, k, params) -> Proposal`, `propose_batch(rows)` (many requests at once),
-`feedback(request_id, num_accepted)`, `release(request_id)`.
+`release(request_id)`. A drafter's KV cache rolls back lazily on the next call, by token comparison, so it needs no
+word of what was accepted.
 """
 
 from __future__ import annotations
@@ -13,16 +14,22 @@ from typing import Protocol
 
 import torch
 
-from specserve.workers.speculation.codec import sparsify
 from specserve.workers.config import NgramConfig, SamplingParams
 from specserve.workers.runtime.runner import ModelRunner
-from specserve.workers.speculation.sampling import DRAFT_SALT, exponential_noise, logits_to_probs, make_generator, sample_with_noise
+from specserve.workers.speculation.codec import sparsify
+from specserve.workers.speculation.sampling import (
+    DRAFT_SALT,
+    exponential_noise,
+    logits_to_probs,
+    make_generator,
+    sample_with_noise,
+)
 
 
 @dataclass
 class Proposal:
     tokens: list[int]  # drafted tokens, 0..k of them
-    # [len(tokens), V] weights of the distribution each drafted token was drawn from (unnormalised, float16-exact,
+    # [len(tokens), V] draft probs: the distribution each drafted token was drawn from (truncated, float16-exact,
     # see workers/speculation/codec.py); None = deterministic (one-hot) proposals.
     probs: torch.Tensor | None
 
@@ -31,8 +38,6 @@ class Drafter(Protocol):
     def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal: ...
 
     def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]: ...
-
-    def feedback(self, request_id: str, num_accepted: int) -> None: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -55,7 +60,7 @@ class ModelDrafter:
         leave as they reach their own k). Each row's tokens are those it would draft alone."""
         seqs = [list(tokens) for _, tokens, _, _ in rows]
         drafted: list[list[int]] = [[] for _ in rows]
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]  # per row: one [V] row per drafted token
         while True:
             active = [b for b, (_, _, k, _) in enumerate(rows) if len(drafted[b]) < k]
             if not active:
@@ -63,26 +68,24 @@ class ModelDrafter:
             logits = self.runner.logits_for_batch([(rows[b][0], seqs[b], 1) for b in active])
             for b, row_logits in zip(active, logits, strict=True):
                 params = rows[b][3]
-                token, weights = self._draw(row_logits[0], params, len(seqs[b]))
-                if weights is not None:
-                    probs[b].append(weights)
+                token, q = self._draw(row_logits[0], params, len(seqs[b]))
+                if q is not None:
+                    probs[b].append(q)
                 drafted[b].append(token)
                 seqs[b].append(token)
         return [Proposal(tokens=d, probs=torch.stack(p) if p else None) for d, p in zip(drafted, probs, strict=True)]
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, position: int) -> tuple[int, torch.Tensor | None]:
-        """logits: [V]. The drafted token at absolute `position`, and the weights it was drawn from (None: greedy)."""
+        """logits: [V]. The drafted token at absolute `position`, and the draft probs it was drawn from (None:
+        greedy)."""
         if params.greedy:
             return int(logits.argmax()), None
-        weights = sparsify(logits_to_probs(logits, params), self.max_support).cpu()  # [V]
+        q = sparsify(logits_to_probs(logits, params), self.max_support).cpu()  # [V]
         # Noise keyed by the drafted token's absolute position: a token drafted early (pipelined) or again (after a
         # restart) is drawn with the same noise, so seeded requests reproduce in every mode.
         generator = make_generator(params.seed, DRAFT_SALT, position)
-        noise = exponential_noise(weights.shape[-1], [generator])  # [1, V]
-        return int(sample_with_noise(weights.unsqueeze(0), noise)[0]), weights
-
-    def feedback(self, request_id: str, num_accepted: int) -> None:
-        pass  # the KV cache rolls back lazily on the next call, by token comparison
+        noise = exponential_noise(q.shape[-1], [generator])  # [1, V]
+        return int(sample_with_noise(q.unsqueeze(0), noise)[0]), q
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
@@ -100,9 +103,6 @@ class NgramDrafter:
 
     def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]:
         return [self.propose(*row) for row in rows]  # no model: nothing to batch
-
-    def feedback(self, request_id: str, num_accepted: int) -> None:
-        pass
 
     def release(self, request_id: str) -> None:
         pass

@@ -7,16 +7,16 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.workers.speculation.adaptive_k import AdaptiveK
 from specserve.workers.config import KVCacheConfig, NgramConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import LoadedModel, check_compatible
-from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
 from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.worker_state import check_token_ids
+from specserve.workers.speculation.adaptive_k import AdaptiveK
+from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter
+from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier
-from specserve.workers.runtime.worker_state import check_token_ids
 
 
 @dataclass
@@ -124,10 +124,8 @@ class SpecEngine:
                     params,
                     make_generator(params.seed, TARGET_SALT, position),
                 )
-                if drafter is not None and drafted:
-                    drafter.feedback(state.request_id, num_accepted)
-                    if adaptive is not None:
-                        k_next = adaptive.observe(len(drafted), num_accepted)
+                if adaptive is not None and drafted:
+                    k_next = adaptive.observe(len(drafted), num_accepted)
                 state.commit_round(drafted, num_accepted, next_token)
         finally:
             self.verifier.release(state.request_id)

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.workers.speculation.codec import normalise
 from specserve.workers.config import SamplingParams
 from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.speculation.codec import normalise
 from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, uniform_noise
 from specserve.workers.speculation.verification import greedy_verify, rejection_verify
 
@@ -34,9 +34,8 @@ class TargetVerifier:
     ) -> tuple[int, int]:
         """Verify `drafted` as the continuation of committed `tokens`. Returns (num_accepted, next_token).
 
-        draft_probs: [len(drafted), V] weights of the distributions the drafted tokens were drawn from (normalised
-        here), or None for one-hot
-        (deterministic drafters, and greedy requests, where only the tokens matter).
+        draft_probs: [len(drafted), V] the distributions the drafted tokens were drawn from (truncated; normalised
+        here), or None for one-hot (deterministic drafters, and greedy requests, where only the tokens matter).
         With nothing drafted this is plain target-only decoding: the next token is the bonus token from p.
         """
         return self.verify_batch([(request_id, tokens, drafted, draft_probs, params, generator)])[0]
@@ -64,19 +63,19 @@ class TargetVerifier:
         logits: torch.Tensor,  # [k+1, V]
     ) -> tuple[int, int]:
         k = len(drafted)
-        draft_row = torch.tensor([drafted], dtype=torch.long, device=logits.device)  # [1, k]
+        drafted_row = torch.tensor([drafted], dtype=torch.long, device=logits.device)  # [1, k]
         if params.greedy:
-            out = greedy_verify(draft_row, logits.argmax(-1).unsqueeze(0))
+            out = greedy_verify(drafted_row, logits.argmax(-1).unsqueeze(0))
         else:
             V = logits.shape[-1]
             p = logits_to_probs(logits, params).unsqueeze(0)  # [1, k+1, V]
             if draft_probs is None:
-                q = torch.nn.functional.one_hot(draft_row, V).float()  # [1, k, V]
+                q = torch.nn.functional.one_hot(drafted_row, V).float()  # [1, k, V]
             else:
                 q = normalise(draft_probs.to(p.device, torch.float32)).unsqueeze(0)  # [1, k, V]
             uniform = uniform_noise(k, [generator], device=p.device)  # [1, k]
             noise = exponential_noise(V, [generator], device=p.device)  # [1, V]
-            out = rejection_verify(draft_row, q, p, uniform, noise)
+            out = rejection_verify(drafted_row, q, p, uniform, noise)
         return int(out.num_accepted[0]), int(out.next_token[0])
 
     def release(self, request_id: str) -> bool:

@@ -41,22 +41,22 @@ def _first_rejection(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
-def greedy_verify(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> VerifyOutput:
+def greedy_verify(drafted: torch.Tensor, target_argmax: torch.Tensor) -> VerifyOutput:
     """Greedy verification: accept the longest prefix of the draft that matches the target's argmax.
 
-    draft_tokens: [B, k] int64 drafted tokens
+    drafted: [B, k] int64, the drafted tokens
     target_argmax: [B, k + 1] int64; target_argmax[:, i] is the target's choice after drafted token i (i = 0: after
         the last committed token)
     The next token is target_argmax at the first mismatch (recovered) or at position k (bonus).
     """
-    k = draft_tokens.shape[1]
-    num_accepted = _first_rejection(draft_tokens == target_argmax[:, :k])  # [B]
+    k = drafted.shape[1]
+    num_accepted = _first_rejection(drafted == target_argmax[:, :k])  # [B]
     next_token = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
     return VerifyOutput(num_accepted=num_accepted, next_token=next_token)
 
 
 def rejection_verify(
-    draft_tokens: torch.Tensor,
+    drafted: torch.Tensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     uniform: torch.Tensor,
@@ -64,15 +64,15 @@ def rejection_verify(
 ) -> VerifyOutput:
     """Speculative (rejection) sampling.
 
-    draft_tokens: [B, k] int64, drawn from draft_probs
+    drafted:      [B, k] int64, drawn from draft_probs
     draft_probs:  [B, k, V] q_i, the distribution each drafted token was drawn from (one-hot for deterministic
         drafters such as n-gram lookup)
     target_probs: [B, k + 1, V] p_i, the target's distribution at each drafted position plus the bonus position
     uniform:      [B, k] U[0, 1) noise for the acceptance tests
     exp_noise:    [B, V] Exp(1) noise for drawing the one recovered or bonus token
     """
-    B, k = draft_tokens.shape
-    idx = draft_tokens.unsqueeze(-1)  # [B, k, 1]
+    B, k = drafted.shape
+    idx = drafted.unsqueeze(-1)  # [B, k, 1]
     p_x = target_probs[:, :k].gather(-1, idx).squeeze(-1)  # [B, k]
     q_x = draft_probs.gather(-1, idx).squeeze(-1)  # [B, k]
     # u < p/q  <=>  u * q < p; avoids dividing by q == 0 (a token the draft could not have drawn is rejected).
@@ -80,7 +80,7 @@ def rejection_verify(
     num_accepted = _first_rejection(accept)  # [B]
 
     # Distribution of the next token: the residual at the first rejected position, or p_k when all were accepted.
-    rows = torch.arange(B, device=draft_tokens.device)
+    rows = torch.arange(B, device=drafted.device)
     p_next = target_probs[rows, num_accepted]  # [B, V]
     q_next = torch.zeros_like(p_next)
     rejected = num_accepted < k  # [B]

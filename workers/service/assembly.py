@@ -1,0 +1,101 @@
+"""The one place a worker is put together: model -> runner -> draft or target worker -> gRPC servicer -> server.
+Ray actors, the bench's local worker processes, a tensor-parallel replica's rank 0 and the tests' in-process workers
+all build theirs here, so they serve alike."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+
+from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
+from specserve.workers.runtime.loading import LoadedModel, load_model
+from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.service.draft_worker import DraftWorker
+from specserve.workers.service.grpc_service import (
+    DEFAULT_SERVER_MESSAGE_BYTES,
+    DraftWorkerServicer,
+    TargetWorkerServicer,
+    create_server,
+)
+from specserve.workers.service.target_worker import TargetWorker
+from specserve.workers.speculation.drafters import ModelDrafter
+from specserve.workers.speculation.target import TargetVerifier
+
+log = logging.getLogger(__name__)
+
+Role = Literal["draft", "target"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker serves and how."""
+
+    role: Role
+    model: ModelConfig
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    # A draft's: the target's vocabulary size (its logits are cut or padded to it). None: the model's own.
+    vocab_size: int | None = None
+
+
+@dataclass
+class BuiltWorker:
+    """A worker ready to serve: its runner (a ModelRunner, or a TensorParallelRunner on rank 0), the plain worker
+    object and the servicer a gRPC server hosts."""
+
+    spec: WorkerSpec
+    runner: ModelRunner
+    worker: DraftWorker | TargetWorker
+    servicer: DraftWorkerServicer | TargetWorkerServicer
+
+
+def build_worker(spec: WorkerSpec, loaded: LoadedModel | None = None, runner: ModelRunner | None = None) -> BuiltWorker:
+    """model -> runner -> worker -> servicer. `runner`: one made already (a tensor-parallel rank 0's); `loaded`: a
+    model already in memory (tests share one among several workers); neither: load `spec.model`."""
+    if runner is None:
+        runner = ModelRunner(loaded or load_model(spec.model), spec.kv_cache, vocab_size=spec.vocab_size)
+    name = spec.model.path
+    if spec.role == "draft":
+        worker = DraftWorker(ModelDrafter(runner), runner.vocab_size, name, runner.store)
+        servicer = DraftWorkerServicer(worker, spec.batching)
+    else:
+        worker = TargetWorker(TargetVerifier(runner), name)
+        servicer = TargetWorkerServicer(worker, spec.batching)
+    return BuiltWorker(spec, runner, worker, servicer)
+
+
+async def start_worker_server(
+    built: BuiltWorker,
+    address: str = "127.0.0.1:0",
+    secret: str | None = None,
+    max_message_bytes: int = DEFAULT_SERVER_MESSAGE_BYTES,
+) -> tuple[grpc.aio.Server, int]:
+    """Serve `built` over gRPC at `address` (port 0: a free one) in the running event loop; returns (server, port)."""
+    server, port = await create_server(built.servicer, address, secret, max_message_bytes)
+    host = address.rpartition(":")[0]
+    log.info(
+        "%s worker serving %s on %s at %s:%d",
+        built.spec.role,
+        built.spec.model.path,
+        built.runner.device,
+        host,
+        port,
+    )
+    return server, port
+
+
+def serve_in_process(spec: WorkerSpec, ready, runner: ModelRunner | None = None, secret: str | None = None) -> None:
+    """The whole life of a worker process: build, serve on a free localhost port, put (role, port) in `ready` (a
+    multiprocessing queue), serve until terminated."""
+    built = build_worker(spec, runner=runner)
+
+    async def main():
+        server, port = await start_worker_server(built, "127.0.0.1:0", secret)
+        ready.put((spec.role, port))
+        await server.wait_for_termination()
+
+    asyncio.run(main())
