@@ -33,11 +33,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from specserve.cluster.scheduling.pipeline import Pipeline
-from specserve.cluster.scheduling.policies import SpeculationControl, SpeculationSwitch, VerifyCostModel
-from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.cluster.pools.worker_processes import WorkerProcesses
+from specserve.cluster.scheduling.k_policy import VerifyCostModel
+from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.speculation_control import SpeculationControl
+from specserve.cluster.scheduling.switch import SpeculationSwitch
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 
 LEVELS = (1, 4, 16, 32)
@@ -120,12 +122,7 @@ async def _level(
     clock: _SegmentClock | None = None,
 ) -> LevelRow:
     row = LevelRow(streams, "on (k=auto + policy)" if speculate else "off", new_tokens=new_tokens)
-    drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
-    targets = {n: TargetClient(a, timeout_s=120) for n, a in w.target_addresses.items()}
-    scheduler = Scheduler(list(drafts), list(targets), cost_ratio=cost_ratio)
-    # No drafting ahead (PEARL-style pre-drafts): both worker processes share this machine's cores, so a pre-draft
-    # competes with the verification it overlaps (measured on 2 cores, 1 stream, k=4: 65 tok/s with, 93 without).
-    pipeline = Pipeline(scheduler, drafts, targets, predraft=False, verify_costs=costs)
+    pipeline, clients = _pipeline(w, cost_ratio, costs)
     spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
     if speculate:  # the policy's current decision applies from the first round, as in a running service
         state.apply(pipeline, cost_ratio, None)
@@ -165,15 +162,31 @@ async def _level(
     deadline = t0 + pass_s
     await asyncio.gather(*(stream(s) for s in range(streams)))
     row.seconds = time.perf_counter() - t0
+    for client in clients:
+        await client.close()
+    _finish_level(row, pipeline, pass_s, speculate)
+    return row
+
+
+def _pipeline(w, cost_ratio: float, costs: VerifyCostModel) -> tuple[Pipeline, list]:
+    """A scheduler and its pipeline over fresh clients of the worker processes `w`; (pipeline, clients to close)."""
+    drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
+    targets = {n: TargetClient(a, timeout_s=120) for n, a in w.target_addresses.items()}
+    scheduler = Scheduler(list(drafts), list(targets), cost_ratio=cost_ratio)
+    # No drafting ahead (PEARL-style pre-drafts): both worker processes share this machine's cores, so a pre-draft
+    # competes with the verification it overlaps (measured on 2 cores, 1 stream, k=4: 65 tok/s with, 93 without).
+    pipeline = Pipeline(scheduler, drafts, targets, predraft=False, verify_costs=costs)
+    return pipeline, [*drafts.values(), *targets.values()]
+
+
+def _finish_level(row: LevelRow, pipeline: Pipeline, pass_s: float, speculate: bool) -> None:
+    """Totals of a pass whose requests recorded their outputs, window tokens and seconds."""
     row.window_s = min(pass_s, row.seconds)
     row.requests = len(row.outputs)
     row.target_batch_mean = pipeline.mean_target_batch
     row.final_k_cap = pipeline.scheduler.auto_k_cap if speculate else None
-    for client in (*drafts.values(), *targets.values()):
-        await client.close()
     row.tokens = sum(len(o) for o in row.outputs.values())
     row.tokens_per_s = row.window_tokens / row.window_s if row.window_s > 0 else row.tokens / row.seconds
-    return row
 
 
 def _merge(segments: list[LevelRow]) -> LevelRow:

@@ -7,6 +7,8 @@ model's rows (and HF assisted generation) only when a draft model is loaded."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,10 +16,10 @@ from typing import Literal
 
 import torch
 
-from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids, read_questions
 from specserve.workers.config import SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids, read_questions
+from specserve.workers.speculation.engine import SpecEngine
 
 NGRAM_KS = tuple(range(1, 9))  # the target suite's n-gram sweep
 PROMPT_LOOKUP_N = 10  # Hugging Face's usual prompt_lookup_num_tokens
@@ -152,13 +154,31 @@ def hf_fn(engine: SpecEngine, assistant_k: int | None = None, assisted: bool = F
                 gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = assistant_k, "constant"
         try:
             ids = torch.tensor([prompt], device=target.device)
-            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            with _quiet_hf_assistant() if assisted else contextlib.nullcontext():
+                out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         finally:
             if assisted:
                 gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
         return out[0, len(prompt) :].tolist(), None
 
     return run
+
+
+@contextlib.contextmanager
+def _quiet_hf_assistant():
+    """HF's assisted generation calls the assistant's generate with a generation_config and keyword arguments at once,
+    and transformers then logs a deprecation of its own internals, which no caller can act on: that one message is
+    dropped (any other warning still shows)."""
+    hf_logger = logging.getLogger("transformers.generation.utils")
+
+    def drop(record: logging.LogRecord) -> bool:
+        return "together with generation-related arguments" not in record.getMessage()
+
+    hf_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        hf_logger.removeFilter(drop)
 
 
 def prompt_lookup_row(engine: SpecEngine, n: int, note: str = "") -> tuple[Row, RowFn]:

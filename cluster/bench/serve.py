@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from specserve.cluster.bench.runner import BenchConfig, Row, finish_stream_rows
+from specserve.cluster.bench.rows import BenchConfig, Row
+from specserve.cluster.bench.timing import finish_stream_rows
 from specserve.workers.service.local_processes import free_port
 
 
@@ -14,8 +15,8 @@ def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg:
                base: Row) -> list[Row]:  # fmt: skip
     import ray
 
-    from specserve.cluster.app_config import AppConfig, serve_config
     from specserve.client import SpecServeClient
+    from specserve.cluster.app_config import AppConfig, serve_config
     from specserve.cluster.serve.server import start, stop
 
     app = AppConfig.model_validate(

@@ -8,11 +8,12 @@ import asyncio
 import multiprocessing as mp
 import time
 
-from specserve.cluster.bench.runner import Row, finish_stream_rows
+from specserve.cluster.bench.rows import Row
+from specserve.cluster.bench.timing import finish_stream_rows
+from specserve.cluster.pools.worker_processes import WorkerProcesses
 from specserve.cluster.scheduling.pipeline import Pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
-from specserve.cluster.pools.worker_processes import WorkerProcesses
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 from specserve.workers.service.local_processes import free_port, wait_ready
 from specserve.workers.service.tensor_parallel import LocalTensorParallelReplica, Rendezvous, profile_forward

@@ -43,7 +43,7 @@ def model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
 
     target = _target(args)
     if target == DEMO:
-        from specserve.workers.training.demo_build import ensure_demo_family
+        from specserve.workers.models.demo import ensure_demo_family
 
         family = ensure_demo_family()
         target_dir, default_draft = family.target, family.draft

@@ -2,7 +2,7 @@ import statistics
 
 import pytest
 
-from specserve.cluster.bench.runner import Costs, CostSampler, verify_cost
+from specserve.cluster.bench.timing import Costs, CostSampler, verify_cost
 from specserve.workers.config import ModelConfig
 from specserve.workers.runtime.loading import load_model
 

@@ -3,11 +3,11 @@
 import pytest
 import ray
 
-from specserve.cluster.bench.runner import BenchConfig, Row
+from specserve.cluster.bench.rows import BenchConfig, Row
 from specserve.cluster.bench.serve import serve_rows
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 
 pytestmark = pytest.mark.slow
 

@@ -4,12 +4,13 @@ import json
 
 import pytest
 
-from specserve.cluster.bench.runner import distributed_rows, run_bench
+from specserve.cluster.bench.distributed import distributed_rows
 from specserve.cluster.bench.rows import NGRAM_KS, PROMPT_LOOKUP_N, BenchConfig, Row
+from specserve.cluster.bench.runner import run_bench
 from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 from tests.worker_helpers import save_tiny_llama
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [20, 21, 22, 23, 20, 21, 22], [30, 31, 32, 30, 31]]

@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.training.demo_build import TINY_SPEC, build_demo_family, ensure_demo_family, find_demo_family
-from specserve.workers.training.demo_corpus import stdlib_corpus, stdlib_root
-from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.errors import ModelLoadError
+from specserve.workers.models import demo
+from specserve.workers.models.demo import TINY_SPEC, DemoSpec, find_demo_family, stdlib_root
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.training.demo_build import build_demo_family, ensure_demo_family
+from specserve.workers.training.demo_corpus import stdlib_corpus
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,9 @@ def test_tiny_build_end_to_end(tiny_family):
 def test_cached_family_is_found_not_rebuilt(tiny_family, monkeypatch):
     monkeypatch.setenv("SPECSERVE_HOME", str(tiny_family.root.parent.parent))
     assert find_demo_family(TINY_SPEC) == tiny_family
-    monkeypatch.setattr("specserve.workers.training.demo_build.build_demo_family", lambda *a, **k: pytest.fail("rebuilt"))
+    monkeypatch.setattr(
+        "specserve.workers.training.demo_build.build_demo_family", lambda *a, **k: pytest.fail("rebuilt")
+    )
     assert ensure_demo_family(TINY_SPEC) == tiny_family
 
 
@@ -65,7 +70,7 @@ def test_build_is_reproducible(tiny_family, tmp_path, monkeypatch):
 
 def test_a_draft_only_recipe_change_reuses_the_target_and_builds_what_a_fresh_build_does(tiny_family, tmp_path,
                                                                                         monkeypatch):  # fmt: skip
-    from specserve.workers.training import demo_build as demo
+    from specserve.workers.training import demo_build
 
     other_draft = TINY_SPEC.model_copy(update={"draft_onpolicy_steps": 3, "onpolicy_lr": 1e-3})
     assert other_draft.target_recipe() == TINY_SPEC.target_recipe() and other_draft.key() != TINY_SPEC.key()
@@ -75,9 +80,9 @@ def test_a_draft_only_recipe_change_reuses_the_target_and_builds_what_a_fresh_bu
 
     monkeypatch.setenv("SPECSERVE_HOME", str(tiny_family.root.parent.parent))  # holds the tiny target's checkpoint
     trained = []
-    real_train = demo._train
-    monkeypatch.setattr(demo, "_train", lambda name, *a, **k: trained.append(name) or real_train(name, *a, **k))
-    monkeypatch.setattr(demo, "_unlikelihood", lambda *a, **k: pytest.fail("the target was fine-tuned again"))
+    real_train = demo_build._train
+    monkeypatch.setattr(demo_build, "_train", lambda name, *a, **k: trained.append(name) or real_train(name, *a, **k))
+    monkeypatch.setattr(demo_build, "_unlikelihood", lambda *a, **k: pytest.fail("the target was fine-tuned again"))
     reused = build_demo_family(other_draft, progress=False)
     assert "target" not in trained and "draft on target text" in trained
     for name in ("target", "draft"):
@@ -90,9 +95,8 @@ def test_a_draft_only_recipe_change_reuses_the_target_and_builds_what_a_fresh_bu
 
 
 def test_training_device_is_chosen_and_checked():
-    from specserve.workers.training.demo_train import use_bf16
-    from specserve.workers.errors import ModelLoadError
     from specserve.workers.runtime.loading import resolve_device  # what build_demo_family trains on
+    from specserve.workers.training.demo_train import use_bf16
 
     assert resolve_device("cpu") == torch.device("cpu") and not use_bf16(torch.device("cpu"))  # a fixed fp32 recipe
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,15 +153,11 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
 
 
 def test_the_packaged_family_installs_without_training_and_matches_the_default_recipe(tmp_path, monkeypatch):
-    from specserve.workers.training.demo_build import DemoSpec
-    from specserve.workers.models.demo_package import PACKAGED, packaged_spec
-
-    assert packaged_spec() == DemoSpec(), "the packaged weights are not the default recipe's: regenerate them"
-    size = sum(p.stat().st_size for p in PACKAGED.rglob("*") if p.is_file())
+    assert demo.packaged_spec() == DemoSpec(), "the packaged weights are not the default recipe's: regenerate them"
+    size = sum(p.stat().st_size for p in demo.PACKAGED.rglob("*") if p.is_file())
     assert size <= 20 * 2**20, f"packaged family is {size / 2**20:.1f} MB (limit 20)"
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr("specserve.workers.training.demo_build.build_demo_family", lambda *a, **k: pytest.fail("trained"))
-    family = ensure_demo_family(progress=False)
+    family = demo.ensure_demo_family(progress=False)  # what serving calls: it cannot train
     assert family.root.parent.parent == tmp_path and find_demo_family() == family
     manifest = family.manifest
     assert manifest["corpus_root"] == str(stdlib_root()) and manifest["held_out_files"]
@@ -171,3 +171,39 @@ def test_the_packaged_family_installs_without_training_and_matches_the_default_r
     spec = engine.generate(prompt, SamplingParams(max_new_tokens=24), SpecParams(k=4))
     plain = engine.generate(prompt, SamplingParams(max_new_tokens=24), SpecParams(method="none"))
     assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0
+
+
+def test_serving_never_trains_a_family_that_is_neither_cached_nor_packaged(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    with pytest.raises(ModelLoadError, match=r"specserve models build-demo --tiny") as err:
+        demo.ensure_demo_family(TINY_SPEC, progress=False)
+    assert str(demo.family_dir(TINY_SPEC)) in str(err.value)
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+    assert demo.install_packaged(TINY_SPEC, progress=False) is None  # the packaged copy is DemoSpec()'s
+    assert demo.install_packaged(DemoSpec(), progress=False, root=tmp_path / "absent") is None
+
+
+def test_build_demo_trains_what_is_neither_cached_nor_packaged(tmp_path, monkeypatch):
+    from specserve.workers.training import demo_build
+
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    built = []
+    monkeypatch.setattr(demo_build, "build_demo_family", lambda spec, **k: built.append(spec) or "built")
+    assert ensure_demo_family(TINY_SPEC, progress=False) == "built" and built == [TINY_SPEC]
+
+
+def test_a_packaged_family_installs_as_it_was_built(tiny_family, tmp_path, monkeypatch):
+    from specserve.workers.training.demo_package import package_family
+
+    package_family(tiny_family, dest=tmp_path / "packaged")
+    assert demo.packaged_spec(tmp_path / "packaged") == TINY_SPEC
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path / "home"))
+    family = demo.install_packaged(TINY_SPEC, progress=False, root=tmp_path / "packaged")
+    assert family == find_demo_family(TINY_SPEC) and family.root.parent.parent == tmp_path / "home"
+    manifest = family.manifest
+    assert manifest["weights_dtype"] == "float16" and manifest["corpus_root"] == str(stdlib_root())
+    assert manifest["held_out_files"] == tiny_family.manifest["held_out_files"]
+    target = load_model(ModelConfig(path=family.target, device="cpu"))
+    built = load_model(ModelConfig(path=tiny_family.target, device="cpu"))
+    for a, b in zip(target.model.parameters(), built.model.parameters(), strict=True):
+        assert torch.equal(a, b.half().float())  # the built weights, rounded to fp16

@@ -364,7 +364,7 @@ def list_models() -> list[dict]:
 
 
 def _demo_row() -> dict:
-    from specserve.workers.training.demo_build import find_demo_family
+    from specserve.workers.models.demo import find_demo_family
 
     family = find_demo_family()
     return {"name": DEMO, "description": "the packaged demo family: a 5M-parameter toy target and its 1.2M draft, "

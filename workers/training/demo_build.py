@@ -1,10 +1,11 @@
-"""The demo model family: tokenizer, target and distilled draft, built reproducibly offline and cached.
+"""Building the demo model family: tokenizer, target and distilled draft, trained reproducibly offline and cached.
 
 `specserve models build-demo` puts it under $SPECSERVE_HOME (default ~/.cache/specserve): from the weights packaged
-with specserve (`demo_package`) when they match the spec, else trained (`--from-scratch` always trains);
+with specserve (`workers/models/demo.py`) when they match the spec, else trained (`--from-scratch` always trains);
 `ensure_demo_family` returns the cached family, installing or building it first when missing. Saved in Hugging Face
 format, so it loads through the same path as any user model. A build also keeps its final target under
-$SPECSERVE_HOME/stages/, so a later recipe that changes only the draft starts from it.
+$SPECSERVE_HOME/stages/, so a later recipe that changes only the draft starts from it. The recipe (`DemoSpec`) and
+what serving reads of a family live in `workers/models/demo.py`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,23 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
+from specserve.workers.models.demo import (
+    DemoFamily,
+    DemoSpec,
+    family_dir,
+    find_demo_family,
+    install_packaged,
+    log,
+    move_into_place,
+)
+from specserve.workers.models.home import specserve_home
+from specserve.workers.runtime.loading import resolve_device
 from specserve.workers.training.demo_corpus import stdlib_corpus
 from specserve.workers.training.demo_train import (
     encode_stream,
@@ -32,109 +42,16 @@ from specserve.workers.training.demo_train import (
     train_tokenizer,
     use_bf16,
 )
-from specserve.workers.models.home import specserve_home
-from specserve.workers.runtime.loading import resolve_device
 from specserve.workers.training.onpolicy import continuation_pool, pool_batches, teacher_logprobs
 from specserve.workers.training.unlikelihood import unlikelihood_finetune
 
 
-class DemoSpec(BaseModel):
-    """Everything that determines the demo family. Changing any field builds a new family."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field("demo", description="Family name, part of the cache directory.")
-    vocab_size: int = Field(4096, gt=256, description="BPE vocabulary size, specials included.")
-    target_layers: int = Field(24, gt=0, description="Target transformer layers.")
-    target_hidden: int = Field(128, gt=0, description="Target hidden width (multiple of 64).")
-    draft_layers: int = Field(1, gt=0, description="Draft transformer layers.")
-    draft_hidden: int = Field(192, gt=0, description="Draft hidden width (multiple of 64).")
-    max_positions: int = Field(2048, gt=0, description="Context length of both models.")
-    seq_len: int = Field(256, gt=0, description="Training window length.")
-    batch: int = Field(8, gt=0, description="Training windows per step.")
-    target_steps: int = Field(480, gt=0, description="Target training steps (cross-entropy on the corpus).")
-    unlikelihood_steps: int = Field(
-        150,
-        ge=0,
-        description="Target fine-tuning steps with sequence-level unlikelihood on "
-        "its own greedy continuations (stops greedy loops), after target_steps.",
-    )
-    draft_steps: int = Field(
-        0, ge=0, description="Draft distillation steps on corpus windows (KL to the final target's logits)."
-    )
-    draft_onpolicy_steps: int = Field(
-        4800,
-        ge=0,
-        description="Draft distillation steps on the final target's greedy continuations of corpus prefixes "
-        "(the text it emits at serving time), after draft_steps.",
-    )
-    onpolicy_pool: int = Field(16384, gt=0, description="Greedy continuations generated for the on-policy stage.")
-    onpolicy_batch: int = Field(12, gt=0, description="Pooled continuations per on-policy step.")
-    onpolicy_argmax_weight: float = Field(
-        0.3, ge=0, description="Weight of cross-entropy on the target's argmax beside the KL in the on-policy stage."
-    )
-    onpolicy_lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate of the on-policy stage.")
-    lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
-    seed: int = Field(0, ge=0, description="Seed of every random choice.")
-    max_files: int | None = Field(None, gt=0, description="Use only the first N corpus files (tiny builds).")
-
-    def key(self) -> str:
-        return hashlib.sha1(self.model_dump_json().encode()).hexdigest()[:10]
-
-    def target_recipe(self) -> dict:
-        """The fields the tokenizer and the final target depend on (the draft's do not change them)."""
-        return self.model_dump(include=set(TARGET_FIELDS))
-
-
-TARGET_FIELDS = ("vocab_size", "target_layers", "target_hidden", "max_positions", "seq_len", "batch", "target_steps",
-                 "unlikelihood_steps", "lr", "seed", "max_files")  # fmt: skip
-
-
-TINY_SPEC = DemoSpec(
-    name="tiny", vocab_size=300, target_layers=2, target_hidden=64, draft_layers=1, draft_hidden=64,
-    max_positions=512, seq_len=64, batch=4, target_steps=6, draft_steps=4, unlikelihood_steps=2, draft_onpolicy_steps=2,
-    onpolicy_pool=6, onpolicy_batch=3, max_files=12,
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class DemoFamily:
-    root: Path
-
-    @property
-    def target(self) -> str:
-        return str(self.root / "target")
-
-    @property
-    def draft(self) -> str:
-        return str(self.root / "draft")
-
-    @property
-    def manifest(self) -> dict:
-        return json.loads((self.root / "family.json").read_text())
-
-
-def family_dir(spec: DemoSpec) -> Path:
-    return specserve_home() / "models" / f"{spec.name}-{spec.key()}"
-
-
-def find_demo_family(spec: DemoSpec | None = None) -> DemoFamily | None:
-    root = family_dir(spec or DemoSpec())
-    return DemoFamily(root) if (root / "family.json").is_file() else None
-
-
 def ensure_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> DemoFamily:
     """The cached family; when missing, installed from the weights packaged with specserve (if they were built from
-    `spec`), else built (with progress on stderr)."""
-    from specserve.workers.models.demo_package import install_packaged
-
+    `spec`), else built (with progress on stderr). What `specserve models build-demo` runs; serving uses
+    `workers.models.demo.ensure_demo_family`, which never trains."""
     spec = spec or DemoSpec()
     return find_demo_family(spec) or install_packaged(spec, progress) or build_demo_family(spec, progress=progress)
-
-
-def log(progress: bool, msg: str) -> None:
-    if progress:
-        print(f"[specserve] {msg}", file=sys.stderr, flush=True)
 
 
 def build_demo_family(
@@ -161,24 +78,8 @@ def build_demo_family(
     log(progress, f"corpus: {len(corpus.train)} training files, {len(corpus.held_out)} held out, from {corpus.root}")
     log(progress, f"training on {where}" + (", bf16 autocast" if use_bf16(on) else ", fp32"))
     tokenizer, stream, target, target_meta = _final_target(spec, texts, on, progress)
-
-    # Seeded here, not by whatever the target stages left in the global generator (they may have been skipped).
-    torch.manual_seed(spec.seed + 5)
-    draft = _llama(tokenizer, spec.draft_layers, spec.draft_hidden, spec).to(on)
-    draft_losses = onpolicy_losses = []
-    if spec.draft_steps:
-        draft_losses = _train("draft", draft, stream, spec.draft_steps, spec, target, progress)
-    if spec.draft_onpolicy_steps:
-        pool = _continuation_pool(target, stream, spec, on, progress)
-        file = staging.with_name(staging.name + ".logprobs")
-        try:
-            logprobs = _teacher_logprobs(target, pool, progress, file)
-            onpolicy_losses = _train("draft on target text", draft, stream, spec.draft_onpolicy_steps, spec, None,
-                                     progress, data=pool_batches(pool, spec.onpolicy_batch, spec.seed + 4, logprobs),
-                                     lr=spec.onpolicy_lr, argmax_weight=spec.onpolicy_argmax_weight)  # fmt: skip
-            del logprobs
-        finally:
-            file.unlink(missing_ok=True)
+    logprobs_file = staging.with_name(staging.name + ".logprobs")
+    draft, draft_kl = _final_draft(spec, tokenizer, stream, target, on, logprobs_file, progress)
 
     for name, model in (("target", target), ("draft", draft)):
         model.to("cpu")
@@ -197,7 +98,7 @@ def build_demo_family(
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
         **target_meta,
-        "draft_final_kl": _tail_mean(onpolicy_losses or draft_losses) if onpolicy_losses or draft_losses else None,
+        "draft_final_kl": draft_kl,
         "trained_on": where,
         "build_seconds": round(time.time() - started, 1),
     }
@@ -205,6 +106,29 @@ def build_demo_family(
     move_into_place(staging, final)
     log(progress, f"demo family ready in {manifest['build_seconds']:.0f} s: {final}")
     return DemoFamily(final)
+
+
+def _final_draft(spec: DemoSpec, tokenizer, stream, target, on: torch.device, logprobs_file: Path, progress: bool):
+    """(draft on `on`, its final KL): distilled from the final target on corpus windows, then on the target's own
+    greedy text (its log-probs kept in `logprobs_file` while the stage runs)."""
+    # Seeded here, not by whatever the target stages left in the global generator (they may have been skipped).
+    torch.manual_seed(spec.seed + 5)
+    draft = _llama(tokenizer, spec.draft_layers, spec.draft_hidden, spec).to(on)
+    draft_losses = onpolicy_losses = []
+    if spec.draft_steps:
+        draft_losses = _train("draft", draft, stream, spec.draft_steps, spec, target, progress)
+    if spec.draft_onpolicy_steps:
+        pool = _continuation_pool(target, stream, spec, on, progress)
+        try:
+            logprobs = _teacher_logprobs(target, pool, progress, logprobs_file)
+            onpolicy_losses = _train("draft on target text", draft, stream, spec.draft_onpolicy_steps, spec, None,
+                                     progress, data=pool_batches(pool, spec.onpolicy_batch, spec.seed + 4, logprobs),
+                                     lr=spec.onpolicy_lr, argmax_weight=spec.onpolicy_argmax_weight)  # fmt: skip
+            del logprobs
+        finally:
+            logprobs_file.unlink(missing_ok=True)
+    losses = onpolicy_losses or draft_losses
+    return draft, _tail_mean(losses) if losses else None
 
 
 def _llama(tokenizer, layers: int, hidden: int, spec: DemoSpec):
@@ -267,13 +191,6 @@ def _teacher_logprobs(target, pool, progress: bool, file: Path):
         return teacher_logprobs(target, pool, on_batch=bar.update, file=file)
     finally:
         bar.close()
-
-
-def move_into_place(staging: Path, final: Path) -> None:
-    """Replace `final` by the complete `staging` directory (readers never see a half-written family)."""
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
 
 
 def _tail_mean(losses: list[float]) -> float:

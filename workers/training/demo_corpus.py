@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+
+from specserve.workers.models.demo import stdlib_root
 
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "ensurepip", "turtledemo"}
 
@@ -27,11 +28,6 @@ class Corpus:
 
 def _held_out(rel: str) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 10 == 0
-
-
-def stdlib_root() -> Path:
-    """This Python's standard library directory."""
-    return Path(sysconfig.get_paths()["stdlib"])
 
 
 def stdlib_corpus(root: str | Path | None = None, max_files: int | None = None) -> Corpus:

@@ -1,0 +1,134 @@
+"""How `specserve bench` times its rows: per-token costs sampled between the rows, the interleaved measurement of
+every row on every prompt, the bounds a speculative row is compared with, and the throughput of stream rows (the
+disaggregated, Serve and tensor-parallel ones)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from specserve.cluster.bench.rows import BenchConfig, Row, RowFn
+from specserve.workers.config import KVCacheConfig, SamplingParams
+from specserve.workers.runtime.loading import LoadedModel
+from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.speculation.adaptive_k import fit_acceptance, leviathan_speedup
+
+
+@dataclass
+class Costs:
+    t_draft: float  # seconds per drafted token (draft model, cached, one token); 0 without a draft model
+    t_target: float  # seconds per target token (cached, one token)
+    t_verify: dict[int, float]  # seconds per target forward over k + 1 new positions
+
+
+def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -> list[float]:
+    """Seconds of `reps` cached forwards over `new` fresh positions after `prompt`."""
+    times = []
+    for i in range(reps):
+        runner.logits_for("cost", prompt, 1)
+        seq = prompt + [(7 * i + j) % 200 + 3 for j in range(new)]
+        t0 = time.perf_counter()
+        runner.logits_for("cost", seq, new)
+        times.append(time.perf_counter() - t0)
+    runner.release("cost")
+    return times
+
+
+class CostSampler:
+    """Per-token costs, sampled a few times per prompt between the rows (so the VM's drift lands on the costs as on
+    the rows, and `ratio_to_bound` compares like with like); `costs()` takes the medians of all samples. Without a
+    draft model (n-gram drafting costs next to nothing) t_draft is 0 and the verify costs are what matter."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, ks, reps: int = 5):
+        self.t_runner = ModelRunner(target, KVCacheConfig())
+        self.d_runner = ModelRunner(draft, KVCacheConfig()) if draft is not None else None
+        self.verify_ks = sorted(set(ks) | {1, 2, 4, 6, 8})
+        self.reps = reps
+        self.samples: dict[str, list[float]] = {}
+
+    def warm_up(self, prompt: list[int]) -> None:
+        _time_forward(self.t_runner, prompt, 5, self.reps)  # allocator and kernel caches
+        if self.d_runner is not None:
+            _time_forward(self.d_runner, prompt, 1, self.reps)
+
+    def sample(self, prompt: list[int]) -> None:
+        add = lambda key, times: self.samples.setdefault(key, []).extend(times)  # noqa: E731
+        if self.d_runner is not None:
+            add("draft", _time_forward(self.d_runner, prompt, 1, self.reps))
+        add("target", _time_forward(self.t_runner, prompt, 1, self.reps))
+        for k in self.verify_ks:
+            add(f"verify{k}", _time_forward(self.t_runner, prompt, k + 1, self.reps))
+
+    def costs(self) -> Costs:
+        med = lambda key: statistics.median(self.samples[key])  # noqa: E731
+        return Costs(t_draft=med("draft") if "draft" in self.samples else 0.0, t_target=med("target"),
+                     t_verify={k: med(f"verify{k}") for k in self.verify_ks})  # fmt: skip
+
+
+def distinct_ngram_fraction(tokens: list[int], n: int = 4) -> float:
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def verify_cost(costs: Costs, k: float) -> float:
+    """Seconds of a target forward over k + 1 positions: the sampled cost, interpolated between sampled widths for a
+    fractional k (a mean over rounds; k = 0 is a plain one-token step)."""
+    points = sorted({0: costs.t_target, **costs.t_verify}.items())
+    if k >= points[-1][0]:
+        return points[-1][1]
+    for (k0, t0), (k1, t1) in zip(points, points[1:], strict=False):
+        if k0 <= k <= k1:
+            return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+    return points[0][1]
+
+
+def fill_bounds(row: Row, costs: Costs, k: float) -> None:
+    """Leviathan's S(k) with a fitted a, and the cost-aware bound B(k) = E t_target / (k t_draft + t_verify(k+1))."""
+    E = row.mean_accepted_length
+    t_verify = verify_cost(costs, k)
+    t_draft = costs.t_draft if row.method == "draft" else 0.0
+    c = t_draft / costs.t_target
+    row.t_draft_ms, row.t_target_ms, row.t_verify_ms = t_draft * 1e3, costs.t_target * 1e3, t_verify * 1e3
+    row.leviathan_bound = leviathan_speedup(fit_acceptance(E, k), k, c)
+    row.bound = E * costs.t_target / (k * t_draft + t_verify)
+
+
+def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> SamplingParams:
+    return greedy if row.temperature == 0 else sampled
+
+
+def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampler: CostSampler | None = None):
+    """Prompt by prompt, every row in turn (forwards, then backwards for the next prompt): this VM's speed drifts by
+    tens of percent over minutes, and row after row (each over all prompts) charged a slow spell to whichever rows
+    ran in it (one run measured T=0.8 speculation at 0.79x target-only, the next at 1.56x, same models).
+    Returns {id(row): [drafted, accepted, rounds]}."""
+    greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
+    counts = {id(row): [0, 0, 0] for row, _ in plan}
+    for i, prompt in enumerate(prompts):
+        if sampler is not None:
+            sampler.sample(prompt)
+        for row, fn in plan if i % 2 == 0 else plan[::-1]:
+            t0 = time.perf_counter()
+            tokens, stats = fn(prompt, params_for(row, greedy, sampled))
+            row.seconds += time.perf_counter() - t0
+            row.tokens += len(tokens)
+            row.outputs.append(tokens)
+            if stats is not None:
+                c = counts[id(row)]
+                c[0], c[1], c[2] = c[0] + stats.drafted, c[1] + stats.accepted, c[2] + stats.rounds
+            bar.update(1)
+    for row, _ in plan:
+        row.tokens_per_s = row.tokens / row.seconds
+    return counts
+
+
+def finish_stream_rows(rows: list[Row], base: Row) -> list[Row]:
+    """Fill in throughput, speedup over `base` and the identical check of rows that recorded outputs and seconds."""
+    for row in rows:
+        row.tokens = sum(len(o) for o in row.outputs)
+        row.tokens_per_s = row.tokens / row.seconds
+        row.speedup = row.tokens_per_s / base.tokens_per_s
+        row.identical = row.outputs == base.outputs
+    return rows
