@@ -35,10 +35,10 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
 
 def _build_demo(args: argparse.Namespace) -> int:
     from specserve.workers.models.demo import TINY_SPEC, DemoSpec
-    from specserve.workers.training.demo_build import build_demo_family, ensure_demo_family
+    from specserve.workers.training.demo_build import build_demo_family, install_or_build_demo_family
 
     spec = TINY_SPEC if args.tiny else DemoSpec()
-    family = build_demo_family(spec, device=args.device) if args.from_scratch else ensure_demo_family(spec)
+    family = build_demo_family(spec, device=args.device) if args.from_scratch else install_or_build_demo_family(spec)
     print(json.dumps({"root": str(family.root), "target": family.target, "draft": family.draft}))
     return 0
 

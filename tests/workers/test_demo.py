@@ -12,7 +12,7 @@ from specserve.workers.models import demo
 from specserve.workers.models.demo import TINY_SPEC, DemoSpec, find_demo_family, stdlib_root
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
-from specserve.workers.training.demo_build import build_demo_family, ensure_demo_family
+from specserve.workers.training.demo_build import build_demo_family, install_or_build_demo_family
 from specserve.workers.training.demo_corpus import stdlib_corpus
 
 
@@ -56,7 +56,7 @@ def test_cached_family_is_found_not_rebuilt(tiny_family, monkeypatch):
     monkeypatch.setattr(
         "specserve.workers.training.demo_build.build_demo_family", lambda *a, **k: pytest.fail("rebuilt")
     )
-    assert ensure_demo_family(TINY_SPEC) == tiny_family
+    assert install_or_build_demo_family(TINY_SPEC) == tiny_family
 
 
 def test_build_is_reproducible(tiny_family, tmp_path, monkeypatch):
@@ -189,7 +189,7 @@ def test_build_demo_trains_what_is_neither_cached_nor_packaged(tmp_path, monkeyp
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
     built = []
     monkeypatch.setattr(demo_build, "build_demo_family", lambda spec, **k: built.append(spec) or "built")
-    assert ensure_demo_family(TINY_SPEC, progress=False) == "built" and built == [TINY_SPEC]
+    assert install_or_build_demo_family(TINY_SPEC, progress=False) == "built" and built == [TINY_SPEC]
 
 
 def test_a_packaged_family_installs_as_it_was_built(tiny_family, tmp_path, monkeypatch):

@@ -2,8 +2,8 @@
 
 `specserve models build-demo` puts it under $SPECSERVE_HOME (default ~/.cache/specserve): from the weights packaged
 with specserve (`workers/models/demo.py`) when they match the spec, else trained (`--from-scratch` always trains);
-`ensure_demo_family` returns the cached family, installing or building it first when missing. Saved in Hugging Face
-format, so it loads through the same path as any user model. A build also keeps its final target under
+`install_or_build_demo_family` returns the cached family, installing or building it first when missing. Saved
+in Hugging Face format, so it loads through the same path as any user model. A build also keeps its final target under
 $SPECSERVE_HOME/stages/, so a later recipe that changes only the draft starts from it. The recipe (`DemoSpec`) and
 what serving reads of a family live in `workers/models/demo.py`.
 """
@@ -46,7 +46,7 @@ from specserve.workers.training.onpolicy import continuation_pool, pool_batches,
 from specserve.workers.training.unlikelihood import unlikelihood_finetune
 
 
-def ensure_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> DemoFamily:
+def install_or_build_demo_family(spec: DemoSpec | None = None, progress: bool = True) -> DemoFamily:
     """The cached family; when missing, installed from the weights packaged with specserve (if they were built from
     `spec`), else built (with progress on stderr). What `specserve models build-demo` runs; serving uses
     `workers.models.demo.ensure_demo_family`, which never trains."""
