@@ -13,14 +13,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specserve.protos.wire import APP_NAME
 from specserve.workers.config import MAX_K, BatchingConfig, KVCacheConfig, validate
 from specserve.workers.errors import InvalidRequestError
 
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
 DEFAULT_MODEL = "smollm2-135m-instruct"  # a known name (workers/models/known_models.json): pulled and converted on first use
 IMPORT_PATH = "specserve.cluster.serve.serve_app:build_app"
-APP_NAME = "specserve"
-AUTOSCALING_POLICY = "specserve.cluster.scheduling.policies:PoolAutoscalingPolicy"
+AUTOSCALING_POLICY = "specserve.cluster.scheduling.autoscaling:PoolAutoscalingPolicy"
 # The generated add_SpecServeServicer_to_server, with a request deserializer that never raises (INVALID_ARGUMENT,
 # not UNKNOWN, for bytes that are no GenerateRequest).
 GRPC_SERVICER = "specserve.cluster.serve.public_proto.add_servicer_to_server"
@@ -119,10 +119,12 @@ class LimitsConfig(_Strict):
         8192, gt=0, description="Longest prompt accepted, in tokens (and never more than the model's context less "
         "one). A longer prompt is refused by its length in characters before it is tokenized when it cannot fit."
     )  # fmt: skip
-    max_new_tokens: int = Field(4096, gt=0, le=1_000_000, description="Largest max_tokens accepted.")
+    max_new_tokens: int = Field(
+        4096, gt=0, le=1_000_000, description="Largest max_new_tokens a request may ask for (OpenAI's max_tokens)."
+    )
     default_max_new_tokens: int = Field(
-        256, gt=0, description="max_tokens when a request does not say, lowered to what fits in the model's context "
-        "after the prompt (so an unset max_tokens is never an error)."
+        256, gt=0, description="max_new_tokens when a request does not say, lowered to what fits in the model's "
+        "context after the prompt (so an unset max_new_tokens is never an error)."
     )  # fmt: skip
     max_request_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest HTTP request body accepted (413 above it)."
@@ -201,7 +203,7 @@ def serve_config(
         "args": app.model_dump(mode="json"),
     }
     if any(p.autoscaling for m in app.models for p in (m.target_pool, m.draft_pool)):
-        # Scale each model's draft and target pools together from the replicas' busy time (cluster/scheduling/policies.py).
+        # Scale each model's draft and target pools together by their busy time (cluster/scheduling/autoscaling.py).
         application["autoscaling_policy"] = {
             "policy_function": AUTOSCALING_POLICY,
             "policy_kwargs": {"goal_busy_fraction": app.autoscaling_goal_busy_fraction},

@@ -1,6 +1,6 @@
 """What both public edges (the OpenAI HTTP API and the SpecServe gRPC service) share: strict pydantic models for what a
 client sends, errors that name the field the way the client wrote it, and the typed `Request` they hand to
-`SpecService.prepare`.
+`RequestPreparer.prepare` (cluster/serve/prepare.py).
 
 Every value a client sends is checked here once (types, ranges, valid Unicode); what depends on the served model and
 the app's limits (vocabulary, context, prompt length) is checked by `prepare`, which takes only the typed Request.
@@ -24,9 +24,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from specserve.workers.models.chat import ChatPrompt
 from specserve.workers.config import SpecMethod
 from specserve.workers.errors import InvalidRequestError, SpecServeError
+from specserve.workers.models.chat import ChatPrompt
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class PayloadTooLargeError(InvalidRequestError):
 class Request:
     """One generation request as an edge validated it: types and ranges checked, defaults not applied yet. The
     `*_field` names are the client's own (HTTP `max_tokens`, gRPC `sampling.max_new_tokens`, ...), for the errors
-    `prepare` may still raise."""
+    `prepare` may still raise; inside, the concept is `max_new_tokens` whatever the edge calls it."""
 
     model: str  # "" = the first served model
     prompt: str | tuple[int, ...] | ChatPrompt
@@ -59,7 +59,7 @@ class Request:
     method: SpecMethod | None  # None: the model's default
     k: int | Literal["auto"] | None  # None: the model's default
     prompt_field: str = "prompt"
-    max_tokens_field: str = "max_new_tokens"
+    max_new_tokens_field: str = "max_new_tokens"
 
 
 class EdgeModel(BaseModel):

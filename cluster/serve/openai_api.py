@@ -1,10 +1,11 @@
 """OpenAI-compatible request parsing and response shapes (completions, chat completions, models, errors). Pure
-functions over dicts: the HTTP routes in cluster/serve/serve_app.py call them, tests call them alone.
+functions over dicts: the HTTP routes in cluster/serve/ingress.py call them, tests call them alone.
 
 Requests are validated once, here, by strict pydantic models of OpenAI's bodies (field names as OpenAI spells them,
-so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `Request` that `SpecService.prepare`
-takes. Extensions beyond OpenAI's fields: `top_k`, and `speculation: {"method": "draft"|"ngram"|"none", "k":
-1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the output in ways
+so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `Request` that `RequestPreparer.prepare`
+takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`). Extensions beyond OpenAI's
+fields: `top_k`, and `speculation: {"method": "draft"|"ngram"|"none", "k": 1..16|"auto"}` (pass them with the openai
+package's `extra_body=`). OpenAI fields that would change the output in ways
 specserve does not implement (`n`, `stop`, `logit_bias`, penalties, logprobs, tools, ...) are accepted only at their
 neutral value. Every response carries `specserve` stats (rounds, drafted, accepted, acceptance_rate,
 mean_accepted_length).
@@ -38,9 +39,9 @@ from specserve.cluster.serve.edge import (
     text,
     unsupported,
 )
-from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
 from specserve.workers.config import MAX_K, SpecMethod
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
 
 MAX_MESSAGES = 4096
 MAX_PARTS = 256  # content parts of one message
@@ -224,7 +225,7 @@ class _Body(EdgeModel):
             method=spec.method,
             k=spec.k,
             prompt_field=prompt_field,
-            max_tokens_field="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
+            max_new_tokens_field="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
         )
 
 
@@ -278,7 +279,7 @@ def parse_completion(body: Any) -> ParsedRequest:
 
 def parse_chat(body: Any) -> ParsedRequest:
     """A /v1/chat/completions body -> the typed request; the messages become a ChatPrompt, rendered with the served
-    model's own chat template by `SpecService.prepare` (workers/models/chat.py)."""
+    model's own chat template by `RequestPreparer.prepare` (workers/models/chat.py)."""
     parsed: ChatBody = parse(ChatBody, body)
     prompt = ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages))
     return _parsed(parsed, prompt, "messages")

@@ -22,7 +22,6 @@ from specserve.cluster.serve.edge import (
     text,
 )
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
 from specserve.workers.config import MAX_K
 from specserve.workers.errors import (
     InvalidRequestError,
@@ -31,6 +30,7 @@ from specserve.workers.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
 
 SERVICE = "specserve.v1.SpecServe"
 MAX_MESSAGES = 4096
@@ -131,7 +131,7 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
         method=(sp.method or None) if sp else None,
         k=(sp.k or "auto") if sp else None,
         prompt_field=field,
-        max_tokens_field="sampling.max_new_tokens",
+        max_new_tokens_field="sampling.max_new_tokens",
     )
 
 

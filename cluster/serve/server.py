@@ -79,7 +79,7 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     if local_only:  # before Ray is imported: it reads this once, at import
         os.environ[LOCAL_ONLY_ENV] = "0"
 
-    from specserve.cluster.serve.serve_app import resolve_paths
+    from specserve.cluster.serve.replica_env import resolve_paths
 
     for m in app.models:
         log.info("model %r: target %s, draft %s", m.name, m.target, m.draft)

@@ -7,8 +7,8 @@ import pytest
 
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.edge import PayloadTooLargeError, Request
-from specserve.workers.models.chat import ChatMessage, ChatPrompt
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models.chat import ChatMessage, ChatPrompt
 
 
 def test_completion_fields_map_to_the_typed_request():
@@ -19,7 +19,7 @@ def test_completion_fields_map_to_the_typed_request():
     assert (p.stream, p.include_usage) == (True, True)
     assert p.request == Request(model="m", prompt="hi", temperature=0.0, top_p=0.9, top_k=7, seed=3,
                                 max_new_tokens=5, method="ngram", k="auto", prompt_field="prompt",
-                                max_tokens_field="max_tokens")  # fmt: skip
+                                max_new_tokens_field="max_tokens")  # fmt: skip
 
 
 def test_openai_defaults_sample_at_temperature_one_and_leave_max_tokens_to_the_server():
@@ -27,7 +27,7 @@ def test_openai_defaults_sample_at_temperature_one_and_leave_max_tokens_to_the_s
     assert (r.prompt, r.temperature, r.top_p, r.top_k, r.model, r.max_new_tokens) == ((1, 2, 3), 1.0, 1.0, 0, "", None)
     assert oai.parse_completion({"prompt": ["one"]}).request.prompt == "one"
     r = oai.parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 9})
-    assert (r.request.max_new_tokens, r.request.max_tokens_field) == (9, "max_completion_tokens")
+    assert (r.request.max_new_tokens, r.request.max_new_tokens_field) == (9, "max_completion_tokens")
 
 
 SURROGATE = "a\ud800b"

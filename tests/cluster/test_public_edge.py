@@ -1,5 +1,5 @@
 """The public edges without a server: GenerateRequest messages -> the typed Request (fields named by their proto
-path), bytes that are no message, `SpecService.prepare` against a tiny model's context and the app's limits (prompts
+path), bytes that are no message, `RequestPreparer.prepare` against a tiny model's context and the app's limits (prompts
 refused by their size before tokenizing), and which errors count as refused requests."""
 
 from concurrent import futures
@@ -7,9 +7,10 @@ from concurrent import futures
 import grpc
 import pytest
 
-from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.app_config import AppConfig
+from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.edge import PayloadTooLargeError, Request
+from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.cluster.serve.public_proto import (
     add_servicer_to_server,
     decode_request,
@@ -17,10 +18,8 @@ from specserve.cluster.serve.public_proto import (
     request_from_proto,
     status_for,
 )
-from specserve.cluster.scheduling.service import SpecService
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.models.chat import ChatMessage, ChatPrompt
 from specserve.workers.errors import (
     InvalidRequestError,
     KVCapacityError,
@@ -28,6 +27,7 @@ from specserve.workers.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from specserve.workers.models.chat import ChatMessage, ChatPrompt
 
 
 def g(prompt="hi", ids=None, messages=None, method=None, k=None, **sampling) -> pb.GenerateRequest:
@@ -43,7 +43,7 @@ def g(prompt="hi", ids=None, messages=None, method=None, k=None, **sampling) -> 
 def test_a_generate_request_becomes_the_typed_request_with_zero_as_unset():
     assert request_from_proto(g()) == Request(model="", prompt="hi", temperature=0.0, top_p=1.0, top_k=0, seed=None,
                                               max_new_tokens=None, method=None, k=None, prompt_field="prompt",
-                                              max_tokens_field="sampling.max_new_tokens")  # fmt: skip
+                                              max_new_tokens_field="sampling.max_new_tokens")  # fmt: skip
     r = request_from_proto(g(temperature=0.5, top_k=2**32 - 1, top_p=0.5, max_new_tokens=7, seed=2**63 - 1,
                              method="ngram"))  # fmt: skip
     assert (r.temperature, r.top_k, r.top_p, r.max_new_tokens, r.seed, r.method, r.k) == (
@@ -127,7 +127,7 @@ def test_the_servicer_registration_answers_undecodable_bytes_with_invalid_argume
 def service(tiny_target):
     app = AppConfig.model_validate({"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram",
                                                 "device": "cpu"}], "limits": {"max_prompt_tokens": 400}})  # fmt: skip
-    return SpecService(app, {"tiny": (tiny_target, None)})
+    return RequestPreparer(app, {"tiny": (tiny_target, None)})
 
 
 def completion(**body):

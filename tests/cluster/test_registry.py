@@ -90,7 +90,7 @@ class _Handle:
 
 
 def test_scheduler_keeps_its_workers_while_a_restarted_registry_relearns_them(tiny_target):
-    from specserve.cluster.serve.serve_app import REJOIN_S, SchedulerReplica
+    from specserve.cluster.serve.scheduler_replica import REJOIN_S, SchedulerReplica
 
     clock = Clock()
     args = {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu"}]}

@@ -14,10 +14,10 @@ import psutil
 import pytest
 import ray
 
-from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.client import SpecServeClient
+from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
-from specserve.cluster.serve.serve_app import REJOIN_S
+from specserve.cluster.serve.scheduler_replica import REJOIN_S
 from specserve.cluster.serve.server import start, stop
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc

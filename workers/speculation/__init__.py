@@ -1,1 +1,1 @@
-"""Speculative decoding math and drafters: proposals, lossless verification, sampling, k adaptation, the in-process engine."""
+"""Speculative decoding: drafters, lossless verification, sampling, k adaptation and the in-process engine."""

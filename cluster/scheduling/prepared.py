@@ -1,0 +1,30 @@
+"""What travels between an ingress replica and a scheduler replica: the request the ingress validated and tokenized
+(`Prepared`, built once at the edge and never re-validated) and what each round committed (`Chunk`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.workers.config import SamplingParams, SpecParams
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated, tokenized request, ready to run: the scheduler takes it as it is."""
+
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecParams
+
+
+@dataclass
+class Chunk:
+    """What one round committed. text: the new text (incrementally detokenized, so chunks concatenate to the full
+    completion); stats: cumulative RequestStats so far."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: dict
+    first: bool = False

@@ -1,0 +1,90 @@
+"""One served model as a scheduler replica holds it (`ModelServing`: tokenizer, scheduler, pipelined driver, the
+clients of its workers) and its membership: workers attach and detach as the registry's rows say, and readiness
+waits on those changes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from specserve.cluster.app_config import ModelPairConfig
+from specserve.cluster.scheduling.detokenize import byte_pieces
+from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.speculation_control import SpeculationControl
+from specserve.cluster.scheduling.tokens import ModelTokenizer
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
+from specserve.workers.runtime.loading import directory_eos_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelServing:
+    """One served model: its tokenizer, its scheduler and the clients of its workers."""
+
+    config: ModelPairConfig
+    tokens: ModelTokenizer
+    eos: frozenset[int]
+    byte_pieces: frozenset[int]  # held back by the detokenizer until a run of them ends
+    pipeline: Pipeline
+    speculation: SpeculationControl = field(default_factory=SpeculationControl)
+    addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.pipeline.scheduler
+
+    @classmethod
+    def load(cls, config: ModelPairConfig, target_path: str,
+             reconnect: Callable[[str], Awaitable[str | None]]) -> ModelServing:  # fmt: skip
+        """The model's tokenizer (from its target directory) and an empty scheduler: no workers until they attach."""
+        tokens = ModelTokenizer(target_path)
+        pipeline = Pipeline(Scheduler([], [], cost_ratio=config.cost_ratio), {}, {}, predraft=config.predraft,
+                            reconnect=reconnect)  # fmt: skip
+        eos = directory_eos_ids(target_path, tokens.tokenizer)
+        return cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
+
+    def sync(self, rows: dict[str, dict], timeout_s: float, secret: str | None) -> None:
+        """Match the workers to the registry's rows for this model (worker id -> model, kind, worker_id, address)."""
+        for worker_id in [w for w in self.addresses if w not in rows]:
+            self.detach(worker_id)
+        for row in rows.values():
+            if self.addresses.get(row["worker_id"]) != row["address"]:
+                self.attach(row["kind"], row["worker_id"], row["address"], timeout_s, secret)
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def attach(self, kind: str, worker_id: str, address: str, timeout_s: float, secret: str | None) -> None:
+        self.addresses[worker_id] = address
+        if kind == "draft":
+            self.pipeline.drafts[worker_id] = DraftClient(address, timeout_s, secret)
+        else:
+            self.pipeline.targets[worker_id] = TargetClient(address, timeout_s, secret)
+        self.scheduler.add_worker(kind, worker_id)
+        log.info("model %r: %s worker %s attached at %s", self.config.name, kind, worker_id, address)
+
+    def detach(self, worker_id: str) -> None:
+        self.addresses.pop(worker_id)
+        self.scheduler.remove_worker(worker_id)
+        self.pipeline.drafts.pop(worker_id, None)
+        self.pipeline.targets.pop(worker_id, None)
+        log.info("model %r: worker %s detached (it left the registry)", self.config.name, worker_id)
+
+    @property
+    def ready(self) -> bool:
+        """A healthy target worker (and a draft worker, if the model drafts with one)."""
+        if not self.scheduler.healthy("target"):
+            return False
+        return not self.config.drafts_with_model or bool(self.scheduler.healthy("draft"))
+
+    async def wait_changed(self, deadline: float) -> None:
+        """Until the membership changes or the deadline (re-checked at least every second)."""
+        timeout = max(0.0, min(1.0, deadline - time.monotonic()))
+        with contextlib.suppress(TimeoutError):  # the deadline is the caller's to judge
+            await asyncio.wait_for(self.changed.wait(), timeout)

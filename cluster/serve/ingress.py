@@ -1,0 +1,213 @@
+"""The ingress deployment: both public APIs, the SpecServe gRPC service (through Serve's gRPC proxy) and the
+OpenAI-compatible HTTP API (FastAPI). Each request is authenticated, validated once by its edge (public_proto.py,
+openai_api.py), checked against the model and tokenized here (prepare.py), and handed to a scheduler replica as a
+`Prepared` request through a deployment handle: one call per request, which streams one chunk per round back."""
+
+import contextlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from specserve.cluster.app_config import AppConfig, app_config
+from specserve.cluster.scheduling.prepared import Chunk, Prepared
+from specserve.cluster.serve import openai_api as oai
+from specserve.cluster.serve.edge import PayloadTooLargeError, client_message
+from specserve.cluster.serve.error_mapping import call_scheduler, http_error, scheduler_error, set_grpc_error
+from specserve.cluster.serve.public_proto import http_status_for, refused_status, request_from_proto, response
+from specserve.cluster.serve.replica_env import resolve_paths
+from specserve.workers.errors import SpecServeError, UnauthenticatedError
+
+log = logging.getLogger(__name__)
+
+http_app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding", docs_url=None)
+
+
+class SpecServeIngress:
+    """Holds no request state, so a replica lost here loses no work that a retry would not redo."""
+
+    def __init__(self, app_args: dict, scheduler: Any):
+        from specserve.cluster.serve.metrics import IngressMetrics
+        from specserve.cluster.serve.prepare import RequestPreparer
+
+        self.config: AppConfig = app_config(app_args)
+        self.metrics = IngressMetrics()
+        self.preparer = RequestPreparer(self.config, {m.name: resolve_paths(m) for m in self.config.models})
+        self.scheduler = scheduler
+        self.created = int(time.time())
+        env = self.config.auth.api_key_env
+        self._api_key = (os.environ.get(env) or None) if env else None
+        log.info("ingress started: models %s, API key %s", ", ".join(self.preparer.models),
+                 "required" if self._api_key else "not required")  # fmt: skip
+
+    async def status(self) -> dict:
+        return await call_scheduler(self.scheduler.status.remote())
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await call_scheduler(self.scheduler.wait_ready.remote(timeout_s))
+
+    def _check_key(self, authorization: str | None) -> None:
+        if self._api_key is None:
+            return
+        sent = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(sent.encode(errors="surrogatepass"), self._api_key.encode(errors="surrogatepass")):
+            raise UnauthenticatedError("missing or wrong API key (send 'authorization: Bearer <key>')")
+
+    def _check_grpc_key(self, grpc_context) -> None:
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        self._check_key(metadata.get("authorization"))
+
+    async def _generate(self, prepared: Prepared) -> dict:
+        return await call_scheduler(self.scheduler.generate.remote(prepared))
+
+    async def _run(self, prepared: Prepared) -> AsyncIterator[Chunk]:
+        chunks = self.scheduler.options(stream=True).run.remote(prepared)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - a scheduler replica's error or death, as a specserve error
+            raise scheduler_error(e) from None
+
+    def _refused(self, route: str, error: BaseException, status: str | None) -> None:
+        """Count and log a request that ends in an error: refused (the client's doing) at INFO with the field it
+        names, a specserve fault at WARNING; any other error is a bug, logged with its traceback by
+        `client_message` as it is answered."""
+        if status:
+            if not getattr(error, "counted", False):
+                self.metrics.refuse(route, status)
+            log.info("refused %s (%s, field %s): %s", route, status, getattr(error, "field", None), error)
+        elif isinstance(error, SpecServeError):
+            log.warning("%s failed: %s", route, _what(error))
+
+    # -- gRPC: the public SpecServe service ------------------------------------------------------------------------
+
+    async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method name
+        try:
+            self._check_grpc_key(grpc_context)
+            prepared = self.preparer.prepare(request_from_proto(request))
+            out = await self._generate(prepared)
+            return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"])
+        except Exception as e:
+            self._grpc_failed("Generate", grpc_context, e)
+            raise
+
+    async def GenerateStream(self, request, grpc_context):  # noqa: N802 - gRPC method name
+        started = False
+        try:
+            self._check_grpc_key(grpc_context)
+            prepared = self.preparer.prepare(request_from_proto(request))
+            async for chunk in self._run(prepared):
+                started = True
+                yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats)
+        except Exception as e:
+            self._grpc_failed("GenerateStream", grpc_context, e, refused=not started)
+            raise
+
+    def _grpc_failed(self, method: str, grpc_context, error: BaseException, refused: bool = True) -> None:
+        status = refused_status(error, http=False) if refused else None
+        self._refused(f"/specserve.v1.SpecServe/{method}", error, status)
+        set_grpc_error(grpc_context, error)
+
+    # -- HTTP: OpenAI-compatible -----------------------------------------------------------------------------------
+
+    @http_app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._check_key(request.headers.get("authorization"))
+        except UnauthenticatedError as e:
+            return self._refuse("/v1/models", e)
+        return JSONResponse(oai.models_list([m.name for m in self.config.models], self.created))
+
+    @http_app.get("/health")
+    async def health(self) -> JSONResponse:
+        try:
+            return JSONResponse(await self.status())
+        except Exception as e:  # noqa: BLE001 - answered as an error response
+            self._refused("/health", e, None)
+            return http_error(e)
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._openai(request, "/v1/completions")
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._openai(request, "/v1/chat/completions")
+
+    async def _openai(self, request: Request, route: str):
+        chat = route == "/v1/chat/completions"
+        try:
+            self._check_key(request.headers.get("authorization"))
+            body = await _json_body(request, self.config.limits.max_request_bytes)
+            parsed = oai.parse_chat(body) if chat else oai.parse_completion(body)
+            prepared = self.preparer.prepare(parsed.request)
+            rid = oai.new_id("chatcmpl" if chat else "cmpl")
+            if not parsed.stream:
+                out = await self._generate(prepared)
+                return JSONResponse(oai.completion_response(rid, prepared.model, out, chat))
+            # The first round's chunk before the 200 and its headers are sent: a refusal (over capacity, no
+            # workers) is still an HTTP status, with no round trip to ask for admission first.
+            chunks = self._run(prepared)
+            first = await anext(chunks, None)
+            return StreamingResponse(self._sse(rid, prepared, first, chunks, parsed.include_usage, chat),
+                                     media_type="text/event-stream")  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
+            return self._refuse(route, e)
+
+    def _refuse(self, route: str, error: BaseException) -> JSONResponse:
+        """The error response; counted when the client caused it (4xx)."""
+        self._refused(route, error, refused_status(error, http=True))
+        return http_error(error)
+
+    async def _sse(self, rid: str, prepared: Prepared, first: Chunk | None, chunks: AsyncIterator[Chunk],
+                   include_usage: bool, chat: bool) -> AsyncIterator[str]:  # fmt: skip
+        generated, stats = 0, {}
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in _after(first, chunks):
+                    generated += len(chunk.token_ids)
+                    stats = chunk.stats
+                    if chunk.text or chunk.finish_reason:
+                        yield oai.stream_chunk(rid, prepared.model, chunk.text, chunk.finish_reason, chat, chunk.first)
+            if include_usage:
+                yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, stats, chat)
+            yield oai.sse("[DONE]")
+        except Exception as e:  # noqa: BLE001 - headers are sent: report the error as an event
+            log.warning("a stream of %s failed after its first chunk: %s", prepared.model, _what(e))
+            _, kind = http_status_for(e)
+            yield oai.sse(oai.error_body(client_message(e), kind, getattr(e, "field", None)))
+
+
+# Applied at import time in every process: Serve pickles the ingress class by reference to this module, and the
+# FastAPI routes must be rebound to the class in the replica's copy of `http_app` too.
+IngressDeployment = serve.ingress(http_app)(SpecServeIngress)
+
+
+async def _after(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """`first`, then the rest of the stream it came from."""
+    if first is None:
+        return
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def _what(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+async def _json_body(request: Request, max_bytes: int) -> Any:
+    from starlette.requests import ClientDisconnect
+
+    try:
+        return await oai.read_json(request.stream(), request.headers.get("content-length"), max_bytes)
+    except ClientDisconnect:  # Serve's proxy cut an oversize chunked body off: its 413 is sent and counted already
+        error = PayloadTooLargeError("body", f"is longer than the limit of {max_bytes} bytes")
+        error.counted = True
+        raise error from None

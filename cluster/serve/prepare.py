@@ -1,0 +1,95 @@
+"""The ingress's last step before a request leaves it: the typed `Request` an edge validated, checked against the
+served model and the app's limits (cheapest first: a prompt's size before it is tokenized), tokenized with the
+model's tokenizer and turned into the `Prepared` request a scheduler replica runs as it is.
+
+Needs tokenizers only (loaded once per ingress replica): no scheduler, no workers.
+"""
+
+from __future__ import annotations
+
+from specserve.cluster.app_config import AppConfig, LimitsConfig, ModelPairConfig
+from specserve.cluster.scheduling.prepared import Prepared
+from specserve.cluster.scheduling.tokens import ModelTokenizer
+from specserve.cluster.serve.edge import Request
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids
+from specserve.workers.runtime.worker_state import check_token_ids
+from specserve.workers.speculation.engine import encode_prompt
+
+
+class RequestPreparer:
+    """models: served name -> its ModelTokenizer."""
+
+    def __init__(self, app: AppConfig, resolved_paths: dict[str, tuple[str, str | None]]):
+        """resolved_paths: model name -> (target directory, draft directory or None), demo paths already resolved."""
+        self.app = app
+        self.models = {m.name: ModelTokenizer(resolved_paths[m.name][0]) for m in app.models}
+
+    def prepare(self, request: Request) -> Prepared:
+        """The request to run; InvalidRequestError naming the client's field when it does not fit the model or the
+        app's limits."""
+        cfg = self.app.model(request.model)
+        model = self.models[cfg.name]
+        limits = self.app.limits
+        if request.max_new_tokens is not None and request.max_new_tokens > limits.max_new_tokens:
+            raise InvalidRequestError(request.max_new_tokens_field, f"{request.max_new_tokens} exceeds this server's "
+                                      f"limit of {limits.max_new_tokens}")  # fmt: skip
+        spec = _spec(cfg, request)
+        ids = _prompt_ids(model, request, limits.max_prompt_tokens)
+        params = SamplingParams(
+            temperature=request.temperature,
+            top_k=0 if request.top_k >= model.vocab_size else request.top_k,  # the same distribution
+            top_p=request.top_p,
+            max_new_tokens=_max_new_tokens(model, request, len(ids), limits),
+            seed=request.seed,
+        )
+        return Prepared(cfg.name, ids, params, spec)
+
+
+def _spec(cfg: ModelPairConfig, request: Request) -> SpecParams:
+    default_method = "draft" if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
+    spec = SpecParams(method=request.method or default_method, k=cfg.k if request.k is None else request.k)
+    if spec.method == "draft" and not cfg.drafts_with_model:
+        raise InvalidRequestError("speculation.method", f"model {cfg.name!r} has no draft model (use ngram/none)")
+    return spec
+
+
+def _max_new_tokens(model: ModelTokenizer, request: Request, prompt_tokens: int, limits: LimitsConfig) -> int:
+    """The request's own, when it fits the model's context after the prompt; unset: what fits, not an error."""
+    room = None if model.max_positions is None else model.max_positions - prompt_tokens
+    if request.max_new_tokens is None:
+        return limits.default_max_new_tokens if room is None else min(limits.default_max_new_tokens, room)
+    if room is not None and request.max_new_tokens > room:
+        raise InvalidRequestError(request.max_new_tokens_field, f"{request.max_new_tokens} new tokens after a "
+                                  f"{prompt_tokens}-token prompt exceed the model's context of {model.max_positions} "
+                                  f"positions (at most {room}; leave it unset for what fits)")  # fmt: skip
+    return request.max_new_tokens
+
+
+def _prompt_ids(model: ModelTokenizer, request: Request, max_prompt_tokens: int) -> list[int]:
+    """The prompt's token ids, refused by its length in characters (or messages) before the tokenizer runs when it
+    cannot fit: a token spans at most `max_token_chars` characters, so that many per allowed token is a bound that
+    never refuses a prompt that would fit."""
+    prompt, field = request.prompt, request.prompt_field
+    limit, why = max_prompt_tokens, f"this server's limit of {max_prompt_tokens} prompt tokens"
+    if model.max_positions is not None and model.max_positions - 1 < limit:
+        limit = model.max_positions - 1
+        why = f"the model's context of {model.max_positions} positions, less one for the answer"
+    if isinstance(prompt, tuple):
+        ids = list(prompt[: limit + 1])
+    else:
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m.content) for m in prompt.messages)
+        if chars > limit * model.max_token_chars:
+            raise InvalidRequestError(field, f"{chars} characters cannot fit in {why}")
+        if isinstance(prompt, ChatPrompt):
+            if len(prompt.messages) > limit:  # each message renders to a token at least
+                raise InvalidRequestError(field, f"{len(prompt.messages)} messages cannot fit in {why}")
+            ids = chat_prompt_ids(model.tokenizer, prompt.messages)
+        else:
+            ids = encode_prompt(model.tokenizer, prompt)
+    if len(ids) > limit:
+        size = f"{len(prompt)} tokens" if isinstance(prompt, tuple) else f"{len(ids)} tokens"
+        raise InvalidRequestError(field, f"{size} exceed {why}")
+    check_token_ids(field, ids, model.vocab_size)
+    return ids

@@ -1,0 +1,87 @@
+"""The scheduler deployment: one replica tracks the pools' workers (from the app's registry) and runs the requests
+an ingress prepared, their draft/verify rounds going straight to the workers over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from specserve.cluster.app_config import AppConfig, app_config
+from specserve.cluster.scheduling.prepared import Chunk, Prepared
+from specserve.cluster.serve.pool_worker import HEARTBEAT_S
+from specserve.cluster.serve.registry import registry_actor
+from specserve.cluster.serve.replica_env import app_name, every, resolve_paths
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+# A restarted registry knows only the workers that re-registered since: within this long of its restart, pollers keep
+# the workers they knew (every live one re-registers within a heartbeat).
+REJOIN_S = 2 * HEARTBEAT_S + POLL_S
+
+
+class SchedulerReplica:
+    """A replica of the Serve deployment "scheduler": hosts the app's `SpecService` (cluster/scheduling/service.py),
+    which holds one `Scheduler` state machine and its `Pipeline` per served model; not a scheduler itself.
+    The ingress calls it through a deployment handle, so when a scheduler replica dies the ingress sees it and
+    answers UNAVAILABLE (Serve's proxy would report a dead replica as INTERNAL). Pool handles are passed in only so
+    Serve deploys the pools with the app; requests go to the workers over their own gRPC servers."""
+
+    def __init__(self, app_args: dict, *pools: Any):
+        from specserve.cluster.scheduling.service import SpecService
+        from specserve.cluster.serve.metrics import ServiceMetrics
+
+        self.config: AppConfig = app_config(app_args)
+        paths = {m.name: resolve_paths(m) for m in self.config.models}
+        self.service = SpecService(self.config, paths, metrics=ServiceMetrics([m.name for m in self.config.models]))
+        self._poller: asyncio.Task | None = None
+        self._seen: tuple[str, int] | None = None  # (registry incarnation, version) last applied
+        self._rows: list[dict] = []
+        log.info("scheduler replica started: models %s", ", ".join(self.service.models))
+
+    # -- worker membership ---------------------------------------------------------------------------------------
+
+    async def _ensure_polling(self) -> None:
+        if self._poller is None or self._poller.done():
+            self.registry = registry_actor(app_name())
+            self.service.secret = await self.registry.secret.remote()
+            await self._poll_once()
+            self._poller = asyncio.get_running_loop().create_task(every(POLL_S, self._poll_once, "registry poll"))
+
+    async def _poll_once(self) -> None:
+        snap = await self.registry.snapshot.remote()
+        rows, seen = snap["members"], (snap["incarnation"], snap["version"])
+        if snap["uptime_s"] < REJOIN_S:  # a restarted registry: workers it has not heard from yet are still there
+            known = {r["worker_id"] for r in rows}
+            rows = rows + [r for r in self._rows if r["worker_id"] not in known]
+            seen = None  # merged, not the registry's own: apply again next time
+        if seen is None or seen != self._seen:
+            self.service.sync_workers(rows)
+        self._seen, self._rows = seen, rows
+
+    async def check_health(self) -> None:
+        await self._ensure_polling()
+
+    async def status(self) -> dict:
+        await self._ensure_polling()
+        return self.service.status()
+
+    async def wait_ready(self, timeout_s: float | None = None, model: str | None = None) -> None:
+        await self._ensure_polling()
+        for m in self.config.models:
+            if model is None or m.name == model:
+                await self.service.wait_ready(m.name, timeout_s)
+
+    # -- requests, as the ingress prepared them ----------------------------------------------------------------------
+
+    async def generate(self, prepared: Prepared) -> dict:
+        await self._ensure_polling()
+        return await self.service.generate(prepared)
+
+    async def run(self, prepared: Prepared) -> AsyncIterator[Chunk]:
+        """The request's chunks, one per round (a streaming handle method)."""
+        await self._ensure_polling()
+        async for chunk in self.service.run(prepared):
+            yield chunk
