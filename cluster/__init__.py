@@ -1,1 +1,1 @@
-"""cluster"""
+"""The cluster: its floor (configs) and the rooms above the workers: scheduling, pools, serve, bench, cli."""

@@ -1,8 +1,8 @@
 """The Serve application's one configuration: a Ray Serve config file whose application `args` are an `AppConfig`.
 
 The same YAML file is read by `specserve serve --config FILE`, by `serve run FILE` / `serve deploy FILE` (its
-`import_path` is `specserve.cluster.serve.serve_app:build_app`, which validates `args` into an AppConfig) and is embedded as
-a RayService's `serveConfigV2`, so there is no second copy to drift.
+`import_path` is `specserve.cluster.serve.serve_app:build_app`, which validates `args` into an AppConfig) and is
+embedded as a RayService's `serveConfigV2`, so there is no second copy to drift.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from specserve.workers.config import MAX_K, BatchingConfig, KVCacheConfig, valid
 from specserve.workers.errors import InvalidRequestError
 
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
-DEFAULT_MODEL = "smollm2-135m-instruct"  # a known name (workers/models/known_models.json): pulled and converted on first use
+# A known name (workers/models/known_models.json): pulled and converted on first use.
+DEFAULT_MODEL = "smollm2-135m-instruct"
 IMPORT_PATH = "specserve.cluster.serve.serve_app:build_app"
 AUTOSCALING_POLICY = "specserve.cluster.scheduling.autoscaling:PoolAutoscalingPolicy"
 # The generated add_SpecServeServicer_to_server, with a request deserializer that never raises (INVALID_ARGUMENT,

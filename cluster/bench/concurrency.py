@@ -162,6 +162,7 @@ async def _level(
     deadline = t0 + pass_s
     await asyncio.gather(*(stream(s) for s in range(streams)))
     row.seconds = time.perf_counter() - t0
+    await pipeline.drain_releases()
     for client in clients:
         await client.close()
     _finish_level(row, pipeline, pass_s, speculate)

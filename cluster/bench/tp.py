@@ -30,6 +30,7 @@ async def _decode(target_address, draft_addresses, prompts, new_tokens, spec) ->
         req = await pipeline.generate(prompt, params, spec, frozenset())
         seconds += time.perf_counter() - start
         outputs.append(req.state.generated)
+    await pipeline.drain_releases()
     for client in (*drafts.values(), *targets.values()):
         await client.close()
     return outputs, seconds

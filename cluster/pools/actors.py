@@ -1,5 +1,6 @@
 """Ray actor bodies: plain classes (no decorator) that host a worker's gRPC server or the scheduler inside an async
-actor's event loop. `cluster/pools/builders.py` applies `ray.remote` with resources; tests can use the classes directly."""
+actor's event loop. `cluster/pools/builders.py` applies `ray.remote` with resources; tests can use the classes
+directly."""
 
 from __future__ import annotations
 

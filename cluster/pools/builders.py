@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import ray
 
-from specserve.cluster.pools.actors import DraftWorkerActor, SchedulerActor, TargetWorkerActor
 from specserve.cluster.config import DistributedConfig, PoolConfig
+from specserve.cluster.pools.actors import DraftWorkerActor, SchedulerActor, TargetWorkerActor
 
 
 def actor_options(pool: PoolConfig) -> dict:

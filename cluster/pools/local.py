@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 from specserve.cluster.app_config import DEFAULT_MODEL, DEMO
-from specserve.workers.models.chat import chat_prompt_ids, conversation
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams, validate
-from specserve.workers.speculation.engine import GenerationResult, SpecEngine
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models.chat import chat_prompt_ids, conversation
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import GenerationResult, SpecEngine
 
 
 def request_params(args: argparse.Namespace) -> tuple[SamplingParams, SpecParams]:
@@ -71,8 +71,8 @@ def generate_distributed(args: argparse.Namespace) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from specserve.cluster.pools.builders import deploy
     from specserve.cluster.config import local_config
+    from specserve.cluster.pools.builders import deploy
 
     sampling, spec = request_params(args)
     target_path, draft_path = model_paths(args)

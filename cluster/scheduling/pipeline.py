@@ -97,6 +97,7 @@ class Pipeline:
         self._failure_locks: dict[str, asyncio.Lock] = {}
         self.ngram = NgramDrafter()  # prompt lookup needs no model: it runs here, next to the committed tokens
         self.times = RoundTimes()
+        self._releasing: set[asyncio.Task] = set()  # releases sent after the request's reply left
 
     async def _worker_failed(self, worker: str, failed_client, error: Exception) -> None:
         """A call found `worker` down: connect to its restarted replacement (which holds no caches, so every request
@@ -152,7 +153,7 @@ class Pipeline:
                 self.times.add(clock.overhead())
                 yield committed
         finally:
-            await self.release(req)
+            self.release_soon(req)
 
     async def _draft(
         self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock
@@ -231,16 +232,31 @@ class Pipeline:
         """Mean requests per target forward pass, over the verify calls this pipeline made."""
         return self.verify_calls / self.inverse_batch_rows if self.inverse_batch_rows else 0.0
 
-    async def release(self, req: SchedRequest) -> None:
-        """The request ended: the scheduler forgets it and every worker it told anything frees its state."""
-        for worker in self.scheduler.release(req):
-            client = self.drafts.get(worker) or self.targets.get(worker)
-            if client is None:
-                continue  # the worker left its pool: nothing to free there
-            try:
-                await client.release(req.request_id)
-            except Exception as e:  # noqa: BLE001 - best effort: a dead worker holds nothing anyway
-                log.debug("releasing request %s on worker %s failed: %s", req.request_id, worker, e)
+    def release_soon(self, req: SchedRequest) -> None:
+        """The request ended: the scheduler forgets it now; its workers free their state in the background, so the
+        reply does not wait for two more worker round trips (`drain_releases` waits for them)."""
+        workers = self.scheduler.release(req)
+        if workers:
+            task = asyncio.get_running_loop().create_task(self._release_on(req.request_id, workers))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+
+    async def drain_releases(self) -> None:
+        """Wait until every release sent in the background has been answered."""
+        while self._releasing:
+            await asyncio.wait(list(self._releasing))
+
+    async def _release_on(self, request_id: str, workers: list[str]) -> None:
+        await asyncio.gather(*(self._release_one(request_id, worker) for worker in workers))
+
+    async def _release_one(self, request_id: str, worker: str) -> None:
+        client = self.drafts.get(worker) or self.targets.get(worker)
+        if client is None:
+            return  # the worker left its pool: nothing to free there
+        try:
+            await client.release(request_id)
+        except Exception as e:  # noqa: BLE001 - best effort: a dead worker holds nothing anyway
+            log.debug("releasing request %s on worker %s failed: %s", request_id, worker, e)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, spec: SpecParams, eos: frozenset[int]

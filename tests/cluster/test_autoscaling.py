@@ -9,8 +9,8 @@ import pytest
 import ray
 from ray import serve
 
-from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.client import SpecServeClient
+from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve.server import start, stop
 
 from .test_serve_app import free_port

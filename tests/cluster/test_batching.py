@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 from tests.worker_helpers import LocalWorkers, save_perturbed_copy
 
 from .test_pipeline import run_pipeline

@@ -9,8 +9,8 @@ import pytest
 
 from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 
 
 @pytest.fixture

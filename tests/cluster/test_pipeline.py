@@ -9,8 +9,8 @@ from specserve.cluster.scheduling.pipeline import Pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 from tests.worker_helpers import LocalWorkers, save_perturbed_copy
 
 PROMPTS = [
@@ -47,6 +47,7 @@ async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, re
     if during is not None:
         jobs.append(during(pipeline))
     results = await asyncio.gather(*jobs)
+    await pipeline.drain_releases()  # releases leave after each reply: wait for them before looking at the workers
     for client in (*drafts.values(), *targets.values()):
         await client.close()
     return results[: len(requests)], pipeline

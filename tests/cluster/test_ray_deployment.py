@@ -8,11 +8,11 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from specserve.cluster.pools.builders import deploy
 from specserve.cluster.config import DistributedConfig, PoolConfig
+from specserve.cluster.pools.builders import deploy
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 import torch
 
-from specserve.cluster.app_config import DEFAULT_MODEL
 from specserve.client import SpecServeClient
+from specserve.cluster.app_config import DEFAULT_MODEL
 
 from .serve_process import wait_until_serving
 from .test_serve_app import free_port

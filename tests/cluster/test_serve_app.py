@@ -14,12 +14,12 @@ import openai
 import pytest
 import ray
 
-from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.client import SpecServeClient
+from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import psutil
 import pytest
 import yaml
 
-from specserve.cluster.serve import serve_binds
 from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve import serve_binds
 from specserve.cluster.serve.server import _warn_without_api_key, prepare_config
 
 from .serve_process import wait_until_serving

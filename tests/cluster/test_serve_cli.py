@@ -12,12 +12,12 @@ import psutil
 import pytest
 import yaml
 
-from specserve.cluster.app_config import AppConfig, load_serve_config, serve_config
 from specserve.client import SpecServeClient
+from specserve.cluster.app_config import AppConfig, load_serve_config, serve_config
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 
 from .serve_process import wait_until_serving
 from .test_serve_app import free_port

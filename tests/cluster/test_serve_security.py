@@ -13,8 +13,8 @@ import grpc
 import pytest
 import ray
 
-from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.client import SpecServeClient
+from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
 from specserve.cluster.serve.server import start, stop
 from specserve.cluster.serve.tls_gateway import GatewayConfig, GatewayThread

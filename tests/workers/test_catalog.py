@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from specserve.cluster.cli.main import main
-from specserve.workers.models import catalog as model_names, gguf_store
 from specserve.workers.errors import ModelLoadError
+from specserve.workers.models import catalog as model_names
+from specserve.workers.models import gguf_store
 from specserve.workers.models.catalog import gguf_path, known_models, list_models, pull, resolve_model
 
 from ..gguf_files import write_tiny_gguf

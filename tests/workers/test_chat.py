@@ -1,7 +1,7 @@
 import pytest
 
-from specserve.workers.models.chat import ChatMessage, chat_prompt_ids, conversation
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models.chat import ChatMessage, chat_prompt_ids, conversation
 from tests.worker_helpers import byte_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -26,8 +26,11 @@ def test_without_a_template_a_plain_transcript_is_encoded_like_a_text_prompt():
 
 @pytest.mark.parametrize(
     ("messages", "field"),
-    [([], "messages"), ([ChatMessage("robot", "x")], "messages[0].role"),
-     ([ChatMessage("user", "ok"), ChatMessage("user", 3)], "messages[1].content")],  # fmt: skip
+    [
+        ([], "messages"),
+        ([ChatMessage("robot", "x")], "messages[0].role"),
+        ([ChatMessage("user", "ok"), ChatMessage("user", 3)], "messages[1].content"),
+    ],  # fmt: skip
 )
 def test_bad_messages_name_the_field(messages, field):
     with pytest.raises(InvalidRequestError) as e:

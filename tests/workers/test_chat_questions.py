@@ -4,13 +4,13 @@ from collections.abc import Mapping
 
 import pytest
 
+from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat_questions import (
     HELD_OUT_QUESTIONS,
     TRAIN_QUESTIONS,
     chat_prompt_ids,
     read_questions,
 )
-from specserve.workers.errors import InvalidRequestError
 from tests.worker_helpers import byte_tokenizer
 
 # SmolLM2-Instruct's template (ChatML with a default system turn)

@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.workers.models import gguf_store
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.errors import ModelLoadError
+from specserve.workers.models import gguf_store
 from specserve.workers.models.gguf_store import MARKER, converted_dir, file_sha256, is_gguf_file
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
 from tests.gguf_files import CHATML_TEMPLATE, write_tiny_gguf
 
 PROMPTS = ["the cat sat on the mat", "Once upon a time, in a land far away", "def f(x):\n    return"]

@@ -12,8 +12,8 @@ first few questions of either half already span several kinds (the quick bench t
 
 from __future__ import annotations
 
-from specserve.workers.models import chat
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models import chat
 
 TRAIN_QUESTIONS: tuple[str, ...] = (
     "What is the tallest mountain in Africa?",
