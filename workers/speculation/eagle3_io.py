@@ -1,0 +1,241 @@
+"""EAGLE-3 heads on disk, in the community layout: `config.json` + `model.safetensors` (what SpecForge exports and
+vLLM / SGLang load).
+
+The feature layers are written under both keys the servers read, in their own conventions: vLLM reads the top-level
+`eagle_aux_hidden_state_layer_ids` as the layers whose *input* it captures (default 2, N//2, N-3); SGLang and
+SpecForge read `eagle_config.eagle_aux_hidden_state_layer_ids` as layers whose *output* they capture (SGLang adds 1;
+default 1, N//2-1, N-4). specserve's own key `specserve` records the target identity and the layers (input
+convention). A head made for another target is refused; a head from elsewhere (no identity) is checked for shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specserve.workers.errors import InvalidRequestError, ModelLoadError
+from specserve.workers.models.identity import target_identity
+from specserve.workers.speculation.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, default_feature_layers
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+SPECSERVE_KEY = "specserve"
+_IGNORED = {"embed_tokens.weight"}  # SpecForge trains with the target's embedding frozen: a shipped copy is the same
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def config_to_json(config: Eagle3Config, dtype: torch.dtype) -> dict:
+    layers = list(config.feature_layers) if config.feature_layers is not None else None
+    data = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,  # SGLang would take lm_head from the (absent) embedding otherwise
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "norm_before_residual": config.norm_before_residual,
+        "torch_dtype": _DTYPES[dtype],
+        SPECSERVE_KEY: {"format": 1, "target_identity": config.target_identity, "feature_layers": layers},
+    }
+    if layers is not None:
+        data["eagle_aux_hidden_state_layer_ids"] = layers  # vLLM
+        sglang = [i - 1 for i in layers]
+        data["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": sglang, "use_aux_hidden_state": True}
+    return data
+
+
+def config_from_json(data: dict, source: Path) -> Eagle3Config:
+    """The head's config from a community config.json; errors name `source`."""
+    if ARCHITECTURE not in (data.get("architectures") or []):
+        raise ModelLoadError(
+            f"{source}: architectures {data.get('architectures')!r} is not [{ARCHITECTURE!r}]; only EAGLE-3 heads are "
+            "supported (EAGLE-1/2 heads, with `layers.0.*` and no lm_head, are not)"
+        )
+    if data.get("num_hidden_layers", 1) != 1 or data.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: only one-layer SiLU heads are supported (num_hidden_layers, hidden_act)")
+    scaling = data.get("rope_scaling") or {}
+    if (scaling.get("rope_type") or scaling.get("type") or "default") != "default":
+        raise ModelLoadError(f"{source}: rope_scaling {scaling!r} is not supported (plain RoPE only)")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if not isinstance(data.get(key), int):
+            raise ModelLoadError(f"{source}: missing or non-integer {key!r}")
+    ours = data.get(SPECSERVE_KEY) or {}
+    hidden, heads = data["hidden_size"], data["num_attention_heads"]
+    rope = data.get("rope_parameters") or {}
+    return Eagle3Config(
+        hidden_size=hidden,
+        intermediate_size=data["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=data.get("num_key_value_heads") or heads,
+        head_dim=data.get("head_dim") or hidden // heads,
+        vocab_size=data["vocab_size"],
+        draft_vocab_size=data.get("draft_vocab_size") or data["vocab_size"],
+        target_hidden_size=data.get("target_hidden_size") or hidden,
+        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(data.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=data.get("max_position_embeddings", 2048),
+        feature_layers=_feature_layers(data, source),
+        target_identity=ours.get("target_identity"),
+        norm_before_residual=bool(data.get("norm_before_residual", False)),
+    )
+
+
+def _feature_layers(data: dict, source: Path) -> tuple[int, ...] | None:
+    """The layers whose inputs the head reads (vLLM's convention), from whichever keys the file has; they must agree."""
+    found = {}
+    if (ours := (data.get(SPECSERVE_KEY) or {}).get("feature_layers")) is not None:
+        found["specserve.feature_layers"] = tuple(ours)
+    if (top := data.get("eagle_aux_hidden_state_layer_ids")) is not None:
+        found["eagle_aux_hidden_state_layer_ids"] = tuple(top)
+    if (nested := (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")) is not None:
+        found["eagle_config.eagle_aux_hidden_state_layer_ids (+1)"] = tuple(i + 1 for i in nested)
+    if len(set(found.values())) > 1:
+        raise ModelLoadError(f"{source}: the feature layer keys disagree: {found}")
+    layers = next(iter(found.values()), None)
+    if layers is not None and (len(layers) != 3 or not all(isinstance(i, int) and i >= 0 for i in layers)):
+        raise ModelLoadError(f"{source}: feature layers {list(layers)} must be three layer ids >= 0")
+    return layers
+
+
+def save_head(head: Eagle3Head, directory: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the head as config.json + model.safetensors (floats in `dtype`, d2t int64, t2d bool); returns the dir."""
+    if dtype not in _DTYPES:
+        raise InvalidRequestError("dtype", f"must be one of {list(_DTYPES.values())}, got {dtype}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
+        for name, t in head.state_dict().items()
+    }
+    save_file(tensors, str(directory / (WEIGHTS_FILE + ".tmp")), metadata={"format": "pt"})
+    os.replace(directory / (WEIGHTS_FILE + ".tmp"), directory / WEIGHTS_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps(config_to_json(head.config, dtype), indent=2) + "\n")
+    log.info("saved EAGLE-3 head (%s) to %s", _DTYPES[dtype], directory)
+    return directory
+
+
+def load_head(
+    directory: str | os.PathLike,
+    target: str | os.PathLike | None,
+    target_hidden_size: int,
+    vocab_size: int,
+    *,
+    target_num_layers: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Eagle3Head:
+    """Load a head for the target at path `target` (or given by its identity sha256; None: check shapes only).
+    A head that names no feature layers gets the default for `target_num_layers` layers, when given.
+
+    Raises ModelLoadError naming the file when the head was made for another target (identity key), or when its
+    shapes do not fit the target (hidden size, vocabulary, feature layers beyond `target_num_layers`)."""
+    directory = Path(directory).expanduser()
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise ModelLoadError(f"EAGLE-3 head {str(directory)!r} has no {path.name}")
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{config_path} is unreadable: {err}") from err
+    config = config_from_json(data, config_path)
+    _check_identity(config, target, config_path)
+    _check_shapes(config, target_hidden_size, vocab_size, target_num_layers, config_path)
+    if config.feature_layers is None and target_num_layers is not None:
+        config = dataclasses.replace(config, feature_layers=default_feature_layers(target_num_layers))
+    head = Eagle3Head(config)
+    head.load_state_dict(_read_tensors(head, weights_path))
+    return head.to(dtype).eval()
+
+
+def _check_identity(config: Eagle3Config, target, config_path: Path) -> None:
+    if target is None or config.target_identity is None:
+        if config.target_identity is None:
+            log.info("%s records no target identity (made elsewhere): checking shapes only", config_path)
+        return
+    text = str(target)
+    wanted = text if _HEX64.fullmatch(text) and not Path(text).exists() else target_identity(text)
+    if wanted != config.target_identity:
+        raise ModelLoadError(
+            f"{config_path} is a head for another target (identity {config.target_identity[:16]}..., "
+            f"this target is {wanted[:16]}...): train a head for this target"
+        )
+
+
+def _check_shapes(config: Eagle3Config, hidden: int, vocab: int, num_layers: int | None, config_path: Path) -> None:
+    problems = []
+    if config.target_hidden_size != hidden:
+        problems.append(f"target_hidden_size {config.target_hidden_size} != the target's hidden size {hidden}")
+    if config.hidden_size != hidden:  # the target's embedding is shared, so the head works at its width
+        problems.append(f"hidden_size {config.hidden_size} != the target's hidden size {hidden}")
+    if config.vocab_size != vocab:
+        problems.append(f"vocab_size {config.vocab_size} != the target's vocabulary {vocab}")
+    if config.draft_vocab_size > config.vocab_size:
+        problems.append(f"draft_vocab_size {config.draft_vocab_size} > vocab_size {config.vocab_size}")
+    if num_layers is not None and config.feature_layers is not None and max(config.feature_layers) >= num_layers:
+        problems.append(f"feature layers {list(config.feature_layers)} beyond the target's {num_layers} layers")
+    if problems:
+        raise ModelLoadError(f"{config_path} does not fit this target: " + "; ".join(problems))
+
+
+def _read_tensors(head: Eagle3Head, weights_path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors by the head's names, every shape checked; d2t/t2d derived when the file omits them."""
+    expected = head.state_dict()
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            found = {name: f.get_tensor(name) for name in f.keys() if name not in _IGNORED}
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ModelLoadError(f"{weights_path} is not a readable safetensors file: {err}") from err
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise ModelLoadError(f"{weights_path} has tensors an EAGLE-3 head does not: {unexpected[:8]}")
+    for name, tensor in found.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            wanted = list(expected[name].shape)
+            raise ModelLoadError(f"{weights_path}: {name} has shape {list(tensor.shape)}, the config implies {wanted}")
+    if "d2t" in found:
+        found["d2t"] = found["d2t"].to(torch.int64)
+        targets = torch.arange(head.config.draft_vocab_size) + found["d2t"]
+        if targets.min() < 0 or targets.max() >= head.config.vocab_size:
+            raise ModelLoadError(f"{weights_path}: d2t maps draft ids outside the target vocabulary")
+    _fill_vocab_maps(found, head.config, weights_path)
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ModelLoadError(f"{weights_path} lacks tensors: {missing}")
+    found["t2d"] = found["t2d"].to(torch.bool)
+    return found
+
+
+def _fill_vocab_maps(found: dict, config: Eagle3Config, weights_path: Path) -> None:
+    if "d2t" not in found:
+        if config.draft_vocab_size != config.vocab_size:
+            raise ModelLoadError(f"{weights_path} lacks d2t but its draft vocabulary is reduced")
+        found["d2t"] = torch.zeros(config.vocab_size, dtype=torch.int64)  # identity
+    if "t2d" not in found:
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(found["d2t"].shape[0]) + found["d2t"].to(torch.int64)] = True
+        found["t2d"] = t2d
