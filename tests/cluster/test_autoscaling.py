@@ -35,7 +35,7 @@ def test_rising_load_adds_a_draft_replica(tiny_target, tiny_draft):
     )  # fmt: skip
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())
     assert config["applications"][0]["autoscaling_policy"]["policy_kwargs"] == {"goal_busy_fraction": 0.05}
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(config, ready_timeout_s=300)
     stop_load = threading.Event()
     outputs: list[list[int]] = []

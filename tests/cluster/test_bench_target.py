@@ -129,7 +129,7 @@ def test_disaggregated_rows_without_a_draft_model_draft_by_prompt_lookup(tiny_ta
     greedy = SamplingParams(max_new_tokens=12)
     base = Row("target-only greedy", "target-only", None, 0.0, tokens_per_s=100.0)
     base.outputs = [engine.generate(p, greedy, SpecParams(method="none")).token_ids for p in PROMPTS]
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         cfg = BenchConfig(prompts=3, max_new_tokens=12, suite="target")
         rows, status = distributed_rows(tiny_target, None, PROMPTS, cfg, 4, "cpu", base, method="ngram")

@@ -36,7 +36,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_draft):
     metrics_port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False)
+    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False,
+             log_to_driver=False)  # fmt: skip
     pool = {"num_cpus": 0.5}
     app = AppConfig.model_validate(
         {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
