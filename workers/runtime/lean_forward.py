@@ -9,6 +9,10 @@ logits are bit-identical, which a probe checks against `model(...)` before the l
 
 Only architectures whose forward is exactly that sequence are taken (`LEAN_MODEL_TYPES`); anything else, a model with
 hooks on the modules the lean path skips, or one whose probe disagrees, keeps `model(...)`.
+
+A capturing forward (for EAGLE-3 drafting) also returns the residual stream entering chosen layers at every input
+position, concatenated: Hugging Face's `hidden_states[i]` with `output_hidden_states=True`. The lean one keeps
+references to the inputs of those layers as it runs them; the full one asks the model for all hidden states.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.slot_cache import single_row_mask
 
 # transformers classes whose `XForCausalLM.forward` is: embed_tokens -> rotary_emb -> decoder layers (given an
@@ -25,6 +30,10 @@ LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 # (input_ids [B, T], position_ids [B, T], attention_mask [B, 1, T, kv_len], cache, logits_to_keep) -> [B, keep, V]
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object, int], torch.Tensor]
+# The same inputs -> (logits [B, keep, V], features [B, T, len(layers) * H]: the inputs of the capture layers)
+CaptureForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, object, int], tuple[torch.Tensor, torch.Tensor | None]
+]
 
 _PROBE_TOKENS = 6
 
@@ -33,26 +42,45 @@ def full_forward(model) -> Forward:
     """The model's own forward, as a Forward."""
 
     def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep):
-        return model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            cache=cache,
-            use_cache=cache is not None,
-            logits_to_keep=logits_to_keep,
-        ).logits
+        return _model_forward(model, input_ids, position_ids, attention_mask, cache, logits_to_keep).logits
 
     return forward
 
 
+def _model_forward(model, input_ids, position_ids, attention_mask, cache, logits_to_keep, **extra):
+    return model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        cache=cache,
+        use_cache=cache is not None,
+        logits_to_keep=logits_to_keep,
+        **extra,
+    )
+
+
 def _lean(model) -> Forward:
+    run = _lean_layers(model, ())
+
+    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep):
+        return run(input_ids, position_ids, attention_mask, cache, logits_to_keep)[0]
+
+    return forward
+
+
+def _lean_layers(model, capture: tuple[int, ...]) -> CaptureForward:
+    """The lean pass, keeping the inputs of the `capture` layers (none: nothing kept, features None)."""
     base = model.model
     layers = list(base.layers[: base.config.num_hidden_layers])
+    wanted = frozenset(capture)
 
     def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep):
         hidden = base.embed_tokens(input_ids)  # [B, T, H]
         position_embeddings = base.rotary_emb(hidden, position_ids=position_ids)
-        for layer in layers:
+        captured = {}
+        for i, layer in enumerate(layers):
+            if i in wanted:
+                captured[i] = hidden
             hidden = layer(
                 hidden,
                 attention_mask=attention_mask,
@@ -62,7 +90,27 @@ def _lean(model) -> Forward:
                 position_embeddings=position_embeddings,
             )
         hidden = base.norm(hidden)
-        return model.lm_head(hidden[:, -logits_to_keep:])  # [B, keep, V]
+        logits = model.lm_head(hidden[:, -logits_to_keep:])  # [B, keep, V]
+        return logits, (torch.cat([captured[i] for i in capture], dim=-1) if capture else None)
+
+    return forward
+
+
+def capture_forward(model, layers: tuple[int, ...], lean: bool) -> CaptureForward:
+    """A forward that also returns the residual stream entering `layers`, concatenated [B, T, len(layers) * H]: the
+    lean pass when `lean` (the caller's `lean_forward(model)` took it), else the model's own forward."""
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if not layers or not all(0 <= i < num_layers for i in layers):
+        wanted = f"ids of the model's {num_layers} layers (0..{num_layers - 1})"
+        raise ModelLoadError(f"capture layers {list(layers)} must be {wanted}")
+    if lean:
+        return _lean_layers(model, tuple(layers))
+
+    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep):
+        out = _model_forward(
+            model, input_ids, position_ids, attention_mask, cache, logits_to_keep, output_hidden_states=True
+        )
+        return out.logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
     return forward
 

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from specserve.workers.config import KVCacheConfig
 from specserve.workers.runtime.kv_cache import KVCacheStore
-from specserve.workers.runtime.lean_forward import full_forward, lean_forward
+from specserve.workers.runtime.lean_forward import CaptureForward, capture_forward, full_forward, lean_forward
 from specserve.workers.runtime.loading import LoadedModel
 from specserve.workers.runtime.slot_cache import BatchPlan, batch_mask, single_row_mask
+
+
+@dataclass
+class RowOutput:
+    """One row of a forward pass."""
+
+    logits: torch.Tensor  # [n, vocab_size] float32: predicting the token after each of the row's last n positions
+    # [m, F]: the captured features of the m positions this pass computed for the row, positions start..start+m-1
+    # (None unless captured)
+    features: torch.Tensor | None
+    start: int  # the row's cached length before the pass: the position of its first computed token
 
 
 class ModelRunner:
@@ -31,35 +43,72 @@ class ModelRunner:
         lean = lean_forward(self.model)
         self.lean = lean is not None  # transformers' wrappers skipped, same logits (workers/runtime/lean_forward.py)
         self._forward = lean or full_forward(self.model)
+        self._capture_forward: CaptureForward | None = None
+        self.capture_layers: tuple[int, ...] | None = None  # set by capture_features
         self.forward_calls = 0
         self.forward_positions = 0
+
+    def capture_features(self, layers: Sequence[int]) -> None:
+        """Let `forward_batch(..., capture=True)` return the residual stream entering `layers` (Hugging Face's
+        `hidden_states[i]`) at every position it computes, concatenated. Without this no hidden state is kept."""
+        layers = tuple(layers)
+        self._capture_forward = capture_forward(self.model, layers, self.lean)
+        self.capture_layers = layers
 
     def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
         """Logits predicting the token after each of the last n positions of `sequence`: [n, vocab_size] float32."""
         return self.logits_for_batch([(request_id, sequence, n)])[0]
 
-    @torch.inference_mode()
     def logits_for_batch(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
         """One forward pass for many requests: rows of (request_id, sequence, n) -> each row's [n, vocab_size] logits.
 
         Rows are ragged (own cached length, own number of new tokens) and independent: a row's logits are those it
         would get alone. Raises KVCapacityError, reserving nothing, when the batch's new positions do not fit."""
+        return [out.logits for out in self.forward_batch(rows)]
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: Sequence[tuple[str, Sequence[int], int]], capture: bool = False) -> list[RowOutput]:
+        """`logits_for_batch`, with each row's features too when `capture` (after `capture_features`)."""
         ids = [rid for rid, _, _ in rows]
         if len(set(ids)) != len(ids):
             raise ValueError("a request may appear only once in a batch")
         for _, sequence, n in rows:
             if not 1 <= n <= len(sequence):
                 raise ValueError(f"need 1 <= n <= len(sequence), got n={n}, len={len(sequence)}")
+        if capture and self._capture_forward is None:
+            raise ValueError("capture=True needs capture_features(layers) first")
         entries = [self.store.sync(rid, seq, keep_at_most=len(seq) - n) for rid, seq, n in rows]
         starts = [e.length for e in entries]
         news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts, strict=True)]
         lengths = [len(new) for new in news]
         self.store.reserve_batch(ids, lengths)
+        input_ids, positions, mask = self._plan(starts, news, [e.slot for e in entries])
+        keep = max(n for _, _, n in rows)
+        if capture:
+            out, features = self._capture_forward(input_ids, positions, mask, self.store.cache, keep)
+        else:
+            out, features = self._forward(input_ids, positions, mask, self.store.cache, keep), None  # [B, keep, V]
+        for rid, new in zip(ids, news, strict=False):
+            self.store.commit(rid, new)
+        self.forward_calls += 1
+        self.forward_positions += sum(lengths)
+        logits = out.float()  # [B, keep, V]
+        width = input_ids.shape[1]
+        return [
+            RowOutput(
+                logits=self._fit_vocab(logits[b, keep - n :]),  # [n, V]
+                features=features[b, width - lengths[b] :] if features is not None else None,  # left-padded rows
+                start=starts[b],
+            )
+            for b, (_, _, n) in enumerate(rows)
+        ]
+
+    def _plan(self, starts: list[int], news: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, ...]:
+        """Plan the cache for the batch's new positions; returns input_ids [B, T], positions [B, T] and the mask."""
+        lengths = [len(new) for new in news]
         width = max(lengths)
-        B = len(rows)
-        slots = [e.slot for e in entries]
+        B = len(news)
         kv_len = max(start + n for start, n in zip(starts, lengths, strict=True))
-        cache = self.store.cache
         if B == 1:  # the common decode step: plain slices, no index tensors
             start = starts[0]
             input_ids = torch.tensor([news[0]], device=self.device)  # [1, T]
@@ -89,15 +138,8 @@ class ModelRunner:
                 contiguous=slice(slots[0], slots[0] + B) if consecutive else None,
             )
             mask = batch_mask(starts, lengths, width, kv_len, self.model.dtype, self.device)
-        cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
-        keep = max(n for _, _, n in rows)
-        out = self._forward(input_ids, positions, mask, cache, keep)  # [B, keep, V]
-        for rid, new in zip(ids, news, strict=False):
-            self.store.commit(rid, new)
-        self.forward_calls += 1
-        self.forward_positions += sum(lengths)
-        logits = out.float()  # [B, keep, V]
-        return [self._fit_vocab(logits[b, keep - n :]) for b, (_, _, n) in enumerate(rows)]  # each [n, V]
+        self.store.cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
+        return input_ids, positions, mask
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[n, V_model] -> [n, vocab_size]: drop padded rows, or pad with -inf (never sampled)."""

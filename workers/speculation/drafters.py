@@ -68,27 +68,30 @@ class ModelDrafter:
             logits = self.runner.logits_for_batch([(rows[b][0], seqs[b], 1) for b in active])
             for b, row_logits in zip(active, logits, strict=True):
                 params = rows[b][3]
-                token, q = self._draw(row_logits[0], params, len(seqs[b]))
+                token, q = draw_token(row_logits[0], params, len(seqs[b]), self.max_support)
                 if q is not None:
                     probs[b].append(q)
                 drafted[b].append(token)
                 seqs[b].append(token)
         return [Proposal(tokens=d, probs=torch.stack(p) if p else None) for d, p in zip(drafted, probs, strict=True)]
 
-    def _draw(self, logits: torch.Tensor, params: SamplingParams, position: int) -> tuple[int, torch.Tensor | None]:
-        """logits: [V]. The drafted token at absolute `position`, and the draft probs it was drawn from (None:
-        greedy)."""
-        if params.greedy:
-            return int(logits.argmax()), None
-        q = sparsify(logits_to_probs(logits, params), self.max_support).cpu()  # [V]
-        # Noise keyed by the drafted token's absolute position: a token drafted early (pipelined) or again (after a
-        # restart) is drawn with the same noise, so seeded requests reproduce in every mode.
-        generator = make_generator(params.seed, DRAFT_SALT, position)
-        noise = exponential_noise(q.shape[-1], [generator])  # [1, V]
-        return int(sample_with_noise(q.unsqueeze(0), noise)[0]), q
-
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
+
+
+def draw_token(
+    logits: torch.Tensor, params: SamplingParams, position: int, max_support: int
+) -> tuple[int, torch.Tensor | None]:
+    """logits: [V]. The drafted token at absolute `position`, and the draft probs it was drawn from (None: greedy):
+    `sparsify` of the request's sampling distribution, so the target sees exactly what was sampled from."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = sparsify(logits_to_probs(logits, params), max_support).cpu()  # [V]
+    # Noise keyed by the drafted token's absolute position: a token drafted early (pipelined) or again (after a
+    # restart) is drawn with the same noise, so seeded requests reproduce in every mode.
+    generator = make_generator(params.seed, DRAFT_SALT, position)
+    noise = exponential_noise(q.shape[-1], [generator])  # [1, V]
+    return int(sample_with_noise(q.unsqueeze(0), noise)[0]), q
 
 
 class NgramDrafter:

@@ -3,9 +3,12 @@ use (a Drafter, a TargetVerifier, RequestState), all in one process. Also the re
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from specserve.workers.config import KVCacheConfig, NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
@@ -13,7 +16,9 @@ from specserve.workers.runtime.loading import LoadedModel, check_compatible
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.adaptive_k import AdaptiveK
-from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter
+from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
+from specserve.workers.speculation.eagle3 import Eagle3Head
+from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle_drafter
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier
@@ -68,9 +73,11 @@ class SpecEngine:
         kv_config: KVCacheConfig | None = None,
         ngram_config: NgramConfig | None = None,
         cost_ratio: float = 0.1,
+        eagle_head: str | os.PathLike | Eagle3Head | None = None,
     ):
         """cost_ratio: the assumed c = t_draft / t_target used by k='auto'. A fixed number, not a live timing, so
-        that a seeded request with k='auto' reproduces exactly."""
+        that a seeded request with k='auto' reproduces exactly. eagle_head: an EAGLE-3 head (directory or loaded)
+        for method 'eagle'; the target's forward passes then also capture the features the head reads."""
         kv_config = kv_config or KVCacheConfig()
         self.target = target
         self.verifier = TargetVerifier(ModelRunner(target, kv_config))
@@ -79,6 +86,10 @@ class SpecEngine:
         if draft is not None:
             check_compatible(target, draft)
             self.drafters["draft"] = ModelDrafter(ModelRunner(draft, kv_config, vocab_size=self.verifier.vocab_size))
+        if eagle_head is not None:
+            eagle = load_eagle_drafter(target, eagle_head)
+            self.verifier.runner.capture_features(eagle.feature_layers)
+            self.drafters["eagle"] = eagle
 
     @property
     def tokenizer(self):
@@ -88,8 +99,26 @@ class SpecEngine:
         if spec.method == "none":
             return None
         if spec.method not in self.drafters:
-            raise InvalidRequestError("method", f"{spec.method!r} drafting needs a draft model, and none is loaded")
+            needs = "an EAGLE-3 head (eagle_head)" if spec.method == "eagle" else "a draft model"
+            raise InvalidRequestError("method", f"{spec.method!r} drafting needs {needs}, and none is loaded")
         return self.drafters[spec.method]
+
+    def _verify(
+        self,
+        state: RequestState,
+        drafter: Drafter | None,
+        proposal: Proposal | None,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[int, int]:
+        """Verify this round's proposal (None: target-only); an EagleDrafter gets the target's new features."""
+        drafted, probs = (proposal.tokens, proposal.probs) if proposal else ([], None)
+        row = (state.request_id, state.tokens, drafted, probs, params, generator)
+        if not isinstance(drafter, EagleDrafter):
+            return self.verifier.verify(*row)
+        verdict = self.verifier.verify_with_features([row])[0]
+        drafter.add_features(state.request_id, verdict.feature_start, verdict.features)
+        return verdict.num_accepted, verdict.next_token
 
     def generate(
         self,
@@ -116,14 +145,8 @@ class SpecEngine:
                 position = len(state.tokens)
                 proposal = drafter.propose(state.request_id, state.tokens, k, params) if k else None
                 drafted = proposal.tokens if proposal else []
-                num_accepted, next_token = self.verifier.verify(
-                    state.request_id,
-                    state.tokens,
-                    drafted,
-                    proposal.probs if proposal else None,
-                    params,
-                    make_generator(params.seed, TARGET_SALT, position),
-                )
+                generator = make_generator(params.seed, TARGET_SALT, position)
+                num_accepted, next_token = self._verify(state, drafter, proposal, params, generator)
                 if adaptive is not None and drafted:
                     k_next = adaptive.observe(len(drafted), num_accepted)
                 state.commit_round(drafted, num_accepted, next_token)

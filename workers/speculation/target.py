@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,14 @@ from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.codec import normalise
 from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, uniform_noise
 from specserve.workers.speculation.verification import greedy_verify, rejection_verify
+
+
+@dataclass
+class Verdict:
+    num_accepted: int
+    next_token: int
+    features: torch.Tensor  # [m, F]: the target's features of committed positions feature_start..feature_start+m-1
+    feature_start: int
 
 
 class TargetVerifier:
@@ -53,6 +62,24 @@ class TargetVerifier:
             self._verify_row(list(drafted), probs, params, generator, row_logits)
             for (_, _, drafted, probs, params, generator), row_logits in zip(rows, logits, strict=True)
         ]
+
+    def verify_with_features(
+        self,
+        rows: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor | None, SamplingParams, torch.Generator]],
+    ) -> list[Verdict]:
+        """`verify_batch`, also returning the target's features (the runner's `capture_features` layers) of the
+        positions this pass computed whose tokens are now committed: all but the drafted tokens it rejected. The
+        position of the bonus or recovered token is not among them: the next pass computes it."""
+        outputs = self.runner.forward_batch(
+            [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows],
+            capture=True,
+        )
+        verdicts = []
+        for (_, tokens, drafted, probs, params, generator), out in zip(rows, outputs, strict=True):
+            accepted, token = self._verify_row(list(drafted), probs, params, generator, out.logits)
+            committed = len(tokens) + accepted - out.start  # computed positions whose tokens are committed
+            verdicts.append(Verdict(accepted, token, out.features[:committed], out.start))
+        return verdicts
 
     def _verify_row(
         self,

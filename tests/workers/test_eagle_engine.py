@@ -1,0 +1,267 @@
+"""EAGLE-3 drafting in the in-process engine (method "eagle"): greedy output identical to target-only with random and
+trained heads, sampling that draws from the target's own distribution (the exact test of test_engine_sampling.py),
+the features the target's forward captures (the lean path equals Hugging Face's hidden_states; nothing is kept when
+capture is off), the hand-over of committed positions' features to the head, and loading checks."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams, SpecParams
+from specserve.workers.errors import InvalidRequestError, ModelLoadError
+from specserve.workers.models.identity import target_identity
+from specserve.workers.runtime.lean_forward import full_forward
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, vocab_maps
+from specserve.workers.speculation.eagle3_io import save_head
+from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.training.eagle_train import train_head
+from tests.eagle_data_helpers import FIRST_TOKEN, write_tiny_eagle_data
+from tests.worker_helpers import sample_in_processes, save_tiny_llama
+from tests.workers.test_engine_greedy import PROMPTS, own_greedy_loop
+from tests.workers.test_engine_sampling import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
+
+LAYERS, HIDDEN = 8, 32  # feature layers (2, 4, 5)
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target(models_dir, device):
+    path = save_tiny_llama(models_dir / "eagle_target", seed=4, layers=LAYERS, hidden=HIDDEN)
+    return load_model(ModelConfig(path=path, device=device))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A peaked tiny-vocabulary target and a head trained on its greedy answers for about a second."""
+    root = tmp_path_factory.mktemp("eagle_engine")
+    path = save_tiny_llama(root / "target", seed=3, layers=LAYERS, hidden=HIDDEN, tiny_vocab=True, init_range=0.5)
+    data = write_tiny_eagle_data(path, root / "train", sequences=64, seed=1)
+    settings = {"epochs": 12, "ttt_steps": 3, "draft_vocab_size": 6, "lr": 3e-3, "batch_tokens": 512, "seed": 0}
+    result = train_head(data, path, root / "head", progress=False, **settings)
+    return load_model(ModelConfig(path=path, device="cpu")), result.head_dir
+
+
+def random_head(model_config, draft_vocab: int, seed: int, std: float | None = None) -> Eagle3Head:
+    """A random head; std: re-initialise every weight with it (peaked logits, so some proposals are accepted)."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(model_config, draft_vocab))
+    if std is not None:
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=std)
+    head.set_vocab_maps(*vocab_maps(torch.randperm(model_config.vocab_size).float(), draft_vocab))
+    return head.eval()
+
+
+def hf_features(model, sequence: list[int]) -> torch.Tensor:
+    """The target's features [T, 3H] of every position, from Hugging Face's own forward without a cache."""
+    with torch.no_grad():
+        hidden = model(torch.tensor([sequence], device=model.device), output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i][0] for i in default_feature_layers(model.config.num_hidden_layers)], dim=-1)
+
+
+@pytest.mark.parametrize("draft_vocab", [64, 259])  # a reduced draft vocabulary, and the whole one
+def test_greedy_eagle_is_identical_to_target_only(target, draft_vocab):
+    engine = SpecEngine(target, eagle_head=random_head(target.model.config, draft_vocab, seed=draft_vocab))
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = target.tokenizer(prompt)["input_ids"]
+        expected = own_greedy_loop(target.model, ids, MAX_NEW, target.eos_token_ids)
+        for k in (1, 3, 5, "auto"):
+            result = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="eagle", k=k))
+            assert result.token_ids == expected, (prompt, k)
+            drafted += result.stats.drafted
+    assert drafted > 0
+    assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
+
+
+def test_a_trained_head_accepts_more_than_a_random_one_and_output_stays_identical(trained):
+    loaded, head_dir = trained
+    engines = {
+        "trained": SpecEngine(loaded, eagle_head=head_dir),
+        "random": SpecEngine(loaded, eagle_head=random_head(loaded.model.config, 6, seed=0)),
+    }
+    counts = {name: [0, 0] for name in engines}  # accepted, drafted
+    g = torch.Generator().manual_seed(7)
+    params = SamplingParams(max_new_tokens=16, stop_at_eos=False)
+    for _ in range(6):  # prompts like the training data's: random tokens, no BOS
+        prompt = torch.randint(FIRST_TOKEN, 8, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        expected = own_greedy_loop(loaded.model, prompt, 16, set())
+        for name, engine in engines.items():
+            for k in (1, 3, 5):
+                result = engine.generate(prompt, params, SpecParams(method="eagle", k=k))
+                assert result.token_ids == expected, (name, prompt, k)
+                counts[name][0] += result.stats.accepted
+                counts[name][1] += result.stats.drafted
+    rates = {name: accepted / drafted for name, (accepted, drafted) in counts.items()}
+    assert rates["trained"] > rates["random"] + 0.15, rates  # measured: 0.32 vs 0.04
+
+
+def test_the_head_gets_each_committed_positions_target_features_once(trained):
+    loaded, head_dir = trained
+    engine = SpecEngine(loaded, eagle_head=head_dir)
+    drafter = engine.drafters["eagle"]
+    handed, add = [], drafter.add_features
+
+    def spy(request_id, start, features):
+        handed.append((start, features.clone()))
+        add(request_id, start, features)
+
+    drafter.add_features = spy
+    prompt = [3, 5, 4, 7, 6]
+    for temperature in (0.0, 1.0):
+        handed.clear()
+        params = SamplingParams(temperature=temperature, max_new_tokens=20, stop_at_eos=False, seed=1)
+        result = engine.generate(prompt, params, SpecParams(method="eagle", k=3))
+        assert result.stats.accepted > 0  # rounds that commit drafted positions as well as the bonus one
+        ends = [start + len(f) for start, f in handed]
+        assert [start for start, _ in handed] == [0, *ends[:-1]]  # each position once, in order
+        sequence = prompt + result.token_ids
+        assert ends[-1] == len(sequence) - 1  # all but the newest token, whose feature the next verify would compute
+        want = hf_features(loaded.model, sequence)[:-1]
+        torch.testing.assert_close(torch.cat([f for _, f in handed]), want, atol=1e-3, rtol=1e-3)  # cached vs not
+
+
+def test_captured_features_are_the_inputs_of_the_feature_layers(target):
+    """Lean capture equals Hugging Face's hidden_states in the same pass, bit for bit, for a prefill, a verify and a
+    ragged (left-padded) batch after a rollback; the logits are those of a runner that captures nothing."""
+    layers = default_feature_layers(LAYERS)
+    lean, full, plain = (ModelRunner(target, KVCacheConfig()) for _ in range(3))
+    full.lean, full._forward = False, full_forward(target.model)
+    lean.capture_features(layers)
+    full.capture_features(layers)
+    assert lean.lean
+    prompt, other = list(range(3, 23)), list(range(60, 70))
+    steps = [
+        [("a", prompt, 1)],  # prefill
+        [("a", prompt + [40, 41, 42], 4)],  # verify 3 drafted tokens
+        [("a", prompt + [40, 50], 2), ("b", other, 3)],  # after a rollback, with a prefill beside it
+    ]
+    for rows in steps:
+        outs = [runner.forward_batch(rows, capture=runner is not plain) for runner in (lean, full, plain)]
+        for (_, sequence, _), ours, theirs, uncaptured in zip(rows, *outs, strict=True):
+            assert uncaptured.features is None
+            assert torch.equal(ours.logits, uncaptured.logits) and torch.equal(theirs.logits, uncaptured.logits)
+            assert ours.start == theirs.start and ours.features.shape == (len(sequence) - ours.start, 3 * HIDDEN)
+            assert torch.equal(ours.features, theirs.features)
+            want = hf_features(target.model, sequence)[ours.start :]
+            torch.testing.assert_close(ours.features, want, atol=1e-4, rtol=1e-4)
+
+
+def test_capture_off_keeps_no_hidden_states(target, monkeypatch):
+    asked = []
+    forward = target.model.forward
+    monkeypatch.setattr(
+        target.model, "forward", lambda *a, **kw: asked.append(kw.get("output_hidden_states")) or forward(*a, **kw)
+    )
+    runner = ModelRunner(target, KVCacheConfig())
+    runner.lean, runner._forward = False, full_forward(target.model)
+    rows = [("a", list(range(3, 12)), 1)]
+    asked.clear()  # the runner's lean-path probe ran the model
+    assert runner.forward_batch(rows)[0].features is None
+    assert asked == [None]  # the model was not asked for its hidden states
+    with pytest.raises(ValueError, match="capture_features"):
+        runner.forward_batch(rows, capture=True)
+    runner.capture_features((1, 2, 5))
+    assert runner.forward_batch(rows, capture=True)[0].features.shape == (1, 3 * HIDDEN)
+    assert asked[-1] is True
+    lean = ModelRunner(target, KVCacheConfig())
+    assert lean.lean and lean.forward_batch(rows)[0].features is None
+    engine = SpecEngine(target)  # no head: no capture
+    assert engine.verifier.runner.capture_layers is None and engine.verifier.runner._capture_forward is None
+
+
+def test_propose_batch_equals_each_row_alone_and_samples_from_sparse_probs(target):
+    head = random_head(target.model.config, 64, seed=1, std=0.3)
+    features = torch.randn(3, 12, 3 * HIDDEN, generator=torch.Generator().manual_seed(0)) * 3
+    tokens = [list(range(3 + r, 16 + r)) for r in range(3)]  # 13 committed tokens: 12 entries each
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    rows = [("a", tokens[0], 4, sampled), ("b", tokens[1], 2, greedy), ("c", tokens[2], 5, sampled)]
+    batched, alone = load_eagle_drafter(target, head), load_eagle_drafter(target, head)
+    for r, (request_id, _, _, _) in enumerate(rows):
+        batched.add_features(request_id, 0, features[r])
+        alone.add_features(request_id, 0, features[r])
+    together = batched.propose_batch(rows)
+    for row, proposal in zip(rows, together, strict=True):
+        single = alone.propose(*row)
+        assert proposal.tokens == single.tokens and len(proposal.tokens) == row[2]
+        if row[3].greedy:
+            assert proposal.probs is None and single.probs is None
+        else:
+            torch.testing.assert_close(proposal.probs, single.probs, atol=1e-3, rtol=0)
+            assert proposal.probs.shape == (row[2], target.vocab_size)
+            assert not proposal.probs[:, ~head.t2d].any()  # no mass off the draft vocabulary
+            assert torch.equal(proposal.probs.half().float(), proposal.probs)  # float16-exact, as shipped
+            assert all(proposal.probs[j, t] > 0 for j, t in enumerate(proposal.tokens))
+    assert all(t in head.draft_to_target(torch.arange(64)).tolist() for p in together for t in p.tokens)
+
+
+def test_features_that_start_earlier_roll_the_head_back(target):
+    """A target that recomputed positions (its cache was cut) hands their features again: the head rolls back and
+    drafts what a head fed the final features from scratch drafts."""
+    head = random_head(target.model.config, 64, seed=2, std=0.3)
+    g = torch.Generator().manual_seed(3)
+    first, second = torch.randn(12, 3 * HIDDEN, generator=g), torch.randn(12, 3 * HIDDEN, generator=g)
+    tokens = list(range(3, 16))
+    drafter, fresh = load_eagle_drafter(target, head), load_eagle_drafter(target, head)
+    assert drafter.propose("r", tokens[:9], 3, SamplingParams()).tokens == []  # before the first verify: nothing
+    drafter.add_features("r", 0, first[:8])
+    drafter.propose("r", tokens[:9], 3, SamplingParams())
+    drafter.add_features("r", 5, second[5:])
+    fresh.add_features("r", 0, torch.cat([first[:5], second[5:]]))
+    assert (
+        drafter.propose("r", tokens, 4, SamplingParams()).tokens
+        == fresh.propose("r", tokens, 4, SamplingParams()).tokens
+    )
+    assert drafter.drafting.length("r") == 12
+    with pytest.raises(InvalidRequestError, match="committed tokens need entries"):
+        drafter.propose("r", tokens + [20, 21], 2, SamplingParams())  # features of 12, 13 never came
+    drafter.release("r")
+    assert drafter.drafting.length("r") == 0
+
+
+def test_a_head_that_does_not_fit_the_target_is_refused(target, tmp_path):
+    other = save_tiny_llama(tmp_path / "other", seed=9, layers=LAYERS, hidden=HIDDEN)
+    config = Eagle3Config.for_target(target.model.config, 64, target_identity=target_identity(other))
+    save_head(Eagle3Head(config), tmp_path / "foreign")
+    with pytest.raises(ModelLoadError, match="a head for another target"):
+        SpecEngine(target, eagle_head=tmp_path / "foreign")
+    save_head(Eagle3Head(dataclasses.replace(config, target_identity=target_identity(target.path))), tmp_path / "own")
+    assert SpecEngine(target, eagle_head=tmp_path / "own").verifier.runner.capture_layers == (2, 4, 5)
+    for bad in (dataclasses.replace(config, feature_layers=(2, 4, 9)), dataclasses.replace(config, vocab_size=300)):
+        with pytest.raises(ModelLoadError, match="does not fit this target"):
+            SpecEngine(target, eagle_head=Eagle3Head(bad))
+    with pytest.raises(InvalidRequestError, match="'eagle' drafting needs an EAGLE-3 head"):
+        SpecEngine(target).generate("hi", SamplingParams(max_new_tokens=2), SpecParams(method="eagle"))
+
+
+@pytest.fixture(scope="module")
+def sampling_target(models_dir) -> tuple[str, str]:
+    """A 4-layer tiny-vocabulary target (feature layers 2, 2, 1) and a peaked random head over 5 of its 8 tokens."""
+    path = save_tiny_llama(models_dir / "tv_eagle", seed=10, layers=4, hidden=16, tiny_vocab=True, init_range=0.5)
+    config = load_model(ModelConfig(path=path, device="cpu")).model.config
+    return path, str(save_head(random_head(config, 5, seed=4, std=0.5), models_dir / "tv_eagle_head", torch.float32))
+
+
+@pytest.mark.slow
+def test_eagle_sampling_matches_target_distribution(sampling_target, device):
+    """One case (about a minute on 2 cores): top-p truncates both distributions, and the head never proposes 3 of
+    the 8 tokens, so the target's mass there comes only through recovered tokens."""
+    path, head_dir = sampling_target
+    samples = 5_000
+    model = load_model(ModelConfig(path=path, device=device)).model
+    V = model.config.vocab_size
+    params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
+    joint = exact_joint(model, params, V)
+    spec = SpecParams(method="eagle", k=2)  # after the prefill's round, 2 of the NEW = 3 tokens are left to draft
+    outputs, accepted = sample_in_processes(
+        path, None, device, PROMPT, params, spec, list(range(samples)), eagle_head=head_dir
+    )
+    assert len(outputs) == samples
+    assert accepted > 0.2 * samples  # speculation really happened (measured: 0.35 per request)
+    assert chi2_pvalue(outputs, joint) > 1e-3
+    for pos in range(NEW):
+        assert marginal_tv(outputs, joint, pos, V) <= 0.03

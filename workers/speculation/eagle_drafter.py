@@ -1,0 +1,167 @@
+"""Drafting with an EAGLE-3 head in the in-process engine (workers/speculation/eagle3_drafting.py does the math).
+
+The head reads the target's own features: after each verify the engine hands over those of the positions the target
+just computed whose tokens are now committed (`add_features`); the next `propose` rolls the head's cache back to the
+first of them, extends it, and chains k steps. Entry t takes the feature of position t and the token at t+1, so with
+n+1 committed tokens the head holds n entries: the newest token's feature comes with the next verify. Before the
+first verify (the prefill, which computes the prompt's features) there is nothing to draft from: the first round of
+a request proposes nothing.
+
+Tokens are drawn as ModelDrafter draws them: greedy, the argmax over the draft vocabulary mapped to its target id;
+sampled, from `sparsify` of the request's distribution over the target vocabulary (the head's logits with -inf off
+the draft vocabulary, so zero mass there), with the same per-position DRAFT_SALT noise. The proposal's probs are
+exactly what was sampled from, so the target's rejection sampler stays lossless.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+
+from specserve.workers.config import SamplingParams
+from specserve.workers.errors import InvalidRequestError, ModelLoadError
+from specserve.workers.runtime.loading import LoadedModel
+from specserve.workers.speculation.drafters import Proposal, draw_token
+from specserve.workers.speculation.eagle3 import Eagle3Head, default_feature_layers
+from specserve.workers.speculation.eagle3_drafting import Eagle3Drafting
+from specserve.workers.speculation.eagle3_io import load_head
+
+log = logging.getLogger(__name__)
+
+Row = tuple[str, Sequence[int], int, SamplingParams]
+
+
+class EagleDrafter:
+    """The Drafter interface over an EAGLE-3 head, plus `add_features` for the target's features.
+
+    embed_weight [V, H]: the target's input embedding; feature_layers: the target layers whose inputs the head reads
+    (the target's runner must capture these)."""
+
+    def __init__(
+        self, head: Eagle3Head, embed_weight: torch.Tensor, feature_layers: tuple[int, ...], max_support: int = 256
+    ):
+        self.head = head
+        self.drafting = Eagle3Drafting(head, embed_weight)
+        self.feature_layers = feature_layers
+        self.max_support = max_support
+        self._feature_size = 3 * head.config.target_hidden_size
+        self._pending: dict[str, tuple[int, torch.Tensor]] = {}  # per request: features not yet in the head's cache
+
+    def add_features(self, request_id: str, start: int, features: torch.Tensor) -> None:
+        """features [m, 3H]: the target's features of committed positions start..start+m-1. Features of positions
+        already held (a target that recomputed them) replace the older ones from `start` on."""
+        if features.shape[0] == 0:
+            return
+        pending = self._pending.get(request_id)
+        if pending is not None and start >= pending[0]:
+            held_start, held = pending
+            if start > held_start + held.shape[0]:
+                raise InvalidRequestError(
+                    "features",
+                    f"{request_id!r}: features from position {start}, but those from {held_start + held.shape[0]} are "
+                    "missing",
+                )
+            features, start = torch.cat([held[: start - held_start], features]), held_start
+        self._pending[request_id] = (start, features)
+
+    def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
+        return self.propose_batch([(request_id, tokens, k, params)])[0]
+
+    def propose_batch(self, rows: Sequence[Row]) -> list[Proposal]:
+        """Draft for many requests at once: one head forward extends every request's cache, then one chained step per
+        drafted token over all of them. A request without target features yet proposes nothing."""
+        proposals = [Proposal(tokens=[], probs=None) for _ in rows]
+        ready = []  # (index into rows, the row for Eagle3Drafting.extend)
+        for b, (request_id, tokens, k, _) in enumerate(rows):
+            extension = self._extension(request_id, tokens) if k > 0 else None
+            if extension is not None:
+                ready.append((b, extension))
+        if not ready:
+            return proposals
+        drafting_rows = [rows[b] for b, _ in ready]
+        step = self.drafting.extend([extension for _, extension in ready])
+        chain = self.drafting.chain([request_id for request_id, _, _, _ in drafting_rows], step)
+        drafted: list[list[int]] = [[] for _ in ready]
+        probs: list[list[torch.Tensor]] = [[] for _ in ready]
+        for j in range(max(k for _, _, k, _ in drafting_rows)):
+            if j:
+                step = chain.step(torch.tensor([tokens[-1] for tokens in drafted]))
+            for i, (token, q) in enumerate(self._draw(step.logits, drafting_rows, j)):
+                drafted[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+        for i, (b, _) in enumerate(ready):
+            k = rows[b][2]  # rows that wanted fewer drafted on with the others: their extra tokens are dropped
+            proposals[b] = Proposal(tokens=drafted[i][:k], probs=torch.stack(probs[i][:k]) if probs[i] else None)
+        return proposals
+
+    def _extension(self, request_id: str, tokens: Sequence[int]) -> tuple[str, torch.Tensor, list[int]] | None:
+        """The Eagle3Drafting.extend row that brings the request's head cache up to its committed `tokens` (rolled
+        back first where new features start earlier), or None when no target features have come yet."""
+        length, committed = self.drafting.length(request_id), len(tokens) - 1  # entries held, entries due
+        start, features = self._pending.pop(request_id, (length, None))
+        if features is None:
+            features = torch.zeros(0, self._feature_size)
+            if length == 0:
+                return None  # before the first verify
+        end = start + features.shape[0]
+        if start > length or end != committed:
+            raise InvalidRequestError(
+                "features",
+                f"{request_id!r}: the head holds {length} entries and has features of positions {start}..{end - 1}, "
+                f"but {len(tokens)} committed tokens need entries 0..{committed - 1}",
+            )
+        if start < length:
+            self.drafting.rollback(request_id, start)
+        return request_id, features, list(tokens[start + 1 : end + 1])
+
+    def _draw(self, logits: torch.Tensor, rows: Sequence[Row], offset: int) -> list[tuple[int, torch.Tensor | None]]:
+        """logits [B, draft_vocab_size] of one drafting step -> per row, its token (target id) and the draft probs it
+        was drawn from (None: greedy). `offset`: the step's index, so the token's position is len(tokens) + offset."""
+        greedy = self.head.draft_to_target(logits.argmax(-1)).tolist()
+        out = []
+        for i, (_, tokens, _, params) in enumerate(rows):
+            if params.greedy:
+                out.append((greedy[i], None))
+            else:
+                target_logits = self.head.to_target_logits(logits[i].float())  # [V], -inf off the draft vocabulary
+                out.append(draw_token(target_logits, params, len(tokens) + offset, self.max_support))
+        return out
+
+    def release(self, request_id: str) -> None:
+        self.drafting.release(request_id)
+        self._pending.pop(request_id, None)
+
+
+def load_eagle_drafter(
+    target: LoadedModel, head: str | os.PathLike | Eagle3Head, max_support: int = 256
+) -> EagleDrafter:
+    """An EagleDrafter for `target` from a head directory (checked against the target: its identity when the head
+    records one, hidden size, vocabulary, feature layers) or an Eagle3Head in memory (checked for shapes)."""
+    config = target.model.config.get_text_config()
+    hidden, num_layers, vocab = config.hidden_size, config.num_hidden_layers, target.vocab_size
+    if isinstance(head, Eagle3Head):
+        _check_fits(head, hidden, vocab, num_layers)
+    else:
+        head = load_head(head, target.path, hidden, vocab, target_num_layers=num_layers, dtype=target.dtype)
+    layers = tuple(head.config.feature_layers or default_feature_layers(num_layers))
+    head = head.to(device=target.device, dtype=target.dtype).eval()
+    embed = target.model.get_input_embeddings().weight
+    log.info("EAGLE-3 head for %s: draft vocabulary %d, features of layers %s", target.path,
+             head.config.draft_vocab_size, list(layers))  # fmt: skip
+    return EagleDrafter(head, embed, layers, max_support)
+
+
+def _check_fits(head: Eagle3Head, hidden: int, vocab: int, num_layers: int) -> None:
+    cfg = head.config
+    layers = cfg.feature_layers or default_feature_layers(num_layers)
+    fits = (cfg.hidden_size, cfg.target_hidden_size, cfg.vocab_size) == (hidden, hidden, vocab)
+    if not fits or max(layers) >= num_layers:
+        raise ModelLoadError(
+            f"the EAGLE-3 head (hidden {cfg.hidden_size}, target hidden {cfg.target_hidden_size}, vocabulary "
+            f"{cfg.vocab_size}, feature layers {list(layers)}) does not fit this target (hidden {hidden}, vocabulary "
+            f"{vocab}, {num_layers} layers)"
+        )
