@@ -1,0 +1,371 @@
+"""EAGLE-3 training data from a target model, written in shards and resumable across days.
+
+A data directory (default $SPECSERVE_HOME/eagle-data/<target identity[:16]>/) holds `manifest.json` and shards
+`shard-00000.safetensors`, ...; each shard holds `input_ids` int32 [T] (sequences concatenated: prompt then answer),
+`seq_starts` int64 [S+1], `loss_mask` uint8 [T] (1 on answer tokens, those the target generated), `features` float16
+[T, 3H] (hidden_states[2], [N//2], [N-3] concatenated) and `last_hidden` float16 [T, H] (hidden_states[-1], the final
+normed state), both from an fp32 forward over the whole sequence.
+
+A shard is written to a temporary file and renamed when complete, so a shard file is always whole. Shard i draws
+everything it samples from a seed derived from (seed, i): a restart skips the shards on disk and continues with the
+next, and makes the data a single run would have made (on the same machine and settings, which the manifest records
+and a resume must match). Questions are the target's own (Magpie-style, see eagle_prompts.py) plus TRAIN_QUESTIONS,
+never the bench's HELD_OUT_QUESTIONS; answers use the bench's chat rendering.
+
+    python -m specserve.workers.training.eagle_data --target smollm2-135m-instruct --answer-tokens 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from specserve.workers.errors import InvalidRequestError, ModelLoadError
+from specserve.workers.models.home import specserve_home
+from specserve.workers.models.identity import target_identity
+from specserve.workers.training.eagle_target import EagleTarget, Sampling, pick_questions
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What defines the data (a resume must use the same): shard size, lengths, sampling, generation precision and
+    batch (numerics and the sampling streams depend on the batch's rows). fp32 generation by default: on CPUs
+    without native bf16 (AVX512-BF16/AMX) bf16 decoded 4x slower (13 vs 51 tok/s at batch 32 on the 2-core dev
+    machine), and fp32 answers are exactly the fp32 target's greedy text."""
+
+    shard_sequences: int = 256
+    batch: int = 32
+    max_question_tokens: int = 64
+    max_answer_tokens: int = 256
+    greedy_fraction: float = 0.5
+    train_question_fraction: float = 0.05
+    answer_temperature: float = 0.7
+    answer_top_p: float = 0.9
+    gen_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    file: str
+    sequences: int
+    tokens: int
+    answer_tokens: int
+
+
+@dataclass
+class DataManifest:
+    target: str
+    target_path: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    feature_layers: list[int]
+    seed: int
+    settings: GenerationSettings
+    shards: list[ShardInfo] = field(default_factory=list)
+    format: int = FORMAT
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(s.answer_tokens for s in self.shards)
+
+    def to_json(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("settings", "shards")}
+        return data | {"shards": [asdict(s) for s in self.shards], "generation": asdict(self.settings)}
+
+    @classmethod
+    def from_json(cls, data: dict, source: Path) -> DataManifest:
+        try:
+            if data["format"] != FORMAT:
+                raise ValueError(f"format {data['format']!r}, this specserve reads format {FORMAT}")
+            settings = GenerationSettings(**data["generation"])
+            shards = [ShardInfo(**s) for s in data["shards"]]
+            plain = {f.name: data[f.name] for f in fields(cls) if f.name not in ("settings", "shards")}
+            return cls(**plain, settings=settings, shards=shards)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ModelLoadError(f"{source} is not an EAGLE-3 data manifest ({err!r})") from err
+
+
+def feature_layers(num_hidden_layers: int) -> list[int]:
+    """The hidden_states indices EAGLE-3 reads (vLLM's and SGLang's default): the residual stream entering layers
+    2, N//2 and N-3."""
+    layers = [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    if not layers[0] < layers[1] < layers[2]:
+        raise ModelLoadError(
+            f"the target has {num_hidden_layers} layers; EAGLE-3 features (layers 2, N//2, N-3) need at least 7"
+        )
+    return layers
+
+
+def default_data_dir(identity: str) -> Path:
+    return specserve_home() / "eagle-data" / identity[:16]
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def read_manifest(data_dir: str | Path) -> DataManifest:
+    """The manifest of a data directory. Raises ModelLoadError naming the file when it is missing or malformed."""
+    path = Path(data_dir) / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read the EAGLE-3 data manifest {path}: {err}") from err
+    return DataManifest.from_json(data, path)
+
+
+def generate_data(
+    target_path: str | Path,
+    out_dir: str | Path | None,
+    answer_tokens: int,
+    seed: int = 0,
+    settings: GenerationSettings | None = None,
+    feature_batch_tokens: int = 8192,
+    threads: int | None = None,
+    progress: bool = True,
+) -> DataManifest:
+    """Write shards into `out_dir` (default: default_data_dir) until they hold at least `answer_tokens` answer tokens
+    (the last shard is whole, so up to one shard more), continuing from the shards already there.
+
+    Raises InvalidRequestError when `out_dir` holds data of another target or settings, or another process is writing
+    it; ModelLoadError when the target cannot be loaded or has too few layers."""
+    settings = settings or GenerationSettings()
+    _check_settings(settings, answer_tokens)
+    identity = target_identity(target_path)
+    out = Path(out_dir) if out_dir is not None else default_data_dir(identity)
+    out.mkdir(parents=True, exist_ok=True)
+    if threads:
+        torch.set_num_threads(threads)
+    with _exclusive(out):
+        target = EagleTarget(target_path, settings.gen_dtype)
+        manifest = _resume(out, identity, target, seed, settings)
+        _write_manifest(out, manifest)
+        done = manifest.answer_tokens
+        log.info(
+            "EAGLE-3 data for %s in %s: %d shards, %d answer tokens of %d",
+            target.path,
+            out,
+            len(manifest.shards),
+            done,
+            answer_tokens,
+        )
+        with tqdm(
+            total=answer_tokens,
+            initial=min(done, answer_tokens),
+            unit="tok",
+            desc="answer tokens",
+            file=sys.stderr,
+            disable=not progress,
+            dynamic_ncols=True,
+            mininterval=0.5 if sys.stderr.isatty() else 60,  # a log file gets a line a minute
+        ) as bar:
+            while manifest.answer_tokens < answer_tokens:
+                manifest.shards.append(_make_shard(target, out, manifest, feature_batch_tokens, bar.update))
+                bar.total = max(bar.total, bar.n)  # the last shard is whole: it may pass the goal
+                _write_manifest(out, manifest)
+    return manifest
+
+
+def _check_settings(settings: GenerationSettings, answer_tokens: int) -> None:
+    checks = {
+        "answer_tokens": answer_tokens > 0,
+        "shard_sequences": settings.shard_sequences > 0,
+        "batch": settings.batch > 0,
+        "max_answer_tokens": settings.max_answer_tokens > 0,
+        "max_question_tokens": settings.max_question_tokens > 0,
+        "greedy_fraction": 0.0 <= settings.greedy_fraction <= 1.0,
+        "train_question_fraction": 0.0 <= settings.train_question_fraction <= 1.0,
+        "answer_temperature": settings.answer_temperature > 0,
+        "answer_top_p": 0.0 < settings.answer_top_p <= 1.0,
+        "gen_dtype": settings.gen_dtype in ("bfloat16", "float16", "float32"),
+    }
+    for name, ok in checks.items():
+        if not ok:
+            value = answer_tokens if name == "answer_tokens" else getattr(settings, name)
+            raise InvalidRequestError(name, f"{value!r} is out of range")
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path):
+    """One writer per data directory: a second run would write the same shard names."""
+    with open(out / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InvalidRequestError("out", f"{out} is being written by another process; wait for it to end") from None
+        yield
+
+
+def _resume(out: Path, identity: str, target: EagleTarget, seed: int, settings: GenerationSettings) -> DataManifest:
+    """The manifest for this run, with the whole shards already on disk (the files are the truth: a crash between a
+    shard's rename and the manifest's update loses nothing)."""
+    fresh = DataManifest(
+        identity,
+        target.path,
+        target.num_hidden_layers,
+        target.hidden_size,
+        target.vocab_size,
+        feature_layers(target.num_hidden_layers),
+        seed,
+        settings,
+    )
+    if (out / MANIFEST).exists():
+        old = read_manifest(out)
+        if old.target != identity:
+            raise InvalidRequestError("out", f"{out} holds data of target {old.target[:16]}, not of {target.path}")
+        if old.seed != seed:
+            raise InvalidRequestError("seed", f"{out} was made with seed {old.seed}: resume with --seed {old.seed}")
+        for name, value in asdict(old.settings).items():
+            if getattr(settings, name) != value:
+                flag = "--" + name.replace("_", "-")
+                raise InvalidRequestError(name, f"{out} was made with {name}={value!r}: resume with {flag} {value}")
+    for stale in out.glob(".shard-*.tmp"):
+        log.info("removing %s, left by an interrupted run", stale)
+        stale.unlink()
+    index = 0
+    while (out / shard_name(index)).exists():
+        fresh.shards.append(_shard_info(out / shard_name(index)))
+        index += 1
+    if index:
+        log.info("resuming after %d whole shards (%d answer tokens)", index, fresh.answer_tokens)
+    return fresh
+
+
+def _shard_info(path: Path) -> ShardInfo:
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return ShardInfo(path.name, int(meta["sequences"]), int(meta["tokens"]), int(meta["answer_tokens"]))
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(f"shard {path} is unreadable ({err!r}): delete it to generate it again") from err
+
+
+def _make_shard(target: EagleTarget, out: Path, manifest: DataManifest, batch_tokens: int, on_tokens) -> ShardInfo:
+    index, settings = len(manifest.shards), manifest.settings
+    rng = np.random.default_rng([manifest.seed, index])
+    started = time.perf_counter()
+    questions, from_train = pick_questions(
+        target,
+        settings.shard_sequences,
+        rng,
+        settings.train_question_fraction,
+        settings.max_question_tokens,
+        settings.batch,
+    )
+    asked = time.perf_counter()
+    prompts = [target.chat_prompt(q) for q in questions]
+    sampled = [
+        t or bool(g) for t, g in zip(from_train, rng.random(len(prompts)) >= settings.greedy_fraction, strict=True)
+    ]
+    sampling = Sampling(settings.answer_temperature, settings.answer_top_p)
+    answers = target.answers(prompts, sampled, settings.max_answer_tokens, sampling, rng, settings.batch, on_tokens)
+    answered = time.perf_counter()
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    features, last = target.features(sequences, manifest.feature_layers, batch_tokens)
+    tensors = {
+        "input_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int32),
+        "seq_starts": torch.tensor(np.concatenate([[0], np.cumsum([len(s) for s in sequences])]), dtype=torch.int64),
+        "loss_mask": torch.tensor(
+            [m for p, a in zip(prompts, answers, strict=True) for m in [0] * len(p) + [1] * len(a)], dtype=torch.uint8
+        ),
+        "features": features,
+        "last_hidden": last,
+    }
+    info = ShardInfo(shard_name(index), len(sequences), len(tensors["input_ids"]), sum(len(a) for a in answers))
+    meta = {
+        "format": str(FORMAT),
+        "shard": str(index),
+        "sequences": str(info.sequences),
+        "tokens": str(info.tokens),
+        "answer_tokens": str(info.answer_tokens),
+    }
+    partial = out / f".{info.file}.tmp"
+    save_file(tensors, str(partial), metadata=meta)
+    partial.chmod(0o644)  # safetensors creates it owner-only; the trainer may run as another user
+    os.replace(partial, out / info.file)
+    took = time.perf_counter() - started
+    log.info(
+        "%s: %d sequences, %d answer tokens in %.0f s (%.1f answer tok/s; questions %.0f s, answers %.0f s, "
+        "features %.0f s)",
+        info.file,
+        info.sequences,
+        info.answer_tokens,
+        took,
+        info.answer_tokens / took,
+        asked - started,
+        answered - asked,
+        took - (answered - started),
+    )
+    return info
+
+
+def _write_manifest(out: Path, manifest: DataManifest) -> None:
+    partial = out / f".{MANIFEST}.tmp"
+    partial.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+    os.replace(partial, out / MANIFEST)
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = GenerationSettings()
+    parser = argparse.ArgumentParser(description="Generate EAGLE-3 training data from a target model (resumable).")
+    parser.add_argument("--target", required=True, help="known model name, .gguf file or Hugging Face directory")
+    parser.add_argument("--out", help="data directory (default $SPECSERVE_HOME/eagle-data/<target id>)")
+    parser.add_argument("--answer-tokens", type=int, required=True, help="stop once the shards hold this many")
+    parser.add_argument("--shard-sequences", type=int, default=defaults.shard_sequences)
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="rows per generate call")
+    parser.add_argument("--max-answer-tokens", type=int, default=defaults.max_answer_tokens)
+    parser.add_argument("--gen-dtype", default=defaults.gen_dtype, choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--feature-batch-tokens", type=int, default=8192, help="padded tokens per fp32 forward")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from specserve.workers.models.catalog import resolve_model
+
+    settings = GenerationSettings(
+        shard_sequences=args.shard_sequences,
+        batch=args.batch,
+        max_answer_tokens=args.max_answer_tokens,
+        gen_dtype=args.gen_dtype,
+    )
+    try:
+        manifest = generate_data(
+            resolve_model(args.target, progress=not args.quiet),
+            args.out,
+            args.answer_tokens,
+            args.seed,
+            settings,
+            args.feature_batch_tokens,
+            args.threads,
+            not args.quiet,
+        )
+    except (InvalidRequestError, ModelLoadError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(manifest.shards)} shards, {manifest.answer_tokens} answer tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
