@@ -37,6 +37,7 @@ from tqdm import tqdm
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.home import specserve_home
 from specserve.workers.models.identity import target_identity
+from specserve.workers.speculation.eagle3 import default_feature_layers
 from specserve.workers.training.eagle_target import EagleTarget, Sampling, pick_questions
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class DataManifest:
 def feature_layers(num_hidden_layers: int) -> list[int]:
     """The hidden_states indices EAGLE-3 reads (vLLM's and SGLang's default): the residual stream entering layers
     2, N//2 and N-3."""
-    layers = [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    layers = list(default_feature_layers(num_hidden_layers))
     if not layers[0] < layers[1] < layers[2]:
         raise ModelLoadError(
             f"the target has {num_hidden_layers} layers; EAGLE-3 features (layers 2, N//2, N-3) need at least 7"
