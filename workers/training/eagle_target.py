@@ -116,7 +116,7 @@ class EagleTarget:
         out = self.gen_model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
         return out.logits[:, -1].float()
 
-    def questions(self, count: int, rng: np.random.Generator, max_tokens: int, batch: int) -> list[str]:
+    def questions(self, count: int, rng: np.random.Generator, max_new_tokens: int, batch: int) -> list[str]:
         """`count` distinct Magpie questions: the target continues a topic's chat rendering cut where the user's
         words begin (after a few opening words), at temperature 1. Unfinished, degenerate or held-out ones are
         dropped."""
@@ -131,7 +131,7 @@ class EagleTarget:
             ]
             encoded = [self._encode(p) for p in prefixes]
             before = len(kept)
-            new_rows = self.generate(encoded, max_tokens, Sampling(1.0), _seed(rng), self.paragraph_ids)
+            new_rows = self.generate(encoded, max_new_tokens, Sampling(1.0), _seed(rng), self.paragraph_ids)
             for opening, new in zip(openings, new_rows, strict=True):
                 if not new or new[-1] not in self.eos_ids:
                     continue  # ran out of tokens: not a finished question
@@ -248,12 +248,12 @@ def _half(x: torch.Tensor) -> torch.Tensor:
 
 
 def pick_questions(
-    target: EagleTarget, count: int, rng: np.random.Generator, train_fraction: float, max_tokens: int, batch: int
+    target: EagleTarget, count: int, rng: np.random.Generator, train_fraction: float, max_new_tokens: int, batch: int
 ) -> tuple[list[str], list[bool]]:
     """`count` questions, each a TRAIN_QUESTIONS entry with probability `train_fraction` (always answered sampled,
     so repeats get new answers) or a Magpie question of the target's; and whether each came from TRAIN_QUESTIONS."""
     from_train = list(rng.random(count) < train_fraction)
     fixed = [TRAIN_QUESTIONS[j] for j in rng.integers(len(TRAIN_QUESTIONS), size=sum(from_train))]
-    magpie = iter(target.questions(count - len(fixed), rng, max_tokens, batch) if len(fixed) < count else [])
+    magpie = iter(target.questions(count - len(fixed), rng, max_new_tokens, batch) if len(fixed) < count else [])
     fixed_iter = iter(fixed)
     return [next(fixed_iter) if t else next(magpie) for t in from_train], from_train
