@@ -170,6 +170,9 @@ def test_sampling_keeps_to_the_nucleus():
     assert counts[2] == 0 and 1200 < counts[0] < 1600  # 0.6 / 0.9 of the draws
     assert (eagle_target._pick(logits, Sampling(1.0, 0.5), generator) == 0).all()
     assert (eagle_target._pick(logits, None, generator) == 0).all()
+    flat = -torch.arange(4000.0).expand(200, 4000) * 1e-4  # a nucleus wider than the candidates looked at first
+    picks = eagle_target._pick(flat, Sampling(1.0, 0.9), generator)
+    assert len(set(picks.tolist())) > 150 and (picks >= 600).float().mean() > 0.6
 
 
 def test_no_held_out_question_is_ever_asked(one_run, chatty_target, monkeypatch):

@@ -24,6 +24,7 @@ from specserve.workers.training.eagle_prompts import TOPICS, QuestionFilter, que
 log = logging.getLogger(__name__)
 
 _FP16_MAX = 65504.0
+_NUCLEUS_CANDIDATES = 512
 _BARREN_ROUNDS = 5  # question rounds in a row with no usable question: the target does not write questions
 
 
@@ -80,8 +81,7 @@ class EagleTarget:
         """Each row's new tokens, through its first EOS (kept: the drafter learns to end answers) or stop token, or
         `max_new` of them.
 
-        Rows leave the batch (and the KV cache) as they end, so a batch costs what its rows generate, not its longest
-        row times its size (HF `generate` computes finished rows to the end: 35-40% of an answer batch's work)."""
+        Rows leave the batch (and the KV cache) as they end: HF `generate` computes finished rows to the end."""
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -216,11 +216,15 @@ def _pick(logits: torch.Tensor, sampling: Sampling | None, generator: torch.Gene
     if sampling is None:
         return logits.argmax(-1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p  # the most likely token always stays
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if sampling.top_p >= 1.0:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    # The nucleus from the top candidates: sorting every row's whole vocabulary made a sampled step 1.5x a greedy one.
+    top, order = probs.topk(min(_NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
+    if bool((top.sum(-1) < sampling.top_p).any()):  # a flat row: its nucleus is wider than the candidates
+        top, order = probs.sort(dim=-1, descending=True)
+    outside = top.cumsum(-1) - top >= sampling.top_p  # the most likely token always stays
+    pick = torch.multinomial(top.masked_fill(outside, 0.0), 1, generator=generator)
+    return order.gather(-1, pick).squeeze(1)
 
 
 def _seed(rng: np.random.Generator) -> int:
