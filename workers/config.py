@@ -38,9 +38,9 @@ class SamplingParams(_Strict):
         return self.temperature == 0.0
 
 
-SpecMethod = Literal["draft", "ngram", "none"]  # what the served API takes
-# The in-process engine also drafts with an EAGLE-3 head (the served path does not yet).
-EngineMethod = Literal["eagle", "draft", "ngram", "none"]
+SpecMethod = Literal["draft", "eagle", "ngram", "none"]  # what the served API takes
+# The in-process engine also takes eagle+ngram (the served path does not yet).
+EngineMethod = Literal["eagle", "eagle+ngram", "draft", "ngram", "none"]
 
 
 class SpecParams(_Strict):
@@ -48,8 +48,8 @@ class SpecParams(_Strict):
 
     method: EngineMethod = Field(
         "draft",
-        description="draft: a draft model proposes; ngram: prompt lookup; eagle: an EAGLE-3 head (in-process engine "
-        "only); none: off.",
+        description="draft: a draft model proposes; ngram: prompt lookup; eagle: an EAGLE-3 head; eagle+ngram: the "
+        "head's chain or the prompt lookup's continuation, whichever is expected to accept more; none: off.",
     )
     k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] = Field(
         4, description=f"Tokens drafted per round, 1..{MAX_K}, or 'auto' to adapt k per round."

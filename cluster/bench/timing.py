@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from specserve.cluster.bench.rows import BenchConfig, Row, RowFn
 from specserve.workers.config import KVCacheConfig, SamplingParams
+from specserve.workers.runtime.cost_probe import time_forward
 from specserve.workers.runtime.loading import LoadedModel
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.adaptive_k import fit_acceptance, leviathan_speedup
@@ -20,19 +21,6 @@ class Costs:
     t_draft: float  # seconds per drafted token (draft model, cached, one token); 0 without a draft model
     t_target: float  # seconds per target token (cached, one token)
     t_verify: dict[int, float]  # seconds per target forward over k + 1 new positions
-
-
-def _time_forward(runner: ModelRunner, prompt: list[int], new: int, reps: int) -> list[float]:
-    """Seconds of `reps` cached forwards over `new` fresh positions after `prompt`."""
-    times = []
-    for i in range(reps):
-        runner.logits_for("cost", prompt, 1)
-        seq = prompt + [(7 * i + j) % 200 + 3 for j in range(new)]
-        t0 = time.perf_counter()
-        runner.logits_for("cost", seq, new)
-        times.append(time.perf_counter() - t0)
-    runner.release("cost")
-    return times
 
 
 class CostSampler:
@@ -48,17 +36,17 @@ class CostSampler:
         self.samples: dict[str, list[float]] = {}
 
     def warm_up(self, prompt: list[int]) -> None:
-        _time_forward(self.t_runner, prompt, 5, self.reps)  # allocator and kernel caches
+        time_forward(self.t_runner, prompt, 5, self.reps)  # allocator and kernel caches
         if self.d_runner is not None:
-            _time_forward(self.d_runner, prompt, 1, self.reps)
+            time_forward(self.d_runner, prompt, 1, self.reps)
 
     def sample(self, prompt: list[int]) -> None:
         add = lambda key, times: self.samples.setdefault(key, []).extend(times)  # noqa: E731
         if self.d_runner is not None:
-            add("draft", _time_forward(self.d_runner, prompt, 1, self.reps))
-        add("target", _time_forward(self.t_runner, prompt, 1, self.reps))
+            add("draft", time_forward(self.d_runner, prompt, 1, self.reps))
+        add("target", time_forward(self.t_runner, prompt, 1, self.reps))
         for k in self.verify_ks:
-            add(f"verify{k}", _time_forward(self.t_runner, prompt, k + 1, self.reps))
+            add(f"verify{k}", time_forward(self.t_runner, prompt, k + 1, self.reps))
 
     def costs(self) -> Costs:
         med = lambda key: statistics.median(self.samples[key])  # noqa: E731

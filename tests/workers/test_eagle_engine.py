@@ -14,6 +14,7 @@ from specserve.workers.models.identity import target_identity
 from specserve.workers.runtime.lean_forward import full_forward
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.speculation.chain_planner import ChainPlanner
 from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, vocab_maps
 from specserve.workers.speculation.eagle3_io import save_head
 from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
@@ -63,19 +64,45 @@ def hf_features(model, sequence: list[int]) -> torch.Tensor:
     return torch.cat([hidden[i][0] for i in default_feature_layers(model.config.num_hidden_layers)], dim=-1)
 
 
-@pytest.mark.parametrize("draft_vocab", [64, 259])  # a reduced draft vocabulary, and the whole one
-def test_greedy_eagle_is_identical_to_target_only(target, draft_vocab):
+@pytest.mark.parametrize(
+    ("draft_vocab", "method"), [(64, "eagle"), (259, "eagle"), (64, "eagle+ngram")]
+)  # a reduced draft vocabulary and the whole one; the head's chain competing with prompt lookup
+def test_greedy_eagle_is_identical_to_target_only(target, draft_vocab, method):
     engine = SpecEngine(target, eagle_head=random_head(target.model.config, draft_vocab, seed=draft_vocab))
     drafted = 0
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt)["input_ids"]
         expected = own_greedy_loop(target.model, ids, MAX_NEW, target.eos_token_ids)
         for k in (1, 3, 5, "auto"):
-            result = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="eagle", k=k))
+            result = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method=method, k=k))
             assert result.token_ids == expected, (prompt, k)
             drafted += result.stats.drafted
+            reached, accepted = result.stats.reached_by_position, result.stats.accepted_by_position
+            assert sum(reached) == result.stats.drafted and all(a <= r for a, r in zip(accepted, reached, strict=True))
     assert drafted > 0
     assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
+    costs = engine.planner_costs()  # measured once, on the first k='auto' request
+    assert costs.verify.max_k == engine.max_auto_k and all(t > 0 for t in costs.verify.verify_s)
+
+
+def test_eagle_and_ngram_take_turns_and_stay_identical(target):
+    """A prompt that repeats itself: prompt lookup's long matches win some rounds, the head the others."""
+    engine = SpecEngine(target, eagle_head=random_head(target.model.config, 64, seed=1))
+    sources = []
+    planner_plan = ChainPlanner.plan
+
+    def spy(self, tokens, k, budget):
+        plan = planner_plan(self, tokens, k, budget)
+        sources.append(plan.source)
+        return plan
+
+    prompt = target.tokenizer("one two three four one two three four one two")["input_ids"]
+    expected = own_greedy_loop(target.model, prompt, MAX_NEW, target.eos_token_ids)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ChainPlanner, "plan", spy)
+        result = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="eagle+ngram", k=3))
+    assert result.token_ids == expected
+    assert {"head", "ngram"} <= set(sources), sources
 
 
 def test_a_trained_head_accepts_more_than_a_random_one_and_output_stays_identical(trained):
@@ -247,16 +274,18 @@ def sampling_target(models_dir) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-def test_eagle_sampling_matches_target_distribution(sampling_target, device):
-    """One case (about a minute on 2 cores): top-p truncates both distributions, and the head never proposes 3 of
-    the 8 tokens, so the target's mass there comes only through recovered tokens."""
+@pytest.mark.parametrize("method", ["eagle", "eagle+ngram"])
+def test_eagle_sampling_matches_target_distribution(sampling_target, device, method):
+    """About a minute each on 2 cores: top-p truncates both distributions, and the head never proposes 3 of the 8
+    tokens, so the target's mass there comes only through recovered tokens; with eagle+ngram the prompt's repeats
+    make prompt lookup's one-hot drafts win some rounds."""
     path, head_dir = sampling_target
     samples = 5_000
     model = load_model(ModelConfig(path=path, device=device)).model
     V = model.config.vocab_size
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
     joint = exact_joint(model, params, V)
-    spec = SpecParams(method="eagle", k=2)  # after the prefill's round, 2 of the NEW = 3 tokens are left to draft
+    spec = SpecParams(method=method, k=2)  # after the prefill's round, 2 of the NEW = 3 tokens are left to draft
     outputs, accepted = sample_in_processes(
         path, None, device, PROMPT, params, spec, list(range(samples)), eagle_head=head_dir
     )

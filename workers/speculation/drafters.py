@@ -113,6 +113,12 @@ class NgramDrafter:
 
 def ngram_lookup(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier match of the longest matching suffix n-gram."""
+    return ngram_match(tokens, k, max_ngram, min_ngram)[1]
+
+
+def ngram_match(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
+    """(n, continuation): the longest suffix n-gram with an earlier occurrence that has a continuation, and up to k
+    tokens that followed its most recent one; (0, []) when none matches."""
     seq = list(tokens)
     length = len(seq)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -122,5 +128,5 @@ def ngram_lookup(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) 
             if seq[start : start + n] == suffix:
                 follow = seq[start + n : start + n + k]
                 if follow:
-                    return follow
-    return []
+                    return n, follow
+    return 0, []

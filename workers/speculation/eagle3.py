@@ -53,6 +53,9 @@ class Eagle3Config:
     feature_layers: tuple[int, ...] | None = None
     target_identity: str | None = None  # workers/models/identity.py's sha256 of the target it was trained for
     norm_before_residual: bool = False  # a vLLM option: the residual is the normed feature
+    # Acceptance at each chain position given the previous one accepted, measured on held-out chat (`specserve draft
+    # eval` records it): the k policy's prior for this head. None: unmeasured.
+    acceptance: tuple[float, ...] | None = None
 
     @classmethod
     def for_target(cls, target_config, draft_vocab_size: int, target_identity: str | None = None) -> Eagle3Config:

@@ -60,7 +60,12 @@ def config_to_json(config: Eagle3Config, dtype: torch.dtype) -> dict:
         "pretraining_tp": 1,
         "norm_before_residual": config.norm_before_residual,
         "torch_dtype": _DTYPES[dtype],
-        SPECSERVE_KEY: {"format": 1, "target_identity": config.target_identity, "feature_layers": layers},
+        SPECSERVE_KEY: {
+            "format": 1,
+            "target_identity": config.target_identity,
+            "feature_layers": layers,
+            "acceptance": list(config.acceptance) if config.acceptance else None,
+        },  # fmt: skip
     }
     if layers is not None:
         data["eagle_aux_hidden_state_layer_ids"] = layers  # vLLM
@@ -101,8 +106,17 @@ def config_from_json(data: dict, source: Path) -> Eagle3Config:
         max_position_embeddings=data.get("max_position_embeddings", 2048),
         feature_layers=_feature_layers(data, source),
         target_identity=ours.get("target_identity"),
+        acceptance=_acceptance(ours.get("acceptance"), source),
         norm_before_residual=bool(data.get("norm_before_residual", False)),
     )
+
+
+def _acceptance(value, source: Path) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(a, int | float) and 0.0 <= a <= 1.0 for a in value):
+        raise ModelLoadError(f"{source}: specserve.acceptance must be a list of rates in [0, 1], got {value!r}")
+    return tuple(float(a) for a in value) or None
 
 
 def _feature_layers(data: dict, source: Path) -> tuple[int, ...] | None:

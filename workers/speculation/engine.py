@@ -3,6 +3,7 @@ use (a Drafter, a TargetVerifier, RequestState), all in one process. Also the re
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Sequence
@@ -12,16 +13,26 @@ import torch
 
 from specserve.workers.config import KVCacheConfig, NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.runtime.cost_probe import verify_seconds
 from specserve.workers.runtime.loading import LoadedModel, check_compatible
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.worker_state import check_token_ids
-from specserve.workers.speculation.adaptive_k import AdaptiveK
+from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
+from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle3 import Eagle3Head
+from specserve.workers.speculation.eagle_costs import head_cost
 from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle_drafter
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
+from specserve.workers.speculation.round_drafting import ChainRounds, DrafterRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier
+
+log = logging.getLogger(__name__)
+
+EAGLE_METHODS = ("eagle", "eagle+ngram")
+MAX_AUTO_K = 8  # a head's acceptance at position 9+ is too small to pay for verifying it
+PROBE_CONTEXT = 256  # tokens of context when timing verify widths: a chat prompt and part of its answer
 
 
 @dataclass
@@ -74,10 +85,13 @@ class SpecEngine:
         ngram_config: NgramConfig | None = None,
         cost_ratio: float = 0.1,
         eagle_head: str | os.PathLike | Eagle3Head | None = None,
+        planner_costs: PlannerCosts | None = None,
     ):
         """cost_ratio: the assumed c = t_draft / t_target used by k='auto'. A fixed number, not a live timing, so
         that a seeded request with k='auto' reproduces exactly. eagle_head: an EAGLE-3 head (directory or loaded)
-        for method 'eagle'; the target's forward passes then also capture the features the head reads."""
+        for methods 'eagle' and 'eagle+ngram'; the target's forward passes then also capture the features the head
+        reads. planner_costs: what k='auto' weighs for those methods (default: measured here on first use; a seeded
+        sampled request with k='auto' reproduces exactly under the same costs)."""
         kv_config = kv_config or KVCacheConfig()
         self.target = target
         self.verifier = TargetVerifier(ModelRunner(target, kv_config))
@@ -90,6 +104,9 @@ class SpecEngine:
             eagle = load_eagle_drafter(target, eagle_head)
             self.verifier.runner.capture_features(eagle.feature_layers)
             self.drafters["eagle"] = eagle
+            self.head_prior = eagle.head.config.acceptance or HEAD_PRIOR
+        self.max_auto_k = MAX_AUTO_K
+        self._planner_costs = planner_costs
 
     @property
     def tokenizer(self):
@@ -98,10 +115,35 @@ class SpecEngine:
     def _drafter(self, spec: SpecParams) -> Drafter | None:
         if spec.method == "none":
             return None
-        if spec.method not in self.drafters:
-            needs = "an EAGLE-3 head (eagle_head)" if spec.method == "eagle" else "a draft model"
+        name = "eagle" if spec.method in EAGLE_METHODS else spec.method
+        if name not in self.drafters:
+            needs = "an EAGLE-3 head (eagle_head)" if name == "eagle" else "a draft model"
             raise InvalidRequestError("method", f"{spec.method!r} drafting needs {needs}, and none is loaded")
-        return self.drafters[spec.method]
+        return self.drafters[name]
+
+    def _rounds(self, spec: SpecParams) -> DrafterRounds | ChainRounds | None:
+        drafter = self._drafter(spec)
+        if drafter is None:
+            return None
+        if not isinstance(drafter, EagleDrafter):
+            return DrafterRounds(drafter, spec, self.cost_ratio)
+        auto = spec.k == "auto"
+        planner = ChainPlanner(use_head=True, use_ngram=spec.method == "eagle+ngram",
+                               ngram=self.drafters["ngram"].config, head_prior=self.head_prior,
+                               costs=self.planner_costs() if auto else None)  # fmt: skip
+        return ChainRounds(drafter, planner, None if auto else spec.k, self.max_auto_k)
+
+    def planner_costs(self) -> PlannerCosts:
+        """The target's verify cost per width and the head's drafting cost, measured once (k='auto' weighs them)."""
+        if self._planner_costs is None:
+            eagle, widest = self.drafters["eagle"], self.max_auto_k + 1
+            context = min(PROBE_CONTEXT, (self.target.max_positions or PROBE_CONTEXT + 2 * widest) - 2 * widest)
+            verify = VerifyCosts(verify_seconds(self.verifier.runner, context, widest))
+            self._planner_costs = PlannerCosts(verify, head_cost(eagle, context, self.max_auto_k))
+            log.info("k='auto' costs: verify %s ms by width, head %.1f ms + %.1f ms per drafted token",
+                     " ".join(f"{1e3 * t:.1f}" for t in verify.verify_s), 1e3 * self._planner_costs.head.fixed_s,
+                     1e3 * self._planner_costs.head.step_s)  # fmt: skip
+        return self._planner_costs
 
     def _verify(
         self,
@@ -127,7 +169,8 @@ class SpecEngine:
         spec: SpecParams,
         request_id: str | None = None,
     ) -> GenerationResult:
-        drafter = self._drafter(spec)
+        rounds = self._rounds(spec)
+        drafter = rounds.drafter if rounds is not None else None
         prompt_ids = encode_prompt(self.tokenizer, prompt)
         check_request(prompt_ids, params, self.verifier.vocab_size, self.target.max_positions)
         state = RequestState(
@@ -137,18 +180,15 @@ class SpecEngine:
             max_new_tokens=params.max_new_tokens,
             eos_token_ids=frozenset(self.target.eos_token_ids) if params.stop_at_eos else frozenset(),
         )
-        adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
-        k_next = adaptive.k if adaptive else spec.k
         try:
             while not state.finished:
-                k = state.draft_budget(k_next) if drafter is not None else 0
                 position = len(state.tokens)
-                proposal = drafter.propose(state.request_id, state.tokens, k, params) if k else None
+                proposal = rounds.propose(state, params) if rounds is not None else None
                 drafted = proposal.tokens if proposal else []
                 generator = make_generator(params.seed, TARGET_SALT, position)
                 num_accepted, next_token = self._verify(state, drafter, proposal, params, generator)
-                if adaptive is not None and drafted:
-                    k_next = adaptive.observe(len(drafted), num_accepted)
+                if rounds is not None:
+                    rounds.observe(len(drafted), num_accepted)
                 state.commit_round(drafted, num_accepted, next_token)
         finally:
             self.verifier.release(state.request_id)

@@ -16,6 +16,20 @@ class RequestStats:
     rounds: int = 0  # verification forward passes of the target
     drafted: int = 0  # tokens proposed by the drafter
     accepted: int = 0  # drafted tokens the target kept
+    # Rounds that drafted position j (0-based) and rounds whose draft there was accepted (so were all before it).
+    reached_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def add_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.reached_by_position) < drafted:
+            self.reached_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for j in range(drafted):
+            self.reached_by_position[j] += 1
+            self.accepted_by_position[j] += 1 if j < accepted else 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,9 +79,7 @@ class RequestState:
 
     def commit_round(self, drafted: list[int], num_accepted: int, next_token: int) -> list[int]:
         """Apply a verified round; returns the tokens actually committed (cut at EOS or the length limit)."""
-        self.stats.rounds += 1
-        self.stats.drafted += len(drafted)
-        self.stats.accepted += num_accepted
+        self.stats.add_round(len(drafted), num_accepted)
         new = drafted[:num_accepted] + [next_token]
         committed: list[int] = []
         for token in new:

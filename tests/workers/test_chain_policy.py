@@ -1,0 +1,71 @@
+"""The chain k policy and planner (workers/speculation/chain_policy.py, chain_planner.py): pure functions over
+synthetic acceptance and costs."""
+
+import pytest
+
+from specserve.workers.speculation.chain_planner import NGRAM_PRIOR, ChainPlan, ChainPlanner, PlannerCosts
+from specserve.workers.speculation.chain_policy import (
+    DraftCost,
+    PositionAcceptance,
+    VerifyCosts,
+    best_k,
+    expected_accepted,
+    round_rate,
+)
+
+# Measured on 2 cores for SmolLM2-135M (ms by width 1..9): widths 2-3 cost more than 5.
+CPU_COSTS = VerifyCosts(tuple(t / 1e3 for t in (59, 100, 112, 87, 83, 84, 85, 86, 91)))
+
+
+def test_expected_accepted_multiplies_conditional_rates():
+    assert expected_accepted([0.5, 0.5, 0.5], 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted([0.9, 0.0, 1.0], 3) == pytest.approx(0.9)
+    assert expected_accepted([0.5, 0.5], 0) == 0.0
+
+
+def test_best_k_weighs_the_measured_cost_of_each_width():
+    rates = [0.55] * 8
+    # Under flat costs the policy would stop where the next draft adds little; on this CPU width 5 is cheaper than 2-3.
+    k = best_k(rates, CPU_COSTS, DraftCost(step_s=0.005), max_k=8)
+    assert k == 4
+    assert round_rate(rates, 4, CPU_COSTS, DraftCost(step_s=0.005)) > round_rate(rates, 2, CPU_COSTS, DraftCost(0.005))
+    flat = VerifyCosts((0.06,) + (0.06,) * 8)
+    assert best_k([0.9] * 8, flat, DraftCost(), max_k=8) == 8  # free drafts, flat verify: draft as far as allowed
+    assert best_k([0.05] * 8, CPU_COSTS, DraftCost(step_s=0.005), max_k=8) == 0  # a poor drafter: do not draft
+    # Made to draft, it drafts 3: verifying 4 positions (87 ms) is cheaper than verifying 2 (100 ms).
+    assert best_k([0.05] * 8, CPU_COSTS, DraftCost(step_s=0.005), max_k=8, min_k=1) == 3
+    assert best_k([0.9] * 8, flat, DraftCost(), max_k=3) == 3  # the round's budget caps it
+
+
+def test_position_acceptance_counts_reach_and_starts_from_the_prior():
+    stats = PositionAcceptance(prior=(0.5, 0.2), prior_weight=2.0)
+    assert stats.rates(3) == [0.5, 0.2, 0.2]
+    stats.observe(drafted=4, accepted=1)  # position 0 accepted, 1 rejected, 2-3 never reached
+    stats.observe(drafted=4, accepted=4)
+    assert stats.reached == [2, 2, 1, 1] and stats.accepted == [2, 1, 1, 1]
+    assert stats.rates(2) == pytest.approx([(2 + 1.0) / 4, (1 + 0.4) / 4])
+
+
+def test_the_planner_takes_a_long_ngram_match_and_the_head_otherwise():
+    planner = ChainPlanner(use_head=True, use_ngram=True)
+    repeated = [5, 6, 7, 8, 9, 5, 6, 7]  # "5 6 7" matched: "8 9 5" follows
+    plan = planner.plan(repeated, k=3, budget=10)
+    assert plan == ChainPlan("ngram", 3, (8, 9, 5), match=3)
+    assert planner.plan([5, 6, 7, 8, 9, 1, 2, 9], k=3, budget=10).source == "head"  # a 1-token match loses
+    assert planner.plan(repeated, k=3, budget=2).k == 2
+    assert planner.plan(repeated, k=3, budget=0).source == "none"
+    # The request's own rounds move the choice: 3-token matches that keep failing lose to the head.
+    for _ in range(12):
+        planner.observe(ChainPlan("ngram", 3, (8, 9, 5), match=3), accepted=0)
+    assert planner.plan(repeated, k=3, budget=10).source == "head"
+    assert ChainPlanner(use_head=False, use_ngram=True).plan([1, 2, 3], k=3, budget=5).source == "none"
+    assert NGRAM_PRIOR[3] > NGRAM_PRIOR[1]
+
+
+def test_auto_k_picks_per_candidate_and_needs_costs():
+    costs = PlannerCosts(CPU_COSTS, DraftCost(step_s=0.005, fixed_s=0.003))
+    planner = ChainPlanner(use_head=True, use_ngram=False, head_prior=(0.45, 0.4), costs=costs)
+    plan = planner.plan(list(range(20)), k=None, budget=8)
+    assert plan.source == "head" and plan.k == best_k([0.45] + [0.4] * 7, CPU_COSTS, costs.head, 8, min_k=1)
+    with pytest.raises(ValueError, match="costs"):
+        ChainPlanner(use_head=True, use_ngram=False).plan([1, 2], k=None, budget=4)

@@ -1,0 +1,41 @@
+"""Timing a model's forward passes where it runs: the seconds of a cached forward over w new positions, per width.
+
+On a CPU a forward's cost is far from linear in its width (SmolLM2-135M on 2 cores: 2-3 new positions cost more than
+5), so whoever picks how many tokens to verify measures each width instead of assuming one.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+from specserve.workers.runtime.runner import ModelRunner
+
+
+def probe_tokens(count: int, vocab_size: int, salt: int = 0) -> list[int]:
+    """Deterministic ordinary token ids (not the first few, which are often special)."""
+    span = max(1, min(vocab_size, 200) - 3)
+    return [(7 * salt + 13 * j) % span + 3 for j in range(count)]
+
+
+def time_forward(runner: ModelRunner, prompt: Sequence[int], new: int, reps: int) -> list[float]:
+    """Seconds of `reps` cached forwards over `new` fresh positions after `prompt`."""
+    request_id, prompt, times = f"cost-probe-{uuid.uuid4().hex}", list(prompt), []
+    try:
+        for i in range(reps):
+            runner.logits_for(request_id, prompt, 1)
+            sequence = prompt + probe_tokens(new, runner.vocab_size, salt=i + 1)
+            t0 = time.perf_counter()
+            runner.logits_for(request_id, sequence, new)
+            times.append(time.perf_counter() - t0)
+    finally:
+        runner.release(request_id)
+    return times
+
+
+def verify_seconds(runner: ModelRunner, context: int, max_width: int, reps: int = 3) -> tuple[float, ...]:
+    """(t_1, ..., t_max_width): the fastest of `reps` forwards over w new positions after `context` tokens, each."""
+    prompt = probe_tokens(context, runner.vocab_size)
+    time_forward(runner, prompt, max_width, 2)  # allocator and kernel caches
+    return tuple(min(time_forward(runner, prompt, w, reps)) for w in range(1, max_width + 1))

@@ -1,0 +1,39 @@
+"""Timing an EAGLE-3 head's drafting where it runs: a fixed cost per propose call (bringing the head's cache up to
+date, the first step) plus a cost per further chained step, for the k policy (chain_policy.DraftCost)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+from specserve.workers.config import SamplingParams
+from specserve.workers.runtime.cost_probe import probe_tokens
+from specserve.workers.speculation.chain_policy import DraftCost
+from specserve.workers.speculation.eagle_drafter import EagleDrafter
+
+
+def head_cost(eagle: EagleDrafter, context: int, k: int, reps: int = 3) -> DraftCost:
+    """Fit t(k) = fixed + k step from the fastest of `reps` proposals of 1 and of k tokens after `context` tokens
+    (each after one new committed position, as in decoding)."""
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    request_id = f"cost-probe-{uuid.uuid4().hex}"
+    tokens = probe_tokens(context + reps * 2 + 2, eagle.head.config.vocab_size)
+    features = torch.zeros(len(tokens), 3 * eagle.head.config.target_hidden_size)
+    seconds: dict[int, list[float]] = {1: [], k: []}
+    try:
+        eagle.add_features(request_id, 0, features[:context])
+        eagle.propose(request_id, tokens[: context + 1], 1, params)
+        for i in range(reps * 2):
+            end = context + i + 1
+            eagle.add_features(request_id, end - 1, features[end - 1 : end])
+            n = 1 if i % 2 else k
+            t0 = time.perf_counter()
+            eagle.propose(request_id, tokens[: end + 1], n, params)
+            seconds[n].append(time.perf_counter() - t0)
+    finally:
+        eagle.release(request_id)
+    one, many = min(seconds[1]), min(seconds[k])
+    step = max(0.0, (many - one) / (k - 1)) if k > 1 else 0.0
+    return DraftCost(step_s=step, fixed_s=max(0.0, one - step))

@@ -1,0 +1,51 @@
+"""What the in-process engine drafts each round, per request: one drafter with a fixed or adaptive k
+(`DrafterRounds`), or the chain planner over an EAGLE-3 head and n-gram lookup (`ChainRounds`)."""
+
+from __future__ import annotations
+
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.speculation.adaptive_k import AdaptiveK
+from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
+from specserve.workers.speculation.drafters import Drafter, Proposal
+from specserve.workers.speculation.eagle_drafter import EagleDrafter
+from specserve.workers.speculation.request import RequestState
+
+
+class DrafterRounds:
+    """One drafter; k fixed, or AdaptiveK's (Leviathan's S(k) with an assumed cost ratio) for 'auto'."""
+
+    def __init__(self, drafter: Drafter, spec: SpecParams, cost_ratio: float):
+        self.drafter = drafter
+        self.adaptive = AdaptiveK(cost_ratio=cost_ratio) if spec.k == "auto" else None
+        self.k = self.adaptive.k if self.adaptive else spec.k
+
+    def propose(self, state: RequestState, params: SamplingParams) -> Proposal | None:
+        k = state.draft_budget(self.k)
+        return self.drafter.propose(state.request_id, state.tokens, k, params) if k else None
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self.adaptive is not None and drafted:
+            self.k = self.adaptive.observe(drafted, accepted)
+
+
+class ChainRounds:
+    """The head's chain or the n-gram continuation, whichever the planner expects to pay more, each round."""
+
+    def __init__(self, eagle: EagleDrafter, planner: ChainPlanner, k: int | None, max_k: int):
+        self.drafter = eagle  # gets the target's features after every verify, whichever chain was drafted
+        self.planner = planner
+        self.k, self.max_k = k, max_k  # k None: 'auto'
+        self._plan: ChainPlan | None = None
+
+    def propose(self, state: RequestState, params: SamplingParams) -> Proposal | None:
+        plan = self.planner.plan(state.tokens, self.k, state.draft_budget(self.k or self.max_k))
+        self._plan = plan
+        if plan.source == "ngram":
+            return Proposal(tokens=list(plan.tokens), probs=None)
+        if plan.source == "head":
+            return self.drafter.propose(state.request_id, state.tokens, plan.k, params)
+        return None
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self._plan is not None and drafted:
+            self.planner.observe(ChainPlan(self._plan.source, drafted, self._plan.tokens, self._plan.match), accepted)
