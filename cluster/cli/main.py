@@ -8,12 +8,12 @@ import argparse
 import logging
 import sys
 
-from specserve.cluster.cli import bench, generate, models, serve
+from specserve.cluster.cli import bench, draft, generate, models, serve
 from specserve.workers.errors import SpecServeError
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Long-running commands report progress in their logs; the others print results, with warnings only.
-_INFO_COMMANDS = ("serve", "gateway")
+_INFO_COMMANDS = ("serve", "gateway", "draft")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parsers(sub, common)
     bench.add_parser(sub, common)
     models.add_parser(sub, common)
+    draft.add_parser(sub, common)
     return parser
 
 

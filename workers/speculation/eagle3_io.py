@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -253,3 +254,14 @@ def _fill_vocab_maps(found: dict, config: Eagle3Config, weights_path: Path) -> N
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[torch.arange(found["d2t"].shape[0]) + found["d2t"].to(torch.int64)] = True
         found["t2d"] = t2d
+
+
+def record_acceptance(head_dir: str | os.PathLike, acceptance: Sequence[float]) -> None:
+    """Store measured acceptance per position (given the previous accepted) in the head's config.json, under
+    specserve's own key: the k policy starts from it."""
+    path = Path(head_dir) / "config.json"
+    data = json.loads(path.read_text())
+    ours = data.setdefault(SPECSERVE_KEY, {"format": 1})
+    ours["acceptance"] = [round(float(a), 4) for a in acceptance]
+    _acceptance(ours["acceptance"], path)
+    path.write_text(json.dumps(data, indent=2) + "\n")

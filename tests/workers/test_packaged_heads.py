@@ -1,0 +1,43 @@
+"""Packaged EAGLE-3 heads are found by their target's identity; 'eagle' names the packaged one."""
+
+import json
+
+import pytest
+
+from specserve.workers.errors import ModelLoadError
+from specserve.workers.models import packaged_heads
+from specserve.workers.models.gguf_store import MARKER
+
+
+@pytest.fixture
+def heads_dir(tmp_path, monkeypatch):
+    heads = tmp_path / "eagle_heads"
+    monkeypatch.setattr(packaged_heads, "HEADS_DIR", heads)
+    packaged_heads.packaged_heads.cache_clear()
+    yield heads
+    packaged_heads.packaged_heads.cache_clear()
+
+
+def _converted_target(path, digest: str):
+    path.mkdir()
+    (path / MARKER).write_text(json.dumps({"sha256": digest}))
+    return path
+
+
+def test_the_packaged_head_is_the_one_made_for_the_target(heads_dir, tmp_path):
+    ours, other = "a" * 64, "b" * 64
+    head = heads_dir / "smol"
+    head.mkdir(parents=True)
+    (head / "config.json").write_text(json.dumps({"specserve": {"target_identity": ours}}))
+    target = _converted_target(tmp_path / "target", ours)
+    assert packaged_heads.packaged_head_for(target) == head
+    assert packaged_heads.resolve_head("eagle", target) == head
+    assert packaged_heads.packaged_head_for(_converted_target(tmp_path / "other", other)) is None
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert packaged_heads.packaged_head_for(plain) is None  # no cheap identity: not looked up
+    with pytest.raises(ModelLoadError, match="no EAGLE-3 head is packaged"):
+        packaged_heads.resolve_head("eagle", plain)
+    assert packaged_heads.resolve_head(str(head), plain) == head
+    with pytest.raises(ModelLoadError, match="neither 'eagle' nor an EAGLE-3 head directory"):
+        packaged_heads.resolve_head(str(tmp_path / "nowhere"), plain)
