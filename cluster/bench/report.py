@@ -44,13 +44,15 @@ def _fmt(v, spec=".2f") -> str:
 
 def format_table(rows: list[Row], meta: dict) -> str:
     head = ["row", "tok/s", "speedup", "accept", "E[tok/round]", "t_draft ms", "t_verify ms", "S(k)", "bound B(k)",
-            "ratio/bound", "identical"]  # fmt: skip
+            "ratio/bound", "identical", "accepted by position"]  # fmt: skip
     lines = [head]
     for r in rows:
+        by_position = " ".join(f"{a:.2f}" for a in r.acceptance_by_position[:8]) if r.acceptance_by_position else "-"
         lines.append([
             r.name, _fmt(r.tokens_per_s, ".1f"), _fmt(r.speedup) + "x", _fmt(r.acceptance_rate),
             _fmt(r.mean_accepted_length), _fmt(r.t_draft_ms), _fmt(r.t_verify_ms), _fmt(r.leviathan_bound),
             _fmt(r.bound), _fmt(r.ratio_to_bound), _fmt(r.identical) if r.temperature == 0 else "n/a (sampled)",
+            by_position,
         ])  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
@@ -75,6 +77,17 @@ def format_table(rows: list[Row], meta: dict) -> str:
             f"hf prompt-lookup N={p['n']} (the best n-gram k) ran after the other rows, beside a target-only rerun "
             f"({p['paired_target_only_tokens_per_s']:.1f} tok/s): its speedup is over that rerun"
         )
+    if "eagle_head" in meta:
+        h = meta["eagle_head"]
+        widths = " ".join(f"{t:.0f}" for t in h["verify_ms_by_width"])
+        out.append(
+            f"EAGLE-3 head {h['path']}: {h['fixed_ms']:.1f} ms per round + {h['step_ms']:.1f} ms per drafted token "
+            f"({h['step_to_target_step']:.3f} of a target step; t_draft = {h['t_head_ms']:.1f} ms a token at k=4); "
+            f"verify ms by width 1..{len(h['verify_ms_by_width'])} (what k=auto weighs): {widths}"
+        )
+    if any(r.acceptance_by_position for r in rows):
+        out.append("accepted by position j: the fraction of rounds drafting j or more tokens whose first j drafts were "
+                   "all accepted")  # fmt: skip
     if any(r.method == "ngram" for r in rows):
         out.append("n-gram rows: t_draft = 0; their bounds take the tokens drafted per round, which prompt lookup "
                    "cuts short when it finds no match")  # fmt: skip

@@ -2,8 +2,9 @@
 
 Two suites. `demo`: the demo family's rows (draft-model speculation at several k, Hugging Face assisted generation with
 the same draft, one n-gram row). `target`: any target, with or without a draft model: prompt lookup on both sides
-(specserve's n-gram drafting at k = 1..8 and auto, Hugging Face's prompt-lookup decoding, its peer), and the draft
-model's rows (and HF assisted generation) only when a draft model is loaded."""
+(specserve's n-gram drafting at k = 1..8 and auto, Hugging Face's prompt-lookup decoding, its peer), an EAGLE-3 head's
+rows (eagle and eagle+ngram at k = 1..8 and auto) when a head is loaded, and the draft model's rows (and HF assisted
+generation) only when a draft model is loaded."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ import torch
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids, read_questions
-from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.speculation.engine import EAGLE_METHODS, SpecEngine
 
 NGRAM_KS = tuple(range(1, 9))  # the target suite's n-gram sweep
+EAGLE_KS = tuple(range(1, 9))  # and its EAGLE-3 head's, alone and with n-gram (with a head)
 PROMPT_LOOKUP_N = 10  # Hugging Face's usual prompt_lookup_num_tokens
 SAMPLED_NGRAM_K = 4
 
@@ -47,7 +49,9 @@ TARGET_FULL = BenchConfig(prompts=12, max_new_tokens=128, suite="target")
 @dataclass
 class Row:
     name: str
-    method: str  # target-only | hf-generate | hf-assisted | hf-prompt-lookup | draft | ngram | disaggregated | serve
+    # target-only | hf-generate | hf-assisted | hf-prompt-lookup | draft | ngram | eagle | eagle+ngram | disaggregated
+    # | serve
+    method: str
     k: float | str | None
     temperature: float
     tokens: int = 0
@@ -63,6 +67,8 @@ class Row:
     bound: float | None = None
     ratio_to_bound: float | None = None
     identical: bool | None = None  # greedy rows: same tokens as target-only; sampling rows: None (compare laws)
+    # Position j: the fraction of rounds drafting j+1 or more tokens whose first j+1 drafts were all accepted.
+    acceptance_by_position: list[float] | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 
@@ -242,6 +248,9 @@ def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[t
             plan.append(prompt_lookup_row(engine, PROMPT_LOOKUP_N))
         for k in (*NGRAM_KS, "auto") if temp == 0 else (SAMPLED_NGRAM_K, "auto"):
             add(f"specserve ngram k={k} {tag}", "ngram", k, temp, spec_fn(engine, "ngram", k))
+        for method in EAGLE_METHODS if "eagle" in engine.drafters else ():
+            for k in (*EAGLE_KS, "auto") if temp == 0 else (SAMPLED_NGRAM_K, "auto"):
+                add(f"specserve {method} k={k} {tag}", method, k, temp, spec_fn(engine, method, k))
         if has_draft:
             for k in (*cfg.ks, "auto") if temp == 0 else (best_k, "auto"):
                 add(f"specserve draft k={k} {tag}", "draft", k, temp, spec_fn(engine, "draft", k))

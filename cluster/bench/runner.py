@@ -45,6 +45,9 @@ def run_bench(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, pr
     bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress, file=sys.stderr)
     counts = measure(plan, prompts, cfg, bar, sampler)
     costs = sampler.costs()
+    if "eagle" in engine.drafters:
+        head = engine.planner_costs().head  # measured in the warm-up, by the first k='auto' row
+        costs.t_head = (head.fixed_s + HEAD_K * head.step_s) / HEAD_K
     rows = [r for r, _ in plan]
     _fill_speculation(rows, counts, costs)
     _fill_speedups(rows)
@@ -75,13 +78,19 @@ def _draft_runner(engine: SpecEngine):
 def _fill_speculation(rows: list[Row], counts: dict, costs: Costs) -> None:
     """Acceptance, tokens per round and bounds of the speculative rows, from their summed round counts."""
     for row in rows:
-        drafted, accepted, rounds = counts[id(row)]
-        if row.method in ("draft", "ngram"):
-            row.acceptance_rate = accepted / drafted if drafted else 0.0
-            row.mean_accepted_length = 1 + accepted / rounds
-            # n-gram rounds draft fewer tokens than k (none) when the lookup finds no (long enough) match
+        c = counts[id(row)]
+        if row.method in SPECULATIVE:
+            row.acceptance_rate = c.accepted / c.drafted if c.drafted else 0.0
+            row.mean_accepted_length = 1 + c.accepted / c.rounds
+            row.acceptance_by_position = c.by_position()
+            # n-gram rounds draft fewer tokens than k (none) when the lookup finds no (long enough) match, and a
+            # head drafts nothing in a request's first round
             fixed = row.method == "draft" and row.k != "auto"
-            fill_bounds(row, costs, float(row.k) if fixed else drafted / rounds)
+            fill_bounds(row, costs, float(row.k) if fixed else c.drafted / c.rounds)
+
+
+SPECULATIVE = ("draft", "ngram", "eagle", "eagle+ngram")
+HEAD_K = 4  # a head's cost per drafted token is quoted at this k
 
 
 def _fill_speedups(rows: list[Row]) -> None:
@@ -132,7 +141,24 @@ def _run_meta(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, co
         "prompt_tokens": round(statistics.fmean(len(p) for p in prompts)),
         "max_new_tokens": cfg.max_new_tokens,
         "mean_new_tokens": greedy_base.tokens / len(prompts),
+        **_head_meta(engine, costs),
     }  # fmt: skip
+
+
+def _head_meta(engine: SpecEngine, costs: Costs) -> dict:
+    """The head's costs: per chained step, per round, per drafted token at HEAD_K, and the verify cost per width that
+    k='auto' weighs."""
+    if "eagle" not in engine.drafters:
+        return {}
+    planner = engine.planner_costs()
+    return {"eagle_head": {
+        "path": engine.eagle_source,
+        "step_ms": planner.head.step_s * 1e3,
+        "fixed_ms": planner.head.fixed_s * 1e3,
+        "t_head_ms": costs.t_head * 1e3,
+        "step_to_target_step": planner.head.step_s / costs.t_target,
+        "verify_ms_by_width": [t * 1e3 for t in planner.verify.verify_s],
+    }}  # fmt: skip
 
 
 def _models(args) -> tuple[str, str | None, BenchConfig, list[str]]:
@@ -173,6 +199,16 @@ def _extras(args, draft_path: str | None) -> int:
     return tp_n
 
 
+def _eagle_head(args, target_path: str):
+    """The head for the eagle rows: --eagle-head's directory, none for 'none', else the one packaged for the target."""
+    from specserve.workers.models.packaged_heads import packaged_head_for, resolve_head
+
+    choice = getattr(args, "eagle_head", None)
+    if choice == "none" or not args.target:
+        return None
+    return resolve_head(choice, target_path) if choice else packaged_head_for(target_path)
+
+
 def _sweep_tokens(args) -> int:
     return 16 if args.quick else 32
 
@@ -189,7 +225,7 @@ def main_bench(args) -> int:
     if draft_path:
         draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device, "dtype": args.dtype})
     target = load_model(target_cfg)
-    engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None)
+    engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None, eagle_head=_eagle_head(args, target_path))
     prompts, kind = bench_prompts(target.tokenizer, cfg, questions, held_out)
     rows, meta = run_bench(engine, prompts, cfg)
     meta["prompts_kind"] = kind

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.cluster.bench.rows import BenchConfig, Row, RowFn
 from specserve.workers.config import KVCacheConfig, SamplingParams
@@ -21,6 +21,7 @@ class Costs:
     t_draft: float  # seconds per drafted token (draft model, cached, one token); 0 without a draft model
     t_target: float  # seconds per target token (cached, one token)
     t_verify: dict[int, float]  # seconds per target forward over k + 1 new positions
+    t_head: float = 0.0  # seconds per token an EAGLE-3 head drafts (at k = 4, its fixed cost per round shared out)
 
 
 class CostSampler:
@@ -75,7 +76,8 @@ def fill_bounds(row: Row, costs: Costs, k: float) -> None:
     """Leviathan's S(k) with a fitted a, and the cost-aware bound B(k) = E t_target / (k t_draft + t_verify(k+1))."""
     E = row.mean_accepted_length
     t_verify = verify_cost(costs, k)
-    t_draft = costs.t_draft if row.method == "draft" else 0.0
+    # eagle+ngram: as if the head drafted every round (prompt lookup's rounds cost less: the bound is conservative)
+    t_draft = {"draft": costs.t_draft, "eagle": costs.t_head, "eagle+ngram": costs.t_head}.get(row.method, 0.0)
     c = t_draft / costs.t_target
     row.t_draft_ms, row.t_target_ms, row.t_verify_ms = t_draft * 1e3, costs.t_target * 1e3, t_verify * 1e3
     row.leviathan_bound = leviathan_speedup(fit_acceptance(E, k), k, c)
@@ -86,14 +88,37 @@ def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> Sam
     return greedy if row.temperature == 0 else sampled
 
 
+@dataclass
+class RoundCounts:
+    """A row's speculation over all prompts, summed from RequestStats."""
+
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    reached_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def add(self, stats) -> None:
+        self.drafted, self.accepted, self.rounds = (self.drafted + stats.drafted, self.accepted + stats.accepted,
+                                                    self.rounds + stats.rounds)  # fmt: skip
+        for mine, theirs in ((self.reached_by_position, stats.reached_by_position),
+                             (self.accepted_by_position, stats.accepted_by_position)):  # fmt: skip
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for j, n in enumerate(theirs):
+                mine[j] += n
+
+    def by_position(self) -> list[float]:
+        return [a / r for a, r in zip(self.accepted_by_position, self.reached_by_position, strict=True) if r]
+
+
 def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampler: CostSampler | None = None):
     """Prompt by prompt, every row in turn (forwards, then backwards for the next prompt): this VM's speed drifts by
     tens of percent over minutes, and row after row (each over all prompts) charged a slow spell to whichever rows
     ran in it (one run measured T=0.8 speculation at 0.79x target-only, the next at 1.56x, same models).
-    Returns {id(row): [drafted, accepted, rounds]}."""
+    Returns {id(row): RoundCounts}."""
     greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
     sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
-    counts = {id(row): [0, 0, 0] for row, _ in plan}
+    counts = {id(row): RoundCounts() for row, _ in plan}
     for i, prompt in enumerate(prompts):
         if sampler is not None:
             sampler.sample(prompt)
@@ -104,8 +129,7 @@ def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampl
             row.tokens += len(tokens)
             row.outputs.append(tokens)
             if stats is not None:
-                c = counts[id(row)]
-                c[0], c[1], c[2] = c[0] + stats.drafted, c[1] + stats.accepted, c[2] + stats.rounds
+                counts[id(row)].add(stats)
             bar.update(1)
     for row, _ in plan:
         row.tokens_per_s = row.tokens / row.seconds

@@ -25,6 +25,8 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--draft", metavar="NAME|PATH",
                    help="draft model (with --target): adds its rows and HF assisted generation; without it, "
                    "speculation is n-gram prompt lookup only")  # fmt: skip
+    p.add_argument("--eagle-head", metavar="DIR|none", help="with --target: an EAGLE-3 head directory for the "
+                   "eagle and eagle+ngram rows (default: the target's packaged head if any; 'none': none)")  # fmt: skip
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--prompts-from", nargs="*", metavar="FILE",
                          help="text files whose openings are the prompts (no chat template)")  # fmt: skip

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specserve.cluster.bench.distributed import distributed_rows
-from specserve.cluster.bench.rows import NGRAM_KS, PROMPT_LOOKUP_N, BenchConfig, Row
+from specserve.cluster.bench.rows import EAGLE_KS, NGRAM_KS, PROMPT_LOOKUP_N, BenchConfig, Row
 from specserve.cluster.bench.runner import run_bench
 from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
@@ -63,6 +63,26 @@ def test_with_a_draft_the_draft_and_hf_assisted_rows_are_added(tiny_target, tmp_
     assert draft == [(2, 0.0), (4, 0.0), ("auto", 0.0), (4, 0.8), ("auto", 0.8)]
     assert [r.k for r in rows if r.method == "hf-assisted"] == ["hf-default", 4]
     assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
+
+
+def test_with_a_head_the_eagle_rows_are_added_with_acceptance_by_position(tmp_path):
+    from tests.workers.test_eagle_engine import random_head
+
+    deep_enough = save_tiny_llama(tmp_path / "target", seed=4, layers=8, hidden=32)  # feature layers 2, 4, 5
+    loaded = load_model(ModelConfig(path=deep_enough, device="cpu"))
+    engine = SpecEngine(loaded, eagle_head=random_head(loaded.model.config, 64, seed=2, std=0.3))
+    rows, meta = run_bench(engine, PROMPTS[:2], CFG, progress=False)
+    eagle = [(r.method, r.k, r.temperature) for r in rows if r.method.startswith("eagle")]
+    greedy_ks = [*EAGLE_KS, "auto"]
+    assert eagle == [("eagle", k, 0.0) for k in greedy_ks] + [("eagle+ngram", k, 0.0) for k in greedy_ks] + [
+        ("eagle", 4, 0.8), ("eagle", "auto", 0.8), ("eagle+ngram", 4, 0.8), ("eagle+ngram", "auto", 0.8)]  # fmt: skip
+    assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
+    for row in (r for r in rows if r.method.startswith("eagle")):
+        positions = row.acceptance_by_position
+        assert positions is not None and all(b <= a for a, b in zip(positions, positions[1:], strict=False))
+        assert row.t_draft_ms > 0 and row.bound > 0
+    head = meta["eagle_head"]
+    assert head["path"] == "(in memory)" and head["step_ms"] >= 0 and len(head["verify_ms_by_width"]) == 9
 
 
 def test_hf_assisted_rows_are_skipped_with_a_reason_when_the_draft_vocabulary_is_padded(tiny_target, tiny_draft,

@@ -105,6 +105,7 @@ class SpecEngine:
             self.verifier.runner.capture_features(eagle.feature_layers)
             self.drafters["eagle"] = eagle
             self.head_prior = eagle.head.config.acceptance or HEAD_PRIOR
+            self.eagle_source = "(in memory)" if isinstance(eagle_head, Eagle3Head) else str(eagle_head)
         self.max_auto_k = MAX_AUTO_K
         self._planner_costs = planner_costs
 
