@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from specserve.workers.models.identity import target_identity
 from specserve.workers.speculation.eagle3 import default_feature_layers
+from specserve.workers.training.eagle_manifest import MANIFEST, DataManifest, GenerationSettings, ShardInfo, shard_name
 
 FIRST_TOKEN = 3  # after the byte tokenizer's specials
 
@@ -45,24 +46,15 @@ def write_tiny_eagle_data(
         _write_shard(out_dir, i, rows[start : start + per_shard])
         for i, start in enumerate(range(0, sequences, per_shard))
     ]
-    manifest = {
-        "format": 1,
-        "target": target_identity(target_path),
-        "target_path": str(target_path),
-        "num_hidden_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
-        "feature_layers": layers,
-        "shards": shards,
-        "seed": seed,
-        "answer_tokens": answer_tokens,
-    }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    identity = target_identity(target_path)
+    manifest = DataManifest(identity, str(target_path), config.num_hidden_layers, config.hidden_size,
+                            config.vocab_size, layers, seed, GenerationSettings(), shards)  # fmt: skip
+    (out_dir / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2))
     return out_dir
 
 
-def _write_shard(out_dir: Path, index: int, rows) -> dict:
-    name = f"shard-{index:05d}.safetensors"
+def _write_shard(out_dir: Path, index: int, rows) -> ShardInfo:
+    name = shard_name(index)
     lengths = [len(ids) for ids, _, _, _ in rows]
     loss_mask = torch.cat([(torch.arange(len(ids)) >= prompt).to(torch.uint8) for ids, prompt, _, _ in rows])
     tensors = {
@@ -73,4 +65,4 @@ def _write_shard(out_dir: Path, index: int, rows) -> dict:
         "last_hidden": torch.cat([h for _, _, _, h in rows]).to(torch.float16),
     }
     save_file(tensors, str(out_dir / name))
-    return {"file": name, "sequences": len(rows), "tokens": sum(lengths), "answer_tokens": int(loss_mask.sum())}
+    return ShardInfo(name, len(rows), sum(lengths), int(loss_mask.sum()))

@@ -14,13 +14,8 @@ from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, ttt_f
 from specserve.workers.speculation.eagle3_drafting import Eagle3Drafting
 from specserve.workers.speculation.eagle3_io import load_head
 from specserve.workers.training import eagle_train
-from specserve.workers.training.eagle_shards import (
-    answer_token_counts,
-    load_shard,
-    make_batch,
-    read_manifest,
-    shard_paths,
-)
+from specserve.workers.training.eagle_manifest import read_manifest, shard_paths
+from specserve.workers.training.eagle_shards import answer_token_counts, load_shard, make_batch
 from specserve.workers.training.eagle_train import chain_acceptance, target_weights, train_head, ttt_loss
 from tests.eagle_data_helpers import write_tiny_eagle_data
 from tests.worker_helpers import save_tiny_llama
@@ -114,7 +109,7 @@ def untrained_head(target: str, train, draft_vocab: int, seed: int = 0) -> Eagle
     torch.manual_seed(seed)
     head = Eagle3Head(Eagle3Config.for_target(weights.config, draft_vocab))
     head.set_vocab_maps(
-        *vocab_maps(answer_token_counts(shard_paths(train, manifest), manifest["vocab_size"]), draft_vocab)
+        *vocab_maps(answer_token_counts(shard_paths(train, manifest), manifest.vocab_size), draft_vocab)
     )
     return head.eval()
 
@@ -206,5 +201,5 @@ def test_data_of_another_target_is_refused(data, tmp_path):
         train_head(train, other, tmp_path / "head", steps=1)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "manifest.json").write_text(json.dumps({"format": 1}))
-    with pytest.raises(ModelLoadError, match="not an EAGLE data manifest"):
+    with pytest.raises(ModelLoadError, match="not an EAGLE-3 data manifest"):
         train_head(tmp_path / "empty", target, tmp_path / "head", steps=1)

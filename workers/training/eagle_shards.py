@@ -11,7 +11,6 @@ counted where the token at u+1 is an answer token (`answer[u]`).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,24 +22,8 @@ from specserve.workers.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 _SHARD_KEYS = ("input_ids", "seq_starts", "loss_mask", "features", "last_hidden")
 _CHUNK = 2048
-
-
-def read_manifest(data_dir: str | Path) -> dict:
-    path = Path(data_dir) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"{path} is missing or unreadable ({err}): generate the EAGLE data first") from err
-    required = ("format", "target", "hidden_size", "vocab_size", "feature_layers", "shards")
-    missing = [k for k in required if k not in manifest]
-    if missing or manifest["format"] != 1:
-        raise ModelLoadError(f"{path} is not an EAGLE data manifest of format 1 (missing {missing})")
-    if not manifest["shards"]:
-        raise ModelLoadError(f"{path} lists no shards")
-    return manifest
 
 
 @dataclass
@@ -51,10 +34,6 @@ class Shard:
     features: torch.Tensor  # float16 [T, 3H]
     last_hidden: torch.Tensor  # float16 [T, H]
     greedy: torch.Tensor  # int64 [T]: the target's greedy token after each position, argmax lm_head(last_hidden)
-
-
-def shard_paths(data_dir: str | Path, manifest: dict) -> list[Path]:
-    return [Path(data_dir) / entry["file"] for entry in manifest["shards"]]
 
 
 def sequence_lengths(path: Path) -> torch.Tensor:

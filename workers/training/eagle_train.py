@@ -24,6 +24,7 @@ from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.identity import target_identity
 from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, ttt_forward, vocab_maps
 from specserve.workers.speculation.eagle3_io import save_head
+from specserve.workers.training.eagle_manifest import DataManifest, read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import (
     Batch,
     Shard,
@@ -31,9 +32,7 @@ from specserve.workers.training.eagle_shards import (
     load_shard,
     make_batch,
     plan_batches,
-    read_manifest,
     sequence_lengths,
-    shard_paths,
 )
 
 log = logging.getLogger(__name__)
@@ -102,12 +101,12 @@ def chain_acceptance(
     greedy tokens, which its drafts equal as long as they are accepted); entry i is the fraction of chains whose first
     i+1 drafts all equal the target's greedy tokens (computed from last_hidden)."""
     manifest = read_manifest(data_dir)
-    if head.config.target_identity not in (None, manifest["target"]):
+    if head.config.target_identity not in (None, manifest.target):
         raise ModelLoadError(f"{Path(data_dir) / 'manifest.json'} was generated for another target than the head's")
     accepted = torch.zeros(k, dtype=torch.int64)
     starts = 0
     for path in shard_paths(data_dir, manifest):
-        shard = load_shard(path, target.lm_head, manifest["hidden_size"])
+        shard = load_shard(path, target.lm_head, manifest.hidden_size)
         lengths = shard.seq_starts[1:] - shard.seq_starts[:-1]
         for sequences in plan_batches(lengths, batch_tokens, max_len, torch.Generator().manual_seed(0)):
             batch = make_batch(shard, sequences, k, max_len).to(target.embed.device)
@@ -175,7 +174,7 @@ def train_head(
     say = log.info if progress else log.debug
     manifest = read_manifest(data_dir)
     identity = target_identity(target_path)
-    if manifest["target"] != identity:
+    if manifest.target != identity:
         raise ModelLoadError(f"{Path(data_dir) / 'manifest.json'} was generated for another target than {target_path}")
     settings = TrainSettings(ttt_steps, draft_vocab_size, batch_tokens, seed, max_len, identity)
     target = target_weights(target_path, device)
@@ -183,7 +182,7 @@ def train_head(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run = _Run.start(out_dir / STATE_FILE, settings, manifest, target, paths, lr, resume)
-    data = _Batches(paths, manifest["hidden_size"], target, settings)
+    data = _Batches(paths, manifest.hidden_size, target, settings)
     total = steps if steps is not None else sum(len(data.plans.epoch(e)) for e in range(epochs))
     say(
         "training EAGLE-3 head: %d steps of TTT %d, draft vocabulary %d, from step %d",
@@ -314,15 +313,16 @@ class _Run:
     batch: int = 0
 
     @classmethod
-    def start(cls, path: Path, settings: TrainSettings, manifest: dict, target: TargetWeights, paths, lr, resume):
+    def start(cls, path: Path, settings: TrainSettings, manifest: DataManifest, target: TargetWeights, paths, lr,
+              resume):  # fmt: skip
         if resume and path.is_file():
             return cls._resume(path, settings, target)
-        counts = answer_token_counts(paths, manifest["vocab_size"])
+        counts = answer_token_counts(paths, manifest.vocab_size)
         if not counts.any():
             raise ModelLoadError(f"{paths[0].parent} has no answer tokens to train on")
         d2t, t2d = vocab_maps(counts, settings.draft_vocab_size)
         config = Eagle3Config.for_target(target.config, settings.draft_vocab_size, settings.target)
-        config = dataclasses.replace(config, feature_layers=tuple(manifest["feature_layers"]))
+        config = dataclasses.replace(config, feature_layers=tuple(manifest.feature_layers))
         torch.manual_seed(settings.seed)
         head = Eagle3Head(config)
         head.set_vocab_maps(d2t, t2d)
