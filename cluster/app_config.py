@@ -78,8 +78,10 @@ class ModelPairConfig(_Strict):
         DEFAULT_MODEL, min_length=1, description="Target model: a known name (`specserve models list`), a .gguf file "
         "(converted once, cached by its sha256), a Hugging Face directory, or 'demo' for the demo family."
     )  # fmt: skip
-    draft: str = Field("ngram", min_length=1, description="Draft model (name, .gguf file or directory), 'ngram' "
-                       "(prompt lookup), 'none', or 'demo' (the demo family's draft, with target 'demo').")  # fmt: skip
+    draft: str = Field("ngram", min_length=1, description="Draft model (name, .gguf file or directory), an EAGLE-3 "
+                       "head directory or 'eagle' (the head packaged for the target; method 'eagle': the draft pool "
+                       "runs the head, the target pool captures the features it reads), 'ngram' (prompt lookup), "
+                       "'none', or 'demo' (the demo family's draft, with target 'demo').")  # fmt: skip
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="Model dtype.")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
     k: int | Literal["auto"] = Field(4, description=f"Default tokens drafted per round (1..{MAX_K}) or 'auto'.")
@@ -105,6 +107,7 @@ class ModelPairConfig(_Strict):
 
     @property
     def drafts_with_model(self) -> bool:
+        """A draft pool runs for the model: a draft model or an EAGLE-3 head."""
         return self.draft not in ("ngram", "none")
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specserve/protos/specserve.proto\x12\x0cspecserve.v1\"w\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"x\n\x0cRequestStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\"\x8e\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\t\n\x01k\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\"h\n\x0fProposeResponse\x12\x13\n\x07\x64rafted\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x0b\x64raft_probs\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x02\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xac\x01\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07\x64rafted\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x0b\x64raft_probs\x18\x05 \x01(\x0c\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\"\x88\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x02\x12\x12\n\nbatch_rows\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\r\"\x0f\n\rHealthRequest\"v\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x10\n\x08requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x04\x12\r\n\x05model\x18\x05 \x01(\t\"/\n\x12SpeculationOptions\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe2\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\r\n\x05model\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x35\n\x0bspeculation\x18\x05 \x01(\x0b\x32 .specserve.v1.SpeculationOptions\x12+\n\x08messages\x18\x06 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"y\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.RequestStats2\xe2\x01\n\x0b\x44raftWorker\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse2\xe0\x01\n\x0cTargetWorker\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse2\xa9\x01\n\tSpecServe\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specserve/protos/specserve.proto\x12\x0cspecserve.v1\"w\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"x\n\x0cRequestStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\"\xa0\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\t\n\x01k\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\"h\n\x0fProposeResponse\x12\x13\n\x07\x64rafted\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x0b\x64raft_probs\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x02\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc3\x01\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07\x64rafted\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x0b\x64raft_probs\x18\x05 \x01(\x0c\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x15\n\rwant_features\x18\x07 \x01(\x08\"\x9a\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x02\x12\x12\n\nbatch_rows\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0c\"\x0f\n\rHealthRequest\"v\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x10\n\x08requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x04\x12\r\n\x05model\x18\x05 \x01(\t\"/\n\x12SpeculationOptions\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe2\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\r\n\x05model\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x35\n\x0bspeculation\x18\x05 \x01(\x0b\x32 .specserve.v1.SpeculationOptions\x12+\n\x08messages\x18\x06 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"y\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.RequestStats2\xe2\x01\n\x0b\x44raftWorker\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse2\xe0\x01\n\x0cTargetWorker\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse2\xa9\x01\n\tSpecServe\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTSTATS']._serialized_start=171
   _globals['_REQUESTSTATS']._serialized_end=291
   _globals['_PROPOSEREQUEST']._serialized_start=294
-  _globals['_PROPOSEREQUEST']._serialized_end=436
-  _globals['_PROPOSERESPONSE']._serialized_start=438
-  _globals['_PROPOSERESPONSE']._serialized_end=542
-  _globals['_RELEASEREQUEST']._serialized_start=544
-  _globals['_RELEASEREQUEST']._serialized_end=580
-  _globals['_RELEASERESPONSE']._serialized_start=582
-  _globals['_RELEASERESPONSE']._serialized_end=617
-  _globals['_VERIFYREQUEST']._serialized_start=620
-  _globals['_VERIFYREQUEST']._serialized_end=792
-  _globals['_VERIFYRESPONSE']._serialized_start=795
-  _globals['_VERIFYRESPONSE']._serialized_end=931
-  _globals['_HEALTHREQUEST']._serialized_start=933
-  _globals['_HEALTHREQUEST']._serialized_end=948
-  _globals['_HEALTHRESPONSE']._serialized_start=950
-  _globals['_HEALTHRESPONSE']._serialized_end=1068
-  _globals['_SPECULATIONOPTIONS']._serialized_start=1070
-  _globals['_SPECULATIONOPTIONS']._serialized_end=1117
-  _globals['_CHATMESSAGE']._serialized_start=1119
-  _globals['_CHATMESSAGE']._serialized_end=1163
-  _globals['_GENERATEREQUEST']._serialized_start=1166
-  _globals['_GENERATEREQUEST']._serialized_end=1392
-  _globals['_GENERATERESPONSE']._serialized_start=1394
-  _globals['_GENERATERESPONSE']._serialized_end=1515
-  _globals['_DRAFTWORKER']._serialized_start=1518
-  _globals['_DRAFTWORKER']._serialized_end=1744
-  _globals['_TARGETWORKER']._serialized_start=1747
-  _globals['_TARGETWORKER']._serialized_end=1971
-  _globals['_SPECSERVE']._serialized_start=1974
-  _globals['_SPECSERVE']._serialized_end=2143
+  _globals['_PROPOSEREQUEST']._serialized_end=454
+  _globals['_PROPOSERESPONSE']._serialized_start=456
+  _globals['_PROPOSERESPONSE']._serialized_end=560
+  _globals['_RELEASEREQUEST']._serialized_start=562
+  _globals['_RELEASEREQUEST']._serialized_end=598
+  _globals['_RELEASERESPONSE']._serialized_start=600
+  _globals['_RELEASERESPONSE']._serialized_end=635
+  _globals['_VERIFYREQUEST']._serialized_start=638
+  _globals['_VERIFYREQUEST']._serialized_end=833
+  _globals['_VERIFYRESPONSE']._serialized_start=836
+  _globals['_VERIFYRESPONSE']._serialized_end=990
+  _globals['_HEALTHREQUEST']._serialized_start=992
+  _globals['_HEALTHREQUEST']._serialized_end=1007
+  _globals['_HEALTHRESPONSE']._serialized_start=1009
+  _globals['_HEALTHRESPONSE']._serialized_end=1127
+  _globals['_SPECULATIONOPTIONS']._serialized_start=1129
+  _globals['_SPECULATIONOPTIONS']._serialized_end=1176
+  _globals['_CHATMESSAGE']._serialized_start=1178
+  _globals['_CHATMESSAGE']._serialized_end=1222
+  _globals['_GENERATEREQUEST']._serialized_start=1225
+  _globals['_GENERATEREQUEST']._serialized_end=1451
+  _globals['_GENERATERESPONSE']._serialized_start=1453
+  _globals['_GENERATERESPONSE']._serialized_end=1574
+  _globals['_DRAFTWORKER']._serialized_start=1577
+  _globals['_DRAFTWORKER']._serialized_end=1803
+  _globals['_TARGETWORKER']._serialized_start=1806
+  _globals['_TARGETWORKER']._serialized_end=2030
+  _globals['_SPECSERVE']._serialized_start=2033
+  _globals['_SPECSERVE']._serialized_end=2202
 # @@protoc_insertion_point(module_scope)

@@ -11,3 +11,7 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Largest block of EAGLE-3 features (float16 data) one verify reply or propose call carries: with a round's other
+# fields it fits a worker server's default 4 MiB limit. Beyond it the oldest positions are left out and the head
+# starts its cache later (SmolLM2-135M: 3,456 bytes per position, so the newest 910 positions of a long prompt).
+MAX_FEATURE_BYTES = 3 * 1024 * 1024

@@ -91,9 +91,12 @@ class LocalWorkers:
 
     `async with LocalWorkers(target, [draft, ...], n_targets) as w:` gives w.draft_addresses and w.target_addresses
     (name -> host:port) and the plain worker objects, so a test can make a worker forget a request or stop a server.
+    eagle_head: an EAGLE-3 head directory: the target workers capture its features and `eagle_drafts` draft workers
+    draft with it (after those of `drafts`).
     """
 
-    def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000, batching=None):
+    def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000, batching=None,
+                 eagle_head: str | None = None, eagle_drafts: int = 1):  # fmt: skip
         from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
         from specserve.workers.service.assembly import WorkerSpec, build_worker
 
@@ -102,9 +105,14 @@ class LocalWorkers:
         for i, draft in enumerate(drafts):
             spec = WorkerSpec("draft", ModelConfig(path=draft.path), batching=batching, vocab_size=target.vocab_size)
             built[f"draft-{i}"] = build_worker(spec, loaded=draft)
+        for i in range(len(drafts), len(drafts) + eagle_drafts) if eagle_head else ():
+            spec = WorkerSpec("draft", ModelConfig(path=target.path, device=target.device.type), batching=batching,
+                              eagle_head=eagle_head)  # fmt: skip
+            built[f"draft-{i}"] = build_worker(spec)
         spec = WorkerSpec(
-            "target", ModelConfig(path=target.path), KVCacheConfig(capacity_tokens=target_capacity), batching
-        )
+            "target", ModelConfig(path=target.path), KVCacheConfig(capacity_tokens=target_capacity), batching,
+            eagle_head=eagle_head,
+        )  # fmt: skip
         for i in range(n_targets):
             built[f"target-{i}"] = build_worker(spec, loaded=target)
         self.built = built

@@ -38,7 +38,7 @@ class SamplingParams(_Strict):
         return self.temperature == 0.0
 
 
-SpecMethod = Literal["draft", "eagle", "ngram", "none"]  # what the served API takes
+SpecMethod = Literal["eagle", "draft", "ngram", "none"]  # what the served API takes
 # The in-process engine also takes eagle+ngram (the served path does not yet).
 EngineMethod = Literal["eagle", "eagle+ngram", "draft", "ngram", "none"]
 

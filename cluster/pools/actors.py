@@ -28,12 +28,13 @@ def _host() -> str:
 class _WorkerActor:
     """Hosts a worker built by `_build` (workers/service/assembly.py) behind its gRPC server."""
 
-    def _build(self, role: str, pool: PoolConfig, vocab_size: int | None = None) -> None:
+    def _build(self, role: str, pool: PoolConfig, vocab_size: int | None = None, eagle_head: str | None = None) -> None:
         from specserve.workers.service.assembly import WorkerSpec, build_worker
 
-        # A draft's tensor-parallel degree is independent of the target's.
-        runner = self._tensor_parallel_runner(pool, vocab_size) if pool.tensor_parallel_size > 1 else None
-        spec = WorkerSpec(role, pool.model, pool.kv_cache, pool.batching, vocab_size)
+        # A draft's tensor-parallel degree is independent of the target's (a head's draft worker runs no model).
+        tensor_parallel = pool.tensor_parallel_size > 1 and not (role == "draft" and eagle_head)
+        runner = self._tensor_parallel_runner(pool, vocab_size) if tensor_parallel else None
+        spec = WorkerSpec(role, pool.model, pool.kv_cache, pool.batching, vocab_size, eagle_head)
         self.built = build_worker(spec, runner=runner)
         self.runner, self.worker, self.servicer = self.built.runner, self.built.worker, self.built.servicer
 
@@ -96,17 +97,18 @@ class _WorkerActor:
 
 
 class DraftWorkerActor(_WorkerActor):
-    """A draft model behind a DraftWorker gRPC server."""
+    """A draft model behind a DraftWorker gRPC server; with `eagle_head`, that EAGLE-3 head (`pool.model` is then
+    the target, whose config and input embedding it reads)."""
 
-    def __init__(self, pool: PoolConfig, target_vocab_size: int):
-        self._build("draft", pool, target_vocab_size)
+    def __init__(self, pool: PoolConfig, target_vocab_size: int, eagle_head: str | None = None):
+        self._build("draft", pool, target_vocab_size, eagle_head)
 
 
 class TargetWorkerActor(_WorkerActor):
-    """A target model behind a TargetWorker gRPC server."""
+    """A target model behind a TargetWorker gRPC server; with `eagle_head`, capturing the features that head reads."""
 
-    def __init__(self, pool: PoolConfig):
-        self._build("target", pool)
+    def __init__(self, pool: PoolConfig, eagle_head: str | None = None):
+        self._build("target", pool, eagle_head=eagle_head)
 
 
 class TensorParallelFollower:
@@ -223,4 +225,5 @@ class SchedulerActor:
             "orchestration_ms_mean": 1e3 * pipeline.times.orchestration_s / rounds,
             "orchestration_ms_p50": pipeline.times.p50_ms(),
             "wire_bytes_per_round": pipeline.wire_bytes() / rounds,
+            **pipeline.scheduler.feature_traffic.to_dict(),
         }

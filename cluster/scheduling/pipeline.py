@@ -3,11 +3,15 @@
 1. across requests: every request runs its own rounds concurrently, so while the target verifies request A the draft
    worker drafts for request B (each worker serialises its own model work; the overlap is between workers);
 2. within a request (PEARL-style): while the target verifies round r, the draft worker already drafts round r + 1
-   assuming all of round r is accepted; the pre-draft is used when that held, dropped otherwise.
+   assuming all of round r is accepted; the pre-draft is used when that held, dropped otherwise. Not for an EAGLE-3
+   head (method "eagle"), which drafts round r + 1 from round r's features: each verify reply carries them, and the
+   next propose call hands them to the request's draft worker.
 
 Faults: a worker that lost a request's cache (NOT_FOUND) gets the whole committed prefix again; a worker that cannot
 be reached is marked unhealthy and its requests move to another worker (a draft failure falls back to target-only
-decoding until another draft worker is available). Outputs do not change either way.
+decoding until another draft worker is available). A head's draft worker that lost a request starts its cache again
+from the features it is handed (older positions are gone: drafts may be worse for a while). Outputs do not change
+either way.
 """
 
 from __future__ import annotations
@@ -148,7 +152,7 @@ class Pipeline:
                 reply, pre_task = await self._verify_round(req, k, drafted, probs, clock)
                 if reply is None:
                     continue  # the round is re-planned on the restarted or another target: nothing was committed
-                committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token)
+                committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token, reply.features)
                 pre = await self._next_predraft(req, pre_task, reply.accepted == len(drafted), clock)
                 self.times.add(clock.overhead())
                 yield committed
@@ -172,10 +176,12 @@ class Pipeline:
             call = self.scheduler.plan_draft(req, k)
             client = self.drafts[call.worker]
             try:
-                return await self._propose(req, call)
+                proposal = await self._propose(req, call)
             except WorkerUnavailable as e:  # this round: target-only; later: the restarted or another drafter
                 await self._worker_failed(call.worker, client, e)
                 return [], b""
+        self.scheduler.drafted(req, call)
+        return proposal
 
     async def _verify_round(
         self, req: SchedRequest, k: int, drafted: list[int], probs: bytes, clock: _RoundClock

@@ -7,6 +7,11 @@ Per request it tracks the committed tokens (RequestState), the sticky draft and 
 caches, the tokens each of them has been sent (the KV state protocol's tails), k (fixed or adaptive), and
 within-request pipelining (PEARL-style pre-drafting: while the target verifies round r, the draft already drafts
 round r + 1 assuming every drafted token is accepted; used if that assumption and the bonus token hold).
+
+Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify asks the target for the features of the
+positions it commits, and the next propose hands them to the head (cluster/scheduling/features.py keeps those not
+delivered yet). A round before any features came (the prompt's prefill, or after the request's draft worker was
+gone) is target-only, and there is no pre-drafting: round r + 1's features do not exist while round r verifies.
 """
 
 from __future__ import annotations
@@ -15,14 +20,19 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass, field
+from typing import get_args
 
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
+from specserve.workers.config import SamplingParams, SpecMethod, SpecParams
+from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import common_prefix_length
 from specserve.workers.speculation.adaptive_k import AdaptiveK
 from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.request import RequestState
 
 log = logging.getLogger(__name__)
+
+DRAFT_WORKER_METHODS = ("draft", "eagle")  # methods whose proposals come from a draft worker
 
 
 @dataclass
@@ -36,6 +46,8 @@ class Call:
     k: int = 0  # draft calls
     drafted: list[int] = field(default_factory=list)  # verify calls
     draft_probs: bytes = b""  # verify calls
+    features: bytes = b""  # EAGLE-3 draft calls: the target's features of the newly committed positions (encoded)
+    want_features: bool = False  # EAGLE-3 verify calls: return the committed positions' features
     # The whole sequence committed_len counts (never sent unless the worker lost the request). Kept on the call
     # because a concurrent restart may clear what the scheduler remembers telling the worker.
     sequence: list[int] = field(default_factory=list, repr=False)
@@ -58,6 +70,7 @@ class SchedRequest:
     draft_worker: str | None
     target_worker: str
     adaptive: AdaptiveK | None
+    features: FeatureRelay | None = None  # method "eagle": the target's features on their way to the draft worker
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
     pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
     resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request
@@ -86,6 +99,7 @@ class Scheduler:
         # Upper bound on k for k='auto' requests, set by the load-aware speculation policy (0: no speculation while
         # the target pool is saturated). Fixed-k requests keep the k they asked for.
         self.auto_k_cap: int | None = None
+        self.feature_traffic = FeatureTraffic()  # EAGLE-3 features through this scheduler, over every request
 
     # -- placement -------------------------------------------------------------------------------------------------
 
@@ -108,10 +122,14 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         request_id: str | None = None,
     ) -> SchedRequest:
+        if spec.method not in get_args(SpecMethod):  # the in-process engine's other methods
+            served = ", ".join(get_args(SpecMethod))
+            raise InvalidRequestError("method", f"{spec.method!r} is not served (only {served})")
         target = self._least_loaded(self.target_workers, "target_worker")
         if target is None:
             raise NoTargetWorker("no healthy target worker")
-        draft = self._least_loaded(self.draft_workers, "draft_worker") if spec.method == "draft" else None
+        uses_draft = spec.method in DRAFT_WORKER_METHODS
+        draft = self._least_loaded(self.draft_workers, "draft_worker") if uses_draft else None
         state = RequestState(
             request_id=request_id or uuid.uuid4().hex,
             tokens=list(prompt_ids),
@@ -120,7 +138,8 @@ class Scheduler:
             eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset(),
         )
         adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
-        req = SchedRequest(state, params, spec, draft, target, adaptive)
+        features = FeatureRelay(self.feature_traffic) if spec.method == "eagle" else None
+        req = SchedRequest(state, params, spec, draft, target, adaptive, features)
         self.requests[state.request_id] = req
         return req
 
@@ -135,6 +154,8 @@ class Scheduler:
         for req in self.requests.values():
             if req.draft_worker == worker:
                 req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")  # None: target-only
+                if req.draft_worker is None and req.features is not None:
+                    req.features.drop()
             if req.target_worker == worker:
                 # No replacement: the request stays stranded on the failed worker and its driver fails it.
                 req.target_worker = self._least_loaded(self.target_workers, "target_worker") or worker
@@ -175,10 +196,13 @@ class Scheduler:
         return req.target_worker in self.unhealthy
 
     def k_for(self, req: SchedRequest) -> int:
-        if req.spec.method == "draft" and req.draft_worker is None:  # re-attach once a draft worker is back
+        uses_draft = req.spec.method in DRAFT_WORKER_METHODS
+        if uses_draft and req.draft_worker is None:  # re-attach once a draft worker is back
             req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
-        if req.spec.method == "none" or (req.spec.method == "draft" and req.draft_worker is None):
+        if req.spec.method == "none" or (uses_draft and req.draft_worker is None):
             return 0
+        if req.features is not None and req.features.pending is None:
+            return 0  # a head drafts from the target's features: none have come since it last drafted
         if req.adaptive is not None:
             k = req.adaptive.k if self.auto_k_cap is None else min(req.adaptive.k, self.auto_k_cap)
         else:
@@ -199,23 +223,39 @@ class Scheduler:
         return dataclasses.replace(call, new_tokens=list(call.sequence))
 
     def plan_draft(self, req: SchedRequest, k: int) -> Call:
-        return self._call(req, req.draft_worker, req.state.tokens, k=k)
+        features = req.features.to_send() if req.features is not None else b""
+        return self._call(req, req.draft_worker, req.state.tokens, k=k, features=features)
 
     def plan_predraft(self, req: SchedRequest, drafted: list[int], k: int) -> Call | None:
-        """Round r + 1's draft, assuming all of round r's drafted tokens are accepted (None when pointless)."""
+        """Round r + 1's draft, assuming all of round r's drafted tokens are accepted (None when pointless, and for a
+        head, which needs round r's features)."""
         if req.draft_worker is None or not drafted or req.state.remaining <= len(drafted) + 2:
+            return None
+        if req.features is not None:
             return None
         return self._call(req, req.draft_worker, req.state.tokens + drafted, k=k)
 
     def plan_verify(self, req: SchedRequest, drafted: list[int], draft_probs: bytes) -> Call:
-        return self._call(req, req.target_worker, req.state.tokens, drafted=drafted, draft_probs=draft_probs)
+        want = req.features is not None and req.draft_worker is not None
+        return self._call(req, req.target_worker, req.state.tokens, drafted=drafted, draft_probs=draft_probs,
+                          want_features=want)  # fmt: skip
 
     # -- applying results -------------------------------------------------------------------------------------------
 
-    def apply_verify(self, req: SchedRequest, drafted: list[int], accepted: int, next_token: int) -> list[int]:
+    def apply_verify(
+        self, req: SchedRequest, drafted: list[int], accepted: int, next_token: int, features: bytes = b""
+    ) -> list[int]:
+        """Commit a verified round; `features`: the reply's (EAGLE-3), kept until the next draft call takes them."""
         if req.adaptive is not None and drafted:
             req.adaptive.observe(len(drafted), accepted)
+        if req.features is not None and features:
+            req.features.received(features)
         return req.state.commit_round(drafted, accepted, next_token)
+
+    def drafted(self, req: SchedRequest, call: Call) -> None:
+        """A draft call succeeded: the features it carried are the head's now."""
+        if req.features is not None:
+            req.features.delivered(call.features)
 
     def use_predraft(self, req: SchedRequest, pre: PreDraft | None) -> tuple[list[int], bytes] | None:
         """The next round's draft from a pre-draft, if its assumption held: the committed sequence now continues

@@ -83,6 +83,7 @@ class SpecService:
                 "auto_k_cap": s.scheduler.auto_k_cap,
                 "speculation_on": s.speculation.switch.on,
                 "measured_speedup": s.speculation.switch.measured_speedup(),
+                **s.scheduler.feature_traffic.to_dict(),
             }
             for name, s in self.models.items()
         }

@@ -75,6 +75,7 @@ class DraftClient(_Client):
                 new_tokens=call.new_tokens,
                 k=call.k,
                 sampling=sampling_to_proto(params),
+                features=call.features,
             ),
         )
         return list(response.drafted), response.draft_probs
@@ -86,6 +87,7 @@ class VerifyReply(NamedTuple):
     batch_rows: int  # requests in the target batch this call ran in
     batch_tokens: int  # positions that batch fed
     batch_seconds: float
+    features: bytes = b""  # EAGLE-3: the committed positions' features, when the call asked (encoded)
 
 
 class TargetClient(_Client):
@@ -103,8 +105,14 @@ class TargetClient(_Client):
                 drafted=call.drafted,
                 draft_probs=call.draft_probs,
                 sampling=sampling_to_proto(params),
+                want_features=call.want_features,
             ),
         )
         return VerifyReply(
-            response.accepted, response.next_token, response.batch_rows, response.batch_tokens, response.compute_seconds
+            accepted=response.accepted,
+            next_token=response.next_token,
+            batch_rows=response.batch_rows,
+            batch_tokens=response.batch_tokens,
+            batch_seconds=response.compute_seconds,
+            features=response.features,
         )

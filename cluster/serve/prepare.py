@@ -15,6 +15,7 @@ from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids
 from specserve.workers.runtime.worker_state import check_token_ids
+from specserve.workers.speculation.eagle_loading import resolve_eagle_head
 from specserve.workers.speculation.engine import encode_prompt
 
 
@@ -25,6 +26,8 @@ class RequestPreparer:
         """resolved_paths: model name -> (target directory, draft directory or None), demo paths already resolved."""
         self.app = app
         self.models = {m.name: ModelTokenizer(resolved_paths[m.name][0]) for m in app.models}
+        # Models served with an EAGLE-3 head (their draft directory is the head's): they draft with method "eagle".
+        self.heads = {m.name for m in app.models if resolve_eagle_head(resolved_paths[m.name][1])}
 
     def prepare(self, request: Request) -> Prepared:
         """The request to run; InvalidRequestError naming the client's field when it does not fit the model or the
@@ -35,7 +38,7 @@ class RequestPreparer:
         if request.max_new_tokens is not None and request.max_new_tokens > limits.max_new_tokens:
             raise InvalidRequestError(request.max_new_tokens_field, f"{request.max_new_tokens} exceeds this server's "
                                       f"limit of {limits.max_new_tokens}")  # fmt: skip
-        spec = _spec(cfg, request)
+        spec = _spec(cfg, request, cfg.name in self.heads)
         ids = _prompt_ids(model, request, limits.max_prompt_tokens)
         params = SamplingParams(
             temperature=request.temperature,
@@ -47,9 +50,18 @@ class RequestPreparer:
         return Prepared(cfg.name, ids, params, spec)
 
 
-def _spec(cfg: ModelPairConfig, request: Request) -> SpecParams:
-    default_method = "draft" if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
+def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
+    """The request's speculation: "draft" needs a draft model on the draft pool, "eagle" an EAGLE-3 head there."""
+    pool_method = "eagle" if has_head else "draft"
+    default_method = pool_method if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
     spec = SpecParams(method=request.method or default_method, k=cfg.k if request.k is None else request.k)
+    if spec.method == "eagle" and not has_head:
+        use = "draft/ngram/none" if cfg.drafts_with_model else "ngram/none"
+        raise InvalidRequestError("speculation.method", f"model {cfg.name!r} is served without an EAGLE-3 head "
+                                  f"(use {use})")  # fmt: skip
+    if spec.method == "draft" and has_head:
+        raise InvalidRequestError("speculation.method", f"model {cfg.name!r} drafts with an EAGLE-3 head, not a draft "
+                                  "model (use eagle/ngram/none)")  # fmt: skip
     if spec.method == "draft" and not cfg.drafts_with_model:
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} has no draft model (use ngram/none)")
     return spec

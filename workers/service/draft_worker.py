@@ -1,4 +1,6 @@
-"""A draft worker: proposes tokens for many requests, keeping each request's draft KV cache between rounds."""
+"""A draft worker: proposes tokens for many requests, keeping each request's draft KV cache between rounds. Its
+drafter is a draft model, or an EAGLE-3 head (EagleDrafter), which every call hands the target's features of the
+newly committed positions."""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve.workers.config import SamplingParams
+from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
-from specserve.workers.speculation.codec import encode_probs
+from specserve.workers.speculation.codec import FeatureBlock, encode_probs
 from specserve.workers.speculation.drafters import Drafter
+from specserve.workers.speculation.eagle_drafter import EagleDrafter
 
 
 @dataclass
@@ -22,6 +26,7 @@ class ProposeCall:
     new_tokens: list[int]
     k: int
     params: SamplingParams
+    features: FeatureBlock | None = None  # EAGLE-3: the target's features of the newly committed positions
 
 
 class DraftWorker:
@@ -29,14 +34,23 @@ class DraftWorker:
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.model_name = model_name
-        self.store = store  # the drafter's KV store, for capacity reports (None for n-gram drafting)
+        self.store = store  # the drafter's KV store, for capacity reports (None for n-gram and EAGLE-3 drafting)
         self.committed = CommittedTokens()
+        # Values per position of the features an EAGLE-3 head takes; None: a draft model, which takes none.
+        self.feature_size = drafter.feature_size if isinstance(drafter, EagleDrafter) else None
 
     def propose(
-        self, request_id: str, committed_len: int, new_tokens: Sequence[int], k: int, params: SamplingParams
+        self,
+        request_id: str,
+        committed_len: int,
+        new_tokens: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        features: FeatureBlock | None = None,
     ) -> tuple[list[int], bytes, float]:
         """(drafted tokens, encoded draft probs, compute seconds). Raises RequestNotFoundError (re-send)."""
-        result = self.propose_batch([ProposeCall(request_id, committed_len, list(new_tokens), k, params)])[0]
+        call = ProposeCall(request_id, committed_len, list(new_tokens), k, params, features)
+        result = self.propose_batch([call])[0]
         if isinstance(result, Exception):
             raise result
         return result
@@ -48,12 +62,33 @@ class DraftWorker:
 
         def prepare(call: ProposeCall):
             check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
+            self._check_features(call)
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
+            if call.features is not None:
+                self.drafter.add_features(call.request_id, call.features.start, call.features.to_tensor())
             return call.request_id, tokens, call.k, call.params
 
         results, _ = run_calls(self.committed, calls, prepare, self.drafter.propose_batch, self.release)
         seconds = time.perf_counter() - t0
         return [r if isinstance(r, Exception) else (r.tokens, encode_probs(r.probs), seconds) for r in results]
+
+    def _check_features(self, call: ProposeCall) -> None:
+        """An EAGLE-3 head needs, with every call, the features of the positions committed since its last one: a
+        block ending at the committed sequence's second newest position. A draft model takes none."""
+        block = call.features
+        if self.feature_size is None:
+            if block is not None:
+                raise InvalidRequestError("features", "this draft worker drafts with a model: it takes no features")
+            return
+        if block is None:
+            raise InvalidRequestError("features", "an EAGLE-3 head's draft worker needs the target's features of the "
+                                      "newly committed positions with every call")  # fmt: skip
+        if block.cols != self.feature_size or block.end != call.committed_len - 1:
+            raise InvalidRequestError(
+                "features",
+                f"positions {block.start}..{block.end - 1} of {block.cols} values: {call.committed_len} committed "
+                f"tokens need them up to position {call.committed_len - 2}, of {self.feature_size} values",
+            )
 
     def release(self, request_id: str) -> bool:
         self.drafter.release(request_id)

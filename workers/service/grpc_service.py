@@ -25,7 +25,7 @@ from specserve.workers.errors import InvalidRequestError, KVCapacityError, Reque
 from specserve.workers.service.batcher import Batcher
 from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
-from specserve.workers.speculation.codec import decode_probs
+from specserve.workers.speculation.codec import decode_features, decode_probs
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +175,12 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
                 list(request.new_tokens),
                 request.k,
                 self.sampling.get(request.request_id, request.sampling),
+                decode_features(request.features, self.worker.feature_size),
             )
         except ValueError as e:
             await self._abort(context, e)
-        drafted, probs, seconds = await self._batched(context, call.request_id, call, len(call.new_tokens) + call.k)
+        cost = len(call.new_tokens) + call.k + (call.features.rows if call.features is not None else 0)
+        drafted, probs, seconds = await self._batched(context, call.request_id, call, cost)
         return pb.ProposeResponse(
             drafted=drafted, draft_probs=probs, vocab_size=self.worker.vocab_size, compute_seconds=seconds
         )
@@ -201,6 +203,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
                 list(request.drafted),
                 probs,
                 self.sampling.get(request.request_id, request.sampling),
+                request.want_features,
             )
         except ValueError as e:
             await self._abort(context, e)
@@ -212,6 +215,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             compute_seconds=result.compute_seconds,
             batch_rows=result.batch_rows,
             batch_tokens=result.batch_tokens,
+            features=result.features,
         )
 
 

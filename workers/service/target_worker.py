@@ -1,4 +1,6 @@
-"""A target worker: verifies drafted tokens for many requests, keeping each request's target KV cache."""
+"""A target worker: verifies drafted tokens for many requests, keeping each request's target KV cache. A target whose
+model is served with an EAGLE-3 head also returns, to the calls that ask, the features of the positions each call
+committed (captured in the same forward pass: a batch where no call asks keeps no hidden states)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from specserve.workers.config import SamplingParams
+from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
+from specserve.workers.speculation.codec import encode_features
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier
 
@@ -21,6 +25,7 @@ class VerifyResult:
     compute_seconds: float  # of the whole batch the call ran in
     batch_rows: int
     batch_tokens: int  # positions the batch's forward pass fed
+    features: bytes = b""  # the committed positions' features (codec.encode_features), when the call asked
 
 
 @dataclass
@@ -33,6 +38,20 @@ class VerifyCall:
     drafted: list[int]
     draft_probs: torch.Tensor | None  # [len(drafted), V] as decoded from the wire, None = one-hot
     params: SamplingParams
+    want_features: bool = False  # EAGLE-3: return the features of the positions this call commits
+
+
+@dataclass
+class _Row:
+    verify: tuple  # TargetVerifier's row: (request_id, tokens, drafted, draft_probs, params, generator)
+    want_features: bool
+
+
+@dataclass
+class _Verified:
+    accepted: int
+    next_token: int
+    features: bytes = b""
 
 
 class TargetWorker:
@@ -67,16 +86,35 @@ class TargetWorker:
         t0 = time.perf_counter()
         fed = self.verifier.runner.forward_positions
 
-        def prepare(call: VerifyCall):
+        def prepare(call: VerifyCall) -> _Row:
             check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
             check_token_ids("drafted", call.drafted, self.vocab_size)
+            if call.want_features and self.verifier.runner.capture_layers is None:
+                raise InvalidRequestError("want_features", "this target worker captures no features: its model is "
+                                          "served without an EAGLE-3 head")  # fmt: skip
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
-            return call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator
+            verify = (call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator)
+            return _Row(verify, call.want_features)
 
-        results, rows = run_calls(self.committed, calls, prepare, self.verifier.verify_batch, self.release)
+        results, rows = run_calls(self.committed, calls, prepare, self._verify_rows, self.release)
         seconds, tokens = time.perf_counter() - t0, self.verifier.runner.forward_positions - fed
-        return [r if isinstance(r, Exception) else VerifyResult(*r, seconds, rows, tokens) for r in results]
+        return [
+            r if isinstance(r, Exception) else VerifyResult(r.accepted, r.next_token, seconds, rows, tokens, r.features)
+            for r in results
+        ]
+
+    def _verify_rows(self, rows: list[_Row]) -> list[_Verified]:
+        """One forward pass for the rows; with features captured only when a row asks for them."""
+        plain = [row.verify for row in rows]
+        if not any(row.want_features for row in rows):
+            return [_Verified(accepted, token) for accepted, token in self.verifier.verify_batch(plain)]
+        verdicts = self.verifier.verify_with_features(plain)
+        out = []
+        for v, row in zip(verdicts, rows, strict=True):
+            features = encode_features(v.feature_start, v.features) if row.want_features else b""
+            out.append(_Verified(v.num_accepted, v.next_token, features))
+        return out
 
     def release(self, request_id: str) -> bool:
         self.verifier.release(request_id)

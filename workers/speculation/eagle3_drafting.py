@@ -7,6 +7,10 @@ forward) and returns the head's logits for the token after the newest one. `chai
 feeds the head's own last output (before its final norm) in place of fc(feature), one position on, attending over
 the committed entries and the chain's own; the chain's entries are never committed (after verification the target's
 features of the accepted tokens replace them, as in vLLM and SGLang). `rollback` cuts a request back to a length.
+
+A cache may start later than position 0 (`restart`): a draft worker that lost a request's older features (it
+restarted, or they were too many to ship) starts again from the features it has. Rotary positions stay absolute and
+the head attends over the entries it holds: drafts may be worse for a while, outputs never change.
 """
 
 from __future__ import annotations
@@ -28,38 +32,45 @@ class DraftStep:
 
 
 class _RequestKV:
-    """One request's committed entries: keys/values [nkv, capacity, hd], grown by doubling."""
+    """One request's committed entries: keys/values [nkv, capacity, hd], grown by doubling. Entry i is that of
+    position offset + i (offset 0 unless the cache was restarted later)."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.keys = torch.empty(kv_heads, 64, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
-        self.length = 0
+        self.offset = 0  # the position of entry 0
+        self.count = 0  # entries held
         self.last_hidden: torch.Tensor | None = None  # [H]: output of the newest entry (None after a rollback)
+
+    @property
+    def end(self) -> int:
+        """The position the next entry is for."""
+        return self.offset + self.count
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys, values [nkv, m, hd]."""
-        end = self.length + keys.shape[1]
+        end = self.count + keys.shape[1]
         if end > self.keys.shape[1]:
             capacity = max(end, 2 * self.keys.shape[1])
             grown = self.keys.new_empty(self.keys.shape[0], capacity, self.keys.shape[2])
             grown_values = torch.empty_like(grown)
-            grown[:, : self.length] = self.keys[:, : self.length]
-            grown_values[:, : self.length] = self.values[:, : self.length]
+            grown[:, : self.count] = self.keys[:, : self.count]
+            grown_values[:, : self.count] = self.values[:, : self.count]
             self.keys, self.values = grown, grown_values
-        self.keys[:, self.length : end] = keys
-        self.values[:, self.length : end] = values
-        self.length = end
+        self.keys[:, self.count : end] = keys
+        self.values[:, self.count : end] = values
+        self.count = end
 
 
 def padded_kv(states: Sequence[_RequestKV]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The requests' committed keys and values, right-padded with zeros: [B, nkv, max length, hd] each."""
-    longest = max(s.length for s in states)
+    """The requests' committed keys and values, right-padded with zeros: [B, nkv, most entries, hd] each."""
+    longest = max(s.count for s in states)
     first = states[0].keys
     keys = first.new_zeros(len(states), first.shape[0], longest, first.shape[2])
     values = torch.zeros_like(keys)
     for b, s in enumerate(states):
-        keys[b, :, : s.length] = s.keys[:, : s.length]
-        values[b, :, : s.length] = s.values[:, : s.length]
+        keys[b, :, : s.count] = s.keys[:, : s.count]
+        values[b, :, : s.count] = s.values[:, : s.count]
     return keys, values
 
 
@@ -77,17 +88,25 @@ class Eagle3Drafting:
         self._requests: dict[str, _RequestKV] = {}
 
     def length(self, request_id: str) -> int:
+        """The position of the request's next entry (its entries are those of positions before it)."""
         state = self._requests.get(request_id)
-        return state.length if state is not None else 0
+        return state.end if state is not None else 0
 
     def rollback(self, request_id: str, length: int) -> None:
-        """Keep the request's first `length` entries (after a rejection)."""
+        """Keep the request's entries of positions before `length` (after a rejection); the next entry is that of
+        position `length` (also when the cache started later: it then holds none)."""
         state = self._requests.get(request_id)
-        current = state.length if state is not None else 0
+        current = state.end if state is not None else 0
         if not 0 <= length <= current:
             raise InvalidRequestError("length", f"cannot roll {request_id!r} back to {length}: it has {current}")
         if state is not None and length < current:
-            state.length, state.last_hidden = length, None
+            state.offset, state.count = min(state.offset, length), max(0, length - state.offset)
+            state.last_hidden = None
+
+    def restart(self, request_id: str, position: int) -> None:
+        """Drop the request's entries; the next one is that of `position` (the older features are gone)."""
+        state = self._state(request_id)
+        state.offset, state.count, state.last_hidden = position, 0, None
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -124,7 +143,8 @@ class Eagle3Drafting:
         """The new entries of each row in one forward; appends their keys/values; returns the newest outputs [B, H]."""
         head, device = self.head, self.head.fc.weight.device
         counts = [features.shape[0] for _, features, _ in rows]
-        starts = torch.tensor([s.length for s in states], device=device)
+        starts = torch.tensor([s.end for s in states], device=device)
+        offsets = torch.tensor([s.offset for s in states], device=device)
         width = max(counts)
         features = torch.zeros(len(rows), width, rows[0][1].shape[1], device=device)
         tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
@@ -136,8 +156,10 @@ class Eagle3Drafting:
         for b, state in enumerate(states):
             state.append(k[b, :, : counts[b]], v[b, :, : counts[b]])
         keys, values = padded_kv(states)
-        # entry at position p attends to the request's entries 0..p (padding rows beyond a row's count are dropped)
-        mask = torch.arange(keys.shape[2], device=device)[None, None, :] <= positions[:, :, None]  # [B, M, S]
+        # entry at position p attends to the request's entries of positions offset..p (padding rows beyond a row's
+        # count are dropped)
+        held = offsets[:, None, None] + torch.arange(keys.shape[2], device=device)[None, None, :]  # [B, 1, S]
+        mask = held <= positions[:, :, None]  # [B, M, S]
         out = head.finish(attend(q, keys, values, mask[:, None]), residual)  # [B, M, H]
         return out[torch.arange(len(rows), device=device), torch.tensor(counts, device=device) - 1]
 
@@ -164,11 +186,11 @@ class DraftChain:
     def __init__(self, drafting: Eagle3Drafting, states: list[_RequestKV], hidden: torch.Tensor):
         self.head, self.embed_weight = drafting.head, drafting.embed_weight
         device = hidden.device
-        lengths = torch.tensor([s.length for s in states], device=device)
+        counts = torch.tensor([s.count for s in states], device=device)
         keys, values = padded_kv(states)
         self.keys, self.values = [keys], [values]
-        self.mask = (torch.arange(keys.shape[2], device=device)[None, :] < lengths[:, None])[:, None, None]  # [B,1,1,S]
-        self.positions = lengths  # the position of the next chained entry, per row
+        self.mask = (torch.arange(keys.shape[2], device=device)[None, :] < counts[:, None])[:, None, None]  # [B,1,1,S]
+        self.positions = torch.tensor([s.end for s in states], device=device)  # of the next chained entry, per row
         self.hidden = hidden  # [B, H]
 
     @torch.no_grad()

@@ -50,20 +50,25 @@ class EagleDrafter:
         self._feature_size = 3 * head.config.target_hidden_size
         self._pending: dict[str, tuple[int, torch.Tensor]] = {}  # per request: features not yet in the head's cache
 
+    @property
+    def feature_size(self) -> int:
+        """Values per position of the features the head reads (3 x the target's hidden size)."""
+        return self._feature_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.fc.weight.device
+
     def add_features(self, request_id: str, start: int, features: torch.Tensor) -> None:
         """features [m, 3H]: the target's features of committed positions start..start+m-1. Features of positions
-        already held (a target that recomputed them) replace the older ones from `start` on."""
+        already held (a target that recomputed them) replace the older ones from `start` on. Features that leave a
+        gap after those held replace them all: the head then starts its cache again at `start` (a draft worker that
+        lost the older ones)."""
         if features.shape[0] == 0:
             return
         pending = self._pending.get(request_id)
-        if pending is not None and start >= pending[0]:
+        if pending is not None and pending[0] <= start <= pending[0] + pending[1].shape[0]:
             held_start, held = pending
-            if start > held_start + held.shape[0]:
-                raise InvalidRequestError(
-                    "features",
-                    f"{request_id!r}: features from position {start}, but those from {held_start + held.shape[0]} are "
-                    "missing",
-                )
             features, start = torch.cat([held[: start - held_start], features]), held_start
         self._pending[request_id] = (start, features)
 
@@ -100,7 +105,8 @@ class EagleDrafter:
 
     def _extension(self, request_id: str, tokens: Sequence[int]) -> tuple[str, torch.Tensor, list[int]] | None:
         """The Eagle3Drafting.extend row that brings the request's head cache up to its committed `tokens` (rolled
-        back first where new features start earlier), or None when no target features have come yet."""
+        back first where new features start earlier, restarted where they start later than it holds), or None when
+        no target features have come yet."""
         length, committed = self.drafting.length(request_id), len(tokens) - 1  # entries held, entries due
         start, features = self._pending.pop(request_id, (length, None))
         if features is None:
@@ -108,13 +114,17 @@ class EagleDrafter:
             if length == 0:
                 return None  # before the first verify
         end = start + features.shape[0]
-        if start > length or end != committed:
+        if end != committed:
             raise InvalidRequestError(
                 "features",
                 f"{request_id!r}: the head holds {length} entries and has features of positions {start}..{end - 1}, "
                 f"but {len(tokens)} committed tokens need entries 0..{committed - 1}",
             )
-        if start < length:
+        if start > length:
+            log.debug("request %r: the head lost positions %d..%d: its cache starts again at %d", request_id, length,
+                      start - 1, start)  # fmt: skip
+            self.drafting.restart(request_id, start)
+        elif start < length:
             self.drafting.rollback(request_id, start)
         return request_id, features, list(tokens[start + 1 : end + 1])
 
