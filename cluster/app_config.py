@@ -78,10 +78,11 @@ class ModelPairConfig(_Strict):
         DEFAULT_MODEL, min_length=1, description="Target model: a known name (`specserve models list`), a .gguf file "
         "(converted once, cached by its sha256), a Hugging Face directory, or 'demo' for the demo family."
     )  # fmt: skip
-    draft: str = Field("ngram", min_length=1, description="Draft model (name, .gguf file or directory), an EAGLE-3 "
-                       "head directory or 'eagle' (the head packaged for the target; method 'eagle': the draft pool "
-                       "runs the head, the target pool captures the features it reads), 'ngram' (prompt lookup), "
-                       "'none', or 'demo' (the demo family's draft, with target 'demo').")  # fmt: skip
+    draft: str = Field(min_length=1, description="Draft model (name, .gguf file or directory), an EAGLE-3 head "
+                       "directory or 'eagle' (the head packaged for the target; methods 'eagle+ngram', the default, "
+                       "and 'eagle': the draft pool runs the head, the target pool captures the features it reads), "
+                       "'ngram' (prompt lookup), 'none', or 'demo' (the demo family's draft, with target 'demo'). "
+                       "Unset: 'eagle' when a head is packaged for the target, else 'ngram'.")  # fmt: skip
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="Model dtype.")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
     k: int | Literal["auto"] = Field(4, description=f"Default tokens drafted per round (1..{MAX_K}) or 'auto'.")
@@ -97,6 +98,16 @@ class ModelPairConfig(_Strict):
         default_factory=lambda: WorkerPoolConfig(num_cpus=0.5), description="Draft workers (unused for ngram/none)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_draft(cls, data: Any) -> Any:
+        """An unset (or null) draft: the target's packaged head if any, else n-gram, decided once, here, so that every
+        replica reads the same answer from the dumped config."""
+        if isinstance(data, dict) and data.get("draft") is None:
+            target = data.get("target", DEFAULT_MODEL)
+            data = {**data, "draft": default_draft(target) if isinstance(target, str) else "ngram"}
+        return data
+
     @model_validator(mode="after")
     def _k(self):
         if self.k != "auto" and not 1 <= self.k <= MAX_K:
@@ -109,6 +120,20 @@ class ModelPairConfig(_Strict):
     def drafts_with_model(self) -> bool:
         """A draft pool runs for the model: a draft model or an EAGLE-3 head."""
         return self.draft not in ("ngram", "none")
+
+
+def default_draft(target: str) -> str:
+    """'eagle' when an EAGLE-3 head is packaged for `target`, else 'ngram'. Cheap: a known name's identity is its
+    GGUF file's pinned sha256 (nothing is pulled), a converted directory's is in its marker, a .gguf file is hashed;
+    other targets are not looked up (workers/models/packaged_heads.py)."""
+    from specserve.workers.models.catalog import known_models
+    from specserve.workers.models.packaged_heads import PACKAGED, packaged_head_for, packaged_heads
+
+    if target == DEMO:
+        return "ngram"
+    known = known_models().get(target)
+    head = packaged_heads().get(known.gguf_sha256) if known is not None else packaged_head_for(target)
+    return PACKAGED if head is not None else "ngram"
 
 
 def demo_model() -> ModelPairConfig:

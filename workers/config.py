@@ -38,15 +38,14 @@ class SamplingParams(_Strict):
         return self.temperature == 0.0
 
 
-SpecMethod = Literal["eagle", "draft", "ngram", "none"]  # what the served API takes
-# The in-process engine also takes eagle+ngram (the served path does not yet).
-EngineMethod = Literal["eagle", "eagle+ngram", "draft", "ngram", "none"]
+SpecMethod = Literal["eagle", "eagle+ngram", "draft", "ngram", "none"]  # in-process and served alike
+HEAD_METHODS = ("eagle", "eagle+ngram")  # the methods an EAGLE-3 head drafts for
 
 
 class SpecParams(_Strict):
     """Speculation options for one request."""
 
-    method: EngineMethod = Field(
+    method: SpecMethod = Field(
         "draft",
         description="draft: a draft model proposes; ngram: prompt lookup; eagle: an EAGLE-3 head; eagle+ngram: the "
         "head's chain or the prompt lookup's continuation, whichever is expected to accept more; none: off.",

@@ -4,8 +4,11 @@
    worker drafts for request B (each worker serialises its own model work; the overlap is between workers);
 2. within a request (PEARL-style): while the target verifies round r, the draft worker already drafts round r + 1
    assuming all of round r is accepted; the pre-draft is used when that held, dropped otherwise. Not for an EAGLE-3
-   head (method "eagle"), which drafts round r + 1 from round r's features: each verify reply carries them, and the
-   next propose call hands them to the request's draft worker.
+   head (methods "eagle", "eagle+ngram"), which drafts round r + 1 from round r's features: each verify reply
+   carries them, and the next propose call hands them to the request's draft worker.
+
+Prompt lookup runs here, next to the committed tokens: method "ngram" every round, "eagle+ngram" in the rounds the
+scheduler's plan gives to it (no draft call; the head gets those rounds' features with its next call).
 
 Faults: a worker that lost a request's cache (NOT_FOUND) gets the whole committed prefix again; a worker that cannot
 be reached is marked unhealthy and its requests move to another worker (a draft failure falls back to target-only
@@ -163,7 +166,8 @@ class Pipeline:
         self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock
     ) -> tuple[list[int], bytes]:
         """This round's drafted tokens and their probabilities: the pre-draft when its assumption held, else prompt
-        lookup or the draft worker (nothing when k is 0, or the draft worker failed: this round is target-only)."""
+        lookup or the draft worker, as the method (and for "eagle+ngram" the round's plan) says (nothing when k is
+        0, or the draft worker failed: this round is target-only)."""
         if not k:
             return [], b""
         reused = self.scheduler.use_predraft(req, pre)
@@ -172,6 +176,8 @@ class Pipeline:
             return reused
         if req.spec.method == "ngram":
             return self.ngram.propose(req.request_id, req.state.tokens, k, req.params).tokens, b""  # no model
+        if req.plan is not None and req.plan.source == "ngram":
+            return list(req.plan.tokens), b""  # "eagle+ngram": the lookup's continuation the plan chose
         with clock.waiting():
             call = self.scheduler.plan_draft(req, k)
             client = self.drafts[call.worker]

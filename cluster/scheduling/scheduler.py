@@ -12,6 +12,13 @@ Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify ask
 positions it commits, and the next propose hands them to the head (cluster/scheduling/features.py keeps those not
 delivered yet). A round before any features came (the prompt's prefill, or after the request's draft worker was
 gone) is target-only, and there is no pre-drafting: round r + 1's features do not exist while round r verifies.
+
+Method "eagle+ngram" plans each round with a per-request ChainPlanner: the head's chain (a draft call) or prompt
+lookup's continuation (no draft call; the pipeline proposes it), whichever is expected to accept more at the round's
+k (fixed, or AdaptiveK's for 'auto', which learns from the head's rounds). Prompt lookup may draft when the head
+cannot (the prefill, or no draft worker); the target's features of n-gram rounds wait in the relay until the head's
+next draft call, so its cache stays complete (within the relay's bound). Each verified round's outcome goes back into
+the planner.
 """
 
 from __future__ import annotations
@@ -23,16 +30,17 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
-from specserve.workers.config import SamplingParams, SpecMethod, SpecParams
+from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecMethod, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import common_prefix_length
 from specserve.workers.speculation.adaptive_k import AdaptiveK
+from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
 from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.request import RequestState
 
 log = logging.getLogger(__name__)
 
-DRAFT_WORKER_METHODS = ("draft", "eagle")  # methods whose proposals come from a draft worker
+DRAFT_WORKER_METHODS = ("draft", "eagle", "eagle+ngram")  # methods whose proposals come from a draft worker
 
 
 @dataclass
@@ -70,7 +78,9 @@ class SchedRequest:
     draft_worker: str | None
     target_worker: str
     adaptive: AdaptiveK | None
-    features: FeatureRelay | None = None  # method "eagle": the target's features on their way to the draft worker
+    features: FeatureRelay | None = None  # a head's methods: the target's features on their way to the draft worker
+    planner: ChainPlanner | None = None  # method "eagle+ngram": whose chain each round drafts
+    plan: ChainPlan | None = None  # "eagle+ngram": this round's, until its verify is applied
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
     pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
     resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request
@@ -122,7 +132,7 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         request_id: str | None = None,
     ) -> SchedRequest:
-        if spec.method not in get_args(SpecMethod):  # the in-process engine's other methods
+        if spec.method not in get_args(SpecMethod):  # a SpecParams built without validation
             served = ", ".join(get_args(SpecMethod))
             raise InvalidRequestError("method", f"{spec.method!r} is not served (only {served})")
         target = self._least_loaded(self.target_workers, "target_worker")
@@ -138,8 +148,9 @@ class Scheduler:
             eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset(),
         )
         adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
-        features = FeatureRelay(self.feature_traffic) if spec.method == "eagle" else None
-        req = SchedRequest(state, params, spec, draft, target, adaptive, features)
+        features = FeatureRelay(self.feature_traffic) if spec.method in HEAD_METHODS else None
+        planner = ChainPlanner(use_head=True, use_ngram=True) if spec.method == "eagle+ngram" else None
+        req = SchedRequest(state, params, spec, draft, target, adaptive, features=features, planner=planner)
         self.requests[state.request_id] = req
         return req
 
@@ -196,17 +207,26 @@ class Scheduler:
         return req.target_worker in self.unhealthy
 
     def k_for(self, req: SchedRequest) -> int:
+        """Tokens to draft this round (0: target-only). For "eagle+ngram" it also plans whose chain drafts them
+        (`req.plan`, applied by `apply_verify`)."""
         uses_draft = req.spec.method in DRAFT_WORKER_METHODS
         if uses_draft and req.draft_worker is None:  # re-attach once a draft worker is back
             req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
-        if req.spec.method == "none" or (uses_draft and req.draft_worker is None):
+        if req.spec.method == "none":
             return 0
-        if req.features is not None and req.features.pending is None:
-            return 0  # a head drafts from the target's features: none have come since it last drafted
         if req.adaptive is not None:
             k = req.adaptive.k if self.auto_k_cap is None else min(req.adaptive.k, self.auto_k_cap)
         else:
             k = req.spec.k
+        if req.planner is not None:
+            # A head drafts only on a draft worker, from features that came since it last drafted.
+            head = req.draft_worker is not None and req.features.pending is not None
+            req.plan = req.planner.plan(req.state.tokens, k, req.state.draft_budget(k), head=head)
+            return req.plan.k
+        if uses_draft and req.draft_worker is None:
+            return 0
+        if req.features is not None and req.features.pending is None:
+            return 0  # a head drafts from the target's features: none have come since it last drafted
         return req.state.draft_budget(k) if k else 0
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
@@ -246,11 +266,24 @@ class Scheduler:
         self, req: SchedRequest, drafted: list[int], accepted: int, next_token: int, features: bytes = b""
     ) -> list[int]:
         """Commit a verified round; `features`: the reply's (EAGLE-3), kept until the next draft call takes them."""
-        if req.adaptive is not None and drafted:
+        if req.planner is not None:
+            self._observe_plan(req, drafted, accepted)
+        elif req.adaptive is not None and drafted:
             req.adaptive.observe(len(drafted), accepted)
         if req.features is not None and features:
             req.features.received(features)
         return req.state.commit_round(drafted, accepted, next_token)
+
+    @staticmethod
+    def _observe_plan(req: SchedRequest, drafted: list[int], accepted: int) -> None:
+        """For "eagle+ngram": the round's outcome into the planner, by the chain drafted; for k='auto' also into
+        AdaptiveK, for the head's rounds only (it sizes the head's chains)."""
+        plan, req.plan = req.plan, None
+        if plan is None or not drafted:
+            return
+        if plan.source == "head" and req.adaptive is not None:
+            req.adaptive.observe(len(drafted), accepted)
+        req.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
 
     def drafted(self, req: SchedRequest, call: Call) -> None:
         """A draft call succeeded: the features it carried are the head's now."""

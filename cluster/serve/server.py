@@ -1,6 +1,6 @@
 """`specserve serve`: a local Ray + Serve running the application from a Serve config file (or the embedded default:
-SmolLM2-135M-Instruct with n-gram drafting on CPU; `--model demo` for the demo family), until SIGINT/SIGTERM, then a
-clean shutdown of Serve and of the Ray it started.
+SmolLM2-135M-Instruct on CPU, drafting with its packaged EAGLE-3 head if one is packaged, else n-gram; `--model demo`
+for the demo family), until SIGINT/SIGTERM, then a clean shutdown of Serve and of the Ray it started.
 
 Everything it opens listens on one host, loopback by default (cluster/serve/serve_binds.py); another host without an API
 key logs a warning. Serve's proxies refuse gRPC messages over the app's `limits.max_grpc_message_bytes` and HTTP bodies
@@ -56,8 +56,9 @@ def prepare_config(config_path: str | None, grpc_port: int | None, http_port: in
 
 
 def single_model_app(model: str | None, draft: str | None) -> AppConfig:
-    """An app serving one model: the default (SmolLM2-135M-Instruct with n-gram drafting), the demo family, or any
-    name / .gguf file / directory, served under its name (a path's file or directory name)."""
+    """An app serving one model: the default (SmolLM2-135M-Instruct), the demo family, or any name / .gguf file /
+    directory, served under its name (a path's file or directory name); without `draft`, with the target's packaged
+    EAGLE-3 head if any, else n-gram (ModelPairConfig's default)."""
     if model == DEMO and draft is None:
         return AppConfig(models=[demo_model()])
     if model is None and draft is None:

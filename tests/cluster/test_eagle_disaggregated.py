@@ -1,10 +1,13 @@
 """EAGLE-3 heads in the disaggregated path: the head on its own draft worker, the target's features of each round's
 committed positions carried by the verify reply to the scheduler and by the next propose call to the head. Lossless
 against target-only decoding with concurrent requests, rejections, lost and restarted draft workers and dropped
-features; sampling draws from the target's distribution; the edge takes method "eagle" only for a model served with
-a head; the scheduler keeps only undelivered features."""
+features; sampling draws from the target's distribution; the edge takes methods "eagle" and "eagle+ngram" only for a
+model served with a head; the scheduler keeps only undelivered features. Method "eagle+ngram" served, and the packaged
+head as the serving default: tests/cluster/test_eagle_ngram_disaggregated.py."""
 
 import asyncio
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from specserve.cluster.app_config import AppConfig
 from specserve.cluster.scheduling import features as features_module
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.prepared import Prepared
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.service import SpecService
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
@@ -34,11 +38,10 @@ from tests.workers.test_engine_sampling import NEW, PROMPT, chi2_pvalue, exact_j
 BYTE_PROMPTS = ["def add(a, b):\n    return", "class Stack:", "for i in range(3):\n    print(i)\n" * 3, "x"]
 
 
-@pytest.fixture(scope="module")
-def pairs(models_dir, device) -> dict:
+def build_pairs(models_dir: Path, device: str) -> dict:
     """(target, head directory) pairs. byte: a byte-vocabulary target and a random head over 64 of its 259 tokens,
     which drafts nearly nothing acceptable; tiny_vocab: an 8-token target and a peaked random head over 5 of them,
-    a third of whose drafts are accepted."""
+    a third of whose drafts are accepted. Under `models_dir`, which a module of tests owns."""
     byte = save_tiny_llama(models_dir / "eagle_dis_byte", seed=4, layers=4, hidden=32)
     tv = save_tiny_llama(models_dir / "eagle_dis_tv", seed=10, layers=4, hidden=16, tiny_vocab=True, init_range=0.5)
     out = {}
@@ -47,6 +50,11 @@ def pairs(models_dir, device) -> dict:
         head = random_head(target.model.config, draft_vocab, seed=seed, std=std)
         out[name] = target, str(save_head(head, models_dir / f"{name}_{device}_head", torch.float32))
     return out
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, device) -> dict:
+    return build_pairs(tmp_path_factory.mktemp("eagle_pairs"), device)
 
 
 @pytest.fixture(scope="module")
@@ -183,25 +191,41 @@ def test_a_restarted_or_forgetful_draft_worker_changes_no_output(byte_pair):
 
 
 def test_a_dead_draft_worker_leaves_target_only_rounds_and_drops_the_features(byte_pair):
+    """The draft worker dies as a request's round is about to call it, once 4 propose calls carried features (so
+    mid-request, however fast or slow the machine): that call fails, the worker is marked unhealthy, and at that
+    moment no running request keeps a draft worker or undelivered features."""
     target, head_dir = byte_pair
     requests = [(ids, *greedy(30)) for ids in prompts_of(target, "byte")]
-    seen = []
+    seen, killed = [], []
 
     async def main():
         async with LocalWorkers(target, [], eagle_head=head_dir) as w:
 
             async def kill(pipeline):
-                await _until(lambda: pipeline.scheduler.feature_traffic.proposes >= 4)
-                await w.stop("draft-0")
-                await _until(lambda: "draft-0" in pipeline.scheduler.unhealthy)
-                seen.extend((r.draft_worker, r.features.pending) for r in pipeline.scheduler.requests.values())
+                # Installed before any propose call: a request's first round (the prefill) never drafts.
+                scheduler, propose = pipeline.scheduler, pipeline._propose
+                mark_unhealthy = scheduler.mark_unhealthy
+
+                async def propose_or_kill(req, call):
+                    if not killed and scheduler.feature_traffic.proposes >= 4:
+                        killed.append(req.request_id)
+                        await w.stop("draft-0")
+                    return await propose(req, call)
+
+                def marked(worker):
+                    mark_unhealthy(worker)
+                    seen.extend((r.draft_worker, r.features.pending) for r in scheduler.requests.values())
+
+                pipeline._propose, scheduler.mark_unhealthy = propose_or_kill, marked
 
             return await generate_all(w, requests, during=kill)
 
     results, pipeline = asyncio.run(main())
     for (ids, params, _), result in zip(requests, results, strict=True):
         assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
-    assert pipeline.scheduler.unhealthy == {"draft-0"}
+    assert killed and pipeline.scheduler.unhealthy == {"draft-0"}
+    killed_request = next(r for r in results if r.request_id == killed[0])
+    assert killed_request.state.stats.rounds > killed_request.features.traffic.replies  # target-only rounds after
     assert seen and all(draft is None and pending is None for draft, pending in seen)
     rounds = sum(r.state.stats.rounds for r in results)
     assert pipeline.scheduler.feature_traffic.replies < rounds  # target-only rounds ask for no features
@@ -312,8 +336,8 @@ def test_the_scheduler_drafts_for_a_head_only_from_new_features_and_never_ahead(
     assert req.draft_worker is None and not s.plan_verify(req, [], b"").want_features
     other = s.add([1, 2], SamplingParams(), SpecParams(method="draft"), frozenset())
     assert other.features is None and not s.plan_verify(other, [], b"").want_features
-    with pytest.raises(InvalidRequestError, match="'eagle\\+ngram' is not served") as e:
-        s.add([1, 2], SamplingParams(), SpecParams.model_construct(method="eagle+ngram", k=4), frozenset())
+    with pytest.raises(InvalidRequestError, match="'medusa' is not served") as e:
+        s.add([1, 2], SamplingParams(), SpecParams.model_construct(method="medusa", k=4), frozenset())
     assert e.value.field == "method"
 
 
@@ -325,15 +349,17 @@ def app_with(target_path: str, draft: str) -> AppConfig:
                                      "auth": {"api_key_env": None}})  # fmt: skip
 
 
-def test_the_edge_takes_method_eagle_only_for_a_model_served_with_a_head(byte_pair):
+@pytest.mark.parametrize("method", ["eagle", "eagle+ngram"])
+def test_the_edge_takes_the_head_methods_only_for_a_model_served_with_a_head(byte_pair, method):
+    """Both edges take "eagle" and "eagle+ngram"; a model served with a head drafts with "eagle+ngram" by default."""
     target, head_dir = byte_pair
     with_head = RequestPreparer(app_with(target.path, head_dir), {"m": (target.path, head_dir)})
     without = RequestPreparer(app_with(target.path, "ngram"), {"m": (target.path, None)})
-    http = oai.parse_completion({"prompt": "x", "speculation": {"method": "eagle", "k": 2}}).request
-    grpc_request = request_from_proto(pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(method="eagle")))
+    http = oai.parse_completion({"prompt": "x", "speculation": {"method": method, "k": 2}}).request
+    grpc_request = request_from_proto(pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(method=method)))
     default = oai.parse_completion({"prompt": "x"}).request
-    assert with_head.prepare(http).spec.method == "eagle" and with_head.prepare(default).spec.method == "eagle"
-    assert with_head.prepare(grpc_request).spec.method == "eagle"
+    assert with_head.prepare(http).spec.method == method and with_head.prepare(default).spec.method == "eagle+ngram"
+    assert with_head.prepare(grpc_request).spec.method == method
     for request in (http, grpc_request):
         with pytest.raises(InvalidRequestError) as e:
             without.prepare(request)
@@ -343,41 +369,55 @@ def test_the_edge_takes_method_eagle_only_for_a_model_served_with_a_head(byte_pa
         with_head.prepare(draft)
 
 
-def test_a_model_served_with_a_head_runs_through_the_serving_path(byte_pair):
-    """What the Serve app runs, without Ray: the pool replicas' worker bodies (the draft pool runs the head, the
-    target pool captures its features), the ingress's RequestPreparer (no method: the head's) and the scheduler
-    replica's SpecService. Greedy output identical to target-only; the replica's status reports feature bytes."""
+@dataclass
+class ServedRun:
+    paths: tuple[str, str | None]  # the model's resolved (target, draft) directories
+    prepared: Prepared
+    out: dict  # the scheduler replica's reply
+    status: dict  # the scheduler replica's status of the model
+
+
+def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int) -> ServedRun:
+    """What the Serve app runs for the first model of `app`, without Ray: the pool replicas' worker bodies (the draft
+    pool runs the head, the target pool captures its features), the ingress's RequestPreparer (a greedy request
+    without a method) and the scheduler replica's SpecService."""
     from specserve.cluster.serve.pool_worker import _worker_body
     from specserve.cluster.serve.replica_env import resolve_paths
 
-    target, head_dir = byte_pair
-    app = app_with(target.path, head_dir)
-    paths = {"m": resolve_paths(app.models[0])}
-    assert paths["m"] == (target.path, head_dir)
+    name = app.models[0].name
+    paths = {name: resolve_paths(app.models[0])}
     bodies = {kind: _worker_body(app.models[0], kind) for kind in ("target", "draft")}
     assert bodies["draft"].runner is None and bodies["target"].runner.capture_layers == (2, 2, 1)
-    request = oai.parse_completion({"prompt": BYTE_PROMPTS[0], "max_tokens": 24, "temperature": 0}).request
+    request = oai.parse_completion({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).request
     prepared = RequestPreparer(app, paths).prepare(request)
-    assert prepared.spec.method == "eagle"
 
     async def main():
-        rows = [{"model": "m", "kind": kind, "worker_id": f"{kind}-0", "address": await body.start()}
+        rows = [{"model": name, "kind": kind, "worker_id": f"{kind}-0", "address": await body.start()}
                 for kind, body in bodies.items()]  # fmt: skip
         service = SpecService(app, paths)
         service.sync_workers(rows)
         out = await service.generate(prepared)
-        pipeline = service.models["m"].pipeline
+        pipeline = service.models[name].pipeline
         await pipeline.drain_releases()
         for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
             await client.close()
         for body in bodies.values():
             await body.server.stop(None)
-        return out, service.status()["m"]
+        return out, service.status()[name]
 
     out, status = asyncio.run(main())
-    assert out["token_ids"] == own_greedy_loop(target.model, prepared.prompt_ids, 24, {2})
-    assert out["stats"]["drafted"] > 0
-    assert status["feature_bytes_per_verify_reply"] > 0 and status["feature_bytes_per_propose"] > 0
+    return ServedRun(paths[name], prepared, out, status)
+
+
+def test_a_model_served_with_a_head_runs_through_the_serving_path(byte_pair):
+    """No method: "eagle+ngram", the head's default. Greedy output identical to target-only; the replica's status
+    reports feature bytes."""
+    target, head_dir = byte_pair
+    run = run_the_serving_path(app_with(target.path, head_dir), BYTE_PROMPTS[0], 24)
+    assert run.paths == (target.path, head_dir) and run.prepared.spec.method == "eagle+ngram"
+    assert run.out["token_ids"] == own_greedy_loop(target.model, run.prepared.prompt_ids, 24, {2})
+    assert run.out["stats"]["drafted"] > 0
+    assert run.status["feature_bytes_per_verify_reply"] > 0 and run.status["feature_bytes_per_propose"] > 0
 
 
 async def _until(condition, timeout_s: float = 10.0) -> None:

@@ -66,8 +66,9 @@ class ChainPlanner:
     def _ngram_stats(self, match: int) -> PositionAcceptance:
         return self.by_match[min(match, max(self.by_match))]
 
-    def plan(self, tokens: Sequence[int], k: int | None, budget: int) -> ChainPlan:
-        """k: tokens to draft, or None for 'auto' (needs costs); budget: the most this round may draft."""
+    def plan(self, tokens: Sequence[int], k: int | None, budget: int, head: bool = True) -> ChainPlan:
+        """k: tokens to draft, or None for 'auto' (needs costs); budget: the most this round may draft; head: whether
+        the head can draft this round (a head on a draft worker waits for the target's features of the last round)."""
         limit = min(budget, k) if k is not None else budget
         if limit <= 0:
             return ChainPlan("none", 0)
@@ -77,7 +78,7 @@ class ChainPlanner:
             if follow:
                 candidates.append(self._score(self._ngram_stats(match), DraftCost(), len(follow), k is None,
                                               lambda n: ChainPlan("ngram", n, tuple(follow[:n]), match)))  # fmt: skip
-        if self.use_head:
+        if self.use_head and head:
             head_cost = self.costs.head if self.costs is not None else DraftCost()
             candidates.append(self._score(self.head, head_cost, limit, k is None, lambda n: ChainPlan("head", n)))
         if not candidates:

@@ -1,0 +1,232 @@
+"""Method "eagle+ngram" in the disaggregated path, and the packaged EAGLE-3 head as the serving default.
+
+Each round the scheduler's per-request ChainPlanner picks the head's chain (a draft call to the head's worker) or
+prompt lookup's continuation (proposed by the pipeline: no draft call); the target's features of the n-gram rounds
+wait in the relay for the head's next call. Greedy output identical to target-only, every committed position's
+features reach the head once and in order whichever chain drafted, sampling draws from the target's distribution. A
+target with a packaged head serves with it, and with "eagle+ngram", unless its config names a draft."""
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+
+from specserve.cluster.app_config import ModelPairConfig, app_config
+from specserve.cluster.cli.main import main as cli_main
+from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
+from specserve.cluster.serve import server
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.models import packaged_heads
+from specserve.workers.models.catalog import known_models
+from specserve.workers.models.gguf_store import MARKER
+from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
+from specserve.workers.speculation.codec import decode_features, feature_block
+from tests.cluster.test_eagle_disaggregated import (
+    BYTE_PROMPTS,
+    assert_all_released,
+    build_pairs,
+    generate_all,
+    greedy,
+    prompts_of,
+    run_the_serving_path,
+)
+from tests.worker_helpers import LocalWorkers
+from tests.workers.test_eagle_engine import hf_features
+from tests.workers.test_engine_greedy import own_greedy_loop
+from tests.workers.test_engine_sampling import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
+
+WIDTH = 6  # feature values per position in the scheduler's unit test
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, device) -> dict:
+    return build_pairs(tmp_path_factory.mktemp("eagle_ngram_pairs"), device)
+
+
+@pytest.fixture
+def plan_sources(monkeypatch) -> list[str]:
+    """The source of every plan a ChainPlanner makes ("head", "ngram" or "none"), in order."""
+    sources = []
+    plan = ChainPlanner.plan
+
+    def spy(self, tokens, k, budget, head=True):
+        out = plan(self, tokens, k, budget, head)
+        sources.append(out.source)
+        return out
+
+    monkeypatch.setattr(ChainPlanner, "plan", spy)
+    return sources
+
+
+@pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
+def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_name, plan_sources):
+    """k fixed and auto, two head draft workers, "eagle" requests in the same batches. Both chains win rounds; only
+    the head's rounds call a draft worker; each head got every committed position's features once and in order,
+    those of the n-gram rounds with its next call."""
+    target, head_dir = pairs[pair_name]
+    prompts = prompts_of(target, pair_name)
+    requests = [(ids, *greedy(12 + 4 * i, "eagle+ngram", k)) for i, ids in enumerate(prompts) for k in (1, 3, "auto")]
+    requests += [(ids, *greedy(16)) for ids in prompts[:2]]
+    handed = {}  # request id -> (start, features) as each head got them
+
+    async def main():
+        async with LocalWorkers(target, [], n_targets=2, eagle_head=head_dir, eagle_drafts=2) as w:
+            for worker in w.drafts.values():
+                add = worker.drafter.add_features
+                worker.drafter.add_features = lambda rid, start, f, add=add: (
+                    handed.setdefault(rid, []).append((start, f)) or add(rid, start, f)
+                )
+            results, _ = await generate_all(w, requests)
+            assert_all_released(w)
+            return results
+
+    results = asyncio.run(main())
+    for (ids, params, _), result in zip(requests, results, strict=True):
+        assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
+    mixed = [r for r, (_, _, spec) in zip(results, requests, strict=True) if spec.method == "eagle+ngram"]
+    assert {"head", "ngram"} <= set(plan_sources)
+    assert plan_sources.count("head") == sum(r.features.traffic.proposes for r in mixed)  # one draft call each
+    assert sum(r.state.stats.drafted for r in mixed) > 0
+    assert {r.draft_worker for r in mixed} == {"draft-0", "draft-1"}
+    drafted_by_head = [r for r in mixed if r.request_id in handed]
+    assert drafted_by_head
+    for r in drafted_by_head:
+        starts = [start for start, _ in handed[r.request_id]]
+        ends = [start + len(f) for start, f in handed[r.request_id]]
+        assert starts == [0, *ends[:-1]]
+        got = torch.cat([f for _, f in handed[r.request_id]])
+        torch.testing.assert_close(got, hf_features(target.model, r.state.tokens)[: ends[-1]].cpu(), atol=2e-3,
+                                   rtol=2e-3)  # fmt: skip
+
+
+def _features(start: int, rows: int) -> bytes:
+    return feature_block(start, torch.ones(rows, WIDTH)).encode()
+
+
+def test_the_scheduler_plans_each_round_and_learns_from_its_result():
+    """Prompt lookup drafts the prefill round (no features yet); the head drafts once features came and lookup finds
+    nothing; the outcome of each round goes to its chain's statistics (and, for k='auto', AdaptiveK learns from the
+    head's rounds only); without a draft worker only prompt lookup drafts, and no features are asked for."""
+    s = Scheduler(["d1"], ["t1"])
+    req = s.add([1, 2, 3, 1, 2], SamplingParams(max_new_tokens=20), SpecParams(method="eagle+ngram", k=3), frozenset())
+    assert req.draft_worker == "d1" and req.features is not None and s.k_for(req) == 3
+    assert (req.plan.source, req.plan.tokens, req.plan.match) == ("ngram", (3, 1, 2), 2)
+    assert s.plan_verify(req, [3, 1, 2], b"").want_features  # for the head's next call
+    s.apply_verify(req, [3, 1, 2], 1, 9, _features(0, 6))
+    assert req.plan is None and req.planner.by_match[2].reached == [1, 1] and req.planner.by_match[2].accepted == [1, 0]
+    assert s.k_for(req) == 3 and req.plan.source == "head"  # [..., 3, 9]: nothing to look up
+    draft = s.plan_draft(req, 3)
+    sent = decode_features(draft.features)
+    assert draft.k == 3 and (sent.start, sent.rows) == (0, 6)
+    s.drafted(req, draft)
+    s.apply_verify(req, [5, 6, 7], 0, 8, _features(6, 1))
+    assert req.planner.head.reached == [1] and req.planner.head.accepted == [0]
+    s.remove_worker("d1")
+    assert s.k_for(req) == 0 and req.plan.source == "none"  # [..., 9, 8]: nothing to look up, and no head
+    assert not s.plan_verify(req, [], b"").want_features
+
+    auto = s.add([4, 4, 4], SamplingParams(max_new_tokens=20), SpecParams(method="eagle+ngram", k="auto"), frozenset())
+    s.add_worker("draft", "d1")
+    assert s.k_for(auto) == 1 and auto.plan == ChainPlan("ngram", 1, (4,), 2) and auto.draft_worker == "d1"
+    s.apply_verify(auto, [4], 0, 5, _features(0, 3))
+    assert auto.adaptive.accepts == auto.adaptive.rejects == 0  # prompt lookup's round taught AdaptiveK nothing
+    assert auto.planner.by_match[2].reached == [1] and auto.planner.by_match[2].accepted == [0]
+    assert s.k_for(auto) == auto.adaptive.k == 4 and auto.plan.source == "head"
+    s.drafted(auto, s.plan_draft(auto, 4))
+    s.apply_verify(auto, [1, 1, 1, 1], 0, 6, _features(3, 1))
+    assert auto.adaptive.rejects == 1 and auto.planner.head.reached == [1]
+
+
+@pytest.mark.slow
+def test_sampling_through_the_workers_matches_the_targets_distribution(pairs, plan_sources):
+    """2,500 seeded requests (about 20 s on 2 cores), 64 at a time, as tests/cluster/test_eagle_disaggregated.py's
+    "eagle" test: the prompt's repeats give prompt lookup the prefill round and some later ones (one-hot drafts), the
+    head the others."""
+    target, head_dir = pairs["tiny_vocab"]
+    samples = 2500
+    params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
+    spec = SpecParams(method="eagle+ngram", k=2)
+
+    async def main():
+        async with LocalWorkers(target, [], eagle_head=head_dir) as w:
+            drafts = {n: DraftClient(a, 30) for n, a in w.draft_addresses.items()}
+            targets = {n: TargetClient(a, 30) for n, a in w.target_addresses.items()}
+            pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
+            running = asyncio.Semaphore(64)
+
+            async def one(seed):
+                async with running:
+                    seeded = params.model_copy(update={"seed": seed})
+                    return await pipeline.generate(PROMPT, seeded, spec, frozenset())
+
+            results = await asyncio.gather(*(one(seed) for seed in range(samples)))
+            await pipeline.drain_releases()
+            return results
+
+    results = asyncio.run(main())
+    outputs = [tuple(r.state.generated) for r in results]
+    joint = exact_joint(target.model, params, target.model.config.vocab_size)
+    assert plan_sources.count("head") > 0.1 * samples and plan_sources.count("ngram") > 0.1 * samples
+    assert sum(r.state.stats.accepted for r in results) > 0.2 * samples
+    assert chi2_pvalue(outputs, joint) > 1e-3
+    for pos in range(NEW):
+        assert marginal_tv(outputs, joint, pos, target.model.config.vocab_size) <= 0.04
+
+
+# -- the packaged head as the serving default ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def heads_dir(tmp_path, monkeypatch):
+    heads = tmp_path / "eagle_heads"
+    monkeypatch.setattr(packaged_heads, "HEADS_DIR", heads)
+    packaged_heads.packaged_heads.cache_clear()
+    yield heads
+    packaged_heads.packaged_heads.cache_clear()
+
+
+def _package(head_dir: str, heads, name: str, identity: str):
+    """A copy of the head packaged under `heads` for the target of that identity."""
+    packaged = shutil.copytree(head_dir, heads / name)
+    config = json.loads((packaged / "config.json").read_text())
+    config["specserve"]["target_identity"] = identity
+    (packaged / "config.json").write_text(json.dumps(config))
+    packaged_heads.packaged_heads.cache_clear()
+    return packaged
+
+
+def test_a_target_with_a_packaged_head_serves_with_it_and_eagle_ngram_by_default(pairs, heads_dir, tmp_path,
+                                                                               monkeypatch):  # fmt: skip
+    """`specserve serve --model DIR` for a converted target with a packaged head: the config's draft is 'eagle', the
+    draft pool runs that head, and a request without a method drafts with "eagle+ngram", identical to target-only.
+    `--draft ngram` still gives n-gram; the known name finds its head by its pinned GGUF hash (nothing pulled)."""
+    target, head_dir = pairs["byte"]
+    converted = shutil.copytree(target.path, tmp_path / "converted")
+    (converted / MARKER).write_text(json.dumps({"sha256": "c" * 64}))
+    packaged = _package(head_dir, heads_dir, "tiny", "c" * 64)
+    configs = []
+
+    def serve_forever(config_path, grpc_port, http_port, metrics_port, grpc_tls=None, model=None, draft=None,
+                      host=None):  # fmt: skip
+        configs.append(server.prepare_config(config_path, grpc_port, http_port, model, draft, host))
+        return 0
+
+    monkeypatch.setattr(server, "serve_forever", serve_forever)
+    for argv in (["--model", str(converted)], ["--model", str(converted), "--draft", "ngram"],
+                 ["--model", "smollm2-135m-instruct"]):  # fmt: skip
+        assert cli_main(["serve", *argv]) == 0
+    _package(head_dir, heads_dir, "smol", known_models()["smollm2-135m-instruct"].gguf_sha256)
+    assert cli_main(["serve", "--model", "smollm2-135m-instruct"]) == 0
+    args = [config["applications"][0]["args"] for config in configs]
+    assert [a["models"][0]["draft"] for a in args] == ["eagle", "ngram", "ngram", "eagle"]
+    assert ModelPairConfig().draft == "eagle" and ModelPairConfig(draft="ngram").draft == "ngram"
+    assert ModelPairConfig(target=target.path).draft == "ngram"  # a plain directory: no cheap identity, no lookup
+
+    run = run_the_serving_path(app_config(args[0]), BYTE_PROMPTS[0], 24)
+    assert run.paths == (str(converted), str(packaged)) and run.prepared.spec.method == "eagle+ngram"
+    assert run.out["token_ids"] == own_greedy_loop(target.model, run.prepared.prompt_ids, 24, {2})
+    assert run.out["stats"]["drafted"] > 0
