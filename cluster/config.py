@@ -30,6 +30,10 @@ class DistributedConfig(BaseModel):
 
     target: PoolConfig = Field(..., description="Target workers (large models, big GPUs).")
     draft: PoolConfig | None = Field(None, description="Draft workers (small models, cheap GPUs); None: n-gram only.")
+    eagle_head: str | None = Field(
+        None, description="An EAGLE-3 head directory: the draft workers draft with it (their model is then the target, "
+        "whose config and input embedding the head reads) and the target workers capture the features it reads."
+    )  # fmt: skip
     predraft: bool = Field(True, description="Within-request pipelining: draft round r+1 while round r verifies.")
     cost_ratio: float = Field(0.1, gt=0, le=10, description="Assumed t_draft / t_target for k='auto'.")
     call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")
@@ -37,11 +41,17 @@ class DistributedConfig(BaseModel):
 
 
 def local_config(
-    target_path: str, draft_path: str | None, device: str = "auto", dtype: str = "float32"
+    target_path: str,
+    draft_path: str | None,
+    device: str = "auto",
+    dtype: str = "float32",
+    eagle_head: str | None = None,
 ) -> DistributedConfig:
-    """One draft and one target worker on this machine, asking for the default custom resources."""
+    """One draft and one target worker on this machine, asking for the default custom resources. With `eagle_head`
+    (and no draft_path) the draft worker drafts with that head."""
     target = PoolConfig(model=ModelConfig(path=target_path, device=device, dtype=dtype), resource="target_gpu")
+    draft_model = target_path if eagle_head else draft_path
     draft = None
-    if draft_path:
-        draft = PoolConfig(model=ModelConfig(path=draft_path, device=device, dtype=dtype), resource="draft_gpu")
-    return DistributedConfig(target=target, draft=draft)
+    if draft_model:
+        draft = PoolConfig(model=ModelConfig(path=draft_model, device=device, dtype=dtype), resource="draft_gpu")
+    return DistributedConfig(target=target, draft=draft, eagle_head=eagle_head)

@@ -42,6 +42,27 @@ def _fmt(v, spec=".2f") -> str:
     return str(v)
 
 
+def _disaggregated_lines(meta: dict) -> list[str]:
+    """The footer of the disaggregated rows: the draft model's (or n-gram's) and an EAGLE-3 head's methods'."""
+    lines = []
+    if "disaggregated" in meta:
+        d = meta["disaggregated"]
+        lines.append(
+            f"disaggregated vs in-process (same k): {d['vs_in_process_1_stream']:.2f}x with 1 stream, "
+            f"{d['vs_in_process_all_streams']:.2f}x with all streams at once; scheduler overhead p50 "
+            f"{d['orchestration_ms_p50']:.2f} ms per round; {d['wire_bytes_per_round']:.0f} bytes on the wire per round"
+        )
+    for method, e in meta.get("disaggregated_eagle", {}).items():
+        lines.append(
+            f"disaggregated {method} (the EAGLE-3 head on its own draft worker process, k={e['k']}) vs in-process: "
+            f"{e['vs_in_process_1_stream']:.2f}x with 1 stream, {e['vs_in_process_streams']:.2f}x with {e['streams']} "
+            f"streams at once; features {e['feature_bytes_per_round']:.0f} bytes per round "
+            f"({e['feature_bytes_per_verify_reply']:.0f} per verify reply, {e['feature_bytes_per_propose']:.0f} per "
+            f"propose call), {e['wire_bytes_per_round']:.0f} bytes on the wire per round"
+        )
+    return lines
+
+
 def format_table(rows: list[Row], meta: dict) -> str:
     head = ["row", "tok/s", "speedup", "accept", "E[tok/round]", "t_draft ms", "t_verify ms", "S(k)", "bound B(k)",
             "ratio/bound", "identical", "accepted by position"]  # fmt: skip
@@ -58,13 +79,7 @@ def format_table(rows: list[Row], meta: dict) -> str:
     out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     out.append("")
-    if "disaggregated" in meta:
-        d = meta["disaggregated"]
-        out.append(
-            f"disaggregated vs in-process (same k): {d['vs_in_process_1_stream']:.2f}x with 1 stream, "
-            f"{d['vs_in_process_all_streams']:.2f}x with all streams at once; scheduler overhead p50 "
-            f"{d['orchestration_ms_p50']:.2f} ms per round; {d['wire_bytes_per_round']:.0f} bytes on the wire per round"
-        )
+    out += _disaggregated_lines(meta)
     if "tensor_parallel" in meta:
         t = meta["tensor_parallel"]
         out.append(

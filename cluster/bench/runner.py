@@ -225,14 +225,17 @@ def main_bench(args) -> int:
     if draft_path:
         draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device, "dtype": args.dtype})
     target = load_model(target_cfg)
-    engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None, eagle_head=_eagle_head(args, target_path))
+    head = _eagle_head(args, target_path)
+    engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None, eagle_head=head)
     prompts, kind = bench_prompts(target.tokenizer, cfg, questions, held_out)
     rows, meta = run_bench(engine, prompts, cfg)
     meta["prompts_kind"] = kind
     if args.distributed:
-        from specserve.cluster.bench.distributed import add_distributed
+        from specserve.cluster.bench.distributed import add_distributed, add_eagle_distributed
 
         add_distributed(rows, meta, target_path, draft_path, prompts, cfg, args.device)
+        if head is not None:
+            add_eagle_distributed(rows, meta, target_cfg, str(head), target.vocab_size, prompts, cfg)
     if tp_n > 1:
         from specserve.cluster.bench.tp import tp_rows
 

@@ -71,14 +71,16 @@ def deploy(config: DistributedConfig, timeout_s: float = 300.0) -> Deployment:
     target_cls = ray.remote(TargetWorkerActor)
     draft_cls = ray.remote(DraftWorkerActor)
     targets = {
-        f"target-{i}": target_cls.options(**_pool_actor_options(config.target)).remote(config.target)
+        f"target-{i}": target_cls.options(**_pool_actor_options(config.target)).remote(config.target, config.eagle_head)
         for i in range(config.target.replicas)
     }
     drafts = {}
     if config.draft is not None:
         vocab = target_vocab_size(config)
         drafts = {
-            f"draft-{i}": draft_cls.options(**_pool_actor_options(config.draft)).remote(config.draft, vocab)
+            f"draft-{i}": draft_cls.options(**_pool_actor_options(config.draft)).remote(
+                config.draft, vocab, config.eagle_head
+            )
             for i in range(config.draft.replicas)
         }
     secret = secrets.token_urlsafe(32)  # worker ports accept only this deployment's scheduler

@@ -1,8 +1,10 @@
-"""`specserve generate --local`: validate the CLI's arguments into configs and run the in-process engine."""
+"""`specserve generate --local`: validate the CLI's arguments into configs and run the in-process engine, or one
+request through draft and target worker actors on a local Ray cluster (--distributed)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from specserve.cluster.app_config import DEFAULT_MODEL, DEMO
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams, validate
@@ -11,8 +13,22 @@ from specserve.workers.models.chat import chat_prompt_ids, conversation
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import GenerationResult, SpecEngine
 
+# How an EAGLE-3 head drafts, in process and across workers alike: its chain or prompt lookup's continuation,
+# whichever is expected to accept more (as serving does by default)
+HEAD_METHOD = "eagle+ngram"
 
-def request_params(args: argparse.Namespace) -> tuple[SamplingParams, SpecParams]:
+
+@dataclass(frozen=True)
+class LocalModels:
+    """The directories a local run loads: the target's, and a draft model's or an EAGLE-3 head's (neither: n-gram
+    drafting or --no-spec)."""
+
+    target: str
+    draft: str | None = None
+    eagle_head: str | None = None
+
+
+def request_params(args: argparse.Namespace, models: LocalModels) -> tuple[SamplingParams, SpecParams]:
     sampling = validate(
         SamplingParams,
         {
@@ -25,10 +41,10 @@ def request_params(args: argparse.Namespace) -> tuple[SamplingParams, SpecParams
     )
     if args.no_spec:
         method = "none"
-    elif args.draft == "ngram" or (args.draft is None and _target(args) != DEMO):
-        method = "ngram"
+    elif models.eagle_head is not None:
+        method = HEAD_METHOD
     else:
-        method = "draft"
+        method = "draft" if models.draft is not None else "ngram"
     return sampling, validate(SpecParams, {"method": method, "k": args.k})
 
 
@@ -36,10 +52,14 @@ def _target(args: argparse.Namespace) -> str:
     return args.target or DEFAULT_MODEL
 
 
-def model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
-    """Target and draft model directories: names and .gguf files resolved (pulled and converted on first use); the
-    demo family's pair for `--target demo`; no draft directory for n-gram drafting or --no-spec."""
+def local_models(args: argparse.Namespace) -> LocalModels:
+    """The target, and what drafts for it: names and .gguf files resolved (pulled and converted on first use); the
+    demo family's pair for `--target demo`; --draft 'eagle' (the head packaged for the target) or an EAGLE-3 head
+    directory; no --draft: the demo family's draft, else the target's packaged head when it has one, else n-gram
+    drafting (no directory)."""
     from specserve.workers.models.catalog import resolve_model
+    from specserve.workers.models.packaged_heads import packaged_head_for
+    from specserve.workers.speculation.eagle_loading import resolve_eagle_head
 
     target = _target(args)
     if target == DEMO:
@@ -49,11 +69,17 @@ def model_paths(args: argparse.Namespace) -> tuple[str, str | None]:
         target_dir, default_draft = family.target, family.draft
     else:
         target_dir, default_draft = resolve_model(target), None
-    if args.no_spec or args.draft == "ngram" or (args.draft is None and default_draft is None):
-        return target_dir, None
+    if args.no_spec or args.draft == "ngram":
+        return LocalModels(target_dir)
+    if args.draft is None:
+        head = None if default_draft else packaged_head_for(target_dir)
+        return LocalModels(target_dir, default_draft, str(head) if head else None)
     if args.draft == DEMO:
         raise InvalidRequestError("draft", "'demo' drafts only for --target demo")
-    return target_dir, default_draft if args.draft is None else resolve_model(args.draft)
+    head = resolve_eagle_head(args.draft, target_dir)
+    if head is not None:
+        return LocalModels(target_dir, eagle_head=head)
+    return LocalModels(target_dir, resolve_model(args.draft))
 
 
 def prompt_ids_or_text(args: argparse.Namespace, tokenizer) -> str | list[int]:
@@ -66,18 +92,20 @@ def prompt_ids_or_text(args: argparse.Namespace, tokenizer) -> str | list[int]:
 
 
 def generate_distributed(args: argparse.Namespace) -> dict:
-    """Run one request through a local Ray cluster: a target worker actor, a draft worker actor and the scheduler
-    actor, talking over gRPC. Returns the same JSON contract as the in-process path."""
+    """Run one request through a local Ray cluster: a target worker actor, a draft worker actor (a draft model or an
+    EAGLE-3 head; none for n-gram drafting) and the scheduler actor, talking over gRPC. Returns the same JSON contract
+    as the in-process path."""
     import ray
     from transformers import AutoTokenizer
 
     from specserve.cluster.config import local_config
     from specserve.cluster.pools.builders import deploy
 
-    sampling, spec = request_params(args)
-    target_path, draft_path = model_paths(args)
-    prompt = prompt_ids_or_text(args, AutoTokenizer.from_pretrained(target_path, local_files_only=True))
-    config = local_config(target_path, draft_path, device=args.device, dtype=args.dtype)
+    models = local_models(args)
+    sampling, spec = request_params(args, models)
+    prompt = prompt_ids_or_text(args, AutoTokenizer.from_pretrained(models.target, local_files_only=True))
+    config = local_config(models.target, models.draft, device=args.device, dtype=args.dtype,
+                          eagle_head=models.eagle_head)  # fmt: skip
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -93,11 +121,11 @@ def generate_distributed(args: argparse.Namespace) -> dict:
 
 
 def generate_local(args: argparse.Namespace) -> GenerationResult:
-    sampling, spec = request_params(args)
-    target_path, draft_path = model_paths(args)
-    target = load_model(validate(ModelConfig, {"path": target_path, "dtype": args.dtype, "device": args.device}))
+    models = local_models(args)
+    sampling, spec = request_params(args, models)
+    target = load_model(validate(ModelConfig, {"path": models.target, "dtype": args.dtype, "device": args.device}))
     draft = None
-    if draft_path is not None:
-        draft = load_model(validate(ModelConfig, {"path": draft_path, "dtype": args.dtype, "device": args.device}))
-    engine = SpecEngine(target, draft)
+    if models.draft is not None:
+        draft = load_model(validate(ModelConfig, {"path": models.draft, "dtype": args.dtype, "device": args.device}))
+    engine = SpecEngine(target, draft, eagle_head=models.eagle_head)
     return engine.generate(prompt_ids_or_text(args, target.tokenizer), sampling, spec)

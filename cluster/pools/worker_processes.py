@@ -14,6 +14,14 @@ from specserve.workers.service.local_processes import wait_ready
 def serve_worker(spec: WorkerSpec, ready, threads: int | None = None) -> None:
     """The whole life of one worker process: load, serve on a free localhost port ((role, port) sent through
     `ready`), forever. threads: torch's CPU threads in this process (None: torch's default, one per core)."""
+    import threading
+
+    import tqdm
+
+    # tqdm's default write lock includes a multiprocessing lock, registered with the parent's resource tracker; this
+    # process ends killed, never unregisters it, and the tracker warns of a leaked semaphore at exit. Its bars (the
+    # weight loading's) are written from one thread: a thread lock is enough.
+    tqdm.tqdm.set_lock(threading.RLock())
     if threads is not None:
         import torch
 
@@ -38,11 +46,15 @@ class WorkerProcesses:
         target_vocab: int,
         batching: BatchingConfig,
         draft_threads: int | None = 1,
+        eagle_head: str | None = None,
     ):
-        """target None: a draft worker only (the target lives elsewhere, e.g. a tensor-parallel replica)."""
-        self.specs = [(WorkerSpec("draft", draft, batching=batching, vocab_size=target_vocab), draft_threads)]
+        """target None: a draft worker only (the target lives elsewhere, e.g. a tensor-parallel replica). eagle_head:
+        an EAGLE-3 head directory the draft worker drafts with (`draft` is then the target's config: the head reads
+        its config and input embedding), whose features the target worker captures."""
+        draft_spec = WorkerSpec("draft", draft, batching=batching, vocab_size=target_vocab, eagle_head=eagle_head)
+        self.specs = [(draft_spec, draft_threads)]
         if target is not None:
-            self.specs.insert(0, (WorkerSpec("target", target, batching=batching), None))
+            self.specs.insert(0, (WorkerSpec("target", target, batching=batching, eagle_head=eagle_head), None))
 
     def __enter__(self):
         ctx = mp.get_context("spawn")

@@ -1,12 +1,13 @@
 """`specserve bench --target` without a draft model: n-gram and prompt-lookup rows, chat prompts, stops at EOS."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from specserve.cluster.bench.distributed import distributed_rows
 from specserve.cluster.bench.rows import EAGLE_KS, NGRAM_KS, PROMPT_LOOKUP_N, BenchConfig, Row
-from specserve.cluster.bench.runner import run_bench
+from specserve.cluster.bench.runner import format_table, run_bench
 from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
@@ -159,3 +160,52 @@ def test_disaggregated_rows_without_a_draft_model_draft_by_prompt_lookup(tiny_ta
                                       "disaggregated ngram k=4 greedy, 3 streams"]  # fmt: skip
     assert [r.identical for r in rows] == [True, True]
     assert status["wire_bytes_per_round"] >= 0
+
+
+def test_with_a_head_the_disaggregated_eagle_rows_are_identical_and_report_feature_bytes(tmp_path):
+    """The head on its own draft worker process, the target on another: each head method at 1 stream and 6 at once
+    (7 prompts: one stream sends two), beside its in-process row at the best k; greedy identical to target-only; the
+    feature bytes per round in the meta and the footer."""
+    import torch
+
+    from specserve.cluster.bench.distributed import add_eagle_distributed
+    from specserve.cluster.bench.rows import spec_fn
+    from specserve.cluster.bench.timing import measure
+    from specserve.workers.speculation.eagle3_io import save_head
+    from tests.workers.test_eagle_engine import random_head
+
+    target_cfg = ModelConfig(path=save_tiny_llama(tmp_path / "target", seed=4, layers=8, hidden=32), device="cpu")
+    loaded = load_model(target_cfg)
+    head_dir = str(save_head(random_head(loaded.model.config, 64, seed=2, std=0.3), tmp_path / "head", torch.float32))
+    engine = SpecEngine(loaded, eagle_head=head_dir)
+    prompts = [*PROMPTS, *(p[::-1] for p in PROMPTS), [40, 41, 42, 40, 41]]
+    cfg = BenchConfig(prompts=len(prompts), max_new_tokens=16, suite="target")
+    plan = [(Row("target-only greedy", "target-only", None, 0.0), spec_fn(engine, "none", 1))]
+    for method in ("eagle", "eagle+ngram"):
+        plan += [(Row(f"specserve {method} k={k} greedy", method, k, 0.0), spec_fn(engine, method, k)) for k in (2, 4)]
+    measure(plan, prompts, cfg, SimpleNamespace(update=lambda n: None))
+    rows, meta = [row for row, _ in plan], {}
+
+    add_eagle_distributed(rows, meta, target_cfg, head_dir, loaded.vocab_size, prompts, cfg)
+
+    assert len(rows) == 9 and list(meta["disaggregated_eagle"]) == ["eagle", "eagle+ngram"]
+    position_bytes = 3 * 32 * 2  # three float16 hidden states a position
+    table = format_table(rows, {**meta, **FOOTER_META})
+    for method, d in meta["disaggregated_eagle"].items():
+        best = max((r for r in rows if r.method == method), key=lambda r: r.tokens_per_s)
+        disaggregated = rows[rows.index(best) + 1 : rows.index(best) + 3]
+        assert [r.name for r in disaggregated] == [f"disaggregated {method} k={best.k} greedy, 1 stream",
+                                                   f"disaggregated {method} k={best.k} greedy, 6 streams"]  # fmt: skip
+        assert [r.identical for r in disaggregated] == [True, True]
+        assert all(r.acceptance_by_position and r.tokens_per_s > 0 for r in disaggregated)  # they drafted
+        assert (d["k"], d["streams"]) == (best.k, 6) and d["vs_in_process_1_stream"] > 0 < d["vs_in_process_streams"]
+        assert min(d["feature_bytes_per_verify_reply"], d["feature_bytes_per_propose"]) >= position_bytes
+        assert d["wire_bytes_per_round"] > d["feature_bytes_per_round"] > 0
+        assert f"disaggregated {method} (the EAGLE-3 head" in table
+        assert f"features {d['feature_bytes_per_round']:.0f} bytes per round" in table
+
+
+# What format_table's last line reads from a run's meta
+FOOTER_META = {"cost_ratio_c": 0.0, "t_draft_ms": 0.0, "t_target_ms": 1.0, "distinct_4gram_target_greedy": 1.0,
+               "prompts": 7, "max_new_tokens": 16, "mean_new_tokens": 16.0, "device": "cpu",
+               "dtype": "float32"}  # fmt: skip
