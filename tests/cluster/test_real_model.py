@@ -99,7 +99,8 @@ def test_served_chat_is_identical_on_every_path(server, reference):
         for q in QUESTIONS:
             tokens, text = reference[q]
             messages = [{"role": "user", "content": q}]
-            for method in ("", "ngram", "none"):  # the default (n-gram drafting), explicit n-gram, target only
+            # the default (the packaged EAGLE-3 head with prompt lookup), the head alone, n-gram, target only
+            for method in ("", "eagle", "ngram", "none"):
                 out = client.generate(messages=messages, max_new_tokens=NEW_TOKENS, method=method)
                 assert out["token_ids"] == tokens, (q, method)
                 assert out["text"] == text
