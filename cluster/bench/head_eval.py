@@ -13,6 +13,8 @@ from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids
 from specserve.workers.speculation.engine import SpecEngine
 
+MIN_ROUNDS = 30  # rounds reaching a position before its acceptance counts as measured
+
 
 @dataclass(frozen=True)
 class ChainAcceptance:
@@ -33,7 +35,11 @@ class ChainAcceptance:
         """Acceptance at each position given the previous one accepted (every round drafts k, but the last few of a
         request, which the budget cuts short and which barely move the ratios)."""
         before = (self.reached_by_position[0],) + self.accepted_by_position[:-1] if self.reached_by_position else ()
-        return [a / b if b else 0.0 for a, b in zip(self.accepted_by_position, before, strict=True)]
+        out: list[float] = []
+        for a, b in zip(self.accepted_by_position, before, strict=True):
+            # A position few rounds reached repeats the one before: 1 of 2 is no estimate of 0.5.
+            out.append(a / b if b >= MIN_ROUNDS or not out else out[-1])
+        return out
 
     @property
     def mean_accepted(self) -> float:

@@ -64,8 +64,12 @@ def test_the_planner_takes_a_long_ngram_match_and_the_head_otherwise():
 
 def test_auto_k_picks_per_candidate_and_needs_costs():
     costs = PlannerCosts(CPU_COSTS, DraftCost(step_s=0.005, fixed_s=0.003))
-    planner = ChainPlanner(use_head=True, use_ngram=False, head_prior=(0.45, 0.4), costs=costs)
+    planner = ChainPlanner(use_head=True, use_ngram=False, head_prior=(0.6, 0.55), costs=costs)
     plan = planner.plan(list(range(20)), k=None, budget=8)
-    assert plan.source == "head" and plan.k == best_k([0.45] + [0.4] * 7, CPU_COSTS, costs.head, 8, min_k=1)
+    assert plan.source == "head" and plan.k == best_k([0.6] + [0.55] * 7, CPU_COSTS, costs.head, 8, min_k=1)
+    poor = ChainPlanner(use_head=True, use_ngram=True, head_prior=(0.1,), costs=costs)
+    assert poor.plan(list(range(20)), k=None, budget=8).source == "none"  # a plain step beats a poor head's chain
+    assert poor.plan([5, 6, 7, 8, 9, 5, 6, 7], k=None, budget=8).source == "ngram"  # a 3-token match still pays
+    assert poor.plan(list(range(20)), k=3, budget=8).source == "head"  # a fixed k always drafts
     with pytest.raises(ValueError, match="costs"):
         ChainPlanner(use_head=True, use_ngram=False).plan([1, 2], k=None, budget=4)

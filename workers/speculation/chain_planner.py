@@ -2,8 +2,10 @@
 
 With a fixed k the chain with the larger expected accepted length wins (n-gram ties win: it costs nothing). With
 k = 'auto' each candidate's best k is chosen by the committed tokens per second of its rounds (chain_policy.py), and
-the faster candidate wins. Acceptance is tracked per chain position for the head and per matched suffix length for
-the n-gram (a 3-token match predicts its continuation far better than a 1-token one), starting from priors.
+the faster candidate wins, or no chain at all (a plain target step) when neither is expected to pay for itself: a
+head that accepts little is not drafted with (its rates then stay where its measured prior puts them). Acceptance
+is tracked per chain position for the head and per matched suffix length for the n-gram (a 3-token match predicts
+its continuation far better than a 1-token one), starting from priors.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class ChainPlanner:
         if self.use_head and head:
             head_cost = self.costs.head if self.costs is not None else DraftCost()
             candidates.append(self._score(self.head, head_cost, limit, k is None, lambda n: ChainPlan("head", n)))
+        if k is None and self.costs is not None:  # 'auto': a plain step when no chain is expected to pay for itself
+            candidates.append((1.0 / self.costs.verify.verify(0), ChainPlan("none", 0)))
         if not candidates:
             return ChainPlan("none", 0)
         return max(candidates, key=lambda c: (c[0], c[1].source == "ngram"))[1]
