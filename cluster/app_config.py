@@ -123,16 +123,20 @@ class ModelPairConfig(_Strict):
 
 
 def default_draft(target: str) -> str:
-    """'eagle' when an EAGLE-3 head is packaged for `target`, else 'ngram'. Cheap: a known name's identity is its
-    GGUF file's pinned sha256 (nothing is pulled), a converted directory's is in its marker, a .gguf file is hashed;
-    other targets are not looked up (workers/models/packaged_heads.py)."""
+    """'eagle' when an EAGLE-3 head that pays (its measured acceptance) is packaged for `target`, else 'ngram'. Cheap: a
+    known name's identity is its GGUF file's pinned sha256 (nothing is pulled), a converted directory's is in its
+    marker, a .gguf file is hashed; other targets are not looked up (workers/models/packaged_heads.py)."""
     from specserve.workers.models.catalog import known_models
-    from specserve.workers.models.packaged_heads import PACKAGED, packaged_head_for, packaged_heads
+    from specserve.workers.models.packaged_heads import PACKAGED, default_head_for, packaged_heads, pays
 
     if target == DEMO:
         return "ngram"
     known = known_models().get(target)
-    head = packaged_heads().get(known.gguf_sha256) if known is not None else packaged_head_for(target)
+    if known is not None:
+        head = packaged_heads().get(known.gguf_sha256)
+        head = head if head is not None and pays(head) else None
+    else:
+        head = default_head_for(target)
     return PACKAGED if head is not None else "ngram"
 
 

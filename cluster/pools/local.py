@@ -58,7 +58,7 @@ def local_models(args: argparse.Namespace) -> LocalModels:
     directory; no --draft: the demo family's draft, else the target's packaged head when it has one, else n-gram
     drafting (no directory)."""
     from specserve.workers.models.catalog import resolve_model
-    from specserve.workers.models.packaged_heads import packaged_head_for
+    from specserve.workers.models.packaged_heads import default_head_for
     from specserve.workers.speculation.eagle_loading import resolve_eagle_head
 
     target = _target(args)
@@ -72,7 +72,7 @@ def local_models(args: argparse.Namespace) -> LocalModels:
     if args.no_spec or args.draft == "ngram":
         return LocalModels(target_dir)
     if args.draft is None:
-        head = None if default_draft else packaged_head_for(target_dir)
+        head = None if default_draft else default_head_for(target_dir)
         return LocalModels(target_dir, default_draft, str(head) if head else None)
     if args.draft == DEMO:
         raise InvalidRequestError("draft", "'demo' drafts only for --target demo")

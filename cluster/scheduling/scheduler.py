@@ -34,7 +34,7 @@ from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecMethod, S
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import common_prefix_length
 from specserve.workers.speculation.adaptive_k import AdaptiveK
-from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
+from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner
 from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.request import RequestState
 
@@ -99,8 +99,11 @@ class Scheduler:
     and applies their results. Plain data in, plain data out: `Pipeline` makes the calls. A Serve `SchedulerReplica`
     and a Ray `SchedulerActor` are hosts of one (or one per model), not schedulers themselves."""
 
-    def __init__(self, draft_workers: list[str], target_workers: list[str], cost_ratio: float = 0.1):
-        """Workers may also join later (`add_worker`): a Serve pool scales while the scheduler runs."""
+    def __init__(self, draft_workers: list[str], target_workers: list[str], cost_ratio: float = 0.1,
+                 head_prior: tuple[float, ...] | None = None):  # fmt: skip
+        """Workers may also join later (`add_worker`): a Serve pool scales while the scheduler runs. head_prior: the
+        EAGLE-3 head's measured acceptance by position (its config's), where eagle+ngram planning starts."""
+        self.head_prior = head_prior or HEAD_PRIOR
         self.draft_workers = list(draft_workers)
         self.target_workers = list(target_workers)
         self.cost_ratio = cost_ratio
@@ -149,7 +152,9 @@ class Scheduler:
         )
         adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
         features = FeatureRelay(self.feature_traffic) if spec.method in HEAD_METHODS else None
-        planner = ChainPlanner(use_head=True, use_ngram=True) if spec.method == "eagle+ngram" else None
+        planner = None
+        if spec.method == "eagle+ngram":
+            planner = ChainPlanner(use_head=True, use_ngram=True, head_prior=self.head_prior)
         req = SchedRequest(state, params, spec, draft, target, adaptive, features=features, planner=planner)
         self.requests[state.request_id] = req
         return req

@@ -19,6 +19,7 @@ from specserve.cluster.scheduling.speculation_control import SpeculationControl
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.runtime.loading import directory_eos_ids
+from specserve.workers.speculation.eagle_loading import head_acceptance, resolve_eagle_head
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ class ModelServing:
              reconnect: Callable[[str], Awaitable[str | None]]) -> ModelServing:  # fmt: skip
         """The model's tokenizer (from its target directory) and an empty scheduler: no workers until they attach."""
         tokens = ModelTokenizer(target_path)
-        pipeline = Pipeline(Scheduler([], [], cost_ratio=config.cost_ratio), {}, {}, predraft=config.predraft,
-                            reconnect=reconnect)  # fmt: skip
+        head = resolve_eagle_head(config.draft, target_path)
+        prior = head_acceptance(head) if head is not None else None
+        scheduler = Scheduler([], [], cost_ratio=config.cost_ratio, head_prior=prior)
+        pipeline = Pipeline(scheduler, {}, {}, predraft=config.predraft, reconnect=reconnect)
         eos = directory_eos_ids(target_path, tokens.tokenizer)
         return cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
 

@@ -23,7 +23,7 @@ from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
 from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
-from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
+from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner
 from specserve.workers.speculation.codec import decode_features, feature_block
 from tests.cluster.test_eagle_disaggregated import (
     BYTE_PROMPTS,
@@ -139,6 +139,15 @@ def test_the_scheduler_plans_each_round_and_learns_from_its_result():
     s.drafted(auto, s.plan_draft(auto, 4))
     s.apply_verify(auto, [1, 1, 1, 1], 0, 6, _features(3, 1))
     assert auto.adaptive.rejects == 1 and auto.planner.head.reached == [1]
+
+
+def test_the_heads_recorded_acceptance_is_where_planning_starts():
+    """The scheduler's eagle+ngram planners start from the head's recorded acceptance (ModelServing reads it from
+    the head's config), else from the generic prior."""
+    prompt, params, spec = [1, 2, 3, 1, 2], SamplingParams(max_new_tokens=20), SpecParams(method="eagle+ngram", k=3)
+    measured = Scheduler(["d1"], ["t1"], head_prior=(0.1, 0.1))
+    assert measured.add(prompt, params, spec, frozenset()).planner.head.prior == (0.1, 0.1)
+    assert Scheduler(["d1"], ["t1"]).add(prompt, params, spec, frozenset()).planner.head.prior == HEAD_PRIOR
 
 
 @pytest.mark.slow

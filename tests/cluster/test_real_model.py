@@ -99,8 +99,8 @@ def test_served_chat_is_identical_on_every_path(server, reference):
         for q in QUESTIONS:
             tokens, text = reference[q]
             messages = [{"role": "user", "content": q}]
-            # the default (the packaged EAGLE-3 head with prompt lookup), the head alone, n-gram, target only
-            for method in ("", "eagle", "ngram", "none"):
+            # the default (n-gram: the packaged head does not pay yet, see README), explicit n-gram, target only
+            for method in ("", "ngram", "none"):
                 out = client.generate(messages=messages, max_new_tokens=NEW_TOKENS, method=method)
                 assert out["token_ids"] == tokens, (q, method)
                 assert out["text"] == text

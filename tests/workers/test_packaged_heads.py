@@ -41,3 +41,17 @@ def test_the_packaged_head_is_the_one_made_for_the_target(heads_dir, tmp_path):
     assert packaged_heads.resolve_head(str(head), plain) == head
     with pytest.raises(ModelLoadError, match="neither 'eagle' nor an EAGLE-3 head directory"):
         packaged_heads.resolve_head(str(tmp_path / "nowhere"), plain)
+
+
+def test_a_head_drafts_by_default_only_if_its_measured_acceptance_pays(heads_dir, tmp_path):
+    digest = "c" * 64
+    head = heads_dir / "measured"
+    head.mkdir(parents=True)
+    target = _converted_target(tmp_path / "target", digest)
+    for acceptance, default in ((None, True), ([0.45, 0.3], True), ([0.25, 0.25], False)):
+        (head / "config.json").write_text(
+            json.dumps({"specserve": {"target_identity": digest, "acceptance": acceptance}})
+        )
+        packaged_heads.packaged_heads.cache_clear()
+        assert packaged_heads.packaged_head_for(target) == head  # always there to ask for ('eagle')
+        assert (packaged_heads.default_head_for(target) == head) is default, acceptance

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 HEADS_DIR = Path(__file__).parent / "eagle_heads"
 PACKAGED = "eagle"  # the word a config or request uses for "the packaged head for this target"
+# A head drafts by default only if its measured acceptance at position 1 reaches this: on a CPU verifying 2 positions
+# costs ~1.5x a plain step, so below it drafting loses to plain decoding (and to prompt lookup).
+DEFAULT_MIN_ACCEPTANCE = 0.4
 
 
 @cache
@@ -40,6 +43,19 @@ def packaged_head_for(target: str | os.PathLike) -> Path | None:
     if not (is_gguf_file(path) or (path / MARKER).is_file()):
         return None
     return packaged_heads().get(target_identity(path))
+
+
+def pays(head: str | os.PathLike) -> bool:
+    """Whether a head should draft by default: its recorded acceptance (`specserve draft eval --record`) at position 1
+    reaches DEFAULT_MIN_ACCEPTANCE; an unmeasured head is given the benefit of the doubt."""
+    acceptance = (json.loads((Path(head) / "config.json").read_text()).get("specserve") or {}).get("acceptance")
+    return not acceptance or acceptance[0] >= DEFAULT_MIN_ACCEPTANCE
+
+
+def default_head_for(target: str | os.PathLike) -> Path | None:
+    """The packaged head a target drafts with when nothing else is asked for: its packaged head, if that pays."""
+    head = packaged_head_for(target)
+    return head if head is not None and pays(head) else None
 
 
 def resolve_head(name: str | os.PathLike, target: str | os.PathLike) -> Path:

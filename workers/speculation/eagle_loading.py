@@ -51,6 +51,13 @@ def resolve_eagle_head(name: str | os.PathLike | None, target: str | os.PathLike
     return str(directory) if ARCHITECTURE in (_read_json(config).get("architectures") or []) else None
 
 
+def head_acceptance(head_dir: str | os.PathLike) -> tuple[float, ...] | None:
+    """The head's measured acceptance by position (`specserve draft eval --record`), the k policy's prior; None when
+    it has none."""
+    path = Path(head_dir).expanduser() / CONFIG_FILE
+    return config_from_json(_read_json(path), path).acceptance
+
+
 def head_feature_layers(head_dir: str | os.PathLike, target_num_layers: int) -> tuple[int, ...]:
     """The target layers whose inputs the head reads (its config's, else the default for the target's depth)."""
     path = Path(head_dir).expanduser() / CONFIG_FILE
