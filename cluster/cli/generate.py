@@ -58,7 +58,8 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
         help="a draft model (name, .gguf file or directory), 'eagle' (the EAGLE-3 head packaged for the target) or "
         "an EAGLE-3 head directory (in process the head's chain or prompt lookup's, whichever is expected to accept "
         "more; --distributed: the head on its own draft worker), or 'ngram' for prompt-lookup drafting (default: the "
-        "demo family's draft with --target demo, else the target's packaged head when it has one, else ngram)",
+        "demo family's draft with --target demo, else the target's packaged head when its measured acceptance "
+        "pays, else ngram)",
     )
     draft.add_argument("--no-spec", action="store_true", help="target-only decoding, no speculation")
     p.add_argument("--k", type=_k_value, default=None, help="tokens drafted per round (1..16), or 'auto' (default 4)")

@@ -27,7 +27,8 @@ def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--draft",
         help="with --model: a draft model, an EAGLE-3 head directory or 'eagle', 'ngram' or 'none' (default: the "
-        "target's packaged EAGLE-3 head if any, else ngram; the demo's draft for --model demo)",
+        "target's packaged EAGLE-3 head if its measured acceptance pays, else ngram; the demo's draft for --model "
+        "demo)",
     )
     p.add_argument("--host", default=None, help="address the gRPC and HTTP proxies and the TLS gateway listen on "
                                                 "(default: the config's http_options.host, else 127.0.0.1: this "
