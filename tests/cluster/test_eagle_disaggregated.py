@@ -254,15 +254,8 @@ def test_features_over_the_byte_limit_start_the_head_later_and_change_no_output(
     assert sorted(starts) == sorted(long_prompts) and sum(r.state.stats.drafted for r in results) > 0
 
 
-@pytest.mark.slow
-def test_sampling_through_the_workers_matches_the_targets_distribution(tiny_vocab_pair):
-    """2,500 seeded requests (about 20 s on 2 cores), 64 at a time: top-p truncates both distributions and the head
-    never proposes 3 of the 8 tokens (the target's mass there comes through recovered tokens only). The chi-square
-    test of tests/workers/test_engine_sampling.py against the exact joint of the next 3 tokens."""
-    target, head_dir = tiny_vocab_pair
-    samples = 2500
-    params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
-    spec = SpecParams(method="eagle", k=2)
+def sample_disaggregated(target, head_dir: str, params: SamplingParams, spec: SpecParams, samples: int) -> list:
+    """One seeded request per seed 0..samples-1, 64 at a time, through a head draft worker and a target worker."""
 
     async def main():
         async with LocalWorkers(target, [], eagle_head=head_dir) as w:
@@ -280,7 +273,18 @@ def test_sampling_through_the_workers_matches_the_targets_distribution(tiny_voca
             await pipeline.drain_releases()
             return results
 
-    results = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_sampling_through_the_workers_matches_the_targets_distribution(tiny_vocab_pair):
+    """2,500 seeded requests (about 20 s on 2 cores), 64 at a time: top-p truncates both distributions and the head
+    never proposes 3 of the 8 tokens (the target's mass there comes through recovered tokens only). The chi-square
+    test of tests/workers/test_engine_sampling.py against the exact joint of the next 3 tokens."""
+    target, head_dir = tiny_vocab_pair
+    samples = 2500
+    params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
+    results = sample_disaggregated(target, head_dir, params, SpecParams(method="eagle", k=2), samples)
     outputs = [tuple(r.state.generated) for r in results]
     joint = exact_joint(target.model, params, target.model.config.vocab_size)
     assert sum(r.state.stats.accepted for r in results) > 0.2 * samples  # measured: 0.36 per request

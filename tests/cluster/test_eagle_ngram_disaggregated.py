@@ -15,9 +15,7 @@ import torch
 
 from specserve.cluster.app_config import ModelPairConfig, app_config
 from specserve.cluster.cli.main import main as cli_main
-from specserve.cluster.scheduling.pipeline import Pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.cluster.serve import server
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
@@ -33,11 +31,13 @@ from tests.cluster.test_eagle_disaggregated import (
     greedy,
     prompts_of,
     run_the_serving_path,
+    sample_disaggregated,
 )
 from tests.worker_helpers import LocalWorkers
 from tests.workers.test_eagle_engine import hf_features
 from tests.workers.test_engine_greedy import own_greedy_loop
-from tests.workers.test_engine_sampling import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
+from tests.workers.test_engine_sampling import NEW, chi2_pvalue, exact_joint, marginal_tv
+from tests.workers.test_packaged_heads import heads_dir  # noqa: F401  (a fixture)
 
 WIDTH = 6  # feature values per position in the scheduler's unit test
 
@@ -158,25 +158,7 @@ def test_sampling_through_the_workers_matches_the_targets_distribution(pairs, pl
     target, head_dir = pairs["tiny_vocab"]
     samples = 2500
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
-    spec = SpecParams(method="eagle+ngram", k=2)
-
-    async def main():
-        async with LocalWorkers(target, [], eagle_head=head_dir) as w:
-            drafts = {n: DraftClient(a, 30) for n, a in w.draft_addresses.items()}
-            targets = {n: TargetClient(a, 30) for n, a in w.target_addresses.items()}
-            pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
-            running = asyncio.Semaphore(64)
-
-            async def one(seed):
-                async with running:
-                    seeded = params.model_copy(update={"seed": seed})
-                    return await pipeline.generate(PROMPT, seeded, spec, frozenset())
-
-            results = await asyncio.gather(*(one(seed) for seed in range(samples)))
-            await pipeline.drain_releases()
-            return results
-
-    results = asyncio.run(main())
+    results = sample_disaggregated(target, head_dir, params, SpecParams(method="eagle+ngram", k=2), samples)
     outputs = [tuple(r.state.generated) for r in results]
     joint = exact_joint(target.model, params, target.model.config.vocab_size)
     assert plan_sources.count("head") > 0.1 * samples and plan_sources.count("ngram") > 0.1 * samples
@@ -189,15 +171,6 @@ def test_sampling_through_the_workers_matches_the_targets_distribution(pairs, pl
 # -- the packaged head as the serving default ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def heads_dir(tmp_path, monkeypatch):
-    heads = tmp_path / "eagle_heads"
-    monkeypatch.setattr(packaged_heads, "HEADS_DIR", heads)
-    packaged_heads.packaged_heads.cache_clear()
-    yield heads
-    packaged_heads.packaged_heads.cache_clear()
-
-
 def _package(head_dir: str, heads, name: str, identity: str):
     """A copy of the head packaged under `heads` for the target of that identity."""
     packaged = shutil.copytree(head_dir, heads / name)
@@ -208,7 +181,7 @@ def _package(head_dir: str, heads, name: str, identity: str):
     return packaged
 
 
-def test_a_target_with_a_packaged_head_serves_with_it_and_eagle_ngram_by_default(pairs, heads_dir, tmp_path,
+def test_a_target_with_a_packaged_head_serves_with_it_and_eagle_ngram_by_default(pairs, heads_dir, tmp_path,  # noqa: F811
                                                                                monkeypatch):  # fmt: skip
     """`specserve serve --model DIR` for a converted target with a packaged head: the config's draft is 'eagle', the
     draft pool runs that head, and a request without a method drafts with "eagle+ngram", identical to target-only.
