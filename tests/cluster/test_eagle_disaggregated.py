@@ -73,6 +73,26 @@ def prompts_of(target, pair_name: str) -> list[list[int]]:
     return [[1, 3, 4, 3, 4, 3], [1, 5, 6], [1, 7, 3, 5, 4, 6, 7, 3, 4, 5, 6, 7, 5, 3]]
 
 
+def generate_recording_features(target, head_dir: str, requests) -> tuple[list, Pipeline, dict]:
+    """Run `requests` on two head draft workers and two targets; also returns request id -> [(start, features)] as
+    each head got them."""
+    handed = {}
+
+    async def main():
+        async with LocalWorkers(target, [], n_targets=2, eagle_head=head_dir, eagle_drafts=2) as w:
+            for worker in w.drafts.values():
+                add = worker.drafter.add_features
+                worker.drafter.add_features = lambda rid, start, f, add=add: (
+                    handed.setdefault(rid, []).append((start, f)) or add(rid, start, f)
+                )
+            results, pipeline = await generate_all(w, requests)
+            assert_all_released(w)
+            return results, pipeline
+
+    results, pipeline = asyncio.run(main())
+    return results, pipeline, handed
+
+
 async def generate_all(w: LocalWorkers, requests, during=None, reconnect=None, predraft=True):
     """Generate every (prompt ids, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers, with
     no stop token (so every position the target commits is one the request keeps)."""
@@ -109,20 +129,7 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
     requests = [(ids, *greedy(12 + 4 * i, k=k)) for i, ids in enumerate(prompts) for k in (1, 3, 5, "auto")]
     requests += [(ids, *greedy(16, method)) for ids in prompts[:2] for method in ("none", "ngram")]
 
-    handed = {}  # request id -> (start, features) as each head got them
-
-    async def main():
-        async with LocalWorkers(target, [], n_targets=2, eagle_head=head_dir, eagle_drafts=2) as w:
-            for worker in w.drafts.values():
-                add = worker.drafter.add_features
-                worker.drafter.add_features = lambda rid, start, f, add=add: (
-                    handed.setdefault(rid, []).append((start, f)) or add(rid, start, f)
-                )
-            results, pipeline = await generate_all(w, requests)
-            assert_all_released(w)
-            return results, pipeline
-
-    results, pipeline = asyncio.run(main())
+    results, pipeline, handed = generate_recording_features(target, head_dir, requests)
     for (ids, params, _), result in zip(requests, results, strict=True):
         assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
     eagle = [r for r, (_, _, spec) in zip(results, requests, strict=True) if spec.method == "eagle"]

@@ -6,7 +6,6 @@ wait in the relay for the head's next call. Greedy output identical to target-on
 features reach the head once and in order whichever chain drafted, sampling draws from the target's distribution. A
 target with a packaged head serves with it, and with "eagle+ngram", unless its config names a draft."""
 
-import asyncio
 import json
 import shutil
 
@@ -25,15 +24,13 @@ from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, C
 from specserve.workers.speculation.codec import decode_features, feature_block
 from tests.cluster.test_eagle_disaggregated import (
     BYTE_PROMPTS,
-    assert_all_released,
     build_pairs,
-    generate_all,
+    generate_recording_features,
     greedy,
     prompts_of,
     run_the_serving_path,
     sample_disaggregated,
 )
-from tests.worker_helpers import LocalWorkers
 from tests.workers.test_eagle_engine import hf_features
 from tests.workers.test_engine_greedy import own_greedy_loop
 from tests.workers.test_engine_sampling import NEW, chi2_pvalue, exact_joint, marginal_tv
@@ -71,20 +68,7 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
     prompts = prompts_of(target, pair_name)
     requests = [(ids, *greedy(12 + 4 * i, "eagle+ngram", k)) for i, ids in enumerate(prompts) for k in (1, 3, "auto")]
     requests += [(ids, *greedy(16)) for ids in prompts[:2]]
-    handed = {}  # request id -> (start, features) as each head got them
-
-    async def main():
-        async with LocalWorkers(target, [], n_targets=2, eagle_head=head_dir, eagle_drafts=2) as w:
-            for worker in w.drafts.values():
-                add = worker.drafter.add_features
-                worker.drafter.add_features = lambda rid, start, f, add=add: (
-                    handed.setdefault(rid, []).append((start, f)) or add(rid, start, f)
-                )
-            results, _ = await generate_all(w, requests)
-            assert_all_released(w)
-            return results
-
-    results = asyncio.run(main())
+    results, _, handed = generate_recording_features(target, head_dir, requests)
     for (ids, params, _), result in zip(requests, results, strict=True):
         assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
     mixed = [r for r, (_, _, spec) in zip(results, requests, strict=True) if spec.method == "eagle+ngram"]
