@@ -111,22 +111,30 @@ class VerifyResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("want_costs",)
+    WANT_COSTS_FIELD_NUMBER: _ClassVar[int]
+    want_costs: bool
+    def __init__(self, want_costs: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("healthy", "requests", "kv_used_tokens", "kv_capacity_tokens", "model")
+    __slots__ = ("healthy", "requests", "kv_used_tokens", "kv_capacity_tokens", "model", "verify_seconds_by_width", "draft_fixed_seconds", "draft_step_seconds")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_BY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     requests: int
     kv_used_tokens: int
     kv_capacity_tokens: int
     model: str
-    def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    verify_seconds_by_width: _containers.RepeatedScalarFieldContainer[float]
+    draft_fixed_seconds: float
+    draft_step_seconds: float
+    def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ..., verify_seconds_by_width: _Optional[_Iterable[float]] = ..., draft_fixed_seconds: _Optional[float] = ..., draft_step_seconds: _Optional[float] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("method", "k")

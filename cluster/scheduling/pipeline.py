@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
+import grpc
+
 from specserve.cluster.scheduling.k_policy import VerifyCostModel
 from specserve.cluster.scheduling.scheduler import Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
 from specserve.cluster.scheduling.worker_clients import (
@@ -38,6 +40,8 @@ from specserve.cluster.scheduling.worker_clients import (
     WorkerUnavailable,
 )
 from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.speculation.chain_planner import PlannerCosts
+from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
 from specserve.workers.speculation.drafters import NgramDrafter
 
 log = logging.getLogger(__name__)
@@ -105,6 +109,8 @@ class Pipeline:
         self.ngram = NgramDrafter()  # prompt lookup needs no model: it runs here, next to the committed tokens
         self.times = RoundTimes()
         self._releasing: set[asyncio.Task] = set()  # releases sent after the request's reply left
+        self._costs_lock = asyncio.Lock()
+        self._costs_failed = False  # a worker could not report its costs: AdaptiveK stays in charge
 
     async def _worker_failed(self, worker: str, failed_client, error: Exception) -> None:
         """A call found `worker` down: connect to its restarted replacement (which holds no caches, so every request
@@ -148,6 +154,8 @@ class Pipeline:
         """Run the request's rounds; yields the tokens each round commits."""
         pre: PreDraft | None = None
         try:
+            if self.scheduler.wants_costs(req):
+                await self._fetch_costs(req)
             while not req.state.finished:
                 clock = _RoundClock()
                 k = self.scheduler.k_for(req)
@@ -161,6 +169,36 @@ class Pipeline:
                 yield committed
         finally:
             self.release_soon(req)
+
+    async def _fetch_costs(self, req: SchedRequest) -> None:
+        """Ask the request's target and draft workers for their measured costs, once per pipeline (one after the
+        other: on one host, measuring both at once would time each under the other's load). The head's cost per call
+        includes a call's round trip, timed here."""
+        async with self._costs_lock:
+            target, draft = self.targets.get(req.target_worker), self.drafts.get(req.draft_worker or "")
+            if self.scheduler.planner_costs is not None or self._costs_failed or target is None or draft is None:
+                return
+            try:
+                verify = (await target.health(want_costs=True)).verify_seconds_by_width
+                head = await draft.health(want_costs=True)
+                trips = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    await draft.health()
+                    trips.append(time.perf_counter() - t0)
+            except (WorkerUnavailable, grpc.aio.AioRpcError) as e:
+                log.warning("k='auto' sizes chains by acceptance alone: a worker did not report its costs (%s)", e)
+                self._costs_failed = True
+                return
+            if not verify or head.draft_step_seconds <= 0.0:
+                log.warning("k='auto' sizes chains by acceptance alone: the workers reported no costs")
+                self._costs_failed = True
+                return
+            head_cost = DraftCost(step_s=head.draft_step_seconds, fixed_s=head.draft_fixed_seconds + min(trips))
+            self.scheduler.planner_costs = PlannerCosts(VerifyCosts(tuple(verify)), head_cost)
+            log.info("k='auto' costs: verify %s ms by width; head %.1f ms a call (%.1f ms of it the round trip) + "
+                     "%.1f ms a drafted token", " ".join(f"{1e3 * t:.1f}" for t in verify), 1e3 * head_cost.fixed_s,
+                     1e3 * min(trips), 1e3 * head_cost.step_s)  # fmt: skip
 
     async def _draft(
         self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock

@@ -13,12 +13,15 @@ positions it commits, and the next propose hands them to the head (cluster/sched
 delivered yet). A round before any features came (the prompt's prefill, or after the request's draft worker was
 gone) is target-only, and there is no pre-drafting: round r + 1's features do not exist while round r verifies.
 
-Method "eagle+ngram" plans each round with a per-request ChainPlanner: the head's chain (a draft call) or prompt
-lookup's continuation (no draft call; the pipeline proposes it), whichever is expected to accept more at the round's
-k (fixed, or AdaptiveK's for 'auto', which learns from the head's rounds). Prompt lookup may draft when the head
-cannot (the prefill, or no draft worker); the target's features of n-gram rounds wait in the relay until the head's
-next draft call, so its cache stays complete (within the relay's bound). Each verified round's outcome goes back into
-the planner.
+The head's methods plan each round with a per-request ChainPlanner; "eagle+ngram" chooses between the head's chain
+(a draft call) and prompt lookup's continuation (no draft call; the pipeline proposes it), whichever is expected to
+accept more. Prompt lookup may draft when the head cannot (the prefill, or no draft worker); the target's features of
+n-gram rounds wait in the relay until the head's next draft call, so its cache stays complete (within the relay's
+bound). Each verified round's outcome goes back into the planner. With k='auto' the planner weighs the workers'
+measured costs (`planner_costs`: the target's verify cost per width, the head's cost per call and per drafted token,
+which the pipeline asks the workers for once) against acceptance per position, as in-process: the k with the most
+committed tokens per second, or a plain target step when no chain pays. Until those costs are known, AdaptiveK
+sizes the head's chains.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecMethod, S
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import common_prefix_length
 from specserve.workers.speculation.adaptive_k import AdaptiveK
-from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner
+from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner, PlannerCosts
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.request import RequestState
 
@@ -79,8 +83,8 @@ class SchedRequest:
     target_worker: str
     adaptive: AdaptiveK | None
     features: FeatureRelay | None = None  # a head's methods: the target's features on their way to the draft worker
-    planner: ChainPlanner | None = None  # method "eagle+ngram": whose chain each round drafts
-    plan: ChainPlan | None = None  # "eagle+ngram": this round's, until its verify is applied
+    planner: ChainPlanner | None = None  # a head's methods: whose chain each round drafts, and with 'auto' how long
+    plan: ChainPlan | None = None  # the planner's for this round, until its verify is applied
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
     pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
     resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request
@@ -113,6 +117,9 @@ class Scheduler:
         # the target pool is saturated). Fixed-k requests keep the k they asked for.
         self.auto_k_cap: int | None = None
         self.feature_traffic = FeatureTraffic()  # EAGLE-3 features through this scheduler, over every request
+        # What k='auto' weighs for a head's methods, measured by the workers (the pipeline asks them once); None:
+        # not yet known, AdaptiveK sizes the head's chains meanwhile.
+        self.planner_costs: PlannerCosts | None = None
 
     # -- placement -------------------------------------------------------------------------------------------------
 
@@ -153,8 +160,8 @@ class Scheduler:
         adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
         features = FeatureRelay(self.feature_traffic) if spec.method in HEAD_METHODS else None
         planner = None
-        if spec.method == "eagle+ngram":
-            planner = ChainPlanner(use_head=True, use_ngram=True, head_prior=self.head_prior)
+        if spec.method in HEAD_METHODS:
+            planner = ChainPlanner(use_head=True, use_ngram=spec.method == "eagle+ngram", head_prior=self.head_prior)
         req = SchedRequest(state, params, spec, draft, target, adaptive, features=features, planner=planner)
         self.requests[state.request_id] = req
         return req
@@ -226,7 +233,12 @@ class Scheduler:
         if req.planner is not None:
             # A head drafts only on a draft worker, from features that came since it last drafted.
             head = req.draft_worker is not None and req.features.pending is not None
-            req.plan = req.planner.plan(req.state.tokens, k, req.state.draft_budget(k), head=head)
+            if req.adaptive is not None and self.planner_costs is not None:
+                req.planner.costs = self.planner_costs
+                cap = MAX_AUTO_K if self.auto_k_cap is None else min(MAX_AUTO_K, self.auto_k_cap)
+                req.plan = req.planner.plan(req.state.tokens, None, req.state.draft_budget(cap), head=head)
+            else:
+                req.plan = req.planner.plan(req.state.tokens, k, req.state.draft_budget(k), head=head)
             return req.plan.k
         if uses_draft and req.draft_worker is None:
             return 0
@@ -279,10 +291,14 @@ class Scheduler:
             req.features.received(features)
         return req.state.commit_round(drafted, accepted, next_token)
 
+    def wants_costs(self, req: SchedRequest) -> bool:
+        """Whether the request's planning would weigh the workers' costs, and they are not known yet."""
+        return self.planner_costs is None and req.planner is not None and req.adaptive is not None
+
     @staticmethod
     def _observe_plan(req: SchedRequest, drafted: list[int], accepted: int) -> None:
-        """For "eagle+ngram": the round's outcome into the planner, by the chain drafted; for k='auto' also into
-        AdaptiveK, for the head's rounds only (it sizes the head's chains)."""
+        """For a head's methods: the round's outcome into the planner, by the chain drafted; for k='auto' also into
+        AdaptiveK, for the head's rounds only (it sizes the head's chains until the costs are known)."""
         plan, req.plan = req.plan, None
         if plan is None or not drafted:
             return

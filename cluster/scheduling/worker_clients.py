@@ -13,6 +13,8 @@ from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import SamplingParams
 from specserve.workers.service.grpc_service import GRPC_OPTIONS, SECRET_METADATA, sampling_to_proto
 
+COSTS_TIMEOUT_S = 120.0  # a first cost measurement: a few dozen forward passes, on a busy CPU worker too
+
 
 class WorkerLostRequest(Exception):
     """The worker does not hold (enough of) the request: re-send the committed sequence."""
@@ -37,9 +39,9 @@ class _Client:
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.wire_bytes = 0  # serialized request + response bytes of every call
 
-    async def _invoke(self, method, message):
+    async def _invoke(self, method, message, timeout_s: float | None = None):
         try:
-            response = await method(message, timeout=self.timeout_s, metadata=self.metadata)
+            response = await method(message, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
             self.wire_bytes += message.ByteSize() + response.ByteSize()
             return response
         except grpc.aio.AioRpcError as e:
@@ -53,8 +55,13 @@ class _Client:
         """The request ended: the worker frees its state (False: it held none)."""
         return (await self._invoke(self.stub.Release, pb.ReleaseRequest(request_id=request_id))).released
 
-    async def health(self) -> pb.HealthResponse:
-        return await self._invoke(self.stub.Health, pb.HealthRequest())
+    async def health(self, want_costs: bool = False) -> pb.HealthResponse:
+        """Liveness and capacity; with want_costs also the worker's measured costs (the first time, the worker measures
+        them after the work queued on it, so the deadline is longer)."""
+        if not want_costs:
+            return await self._invoke(self.stub.Health, pb.HealthRequest())
+        request = pb.HealthRequest(want_costs=True)
+        return await self._invoke(self.stub.Health, request, max(self.timeout_s, COSTS_TIMEOUT_S))
 
     async def close(self) -> None:
         await self.channel.close()

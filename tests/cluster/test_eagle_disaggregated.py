@@ -28,6 +28,7 @@ from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation import codec
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.eagle3_io import save_head
 from tests.worker_helpers import LocalWorkers, save_tiny_llama
@@ -143,7 +144,10 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
         traffic = r.features.traffic
         assert traffic.replies == r.state.stats.rounds
         assert 0 < traffic.received_bytes - width * positions <= 40 * traffic.replies  # msgpack's framing
-        assert 1 <= traffic.proposes <= r.state.stats.rounds - 1
+        # k='auto' may draft nothing: on tiny models a head's draft can cost more than the tokens it is expected to win
+        assert (1 if r.spec.k != "auto" else 0) <= traffic.proposes <= r.state.stats.rounds - 1
+        if not traffic.proposes:
+            continue
         # each head got the target's features of every committed position once, in order, as the target computes
         # them without a cache (float16)
         starts = [start for start, _ in handed[r.request_id]]
@@ -152,6 +156,8 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
         got = torch.cat([f for _, f in handed[r.request_id]])
         want = hf_features(target.model, r.state.tokens)[: ends[-1]]
         torch.testing.assert_close(got, want.cpu(), atol=2e-3, rtol=2e-3)
+    costs = pipeline.scheduler.planner_costs  # k='auto' asked the workers for their measured costs
+    assert len(costs.verify.verify_s) == MAX_AUTO_K + 1 and costs.head.step_s > 0
     totals = pipeline.scheduler.feature_traffic
     assert totals.received_bytes == sum(r.features.traffic.received_bytes for r in eagle)
     assert 0 < totals.bytes_per_propose and totals.to_dict()["feature_bytes_per_verify_reply"] > 0

@@ -20,7 +20,8 @@ from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
 from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
-from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner
+from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner, PlannerCosts
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
 from specserve.workers.speculation.codec import decode_features, feature_block
 from tests.cluster.test_eagle_disaggregated import (
     BYTE_PROMPTS,
@@ -73,7 +74,8 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
         assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
     mixed = [r for r, (_, _, spec) in zip(results, requests, strict=True) if spec.method == "eagle+ngram"]
     assert {"head", "ngram"} <= set(plan_sources)
-    assert plan_sources.count("head") == sum(r.features.traffic.proposes for r in mixed)  # one draft call each
+    with_head = [r for r in results if r.features is not None]  # "eagle" requests plan their rounds too
+    assert plan_sources.count("head") == sum(r.features.traffic.proposes for r in with_head)  # a draft call each
     assert sum(r.state.stats.drafted for r in mixed) > 0
     assert {r.draft_worker for r in mixed} == {"draft-0", "draft-1"}
     drafted_by_head = [r for r in mixed if r.request_id in handed]
@@ -123,6 +125,28 @@ def test_the_scheduler_plans_each_round_and_learns_from_its_result():
     s.drafted(auto, s.plan_draft(auto, 4))
     s.apply_verify(auto, [1, 1, 1, 1], 0, 6, _features(3, 1))
     assert auto.adaptive.rejects == 1 and auto.planner.head.reached == [1]
+
+
+def test_k_auto_weighs_the_workers_costs_once_they_are_known():
+    """Until the workers' costs are known AdaptiveK sizes the head's chains; then the planner drafts the k with the
+    most committed tokens per second: the longest chain when drafting is free and every width costs the same (within
+    the load-aware cap), nothing when a drafted token costs more than a target step. Fixed k needs no costs."""
+    s = Scheduler(["d1"], ["t1"], head_prior=(0.9,) * MAX_AUTO_K)
+    req = s.add([4, 5, 6], SamplingParams(max_new_tokens=40), SpecParams(method="eagle", k="auto"), frozenset())
+    assert s.wants_costs(req) and s.k_for(req) == 0  # the prefill round: no features yet
+    s.apply_verify(req, [], 0, 7, _features(0, 3))
+    assert s.k_for(req) == req.adaptive.k and req.plan.source == "head"
+    flat = VerifyCosts((0.1,) * (MAX_AUTO_K + 1))
+    s.planner_costs = PlannerCosts(flat, DraftCost())
+    assert not s.wants_costs(req)
+    assert s.k_for(req) == MAX_AUTO_K and req.plan.source == "head"
+    s.auto_k_cap = 2
+    assert s.k_for(req) == 2
+    s.auto_k_cap = None
+    s.planner_costs = PlannerCosts(flat, DraftCost(step_s=0.2))
+    assert s.k_for(req) == 0 and req.plan.source == "none"
+    fixed = s.add([4, 5, 6], SamplingParams(max_new_tokens=40), SpecParams(method="eagle", k=3), frozenset())
+    assert not Scheduler(["d1"], ["t1"]).wants_costs(fixed)
 
 
 def test_the_heads_recorded_acceptance_is_where_planning_starts():

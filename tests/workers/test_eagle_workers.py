@@ -21,6 +21,7 @@ from specserve.workers.models import packaged_heads
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import FeatureBlock, decode_features, encode_features, feature_block
 from specserve.workers.speculation.eagle3_io import save_head
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
@@ -248,3 +249,29 @@ async def _error(call) -> grpc.aio.AioRpcError:
     except grpc.aio.AioRpcError as e:
         return e
     raise AssertionError("the call succeeded")
+
+
+def test_workers_measure_and_report_their_costs_only_when_asked(target, head_dir):
+    """Health with want_costs: a target worker's verify seconds for widths 1..MAX_AUTO_K + 1, a head's draft worker
+    its cost per call and per drafted token (a draft model's worker: none); measured once, then reported again."""
+
+    async def main():
+        async with LocalWorkers(target, [target], eagle_head=head_dir) as w:
+            async with (
+                grpc.aio.insecure_channel(w.target_addresses["target-0"]) as target_channel,
+                grpc.aio.insecure_channel(w.draft_addresses["draft-0"]) as model_channel,
+                grpc.aio.insecure_channel(w.draft_addresses["draft-1"]) as head_channel,
+            ):
+                verifier = pb_grpc.TargetWorkerStub(target_channel)
+                model, head = pb_grpc.DraftWorkerStub(model_channel), pb_grpc.DraftWorkerStub(head_channel)
+                plain = await verifier.Health(pb.HealthRequest(), timeout=10)
+                asked = [await stub.Health(pb.HealthRequest(want_costs=True), timeout=60) for stub in (verifier,
+                         verifier, model, head)]  # fmt: skip
+                return plain, asked, w.targets["target-0"].verify_costs()
+
+    plain, (verify, again, model, head), measured = asyncio.run(main())
+    assert plain.healthy and not plain.verify_seconds_by_width and plain.draft_step_seconds == 0
+    assert len(verify.verify_seconds_by_width) == MAX_AUTO_K + 1 and all(t > 0 for t in verify.verify_seconds_by_width)
+    assert list(again.verify_seconds_by_width) == list(verify.verify_seconds_by_width) == list(measured)
+    assert (model.draft_fixed_seconds, model.draft_step_seconds) == (0, 0) and not model.verify_seconds_by_width
+    assert head.draft_step_seconds > 0 and head.draft_fixed_seconds >= 0 and head.healthy

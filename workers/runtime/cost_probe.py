@@ -12,6 +12,13 @@ from collections.abc import Sequence
 
 from specserve.workers.runtime.runner import ModelRunner
 
+PROBE_CONTEXT = 256  # tokens of context when timing: a chat prompt and part of its answer
+
+
+def probe_context(max_positions: int | None, widest: int) -> int:
+    """The context to time forwards of up to `widest` new positions after, within the model's positions."""
+    return min(PROBE_CONTEXT, (max_positions or PROBE_CONTEXT + 2 * widest) - 2 * widest)
+
 
 def probe_tokens(count: int, vocab_size: int, salt: int = 0) -> list[int]:
     """Deterministic ordinary token ids (not the first few, which are often special)."""

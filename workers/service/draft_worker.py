@@ -10,10 +10,13 @@ from dataclasses import dataclass
 
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.runtime.cost_probe import probe_context
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import FeatureBlock, encode_probs
 from specserve.workers.speculation.drafters import Drafter
+from specserve.workers.speculation.eagle_costs import head_cost
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
 
 
@@ -38,6 +41,7 @@ class DraftWorker:
         self.committed = CommittedTokens()
         # Values per position of the features an EAGLE-3 head takes; None: a draft model, which takes none.
         self.feature_size = drafter.feature_size if isinstance(drafter, EagleDrafter) else None
+        self._draft_cost: DraftCost | None = None
 
     def propose(
         self,
@@ -94,11 +98,28 @@ class DraftWorker:
         self.drafter.release(request_id)
         return self.committed.release(request_id)
 
-    def health(self) -> dict:
-        return {
+    def draft_cost(self) -> DraftCost | None:
+        """An EAGLE-3 head's drafting cost (fixed per call + per drafted token), measured once here; None for other
+        drafters (k='auto' weighs a head's cost only)."""
+        if not isinstance(self.drafter, EagleDrafter):
+            return None
+        if self._draft_cost is None:
+            config = self.drafter.head.config
+            context = probe_context(config.max_position_embeddings, MAX_AUTO_K + 1)
+            self._draft_cost = head_cost(self.drafter, context, MAX_AUTO_K)
+        return self._draft_cost
+
+    def health(self, costs: bool = False) -> dict:
+        """Liveness and capacity; with `costs`, also a head's drafting cost (measured on first use: call it on the
+        model thread)."""
+        report = {
             "healthy": True,
             "requests": len(self.committed),
             "kv_used_tokens": self.store.used_tokens if self.store is not None else 0,
             "kv_capacity_tokens": self.store.capacity_tokens if self.store is not None else 0,
             "model": self.model_name,
         }
+        cost = self.draft_cost() if costs else None
+        if cost is not None:
+            report["draft_fixed_seconds"], report["draft_step_seconds"] = cost.fixed_s, cost.step_s
+        return report

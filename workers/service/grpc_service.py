@@ -152,6 +152,8 @@ class _Servicer:
         return pb.ReleaseResponse(released=released)
 
     async def Health(self, request, context):
+        if request.want_costs:  # measured with forward passes: on the model thread, after the work queued there
+            return pb.HealthResponse(**await self._run(context, self.worker.health, True))
         return pb.HealthResponse(**self.worker.health())
 
 

@@ -12,7 +12,9 @@ import torch
 
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import encode_features
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier
@@ -59,6 +61,7 @@ class TargetWorker:
         self.verifier = verifier
         self.model_name = model_name
         self.committed = CommittedTokens()
+        self._verify_costs: tuple[float, ...] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -120,13 +123,26 @@ class TargetWorker:
         self.verifier.release(request_id)
         return self.committed.release(request_id)
 
-    def health(self) -> dict:
+    def verify_costs(self) -> tuple[float, ...]:
+        """Seconds of one forward over w = 1..MAX_AUTO_K + 1 new positions, measured once here (k='auto' weighs them:
+        on a CPU verifying 2-3 positions can cost more than 5)."""
+        if self._verify_costs is None:
+            runner, widest = self.verifier.runner, MAX_AUTO_K + 1
+            self._verify_costs = verify_seconds(runner, probe_context(runner.loaded.max_positions, widest), widest)
+        return self._verify_costs
+
+    def health(self, costs: bool = False) -> dict:
+        """Liveness and capacity; with `costs`, also the verify cost per width (measured on first use: call it on the
+        model thread)."""
         store = self.verifier.runner.store
         failed = getattr(self.verifier.runner, "failed", None)  # a tensor-parallel replica that lost a rank
-        return {
+        report = {
             "healthy": failed is None,
             "requests": len(self.committed),
             "kv_used_tokens": store.used_tokens,
             "kv_capacity_tokens": store.capacity_tokens,
             "model": self.model_name,
         }
+        if costs and failed is None:
+            report["verify_seconds_by_width"] = list(self.verify_costs())
+        return report

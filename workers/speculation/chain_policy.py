@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+MAX_AUTO_K = 8  # the longest chain k='auto' drafts: a head's acceptance at position 9+ is too small to pay for it
+
 
 def expected_accepted(rates: Sequence[float], k: int) -> float:
     """E(k): the expected accepted tokens of a chain of k drafts. rates[j]: acceptance at position j given j-1."""

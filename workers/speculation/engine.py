@@ -13,12 +13,12 @@ import torch
 
 from specserve.workers.config import KVCacheConfig, NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.runtime.cost_probe import verify_seconds
+from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
 from specserve.workers.runtime.loading import LoadedModel, check_compatible
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
-from specserve.workers.speculation.chain_policy import VerifyCosts
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K, VerifyCosts
 from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle3 import Eagle3Head
 from specserve.workers.speculation.eagle_costs import head_cost
@@ -31,8 +31,6 @@ from specserve.workers.speculation.target import TargetVerifier
 log = logging.getLogger(__name__)
 
 EAGLE_METHODS = ("eagle", "eagle+ngram")
-MAX_AUTO_K = 8  # a head's acceptance at position 9+ is too small to pay for verifying it
-PROBE_CONTEXT = 256  # tokens of context when timing verify widths: a chat prompt and part of its answer
 
 
 @dataclass
@@ -138,7 +136,7 @@ class SpecEngine:
         """The target's verify cost per width and the head's drafting cost, measured once (k='auto' weighs them)."""
         if self._planner_costs is None:
             eagle, widest = self.drafters["eagle"], self.max_auto_k + 1
-            context = min(PROBE_CONTEXT, (self.target.max_positions or PROBE_CONTEXT + 2 * widest) - 2 * widest)
+            context = probe_context(self.target.max_positions, widest)
             verify = VerifyCosts(verify_seconds(self.verifier.runner, context, widest))
             self._planner_costs = PlannerCosts(verify, head_cost(eagle, context, self.max_auto_k))
             log.info("k='auto' costs: verify %s ms by width, head %.1f ms + %.1f ms per drafted token",
