@@ -131,6 +131,25 @@ def test_a_stopped_and_resumed_run_makes_the_shards_of_one_run(one_run, chatty_t
             assert torch.equal(mine[key], theirs[key]), key
 
 
+def test_data_that_is_already_enough_is_returned_without_loading_the_target(one_run, chatty_target, tmp_path,
+                                                                           monkeypatch):  # fmt: skip
+    out = tmp_path / "enough"
+    shutil.copytree(one_run, out)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("specserve.workers.training.eagle_data.EagleTarget", refuse)
+    have = read_manifest(one_run).answer_tokens
+    assert generate_data(chatty_target, out, answer_tokens=have, settings=SMALL, progress=False).shards == (
+        read_manifest(one_run).shards
+    )
+    with pytest.raises(InvalidRequestError, match="seed"):  # still checked
+        generate_data(chatty_target, out, answer_tokens=have, seed=1, settings=SMALL, progress=False)
+    with pytest.raises(AssertionError, match="loaded"):  # more is asked for: the target answers
+        generate_data(chatty_target, out, answer_tokens=have + 1, settings=SMALL, progress=False)
+
+
 def test_resuming_with_other_settings_or_target_is_refused(one_run, chatty_target, tmp_path, models_dir):
     out = tmp_path / "copy"
     shutil.copytree(one_run, out)

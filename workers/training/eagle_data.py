@@ -90,6 +90,10 @@ def generate_data(
     if threads:
         torch.set_num_threads(threads)
     with _exclusive(out):
+        done = _already_done(out, identity, seed, settings, answer_tokens)
+        if done is not None:  # no need to load the target
+            log.info("EAGLE-3 data in %s: %d answer tokens, of %d asked for", out, done.answer_tokens, answer_tokens)
+            return done
         target = EagleTarget(target_path, settings.gen_dtype)
         manifest = _resume(out, identity, target, seed, settings)
         _write_manifest(out, manifest)
@@ -149,6 +153,26 @@ def _exclusive(out: Path):
         yield
 
 
+def _check_resumable(out: Path, old: DataManifest, identity: str, seed: int, settings: GenerationSettings) -> None:
+    if old.target != identity:
+        raise InvalidRequestError("out", f"{out} holds data of target {old.target[:16]}, not of {old.target_path}")
+    if old.seed != seed:
+        raise InvalidRequestError("seed", f"{out} was made with seed {old.seed}: resume with --seed {old.seed}")
+    for name, value in asdict(old.settings).items():
+        if getattr(settings, name) != value:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidRequestError(name, f"{out} was made with {name}={value!r}: resume with {flag} {value}")
+
+
+def _already_done(out: Path, identity: str, seed: int, settings: GenerationSettings, goal: int) -> DataManifest | None:
+    """The directory's manifest when it already holds `goal` answer tokens of this target and settings."""
+    if not (out / MANIFEST).exists():
+        return None
+    old = read_manifest(out)
+    _check_resumable(out, old, identity, seed, settings)
+    return old if old.answer_tokens >= goal else None
+
+
 def _resume(out: Path, identity: str, target: EagleTarget, seed: int, settings: GenerationSettings) -> DataManifest:
     """The manifest for this run, with the whole shards already on disk (the files are the truth: a crash between a
     shard's rename and the manifest's update loses nothing)."""
@@ -163,15 +187,7 @@ def _resume(out: Path, identity: str, target: EagleTarget, seed: int, settings: 
         settings,
     )
     if (out / MANIFEST).exists():
-        old = read_manifest(out)
-        if old.target != identity:
-            raise InvalidRequestError("out", f"{out} holds data of target {old.target[:16]}, not of {target.path}")
-        if old.seed != seed:
-            raise InvalidRequestError("seed", f"{out} was made with seed {old.seed}: resume with --seed {old.seed}")
-        for name, value in asdict(old.settings).items():
-            if getattr(settings, name) != value:
-                flag = "--" + name.replace("_", "-")
-                raise InvalidRequestError(name, f"{out} was made with {name}={value!r}: resume with {flag} {value}")
+        _check_resumable(out, read_manifest(out), identity, seed, settings)
     for stale in out.glob(".shard-*.tmp"):
         log.info("removing %s, left by an interrupted run", stale)
         stale.unlink()
