@@ -11,7 +11,8 @@ from specserve.workers.config import KVCacheConfig
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.lean_forward import CaptureForward, capture_forward, full_forward, lean_forward
 from specserve.workers.runtime.loading import LoadedModel
-from specserve.workers.runtime.slot_cache import BatchPlan, batch_mask, single_row_mask
+from specserve.workers.runtime.slot_cache import BatchPlan, batch_mask, single_row_mask, tree_mask
+from specserve.workers.runtime.tree_rows import TreeRow
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ModelRunner:
         self.capture_layers: tuple[int, ...] | None = None  # set by capture_features
         self.forward_calls = 0
         self.forward_positions = 0
+        self._trees: dict[str, tuple[int, list[int]]] = {}  # request -> (its tree's first position, its tokens)
 
     def capture_features(self, layers: Sequence[int]) -> None:
         """Let `forward_batch(..., capture=True)` return the residual stream entering `layers` (Hugging Face's
@@ -103,6 +105,79 @@ class ModelRunner:
             for b, (_, _, n) in enumerate(rows)
         ]
 
+    @torch.inference_mode()
+    def forward_tree(self, rows: Sequence[TreeRow], capture: bool = False) -> list[RowOutput]:
+        """One forward pass over each row's uncached committed tokens and its drafted tree. A row's logits are
+        [N + 1, vocab_size]: after its last committed token, then after each node; its features (with `capture`) are
+        those of its uncached committed tokens, then of each node. Node i attends to the committed tokens and its
+        own ancestors only, at rotary position L + its depth (L: committed tokens), as if its path were decoded
+        alone. The tree is not kept as the request's: `keep_path` keeps the accepted nodes."""
+        ids = [row.request_id for row in rows]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a request may appear only once in a batch")
+        for row in rows:
+            row.check()
+        if capture and self._capture_forward is None:
+            raise ValueError("capture=True needs capture_features(layers) first")
+        entries = [self.store.sync(row.request_id, row.sequence, keep_at_most=len(row.sequence) - 1) for row in rows]
+        starts = [e.length for e in entries]
+        tails = [list(row.sequence[start:]) for row, start in zip(rows, starts, strict=True)]
+        news = [tail + list(row.tokens) for tail, row in zip(tails, rows, strict=True)]
+        self.store.reserve_batch(ids, [len(new) for new in news])  # the tree's positions, while it is verified
+        width = max(len(new) for new in news)
+        pads = [width - len(new) for new in news]
+        input_ids = torch.tensor([[0] * p + new for p, new in zip(pads, news, strict=True)], device=self.device)
+        positions = torch.tensor(
+            [[0] * p + list(range(st, st + len(tail))) + [st + len(tail) + d for d in row.depths()]
+             for p, st, tail, row in zip(pads, starts, tails, rows, strict=True)],
+            device=self.device,
+        )  # fmt: skip
+        writes = torch.tensor(
+            [
+                list(range(st + len(new), st + width)) + list(range(st, st + len(new)))
+                for st, new in zip(starts, news, strict=True)
+            ],
+            device=self.device,
+        )  # fmt: skip  [B, T]: padding columns write to dead positions past their row's end
+        slots = [e.slot for e in entries]
+        kv_len = max(st + len(new) for st, new in zip(starts, news, strict=True))
+        plan = BatchPlan(slots=torch.tensor(slots, device=self.device), write_positions=writes, kv_len=kv_len,
+                         contiguous=None)  # fmt: skip
+        self.store.cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
+        lineages = [row.lineages() for row in rows]
+        mask = tree_mask(starts, [len(t) for t in tails], lineages, width, kv_len, self.model.dtype, self.device)
+        keep = max(len(row.tokens) + 1 for row in rows)
+        if capture:
+            out, features = self._capture_forward(input_ids, positions, mask, self.store.cache, keep)
+        else:
+            out, features = self._forward(input_ids, positions, mask, self.store.cache, keep), None  # [B, keep, V]
+        for row, tail, start in zip(rows, tails, starts, strict=True):
+            self.store.commit(row.request_id, tail)
+            self._trees[row.request_id] = (start + len(tail), list(row.tokens))
+        self.forward_calls += 1
+        self.forward_positions += sum(len(new) for new in news)
+        logits = out.float()
+        return [
+            RowOutput(
+                logits=self._fit_vocab(logits[b, keep - len(row.tokens) - 1 :]),  # [N + 1, V]
+                features=features[b, width - len(news[b]) :] if features is not None else None,
+                start=starts[b],
+            )
+            for b, row in enumerate(rows)
+        ]
+
+    @torch.inference_mode()  # the cache's buffers are inference tensors
+    def keep_path(self, request_id: str, nodes: Sequence[int]) -> None:
+        """After the request's tree was verified: its cache also holds the accepted nodes (a root-down path, in that
+        order), their keys/values moved next to the committed ones. The rest of the tree is forgotten."""
+        start, tokens = self._trees.pop(request_id)
+        entry = self.store.get(request_id)
+        if entry.length != start:
+            raise ValueError(f"{request_id!r}: its cache changed since its tree's forward pass")
+        if nodes:
+            self.store.cache.move(entry.slot, [start + i for i in nodes], start)
+            self.store.commit(request_id, [tokens[i] for i in nodes])
+
     def _plan(self, starts: list[int], news: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, ...]:
         """Plan the cache for the batch's new positions; returns input_ids [B, T], positions [B, T] and the mask."""
         lengths = [len(new) for new in news]
@@ -152,4 +227,5 @@ class ModelRunner:
         return torch.cat([logits, pad], dim=-1)
 
     def release(self, request_id: str) -> bool:
+        self._trees.pop(request_id, None)
         return self.store.release(request_id)

@@ -70,6 +70,14 @@ class SlotKVCache(Cache):
                 buffers[i] = new
         self._slots, self._length = slots, length
 
+    def move(self, slot: int, sources: list[int], start: int) -> None:
+        """In every layer, copy the keys/values at positions `sources` of `slot` to positions start, start + 1, ...
+        (a drafted tree's accepted path, gathered after the committed positions)."""
+        index = torch.tensor(sources, device=self._keys[0].device if self._keys else None)
+        for buffers in (self._keys, self._values):
+            for buffer in buffers:
+                buffer[slot, start : start + len(sources)] = buffer[slot, index]  # the gather copies first
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: [B, H_kv, T, D] for the planned rows. Returns [B, H_kv, kv_len, D] keys and values."""
         plan = self._plan
@@ -136,3 +144,27 @@ def batch_mask(
     mask = torch.zeros((B, width, kv_len), dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.unsqueeze(1)
+
+
+def tree_mask(
+    starts: list[int], tails: list[int], lineages: list[list[list[int]]], width: int, kv_len: int, dtype, device
+) -> torch.Tensor:
+    """Additive mask [B, 1, width, kv_len] for left-padded rows of committed tail tokens then drafted tree nodes.
+
+    Row b: tails[b] committed tokens at cache positions starts[b] .., then node i at position L + i (L = starts[b] +
+    tails[b]). A tail token sees the cache up to itself; node i sees positions < L and its ancestors and itself
+    (lineages[b][i]), never its siblings or their subtrees. Padding columns see position 0 only."""
+    allowed = torch.zeros((len(starts), width, kv_len), dtype=torch.bool)
+    allowed[:, :, 0] = True
+    for b, (start, tail, nodes) in enumerate(zip(starts, tails, lineages, strict=True)):
+        first = width - tail - len(nodes)  # the row's first real column
+        end = start + tail  # L
+        for j in range(tail):
+            allowed[b, first + j, : start + j + 1] = True
+        for i, seen in enumerate(nodes):
+            column = first + tail + i
+            allowed[b, column, :end] = True
+            allowed[b, column, [end + a for a in seen]] = True
+    mask = torch.zeros((len(starts), width, kv_len), dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1).to(device)

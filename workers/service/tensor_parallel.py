@@ -26,7 +26,8 @@ import torch.distributed as dist
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, ModelLoadError, UnavailableError
 from specserve.workers.runtime.loading import LoadedModel, load_model, resolve_device
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ModelRunner, RowOutput
+from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.service.assembly import WorkerSpec, serve_in_process
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,20 @@ class TensorParallelRunner:
     def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
         return self.logits_for_batch([(request_id, sequence, n)])[0]
 
+    def forward_tree(self, rows: Sequence[TreeRow]) -> list[RowOutput]:
+        rows = [TreeRow(r.request_id, list(r.sequence), list(r.tokens), list(r.parents)) for r in rows]
+        self._mirror(("tree", rows))
+        try:
+            return self.runner.forward_tree(rows)
+        except (KVCapacityError, ValueError):
+            raise  # raised identically on every rank, before any collective
+        except RuntimeError as e:
+            self._fail(f"collective failed mid-forward: {e}", e)
+
+    def keep_path(self, request_id: str, nodes: Sequence[int]) -> None:
+        self._mirror(("keep_path", (request_id, list(nodes))))
+        self.runner.keep_path(request_id, nodes)
+
     def release(self, request_id: str) -> bool:
         self._mirror(("release", request_id))
         return self.runner.release(request_id)
@@ -156,11 +171,13 @@ def follow(runner: ModelRunner) -> None:
             return
         if kind == "release":
             runner.release(payload)
-        elif kind == "batch":
+        elif kind == "keep_path":
+            runner.keep_path(*payload)
+        elif kind in ("batch", "tree"):
             try:
-                runner.logits_for_batch(payload)
+                runner.logits_for_batch(payload) if kind == "batch" else runner.forward_tree(payload)
             except (KVCapacityError, ValueError) as e:  # rank 0 raised the same before any collective and answers
-                log.debug("rank %d: batch refused as on rank 0: %s", dist.get_rank(), e)
+                log.debug("rank %d: %s refused as on rank 0: %s", dist.get_rank(), kind, e)
 
 
 def run_follower(rank: int, rendezvous: Rendezvous, model: ModelConfig, kv_cache: KVCacheConfig) -> None:
