@@ -138,11 +138,12 @@ class TensorParallelRunner:
     def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
         return self.logits_for_batch([(request_id, sequence, n)])[0]
 
-    def forward_tree(self, rows: Sequence[TreeRow]) -> list[RowOutput]:
+    def forward_tree(self, rows: Sequence[TreeRow], capture: bool = False) -> list[RowOutput]:
+        """Rank 0 alone captures features (the other ranks run the same collectives without keeping them)."""
         rows = [TreeRow(r.request_id, list(r.sequence), list(r.tokens), list(r.parents)) for r in rows]
         self._mirror(("tree", rows))
         try:
-            return self.runner.forward_tree(rows)
+            return self.runner.forward_tree(rows, capture=capture)
         except (KVCapacityError, ValueError):
             raise  # raised identically on every rank, before any collective
         except RuntimeError as e:

@@ -9,8 +9,10 @@ import torch
 
 from specserve.workers.config import SamplingParams
 from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.speculation.codec import normalise
 from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, uniform_noise
+from specserve.workers.speculation.tree_verification import greedy_tree_verify, rejection_tree_verify
 from specserve.workers.speculation.verification import greedy_verify, rejection_verify
 
 
@@ -20,6 +22,23 @@ class Verdict:
     next_token: int
     features: torch.Tensor  # [m, F]: the target's features of committed positions feature_start..feature_start+m-1
     feature_start: int
+
+
+@dataclass
+class TreeVerdict:
+    path: list[int]  # the accepted nodes, root-down (their tokens are committed, then next_token)
+    next_token: int  # recovered or bonus
+    features: torch.Tensor | None  # [m, F]: the features of committed positions feature_start.. (when captured)
+    feature_start: int
+
+
+@dataclass(frozen=True)
+class TreeCall:
+    """One request's tree to verify: the tree (its committed tokens included), how to sample, the noise source."""
+
+    tree: TreeRow
+    params: SamplingParams
+    generator: torch.Generator
 
 
 class TargetVerifier:
@@ -79,6 +98,36 @@ class TargetVerifier:
             accepted, token = self._verify_row(list(drafted), probs, params, generator, out.logits)
             committed = len(tokens) + accepted - out.start  # computed positions whose tokens are committed
             verdicts.append(Verdict(accepted, token, out.features[:committed], out.start))
+        return verdicts
+
+    def verify_trees(self, calls: Sequence[TreeCall], capture: bool = False) -> list[TreeVerdict]:
+        """Verify many requests' drafted trees in one forward pass; the accepted path of each stays in its cache.
+        Greedy: the path of argmax matches; sampled: recursive rejection sampling over each node's children (for
+        candidates chosen deterministically, as a head's top children and prompt lookup's are). With `capture`, the
+        features of the positions computed whose tokens are now committed (the uncached committed ones, then the
+        path's), as `verify_with_features`."""
+        outputs = self.runner.forward_tree([call.tree for call in calls], capture=capture)
+        verdicts = []
+        for call, out in zip(calls, outputs, strict=True):
+            tree = call.tree
+            parents = torch.tensor([list(tree.parents)], dtype=torch.long)  # [1, N]
+            tokens = torch.tensor([list(tree.tokens)], dtype=torch.long)  # [1, N]
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+            logits = out.logits.cpu()  # [N + 1, V]
+            if call.params.greedy:
+                result = greedy_tree_verify(parents, tokens, valid, logits.argmax(-1).unsqueeze(0))
+            else:
+                p = logits_to_probs(logits, call.params).unsqueeze(0)  # [1, N + 1, V]
+                uniform = uniform_noise(tokens.shape[1], [call.generator])  # [1, N]
+                noise = exponential_noise(p.shape[-1], [call.generator])  # [1, V]
+                result = rejection_tree_verify(parents, tokens, valid, p, uniform, noise)
+            path = result.accepted_nodes(0)
+            self.runner.keep_path(tree.request_id, path)
+            features = None
+            if out.features is not None:
+                tail = len(tree.sequence) - out.start
+                features = torch.cat([out.features[:tail], out.features[[tail + node for node in path]]])
+            verdicts.append(TreeVerdict(path, int(result.next_token[0]), features, out.start))
         return verdicts
 
     def _verify_row(
