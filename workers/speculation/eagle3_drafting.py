@@ -163,6 +163,10 @@ class Eagle3Drafting:
         out = head.finish(attend(q, keys, values, mask[:, None]), residual)  # [B, M, H]
         return out[torch.arange(len(rows), device=device), torch.tensor(counts, device=device) - 1]
 
+    def states(self, request_ids: Sequence[str]) -> list[_RequestKV]:
+        """The requests' caches (read by the chain and tree drafting beyond them)."""
+        return [self._requests[r] for r in request_ids]
+
     def chain(self, request_ids: Sequence[str], first: DraftStep) -> DraftChain:
         """Chained steps after `extend` returned `first` for these requests (same order)."""
         return DraftChain(self, [self._requests[r] for r in request_ids], first.hidden)

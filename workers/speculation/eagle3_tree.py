@@ -1,0 +1,124 @@
+"""Dynamic draft trees from an EAGLE-3 head (EAGLE-2's expansion), batched across requests.
+
+From the head's distribution after the committed tokens, the `topk` most likely tokens are the root's candidate
+children. Each further level feeds the `topk` best frontier nodes (by path score: the head's log-probability of the
+whole path) through the head at once, each attending to the request's committed entries and to its own ancestors
+only, and scores their `topk` children each; the best `topk` of those become the next frontier. Finally the `budget`
+best candidates of all levels form the tree: a path's score never rises along it, so the best candidates include
+their parents (ties go to the shallower). The tree's nodes come out in depth order, each with its parent's index
+(-1: the root), ready for tree verification; candidates are chosen deterministically (the head's top ones), so
+sampled requests verify them by recursive rejection sampling with one-hot draft distributions, losslessly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.workers.speculation.eagle3_drafting import DraftStep, Eagle3Drafting, attend, padded_kv
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """depth: levels of candidates (the longest path); topk: children scored per expanded node and nodes expanded
+    per level; budget: nodes kept (what the target verifies, plus the root's token)."""
+
+    depth: int
+    topk: int
+    budget: int
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # target ids, in depth order
+    parents: list[int]  # ROOT or the index of an earlier node
+    scores: list[float]  # the head's log-probability of the path ending at each node
+
+
+@dataclass
+class _Candidates:
+    """One row's candidates of all levels, in the order they were scored."""
+
+    tokens: list[int]
+    parents: list[int]  # candidate index, or ROOT
+    scores: list[float]
+    depths: list[int]
+
+    def add(self, token: int, parent: int, score: float, depth: int) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.depths.append(depth)
+        return len(self.tokens) - 1
+
+    def best_tree(self, budget: int) -> DraftTree:
+        """The `budget` best candidates (ancestor-closed), in depth order, with parents re-indexed."""
+        order = sorted(range(len(self.tokens)), key=lambda c: (-self.scores[c], self.depths[c], c))[:budget]
+        kept = sorted(order, key=lambda c: (self.depths[c], c))
+        index = {c: i for i, c in enumerate(kept)}
+        parents = [ROOT if self.parents[c] == ROOT else index[self.parents[c]] for c in kept]
+        return DraftTree([self.tokens[c] for c in kept], parents, [self.scores[c] for c in kept])
+
+
+@torch.no_grad()
+def draft_trees(
+    drafting: Eagle3Drafting, request_ids: Sequence[str], first: DraftStep, shape: TreeShape
+) -> list[DraftTree]:
+    """Trees for these requests after `extend` returned `first` for them (same order); their caches are read only."""
+    head, embed = drafting.head, drafting.embed_weight
+    states = drafting.states(request_ids)
+    device = first.hidden.device
+    batch, k = len(request_ids), min(shape.topk, head.config.draft_vocab_size)
+    committed_keys, committed_values = padded_kv(states)  # [B, nkv, S, hd]
+    counts = torch.tensor([s.count for s in states], device=device)
+    committed = (torch.arange(committed_keys.shape[2], device=device)[None, :] < counts[:, None])[:, None, :]  # [B,1,S]
+    starts = torch.tensor([s.end for s in states], device=device)  # [B]: the root's children's position
+    rows = [_Candidates([], [], [], []) for _ in range(batch)]
+
+    top = first.logits.float().log_softmax(-1).topk(k, dim=-1)  # [B, K] each
+    scores, draft_ids = top.values, top.indices  # [B, K]: the frontier: the root's children
+    root_tokens = head.draft_to_target(draft_ids).tolist()
+    frontier = [  # per row, the frontier's candidate indices
+        [rows[b].add(t, ROOT, s, 0) for t, s in zip(root_tokens[b], scores[b].tolist(), strict=True)]
+        for b in range(batch)
+    ]
+    hidden = first.hidden[:, None].expand(batch, k, -1)  # [B, K, H]: what each frontier node is fed with
+    lineage = torch.zeros(batch, k, 0, dtype=torch.long, device=device)  # [B, K, d]: ancestors' frontier slots
+    keys, values = [committed_keys], [committed_values]
+    slots = torch.arange(k, device=device)
+    for depth in range(1, shape.depth):
+        tokens = head.draft_to_target(draft_ids)  # [B, K] target ids
+        positions = (starts + depth - 1)[:, None].expand(batch, k)  # [B, K]
+        q, key, value, residual = head.qkv(F.embedding(tokens, embed), hidden, positions)
+        keys.append(key)
+        values.append(value)
+        # each frontier node sees the committed entries, its ancestors at each earlier level, and itself
+        seen = [committed.expand(batch, k, -1)]
+        seen += [lineage[:, :, level, None] == slots for level in range(depth - 1)]  # [B, K, K] each
+        seen.append((slots[:, None] == slots[None, :]).expand(batch, k, k))
+        mask = torch.cat(seen, dim=-1)[:, None]  # [B, 1, K, S + depth K]
+        out = head.finish(attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask), residual)  # [B, K, H]
+        logp = head.logits(out).float().log_softmax(-1)  # [B, K, Vd]
+        child = logp.topk(k, dim=-1)  # [B, K, K]
+        child_scores = (scores[:, :, None] + child.values).reshape(batch, k * k)  # [B, K*K]
+        child_ids = child.indices.reshape(batch, k * k)
+        child_tokens = head.draft_to_target(child_ids).tolist()
+        next_frontier = child_scores.topk(k, dim=-1).indices  # [B, K] into K*K
+        for b in range(batch):
+            added = [
+                rows[b].add(child_tokens[b][c], frontier[b][c // k], float(child_scores[b, c]), depth)
+                for c in range(k * k)
+            ]
+            frontier[b] = [added[c] for c in next_frontier[b].tolist()]
+        parent_slot = next_frontier // k  # [B, K]
+        lineage = torch.cat([lineage.gather(1, parent_slot[:, :, None].expand(-1, -1, depth - 1)),
+                             parent_slot[:, :, None]], dim=-1)  # fmt: skip
+        scores = child_scores.gather(1, next_frontier)
+        draft_ids = child_ids.gather(1, next_frontier)
+        hidden = out.gather(1, parent_slot[:, :, None].expand(-1, -1, out.shape[-1]))  # each child is fed its parent's
+    return [row.best_tree(shape.budget) for row in rows]
