@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
-from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecMethod, SpecParams
+from specserve.workers.config import HEAD_METHODS, TREE_METHODS, SamplingParams, SpecMethod, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import common_prefix_length
 from specserve.workers.speculation.adaptive_k import AdaptiveK
@@ -142,8 +142,8 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         request_id: str | None = None,
     ) -> SchedRequest:
-        if spec.method not in get_args(SpecMethod):  # a SpecParams built without validation
-            served = ", ".join(get_args(SpecMethod))
+        if spec.method not in get_args(SpecMethod) or spec.method in TREE_METHODS:  # trees: in-process only so far
+            served = ", ".join(m for m in get_args(SpecMethod) if m not in TREE_METHODS)
             raise InvalidRequestError("method", f"{spec.method!r} is not served (only {served})")
         target = self._least_loaded(self.target_workers, "target_worker")
         if target is None:

@@ -11,7 +11,7 @@ from specserve.cluster.app_config import AppConfig, LimitsConfig, ModelPairConfi
 from specserve.cluster.scheduling.prepared import Prepared
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.serve.edge import Request
-from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecParams
+from specserve.workers.config import HEAD_METHODS, TREE_METHODS, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids
 from specserve.workers.runtime.worker_state import check_token_ids
@@ -57,6 +57,10 @@ def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
     pool_method = "eagle+ngram" if has_head else "draft"
     default_method = pool_method if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
     spec = SpecParams(method=request.method or default_method, k=cfg.k if request.k is None else request.k)
+    if spec.method in TREE_METHODS:
+        served = "eagle+ngram/eagle/ngram/none"
+        raise InvalidRequestError("speculation.method", f"{spec.method!r} runs in-process only so far (SpecEngine, "
+                                  f"specserve bench); served: {served}")  # fmt: skip
     if spec.method in HEAD_METHODS and not has_head:
         use = "draft/ngram/none" if cfg.drafts_with_model else "ngram/none"
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} is served without an EAGLE-3 head "

@@ -384,6 +384,12 @@ def test_the_edge_takes_the_head_methods_only_for_a_model_served_with_a_head(byt
     draft = oai.parse_completion({"prompt": "x", "speculation": {"method": "draft"}}).request
     with pytest.raises(InvalidRequestError, match="drafts with an EAGLE-3 head, not a draft model"):
         with_head.prepare(draft)
+    tree = oai.parse_completion({"prompt": "x", "speculation": {"method": "eagle-tree"}}).request
+    with pytest.raises(InvalidRequestError, match="'eagle-tree' runs in-process only") as e:
+        with_head.prepare(tree)  # trees are not served yet
+    assert e.value.field == "speculation.method"
+    with pytest.raises(InvalidRequestError, match="'eagle-tree' is not served"):
+        Scheduler(["d"], ["t"]).add([1, 2], SamplingParams(), SpecParams(method="eagle-tree"), frozenset())
 
 
 @dataclass

@@ -294,3 +294,39 @@ def test_eagle_sampling_matches_target_distribution(sampling_target, device, met
     assert chi2_pvalue(outputs, joint) > 1e-3
     for pos in range(NEW):
         assert marginal_tv(outputs, joint, pos, V) <= 0.03
+
+
+@pytest.mark.parametrize("budget", [1, 4, 8, 16, "auto"])
+def test_greedy_eagle_trees_are_identical_to_target_only(target, budget):
+    """Trees of 1 node (a chain of one), 2 candidates a level, 4 a level; the head's cache and the target's stay
+    consistent round after round (accepted paths kept, the rest dropped)."""
+    engine = SpecEngine(target, eagle_head=random_head(target.model.config, 64, seed=2, std=0.3))
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        ids = target.tokenizer(prompt)["input_ids"]
+        expected = own_greedy_loop(target.model, ids, MAX_NEW, target.eos_token_ids)
+        result = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="eagle-tree",
+                                                                                               k=budget))  # fmt: skip
+        assert result.token_ids == expected, (prompt, budget)
+        accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
+        assert result.stats.drafted <= (result.stats.rounds - 1) * (8 if budget == "auto" else budget)
+    assert drafted > 0 and accepted > 0
+    assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
+
+
+@pytest.mark.slow
+def test_eagle_tree_sampling_matches_target_distribution(sampling_target, device):
+    """As the chain test above, with trees of 4 nodes (2 candidates a level) from the same head: recursive rejection
+    sampling over each node's candidates keeps the target's distribution (3,000 requests: trees cost more a round)."""
+    path, head_dir = sampling_target
+    samples = 3_000
+    model = load_model(ModelConfig(path=path, device=device)).model
+    V = model.config.vocab_size
+    params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
+    joint = exact_joint(model, params, V)
+    outputs, accepted = sample_in_processes(path, None, device, PROMPT, params, SpecParams(method="eagle-tree", k=4),
+                                            list(range(samples)), eagle_head=head_dir)  # fmt: skip
+    assert len(outputs) == samples and accepted > 0.2 * samples
+    assert chi2_pvalue(outputs, joint) > 1e-3
+    for pos in range(NEW):
+        assert marginal_tv(outputs, joint, pos, V) <= 0.03

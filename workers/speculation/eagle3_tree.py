@@ -32,12 +32,27 @@ class TreeShape:
     topk: int
     budget: int
 
+    @classmethod
+    def for_budget(cls, budget: int) -> TreeShape:
+        """A tree of `budget` nodes: a chain up to 2, then 2 and from 8 nodes 4 candidates per level, 6 levels at
+        most (EAGLE-2's defaults are 4-8 per level, 5-6 levels)."""
+        topk = 1 if budget <= 2 else 2 if budget < 8 else 4
+        return cls(depth=min(budget, 6), topk=topk, budget=budget)
+
 
 @dataclass
 class DraftTree:
     tokens: list[int]  # target ids, in depth order
     parents: list[int]  # ROOT or the index of an earlier node
     scores: list[float]  # the head's log-probability of the path ending at each node
+
+    @property
+    def depth(self) -> int:
+        """Nodes on the longest root-to-node path."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent == ROOT else depths[parent] + 1)
+        return max(depths, default=0)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from specserve.workers.speculation.drafters import Proposal, draw_token
 from specserve.workers.speculation.eagle3 import Eagle3Head, default_feature_layers
 from specserve.workers.speculation.eagle3_drafting import Eagle3Drafting
 from specserve.workers.speculation.eagle3_io import load_head
+from specserve.workers.speculation.eagle3_tree import DraftTree, TreeShape, draft_trees
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,13 @@ class EagleDrafter:
             k = rows[b][2]  # rows that wanted fewer drafted on with the others: their extra tokens are dropped
             proposals[b] = Proposal(tokens=drafted[i][:k], probs=torch.stack(probs[i][:k]) if probs[i] else None)
         return proposals
+
+    def propose_tree(self, request_id: str, tokens: Sequence[int], shape: TreeShape) -> DraftTree | None:
+        """A draft tree after the committed `tokens` (None before the target's first features)."""
+        extension = self._extension(request_id, tokens)
+        if extension is None:
+            return None
+        return draft_trees(self.drafting, [request_id], self.drafting.extend([extension]), shape)[0]
 
     def _extension(self, request_id: str, tokens: Sequence[int]) -> tuple[str, torch.Tensor, list[int]] | None:
         """The Eagle3Drafting.extend row that brings the request's head cache up to its committed `tokens` (rolled

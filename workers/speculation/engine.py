@@ -11,26 +11,29 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.workers.config import KVCacheConfig, NgramConfig, SamplingParams, SpecParams
+from specserve.workers.config import TREE_METHODS, KVCacheConfig, NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
 from specserve.workers.runtime.loading import LoadedModel, check_compatible
 from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, VerifyCosts
 from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle3 import Eagle3Head
+from specserve.workers.speculation.eagle3_tree import TreeShape
 from specserve.workers.speculation.eagle_costs import head_cost
 from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle_drafter
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
-from specserve.workers.speculation.round_drafting import ChainRounds, DrafterRounds
+from specserve.workers.speculation.round_drafting import ChainRounds, DrafterRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
-from specserve.workers.speculation.target import TargetVerifier
+from specserve.workers.speculation.target import TargetVerifier, TreeCall
 
 log = logging.getLogger(__name__)
 
-EAGLE_METHODS = ("eagle", "eagle+ngram")
+EAGLE_METHODS = ("eagle", "eagle+ngram")  # a head's chains (TREE_METHODS: its trees)
+AUTO_TREE_BUDGET = 8  # eagle-tree's nodes for k='auto' (no node-budget policy yet)
 
 
 @dataclass
@@ -114,18 +117,20 @@ class SpecEngine:
     def _drafter(self, spec: SpecParams) -> Drafter | None:
         if spec.method == "none":
             return None
-        name = "eagle" if spec.method in EAGLE_METHODS else spec.method
+        name = "eagle" if spec.method in (*EAGLE_METHODS, *TREE_METHODS) else spec.method
         if name not in self.drafters:
             needs = "an EAGLE-3 head (eagle_head)" if name == "eagle" else "a draft model"
             raise InvalidRequestError("method", f"{spec.method!r} drafting needs {needs}, and none is loaded")
         return self.drafters[name]
 
-    def _rounds(self, spec: SpecParams) -> DrafterRounds | ChainRounds | None:
+    def _rounds(self, spec: SpecParams) -> DrafterRounds | ChainRounds | TreeRounds | None:
         drafter = self._drafter(spec)
         if drafter is None:
             return None
         if not isinstance(drafter, EagleDrafter):
             return DrafterRounds(drafter, spec, self.cost_ratio)
+        if spec.method == "eagle-tree":
+            return TreeRounds(drafter, TreeShape.for_budget(AUTO_TREE_BUDGET if spec.k == "auto" else spec.k))
         auto = spec.k == "auto"
         planner = ChainPlanner(use_head=True, use_ngram=spec.method == "eagle+ngram",
                                ngram=self.drafters["ngram"].config, head_prior=self.head_prior,
@@ -161,6 +166,22 @@ class SpecEngine:
         drafter.add_features(state.request_id, verdict.feature_start, verdict.features)
         return verdict.num_accepted, verdict.next_token
 
+    def _tree_round(
+        self, state: RequestState, rounds: TreeRounds, params: SamplingParams, generator: torch.Generator
+    ) -> None:
+        """Draft the head's tree (none before the target's first features), verify it, commit the accepted path and
+        the recovered or bonus token; the head gets the committed positions' features."""
+        tree = rounds.propose_tree(state)
+        if tree is None:
+            num_accepted, next_token = self._verify(state, rounds.drafter, None, params, generator)
+            state.commit_round([], num_accepted, next_token)
+            return
+        call = TreeCall(TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents), params, generator)
+        verdict = self.verifier.verify_trees([call], capture=True)[0]
+        rounds.drafter.add_features(state.request_id, verdict.feature_start, verdict.features)
+        path = [tree.tokens[i] for i in verdict.path]
+        state.commit_round(path, len(path), verdict.next_token, tree=(len(tree.tokens), tree.depth))
+
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -182,6 +203,9 @@ class SpecEngine:
         try:
             while not state.finished:
                 position = len(state.tokens)
+                if isinstance(rounds, TreeRounds):
+                    self._tree_round(state, rounds, params, make_generator(params.seed, TARGET_SALT, position))
+                    continue
                 proposal = rounds.propose(state, params) if rounds is not None else None
                 drafted = proposal.tokens if proposal else []
                 generator = make_generator(params.seed, TARGET_SALT, position)

@@ -20,14 +20,16 @@ class RequestStats:
     reached_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
 
-    def add_round(self, drafted: int, accepted: int) -> None:
+    def add_round(self, drafted: int, accepted: int, positions: int | None = None) -> None:
+        """positions: how deep the round drafted (a tree's longest path; a chain's: all it drafted)."""
+        positions = drafted if positions is None else positions
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        while len(self.reached_by_position) < drafted:
+        while len(self.reached_by_position) < positions:
             self.reached_by_position.append(0)
             self.accepted_by_position.append(0)
-        for j in range(drafted):
+        for j in range(positions):
             self.reached_by_position[j] += 1
             self.accepted_by_position[j] += 1 if j < accepted else 0
 
@@ -77,9 +79,15 @@ class RequestState:
         """How many tokens may be drafted this round: a round commits at most k + 1 tokens."""
         return max(0, min(k, self.remaining - 1))
 
-    def commit_round(self, drafted: list[int], num_accepted: int, next_token: int) -> list[int]:
-        """Apply a verified round; returns the tokens actually committed (cut at EOS or the length limit)."""
-        self.stats.add_round(len(drafted), num_accepted)
+    def commit_round(
+        self, drafted: list[int], num_accepted: int, next_token: int, tree: tuple[int, int] | None = None
+    ) -> list[int]:
+        """Apply a verified round; returns the tokens actually committed (cut at EOS or the length limit). A tree
+        round passes its accepted path as `drafted` and tree = (nodes, depth) for the stats."""
+        if tree is None:
+            self.stats.add_round(len(drafted), num_accepted)
+        else:
+            self.stats.add_round(tree[0], num_accepted, positions=tree[1])
         new = drafted[:num_accepted] + [next_token]
         committed: list[int] = []
         for token in new:

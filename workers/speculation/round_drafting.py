@@ -1,5 +1,6 @@
 """What the in-process engine drafts each round, per request: one drafter with a fixed or adaptive k
-(`DrafterRounds`), or the chain planner over an EAGLE-3 head and n-gram lookup (`ChainRounds`)."""
+(`DrafterRounds`), the chain planner over an EAGLE-3 head and n-gram lookup (`ChainRounds`), or the head's draft tree
+(`TreeRounds`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.speculation.adaptive_k import AdaptiveK
 from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
 from specserve.workers.speculation.drafters import Drafter, Proposal
+from specserve.workers.speculation.eagle3_tree import DraftTree, TreeShape
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
 from specserve.workers.speculation.request import RequestState
 
@@ -49,3 +51,14 @@ class ChainRounds:
     def observe(self, drafted: int, accepted: int) -> None:
         if self._plan is not None and drafted:
             self.planner.observe(ChainPlan(self._plan.source, drafted, self._plan.tokens, self._plan.match), accepted)
+
+
+class TreeRounds:
+    """The head's dynamic tree of `shape.budget` nodes each round."""
+
+    def __init__(self, eagle: EagleDrafter, shape: TreeShape):
+        self.drafter = eagle
+        self.shape = shape
+
+    def propose_tree(self, state: RequestState) -> DraftTree | None:
+        return self.drafter.propose_tree(state.request_id, state.tokens, self.shape)
