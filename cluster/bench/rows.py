@@ -24,6 +24,7 @@ from specserve.workers.speculation.engine import EAGLE_METHODS, SpecEngine
 
 NGRAM_KS = tuple(range(1, 9))  # the target suite's n-gram sweep
 EAGLE_KS = tuple(range(1, 9))  # and its EAGLE-3 head's, alone and with n-gram (with a head)
+TREE_KS = (4, 8, 16)  # the head's trees: nodes per round
 PROMPT_LOOKUP_N = 10  # Hugging Face's usual prompt_lookup_num_tokens
 SAMPLED_NGRAM_K = 4
 
@@ -251,6 +252,8 @@ def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[t
         for method in EAGLE_METHODS if "eagle" in engine.drafters else ():
             for k in (*EAGLE_KS, "auto") if temp == 0 else (SAMPLED_NGRAM_K, "auto"):
                 add(f"specserve {method} k={k} {tag}", method, k, temp, spec_fn(engine, method, k))
+        for k in (TREE_KS if temp == 0 else (8,)) if "eagle" in engine.drafters else ():
+            add(f"specserve eagle-tree k={k} {tag}", "eagle-tree", k, temp, spec_fn(engine, "eagle-tree", k))
         if has_draft:
             for k in (*cfg.ks, "auto") if temp == 0 else (best_k, "auto"):
                 add(f"specserve draft k={k} {tag}", "draft", k, temp, spec_fn(engine, "draft", k))

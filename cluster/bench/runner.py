@@ -18,6 +18,7 @@ from specserve.cluster.bench.rows import (
     QUICK,
     TARGET_FULL,
     TARGET_QUICK,
+    TREE_KS,
     BenchConfig,
     Row,
     RowFn,
@@ -65,7 +66,8 @@ def _warm_up(engine: SpecEngine, plan: list[tuple[Row, RowFn]], prompts: list[li
     for _, fn in {id(fn): (r, fn) for r, fn in plan}.values():
         fn(prompts[0][:16], warm)
     draft_runner = _draft_runner(engine)
-    ks = cfg.ks if cfg.suite == "demo" else (*NGRAM_KS, *(cfg.ks if draft_runner else ()))
+    trees = TREE_KS if "eagle" in engine.drafters else ()
+    ks = cfg.ks if cfg.suite == "demo" else tuple(sorted({*NGRAM_KS, *(cfg.ks if draft_runner else ()), *trees}))
     sampler = CostSampler(engine.target, draft_runner.loaded if draft_runner else None, ks)
     sampler.warm_up(prompts[0])
     return sampler
@@ -86,10 +88,12 @@ def _fill_speculation(rows: list[Row], counts: dict, costs: Costs) -> None:
             # n-gram rounds draft fewer tokens than k (none) when the lookup finds no (long enough) match, and a
             # head drafts nothing in a request's first round
             fixed = row.method == "draft" and row.k != "auto"
-            fill_bounds(row, costs, float(row.k) if fixed else c.drafted / c.rounds)
+            depth = sum(c.reached_by_position) / c.rounds  # a tree drafts as many steps as it is deep
+            fill_bounds(row, costs, float(row.k) if fixed else c.drafted / c.rounds,
+                        steps=depth if row.method == "eagle-tree" else None)  # fmt: skip
 
 
-SPECULATIVE = ("draft", "ngram", "eagle", "eagle+ngram")
+SPECULATIVE = ("draft", "ngram", "eagle", "eagle+ngram", "eagle-tree")
 HEAD_K = 4  # a head's cost per drafted token is quoted at this k
 
 

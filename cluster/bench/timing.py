@@ -72,16 +72,18 @@ def verify_cost(costs: Costs, k: float) -> float:
     return points[0][1]
 
 
-def fill_bounds(row: Row, costs: Costs, k: float) -> None:
-    """Leviathan's S(k) with a fitted a, and the cost-aware bound B(k) = E t_target / (k t_draft + t_verify(k+1))."""
+def fill_bounds(row: Row, costs: Costs, k: float, steps: float | None = None) -> None:
+    """Leviathan's S(k) with a fitted a, and the cost-aware bound B(k) = E t_target / (s t_draft + t_verify(k+1)),
+    s the drafting steps a round (a chain's k; a tree's depth)."""
     E = row.mean_accepted_length
     t_verify = verify_cost(costs, k)
     # eagle+ngram: as if the head drafted every round (prompt lookup's rounds cost less: the bound is conservative)
-    t_draft = {"draft": costs.t_draft, "eagle": costs.t_head, "eagle+ngram": costs.t_head}.get(row.method, 0.0)
+    heads = {"eagle": costs.t_head, "eagle+ngram": costs.t_head, "eagle-tree": costs.t_head}
+    t_draft = {"draft": costs.t_draft, **heads}.get(row.method, 0.0)
     c = t_draft / costs.t_target
     row.t_draft_ms, row.t_target_ms, row.t_verify_ms = t_draft * 1e3, costs.t_target * 1e3, t_verify * 1e3
     row.leviathan_bound = leviathan_speedup(fit_acceptance(E, k), k, c)
-    row.bound = E * costs.t_target / (k * t_draft + t_verify)
+    row.bound = E * costs.t_target / ((k if steps is None else steps) * t_draft + t_verify)
 
 
 def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> SamplingParams:

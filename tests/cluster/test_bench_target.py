@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from specserve.cluster.bench.distributed import distributed_rows
-from specserve.cluster.bench.rows import EAGLE_KS, NGRAM_KS, PROMPT_LOOKUP_N, BenchConfig, Row
+from specserve.cluster.bench.rows import EAGLE_KS, NGRAM_KS, PROMPT_LOOKUP_N, TREE_KS, BenchConfig, Row
 from specserve.cluster.bench.runner import format_table, run_bench
 from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
@@ -76,7 +76,8 @@ def test_with_a_head_the_eagle_rows_are_added_with_acceptance_by_position(tmp_pa
     eagle = [(r.method, r.k, r.temperature) for r in rows if r.method.startswith("eagle")]
     greedy_ks = [*EAGLE_KS, "auto"]
     assert eagle == [("eagle", k, 0.0) for k in greedy_ks] + [("eagle+ngram", k, 0.0) for k in greedy_ks] + [
-        ("eagle", 4, 0.8), ("eagle", "auto", 0.8), ("eagle+ngram", 4, 0.8), ("eagle+ngram", "auto", 0.8)]  # fmt: skip
+        ("eagle-tree", k, 0.0) for k in TREE_KS] + [("eagle", 4, 0.8), ("eagle", "auto", 0.8), ("eagle+ngram", 4, 0.8),
+        ("eagle+ngram", "auto", 0.8), ("eagle-tree", 8, 0.8)]  # fmt: skip
     assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
     for row in (r for r in rows if r.method.startswith("eagle")):
         positions = row.acceptance_by_position
