@@ -19,6 +19,7 @@ from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, defau
 from specserve.workers.speculation.eagle3_io import save_head
 from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
 from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from specserve.workers.training.eagle_train import train_head
 from tests.eagle_data_helpers import FIRST_TOKEN, write_tiny_eagle_data
 from tests.worker_helpers import sample_in_processes, save_tiny_llama
@@ -309,9 +310,11 @@ def test_greedy_eagle_trees_are_identical_to_target_only(target, budget):
                                                                                                k=budget))  # fmt: skip
         assert result.token_ids == expected, (prompt, budget)
         accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
-        assert result.stats.drafted <= (result.stats.rounds - 1) * (8 if budget == "auto" else budget)
+        assert result.stats.drafted <= (result.stats.rounds - 1) * (MAX_TREE_NODES if budget == "auto" else budget)
     assert drafted > 0 and accepted > 0
     assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
+    if budget == "auto":  # the target's verify cost was measured up to a whole tree's width
+        assert engine.tree_verify_costs().max_k == MAX_TREE_NODES
 
 
 @pytest.mark.slow

@@ -46,6 +46,14 @@ class DraftTree:
     parents: list[int]  # ROOT or the index of an earlier node
     scores: list[float]  # the head's log-probability of the path ending at each node
 
+    def best(self, count: int) -> DraftTree:
+        """The tree of its `count` best nodes (their parents among them: a path's score never rises along it)."""
+        order = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:count]
+        kept = sorted(order)  # index order is depth order, parents first
+        index = {node: i for i, node in enumerate(kept)}
+        parents = [ROOT if self.parents[node] == ROOT else index[self.parents[node]] for node in kept]
+        return DraftTree([self.tokens[node] for node in kept], parents, [self.scores[node] for node in kept])
+
     @property
     def depth(self) -> int:
         """Nodes on the longest root-to-node path."""

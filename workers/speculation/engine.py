@@ -29,11 +29,11 @@ from specserve.workers.speculation.request import FinishReason, RequestState, Re
 from specserve.workers.speculation.round_drafting import ChainRounds, DrafterRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier, TreeCall
+from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 
 EAGLE_METHODS = ("eagle", "eagle+ngram")  # a head's chains (TREE_METHODS: its trees)
-AUTO_TREE_BUDGET = 8  # eagle-tree's nodes for k='auto' (no node-budget policy yet)
 
 
 @dataclass
@@ -109,6 +109,7 @@ class SpecEngine:
             self.eagle_source = "(in memory)" if isinstance(eagle_head, Eagle3Head) else str(eagle_head)
         self.max_auto_k = MAX_AUTO_K
         self._planner_costs = planner_costs
+        self._tree_costs: VerifyCosts | None = None
 
     @property
     def tokenizer(self):
@@ -129,13 +130,23 @@ class SpecEngine:
             return None
         if not isinstance(drafter, EagleDrafter):
             return DrafterRounds(drafter, spec, self.cost_ratio)
+        if spec.method == "eagle-tree" and spec.k == "auto":  # the best nodes of a big tree, each round
+            return TreeRounds(drafter, TreeShape.for_budget(MAX_TREE_NODES), self.tree_verify_costs())
         if spec.method == "eagle-tree":
-            return TreeRounds(drafter, TreeShape.for_budget(AUTO_TREE_BUDGET if spec.k == "auto" else spec.k))
+            return TreeRounds(drafter, TreeShape.for_budget(spec.k))
         auto = spec.k == "auto"
         planner = ChainPlanner(use_head=True, use_ngram=spec.method == "eagle+ngram",
                                ngram=self.drafters["ngram"].config, head_prior=self.head_prior,
                                costs=self.planner_costs() if auto else None)  # fmt: skip
         return ChainRounds(drafter, planner, None if auto else spec.k, self.max_auto_k)
+
+    def tree_verify_costs(self) -> VerifyCosts:
+        """The target's verify cost per width up to a whole k='auto' tree's, measured once."""
+        if self._tree_costs is None:
+            widest = MAX_TREE_NODES + 1
+            context = probe_context(self.target.max_positions, widest)
+            self._tree_costs = VerifyCosts(verify_seconds(self.verifier.runner, context, widest))
+        return self._tree_costs
 
     def planner_costs(self) -> PlannerCosts:
         """The target's verify cost per width and the head's drafting cost, measured once (k='auto' weighs them)."""
@@ -178,6 +189,7 @@ class SpecEngine:
             return
         call = TreeCall(TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents), params, generator)
         verdict = self.verifier.verify_trees([call], capture=True)[0]
+        rounds.observe(len(verdict.path))
         rounds.drafter.add_features(state.request_id, verdict.feature_start, verdict.features)
         path = [tree.tokens[i] for i in verdict.path]
         state.commit_round(path, len(path), verdict.next_token, tree=(len(tree.tokens), tree.depth))

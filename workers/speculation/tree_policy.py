@@ -1,0 +1,55 @@
+"""How many of a drafted tree's nodes to verify (eagle-tree with k = 'auto'), from the head's own confidence.
+
+EAGLE-2's observation: a head's probability of a path predicts whether the target accepts it. So the expected
+accepted length of the tree made of the b best nodes is about c * sum of exp(score) over them (score: the path's
+log-probability; c: the request's calibration, accepted / predicted over its verified rounds, from a cautious
+prior), and a round verifies the b with the most committed tokens per second at the target's verify cost measured per
+width, or none (a plain step) when no b pays. The head's drafting is already spent when b is chosen: it does not
+enter the choice. Pure functions and small per-request state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specserve.workers.speculation.chain_policy import VerifyCosts
+
+MAX_TREE_NODES = 16  # the tree drafted for k='auto', pruned each round
+
+
+@dataclass
+class TreeCalibration:
+    """accepted / predicted over a request's verified trees, starting from a prior worth a round or two."""
+
+    predicted: float = 2.0
+    accepted: float = 1.0  # the prior takes the head's probabilities at half their word
+
+    @property
+    def factor(self) -> float:
+        return self.accepted / self.predicted
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        self.predicted += predicted
+        self.accepted += accepted
+
+
+def expected_accepted(scores: Sequence[float], factor: float) -> list[float]:
+    """scores: the nodes' path log-probabilities, best first -> per b = 1.., the expected accepted nodes of the b
+    best (never more than b)."""
+    out, total = [], 0.0
+    for b, score in enumerate(scores, start=1):
+        total += factor * math.exp(score)
+        out.append(min(total, float(b)))
+    return out
+
+
+def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float) -> int:
+    """The b (0: none) whose round commits the most tokens per second: (1 + E(b)) / t_verify[b + 1]."""
+    best, best_rate = 0, 1.0 / verify.verify(0)
+    for b, expected in enumerate(expected_accepted(scores[: verify.max_k], factor), start=1):
+        rate = (1.0 + expected) / verify.verify(b)
+        if rate > best_rate:
+            best, best_rate = b, rate
+    return best
