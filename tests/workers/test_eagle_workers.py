@@ -4,6 +4,7 @@ that ask (in mixed batches), and the gRPC status codes of bad feature calls. The
 in tests/cluster/test_eagle_disaggregated.py."""
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import grpc
@@ -193,6 +194,18 @@ def _propose(features: bytes, committed_len: int = 10, request_id: str = "r") ->
                              features=features)  # fmt: skip
 
 
+@contextlib.asynccontextmanager
+async def worker_stubs(w: LocalWorkers):
+    """Stubs of a LocalWorkers' head draft worker (draft-1), draft model worker (draft-0) and target worker."""
+    async with (
+        grpc.aio.insecure_channel(w.draft_addresses["draft-1"]) as head_channel,
+        grpc.aio.insecure_channel(w.draft_addresses["draft-0"]) as model_channel,
+        grpc.aio.insecure_channel(w.target_addresses["target-0"]) as target_channel,
+    ):
+        yield (pb_grpc.DraftWorkerStub(head_channel), pb_grpc.DraftWorkerStub(model_channel),
+               pb_grpc.TargetWorkerStub(target_channel))  # fmt: skip
+
+
 def test_bad_feature_calls_get_invalid_argument_naming_the_field_and_workers_keep_serving(target, head_dir):
     good = block_of(0, 9).encode()  # positions 0..8 of 10 committed tokens
     cases = [
@@ -204,18 +217,13 @@ def test_bad_feature_calls_get_invalid_argument_naming_the_field_and_workers_kee
 
     async def main():
         async with LocalWorkers(target, [target], eagle_head=head_dir) as w:
-            async with (
-                grpc.aio.insecure_channel(w.draft_addresses["draft-1"]) as head_channel,
-                grpc.aio.insecure_channel(w.draft_addresses["draft-0"]) as model_channel,
-                grpc.aio.insecure_channel(w.target_addresses["target-0"]) as target_channel,
-            ):
-                head, model = pb_grpc.DraftWorkerStub(head_channel), pb_grpc.DraftWorkerStub(model_channel)
+            async with worker_stubs(w) as (head, model, verifier):
                 errors = []
                 for message, _, _ in cases:
                     errors.append(await _error(head.Propose(message, timeout=10)))
                 errors.append(await _error(model.Propose(_propose(good), timeout=10)))
                 ok = await head.Propose(_propose(good), timeout=10)
-                verified = await pb_grpc.TargetWorkerStub(target_channel).Verify(
+                verified = await verifier.Verify(
                     pb.VerifyRequest(request_id="v", committed_len=4, new_tokens=[5, 6, 7, 8], want_features=True),
                     timeout=10,
                 )
@@ -257,13 +265,7 @@ def test_workers_measure_and_report_their_costs_only_when_asked(target, head_dir
 
     async def main():
         async with LocalWorkers(target, [target], eagle_head=head_dir) as w:
-            async with (
-                grpc.aio.insecure_channel(w.target_addresses["target-0"]) as target_channel,
-                grpc.aio.insecure_channel(w.draft_addresses["draft-0"]) as model_channel,
-                grpc.aio.insecure_channel(w.draft_addresses["draft-1"]) as head_channel,
-            ):
-                verifier = pb_grpc.TargetWorkerStub(target_channel)
-                model, head = pb_grpc.DraftWorkerStub(model_channel), pb_grpc.DraftWorkerStub(head_channel)
+            async with worker_stubs(w) as (head, model, verifier):
                 plain = await verifier.Health(pb.HealthRequest(), timeout=10)
                 asked = [await stub.Health(pb.HealthRequest(want_costs=True), timeout=60) for stub in (verifier,
                          verifier, model, head)]  # fmt: skip
