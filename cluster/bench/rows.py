@@ -252,7 +252,7 @@ def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[t
         for method in EAGLE_METHODS if "eagle" in engine.drafters else ():
             for k in (*EAGLE_KS, "auto") if temp == 0 else (SAMPLED_NGRAM_K, "auto"):
                 add(f"specserve {method} k={k} {tag}", method, k, temp, spec_fn(engine, method, k))
-        for k in (TREE_KS if temp == 0 else (8,)) if "eagle" in engine.drafters else ():
+        for k in ((*TREE_KS, "auto") if temp == 0 else (8,)) if "eagle" in engine.drafters else ():
             add(f"specserve eagle-tree k={k} {tag}", "eagle-tree", k, temp, spec_fn(engine, "eagle-tree", k))
         if has_draft:
             for k in (*cfg.ks, "auto") if temp == 0 else (best_k, "auto"):

@@ -75,9 +75,10 @@ def test_with_a_head_the_eagle_rows_are_added_with_acceptance_by_position(tmp_pa
     rows, meta = run_bench(engine, PROMPTS[:2], CFG, progress=False)
     eagle = [(r.method, r.k, r.temperature) for r in rows if r.method.startswith("eagle")]
     greedy_ks = [*EAGLE_KS, "auto"]
-    assert eagle == [("eagle", k, 0.0) for k in greedy_ks] + [("eagle+ngram", k, 0.0) for k in greedy_ks] + [
-        ("eagle-tree", k, 0.0) for k in TREE_KS] + [("eagle", 4, 0.8), ("eagle", "auto", 0.8), ("eagle+ngram", 4, 0.8),
-        ("eagle+ngram", "auto", 0.8), ("eagle-tree", 8, 0.8)]  # fmt: skip
+    greedy = [(m, k, 0.0) for m in ("eagle", "eagle+ngram") for k in greedy_ks]
+    greedy += [("eagle-tree", k, 0.0) for k in (*TREE_KS, "auto")]
+    sampled = [(m, k, 0.8) for m in ("eagle", "eagle+ngram") for k in (4, "auto")] + [("eagle-tree", 8, 0.8)]
+    assert eagle == greedy + sampled
     assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
     for row in (r for r in rows if r.method.startswith("eagle")):
         positions = row.acceptance_by_position
