@@ -15,6 +15,7 @@ from specserve.workers.runtime.lean_forward import full_forward
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.chain_planner import ChainPlanner
+from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, vocab_maps
 from specserve.workers.speculation.eagle3_io import save_head
 from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
@@ -302,7 +303,9 @@ def test_eagle_sampling_matches_target_distribution(sampling_target, device, met
 def test_greedy_eagle_trees_are_identical_to_target_only(target, budget):
     """Trees of 1 node (a chain of one), 2 candidates a level, 4 a level; the head's cache and the target's stay
     consistent round after round (accepted paths kept, the rest dropped)."""
-    engine = SpecEngine(target, eagle_head=random_head(target.model.config, 64, seed=2, std=0.3))
+    # k='auto' weighs verify costs; measured ones may make no tree pay on a tiny model: flat ones make all of it pay
+    flat = VerifyCosts((1.0,) * (MAX_TREE_NODES + 1)) if budget == "auto" else None
+    engine = SpecEngine(target, eagle_head=random_head(target.model.config, 64, seed=2, std=0.3), tree_costs=flat)
     accepted = drafted = 0
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt)["input_ids"]
@@ -314,5 +317,11 @@ def test_greedy_eagle_trees_are_identical_to_target_only(target, budget):
         assert result.stats.drafted <= (result.stats.rounds - 1) * (MAX_TREE_NODES if budget == "auto" else budget)
     assert drafted > 0 and accepted > 0
     assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
-    if budget == "auto":  # the target's verify cost was measured up to a whole tree's width
-        assert engine.tree_verify_costs().max_k == MAX_TREE_NODES
+    if budget == "auto":  # every node paid: whole trees were verified
+        assert drafted > (MAX_TREE_NODES - 1) * len(PROMPTS)
+
+
+def test_tree_verify_costs_are_measured_up_to_a_whole_trees_width(target):
+    engine = SpecEngine(target, eagle_head=random_head(target.model.config, 64, seed=2))
+    costs = engine.tree_verify_costs()
+    assert costs.max_k == MAX_TREE_NODES and all(t > 0 for t in costs.verify_s) and engine.tree_verify_costs() is costs

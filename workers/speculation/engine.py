@@ -87,12 +87,14 @@ class SpecEngine:
         cost_ratio: float = 0.1,
         eagle_head: str | os.PathLike | Eagle3Head | None = None,
         planner_costs: PlannerCosts | None = None,
+        tree_costs: VerifyCosts | None = None,
     ):
         """cost_ratio: the assumed c = t_draft / t_target used by k='auto'. A fixed number, not a live timing, so
         that a seeded request with k='auto' reproduces exactly. eagle_head: an EAGLE-3 head (directory or loaded)
         for methods 'eagle' and 'eagle+ngram'; the target's forward passes then also capture the features the head
         reads. planner_costs: what k='auto' weighs for those methods (default: measured here on first use; a seeded
-        sampled request with k='auto' reproduces exactly under the same costs)."""
+        sampled request with k='auto' reproduces exactly under the same costs); tree_costs: likewise, the verify cost
+        per width up to a whole tree's that 'eagle-tree' with k='auto' weighs."""
         kv_config = kv_config or KVCacheConfig()
         self.target = target
         self.verifier = TargetVerifier(ModelRunner(target, kv_config))
@@ -109,7 +111,7 @@ class SpecEngine:
             self.eagle_source = "(in memory)" if isinstance(eagle_head, Eagle3Head) else str(eagle_head)
         self.max_auto_k = MAX_AUTO_K
         self._planner_costs = planner_costs
-        self._tree_costs: VerifyCosts | None = None
+        self._tree_costs = tree_costs
 
     @property
     def tokenizer(self):
