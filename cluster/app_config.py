@@ -127,17 +127,13 @@ def default_draft(target: str) -> str:
     known name's identity is its GGUF file's pinned sha256 (nothing is pulled), a converted directory's is in its
     marker, a .gguf file is hashed; other targets are not looked up (workers/models/packaged_heads.py)."""
     from specserve.workers.models.catalog import known_models
-    from specserve.workers.models.packaged_heads import PACKAGED, default_head_for, packaged_heads, pays
+    from specserve.workers.models.packaged_heads import PACKAGED, packaged_head_for, packaged_heads, pays
 
     if target == DEMO:
         return "ngram"
     known = known_models().get(target)
-    if known is not None:
-        head = packaged_heads().get(known.gguf_sha256)
-        head = head if head is not None and pays(head) else None
-    else:
-        head = default_head_for(target)
-    return PACKAGED if head is not None else "ngram"
+    head = packaged_heads().get(known.gguf_sha256) if known is not None else packaged_head_for(target)
+    return PACKAGED if head is not None and pays(head) else "ngram"
 
 
 def demo_model() -> ModelPairConfig:

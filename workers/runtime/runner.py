@@ -72,38 +72,20 @@ class ModelRunner:
     def forward_batch(self, rows: Sequence[tuple[str, Sequence[int], int]], capture: bool = False) -> list[RowOutput]:
         """`logits_for_batch`, with each row's features too when `capture` (after `capture_features`)."""
         ids = [rid for rid, _, _ in rows]
-        if len(set(ids)) != len(ids):
-            raise ValueError("a request may appear only once in a batch")
+        self._check_batch(ids, capture)
         for _, sequence, n in rows:
             if not 1 <= n <= len(sequence):
                 raise ValueError(f"need 1 <= n <= len(sequence), got n={n}, len={len(sequence)}")
-        if capture and self._capture_forward is None:
-            raise ValueError("capture=True needs capture_features(layers) first")
         entries = [self.store.sync(rid, seq, keep_at_most=len(seq) - n) for rid, seq, n in rows]
         starts = [e.length for e in entries]
         news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts, strict=True)]
         lengths = [len(new) for new in news]
         self.store.reserve_batch(ids, lengths)
         input_ids, positions, mask = self._plan(starts, news, [e.slot for e in entries])
-        keep = max(n for _, _, n in rows)
-        if capture:
-            out, features = self._capture_forward(input_ids, positions, mask, self.store.cache, keep)
-        else:
-            out, features = self._forward(input_ids, positions, mask, self.store.cache, keep), None  # [B, keep, V]
-        for rid, new in zip(ids, news, strict=False):
+        outputs = self._run(input_ids, positions, mask, news, starts, [n for _, _, n in rows], capture)
+        for rid, new in zip(ids, news, strict=True):
             self.store.commit(rid, new)
-        self.forward_calls += 1
-        self.forward_positions += sum(lengths)
-        logits = out.float()  # [B, keep, V]
-        width = input_ids.shape[1]
-        return [
-            RowOutput(
-                logits=self._fit_vocab(logits[b, keep - n :]),  # [n, V]
-                features=features[b, width - lengths[b] :] if features is not None else None,  # left-padded rows
-                start=starts[b],
-            )
-            for b, (_, _, n) in enumerate(rows)
-        ]
+        return outputs
 
     @torch.inference_mode()
     def forward_tree(self, rows: Sequence[TreeRow], capture: bool = False) -> list[RowOutput]:
@@ -113,58 +95,29 @@ class ModelRunner:
         own ancestors only, at rotary position L + its depth (L: committed tokens), as if its path were decoded
         alone. The tree is not kept as the request's: `keep_path` keeps the accepted nodes."""
         ids = [row.request_id for row in rows]
-        if len(set(ids)) != len(ids):
-            raise ValueError("a request may appear only once in a batch")
+        self._check_batch(ids, capture)
         for row in rows:
             row.check()
-        if capture and self._capture_forward is None:
-            raise ValueError("capture=True needs capture_features(layers) first")
         entries = [self.store.sync(row.request_id, row.sequence, keep_at_most=len(row.sequence) - 1) for row in rows]
         starts = [e.length for e in entries]
         tails = [list(row.sequence[start:]) for row, start in zip(rows, starts, strict=True)]
         news = [tail + list(row.tokens) for tail, row in zip(tails, rows, strict=True)]
         self.store.reserve_batch(ids, [len(new) for new in news])  # the tree's positions, while it is verified
-        width = max(len(new) for new in news)
-        pads = [width - len(new) for new in news]
-        input_ids = torch.tensor([[0] * p + new for p, new in zip(pads, news, strict=True)], device=self.device)
+        input_ids, pads, plan = self._left_padded(starts, news, [e.slot for e in entries])
         positions = torch.tensor(
-            [[0] * p + list(range(st, st + len(tail))) + [st + len(tail) + d for d in row.depths()]
-             for p, st, tail, row in zip(pads, starts, tails, rows, strict=True)],
-            device=self.device,
-        )  # fmt: skip
-        writes = torch.tensor(
             [
-                list(range(st + len(new), st + width)) + list(range(st, st + len(new)))
-                for st, new in zip(starts, news, strict=True)
+                [0] * p + list(range(st, st + len(tail))) + [st + len(tail) + d for d in row.depths()]
+                for p, st, tail, row in zip(pads, starts, tails, rows, strict=True)
             ],
             device=self.device,
-        )  # fmt: skip  [B, T]: padding columns write to dead positions past their row's end
-        slots = [e.slot for e in entries]
-        kv_len = max(st + len(new) for st, new in zip(starts, news, strict=True))
-        plan = BatchPlan(slots=torch.tensor(slots, device=self.device), write_positions=writes, kv_len=kv_len,
-                         contiguous=None)  # fmt: skip
-        self.store.cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
-        lineages = [row.lineages() for row in rows]
-        mask = tree_mask(starts, [len(t) for t in tails], lineages, width, kv_len, self.model.dtype, self.device)
-        keep = max(len(row.tokens) + 1 for row in rows)
-        if capture:
-            out, features = self._capture_forward(input_ids, positions, mask, self.store.cache, keep)
-        else:
-            out, features = self._forward(input_ids, positions, mask, self.store.cache, keep), None  # [B, keep, V]
+        )  # fmt: skip  [B, T]: a node sits at its depth below the last committed token
+        mask = tree_mask(starts, [len(t) for t in tails], [row.lineages() for row in rows], input_ids.shape[1],
+                         plan.kv_len, self.model.dtype, self.device)  # fmt: skip
+        outputs = self._run(input_ids, positions, mask, news, starts, [len(row.tokens) + 1 for row in rows], capture)
         for row, tail, start in zip(rows, tails, starts, strict=True):
             self.store.commit(row.request_id, tail)
             self._trees[row.request_id] = (start + len(tail), list(row.tokens))
-        self.forward_calls += 1
-        self.forward_positions += sum(len(new) for new in news)
-        logits = out.float()
-        return [
-            RowOutput(
-                logits=self._fit_vocab(logits[b, keep - len(row.tokens) - 1 :]),  # [N + 1, V]
-                features=features[b, width - len(news[b]) :] if features is not None else None,
-                start=starts[b],
-            )
-            for b, row in enumerate(rows)
-        ]
+        return outputs
 
     @torch.inference_mode()  # the cache's buffers are inference tensors
     def keep_path(self, request_id: str, nodes: Sequence[int]) -> None:
@@ -177,6 +130,12 @@ class ModelRunner:
         if nodes:
             self.store.cache.move(entry.slot, [start + i for i in nodes], start)
             self.store.commit(request_id, [tokens[i] for i in nodes])
+
+    def _check_batch(self, ids: list[str], capture: bool) -> None:
+        if len(set(ids)) != len(ids):
+            raise ValueError("a request may appear only once in a batch")
+        if capture and self._capture_forward is None:
+            raise ValueError("capture=True needs capture_features(layers) first")
 
     def _plan(self, starts: list[int], news: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, ...]:
         """Plan the cache for the batch's new positions; returns input_ids [B, T], positions [B, T] and the mask."""
@@ -191,30 +150,58 @@ class ModelRunner:
             plan = BatchPlan(slots=None, write_positions=None, kv_len=kv_len, contiguous=slice(slots[0], slots[0] + 1),
                              single_start=start)  # fmt: skip
             mask = single_row_mask(start, width, self.model.dtype, self.device)
-        else:
-            # Left-padded rows, built as lists and converted once. Padding columns write to dead positions past
-            # their row's end.
-            pads = [width - n for n in lengths]
-            input_ids = torch.tensor([[0] * p + new for p, new in zip(pads, news, strict=True)], device=self.device)
-            positions = torch.tensor(
-                [[0] * p + list(range(st, st + n)) for p, st, n in zip(pads, starts, lengths, strict=True)],
-                device=self.device,
-            )  # [B, T]
-            writes = torch.tensor(
-                [list(range(st + n, st + width)) + list(range(st, st + n))
-                 for st, n in zip(starts, lengths, strict=True)],
-                device=self.device,
-            )  # fmt: skip
-            consecutive = slots == list(range(slots[0], slots[0] + B))
-            plan = BatchPlan(
-                slots=torch.tensor(slots, device=self.device),
-                write_positions=writes,
-                kv_len=kv_len,
-                contiguous=slice(slots[0], slots[0] + B) if consecutive else None,
-            )
-            mask = batch_mask(starts, lengths, width, kv_len, self.model.dtype, self.device)
+            self.store.cache.plan(plan, max_slot=slots[0], max_position=start + width - 1)
+            return input_ids, positions, mask
+        input_ids, pads, plan = self._left_padded(starts, news, slots)
+        positions = torch.tensor(
+            [[0] * p + list(range(st, st + n)) for p, st, n in zip(pads, starts, lengths, strict=True)],
+            device=self.device,
+        )  # [B, T]
+        return input_ids, positions, batch_mask(starts, lengths, width, plan.kv_len, self.model.dtype, self.device)
+
+    def _left_padded(
+        self, starts: list[int], news: list[list[int]], slots: list[int]
+    ) -> tuple[torch.Tensor, list[int], BatchPlan]:
+        """Left-padded rows, built as lists and converted once: input_ids [B, T], each row's padding, and the cache
+        planned for them (padding columns write to dead positions past their row's end)."""
+        width = max(len(new) for new in news)
+        pads = [width - len(new) for new in news]
+        input_ids = torch.tensor([[0] * p + new for p, new in zip(pads, news, strict=True)], device=self.device)
+        writes = torch.tensor(
+            [list(range(st + len(new), st + width)) + list(range(st, st + len(new)))
+             for st, new in zip(starts, news, strict=True)],
+            device=self.device,
+        )  # fmt: skip
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        plan = BatchPlan(
+            slots=torch.tensor(slots, device=self.device),
+            write_positions=writes,
+            kv_len=max(st + len(new) for st, new in zip(starts, news, strict=True)),
+            contiguous=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
+        )
         self.store.cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
-        return input_ids, positions, mask
+        return input_ids, pads, plan
+
+    def _run(self, input_ids, positions, mask, news: list[list[int]], starts: list[int], keeps: list[int],
+             capture: bool) -> list[RowOutput]:  # fmt: skip
+        """The planned forward pass; each row's logits at its last keeps[b] positions (and its features)."""
+        keep = max(keeps)
+        if capture:
+            out, features = self._capture_forward(input_ids, positions, mask, self.store.cache, keep)
+        else:
+            out, features = self._forward(input_ids, positions, mask, self.store.cache, keep), None  # [B, keep, V]
+        self.forward_calls += 1
+        self.forward_positions += sum(len(new) for new in news)
+        logits = out.float()  # [B, keep, V]
+        width = input_ids.shape[1]
+        return [
+            RowOutput(
+                logits=self._fit_vocab(logits[b, keep - n :]),  # [n, V]
+                features=features[b, width - len(news[b]) :] if features is not None else None,  # left-padded rows
+                start=starts[b],
+            )
+            for b, n in enumerate(keeps)
+        ]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[n, V_model] -> [n, vocab_size]: drop padded rows, or pad with -inf (never sampled)."""

@@ -8,6 +8,14 @@ from dataclasses import dataclass
 ROOT = -1  # the parent of the nodes that follow the last committed token
 
 
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Per node of a tree given by its parents (ROOT or an earlier node), its depth: 0 for a child of the root."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent == ROOT else depths[parent] + 1)
+    return depths
+
+
 @dataclass(frozen=True)
 class TreeRow:
     """One request's committed tokens and drafted tree: node i holds tokens[i], a child of parents[i] (ROOT or an
@@ -30,10 +38,7 @@ class TreeRow:
 
     def depths(self) -> list[int]:
         """Per node, its depth (0 for a child of the root): its rotary position is the root's + 1 + depth."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(0 if parent == ROOT else depths[parent] + 1)
-        return depths
+        return node_depths(self.parents)
 
     def lineages(self) -> list[list[int]]:
         """Per node, the nodes it attends to: its ancestors and itself."""

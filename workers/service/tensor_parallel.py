@@ -175,8 +175,9 @@ def follow(runner: ModelRunner) -> None:
         elif kind == "keep_path":
             runner.keep_path(*payload)
         elif kind in ("batch", "tree"):
+            forward = runner.logits_for_batch if kind == "batch" else runner.forward_tree
             try:
-                runner.logits_for_batch(payload) if kind == "batch" else runner.forward_tree(payload)
+                forward(payload)
             except (KVCapacityError, ValueError) as e:  # rank 0 raised the same before any collective and answers
                 log.debug("rank %d: %s refused as on rank 0: %s", dist.get_rank(), kind, e)
 

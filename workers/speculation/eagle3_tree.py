@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.workers.runtime.tree_rows import ROOT, node_depths
 from specserve.workers.speculation.eagle3_drafting import DraftStep, Eagle3Drafting, attend, padded_kv
-
-ROOT = -1
 
 
 @dataclass(frozen=True)
@@ -57,10 +56,7 @@ class DraftTree:
     @property
     def depth(self) -> int:
         """Nodes on the longest root-to-node path."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent == ROOT else depths[parent] + 1)
-        return max(depths, default=0)
+        return 1 + max(node_depths(self.parents), default=-1)
 
 
 @dataclass

@@ -109,17 +109,16 @@ class TargetVerifier:
         outputs = self.runner.forward_tree([call.tree for call in calls], capture=capture)
         verdicts = []
         for call, out in zip(calls, outputs, strict=True):
-            tree = call.tree
-            parents = torch.tensor([list(tree.parents)], dtype=torch.long)  # [1, N]
-            tokens = torch.tensor([list(tree.tokens)], dtype=torch.long)  # [1, N]
+            tree, logits = call.tree, out.logits  # [N + 1, V]
+            parents = torch.tensor([list(tree.parents)], dtype=torch.long, device=logits.device)  # [1, N]
+            tokens = torch.tensor([list(tree.tokens)], dtype=torch.long, device=logits.device)  # [1, N]
             valid = torch.ones_like(tokens, dtype=torch.bool)
-            logits = out.logits.cpu()  # [N + 1, V]
             if call.params.greedy:
                 result = greedy_tree_verify(parents, tokens, valid, logits.argmax(-1).unsqueeze(0))
             else:
                 p = logits_to_probs(logits, call.params).unsqueeze(0)  # [1, N + 1, V]
-                uniform = uniform_noise(tokens.shape[1], [call.generator])  # [1, N]
-                noise = exponential_noise(p.shape[-1], [call.generator])  # [1, V]
+                uniform = uniform_noise(tokens.shape[1], [call.generator], device=p.device)  # [1, N]
+                noise = exponential_noise(p.shape[-1], [call.generator], device=p.device)  # [1, V]
                 result = rejection_tree_verify(parents, tokens, valid, p, uniform, noise)
             path = result.accepted_nodes(0)
             self.runner.keep_path(tree.request_id, path)

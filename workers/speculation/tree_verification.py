@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.sampling import sample_with_noise
-
-ROOT = -1
 
 
 @dataclass(frozen=True)
