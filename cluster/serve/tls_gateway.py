@@ -136,6 +136,8 @@ class GatewayThread:
         asyncio.run_coroutine_threadsafe(_stop(), self.loop).result(timeout=grace_s + 10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 async def serve_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:

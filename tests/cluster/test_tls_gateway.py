@@ -69,6 +69,8 @@ def upstream():
     yield servicer, f"127.0.0.1:{port}"
     asyncio.run_coroutine_threadsafe(server.stop(1), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """GGUF model sources: converted once into a cached Hugging Face directory that decodes like the GGUF itself."""
 
+import gc
 import hashlib
 import json
 import logging
@@ -108,6 +109,7 @@ def test_converted_directory_is_plain_fp32_with_a_source_marker(ggufs):
 
 
 def test_conversion_and_load_emit_no_python_warnings(ggufs):
+    gc.collect()  # objects earlier tests left behind warn when collected; only this code's warnings count here
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = converted_dir(ggufs["Q4_1"], progress=False)
