@@ -35,32 +35,38 @@ class RequestStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "committed_len", "new_tokens", "k", "sampling", "features")
+    __slots__ = ("request_id", "committed_len", "new_tokens", "k", "sampling", "features", "tree")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
     sampling: SamplingParams
     features: bytes
-    def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., features: _Optional[bytes] = ...) -> None: ...
+    tree: bool
+    def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., features: _Optional[bytes] = ..., tree: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("drafted", "draft_probs", "vocab_size", "compute_seconds")
+    __slots__ = ("drafted", "draft_probs", "vocab_size", "compute_seconds", "parents", "scores")
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     drafted: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: bytes
     vocab_size: int
     compute_seconds: float
-    def __init__(self, drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., parents: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -75,7 +81,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "committed_len", "new_tokens", "drafted", "draft_probs", "sampling", "want_features")
+    __slots__ = ("request_id", "committed_len", "new_tokens", "drafted", "draft_probs", "sampling", "want_features", "parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +89,7 @@ class VerifyRequest(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -90,10 +97,11 @@ class VerifyRequest(_message.Message):
     draft_probs: bytes
     sampling: SamplingParams
     want_features: bool
-    def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "bonus", "compute_seconds", "batch_rows", "batch_tokens", "features")
+    __slots__ = ("accepted", "next_token", "bonus", "compute_seconds", "batch_rows", "batch_tokens", "features", "path")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +109,7 @@ class VerifyResponse(_message.Message):
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     bonus: bool
@@ -108,7 +117,8 @@ class VerifyResponse(_message.Message):
     batch_rows: int
     batch_tokens: int
     features: bytes
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
+    path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., features: _Optional[bytes] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("want_costs",)

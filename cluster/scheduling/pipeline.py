@@ -7,6 +7,9 @@
    head (methods "eagle", "eagle+ngram"), which drafts round r + 1 from round r's features: each verify reply
    carries them, and the next propose call hands them to the request's draft worker.
 
+Method "eagle-tree" runs a round as: the head's tree from the draft worker (tokens, parents, path scores), pruned by the
+scheduler for k='auto', verified on the target worker in one forward, whose reply names the accepted path.
+
 Prompt lookup runs here, next to the committed tokens: method "ngram" every round, "eagle+ngram" in the rounds the
 scheduler's plan gives to it (no draft call; the head gets those rounds' features with its next call).
 
@@ -39,7 +42,7 @@ from specserve.cluster.scheduling.worker_clients import (
     WorkerLostRequest,
     WorkerUnavailable,
 )
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config import TREE_METHODS, SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import PlannerCosts
 from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
 from specserve.workers.speculation.drafters import NgramDrafter
@@ -158,6 +161,12 @@ class Pipeline:
                 await self._fetch_costs(req)
             while not req.state.finished:
                 clock = _RoundClock()
+                if req.spec.method in TREE_METHODS:
+                    committed = await self._tree_round(req, clock)
+                    if committed is not None:  # None: the target failed, the round is re-planned
+                        self.times.add(clock.overhead())
+                        yield committed
+                    continue
                 k = self.scheduler.k_for(req)
                 drafted, probs = await self._draft(req, k, pre, clock)
                 reply, pre_task = await self._verify_round(req, k, drafted, probs, clock)
@@ -227,16 +236,45 @@ class Pipeline:
         self.scheduler.drafted(req, call)
         return proposal
 
+    async def _tree_round(self, req: SchedRequest, clock: _RoundClock) -> list[int] | None:
+        """Draft the head's tree on the draft worker (none when the round plans no nodes, or the worker failed: a plain
+        step), verify it on the target worker, commit the accepted path. None when the target failed."""
+        nodes, tree = self.scheduler.k_for(req), None
+        if nodes:
+            with clock.waiting():
+                call = self.scheduler.plan_draft(req, nodes)
+                client = self.drafts[call.worker]
+                try:
+                    drafted = await self._call(req, call, lambda c: self.drafts[c.worker].propose_tree(c, req.params))
+                except WorkerUnavailable as e:
+                    await self._worker_failed(call.worker, client, e)
+                    drafted = None
+            if drafted is not None:
+                self.scheduler.drafted(req, call)
+                tree = self.scheduler.prune_tree(req, drafted)
+        tokens, parents = (tree.tokens, tree.parents) if tree is not None else ([], None)
+        reply, _ = await self._verify_round(req, 0, tokens, b"", clock, parents)
+        if reply is None:
+            return None
+        return self.scheduler.apply_tree_verify(req, tree, list(reply.path), reply.next_token, reply.features)
+
     async def _verify_round(
-        self, req: SchedRequest, k: int, drafted: list[int], probs: bytes, clock: _RoundClock
+        self,
+        req: SchedRequest,
+        k: int,
+        drafted: list[int],
+        probs: bytes,
+        clock: _RoundClock,
+        parents: list[int] | None = None,
     ) -> tuple[VerifyReply | None, asyncio.Future | None]:
-        """Verify the drafted tokens, pre-drafting the next round meanwhile. (None, None) when the target failed and
-        another (or its restarted replacement) can take the request; NoTargetWorker when none can."""
-        call = self.scheduler.plan_verify(req, drafted, probs)
+        """Verify the drafted tokens (with `parents`: a tree), pre-drafting the next round meanwhile (chains). (None,
+        None) when the target failed and another (or its restarted replacement) can take the request; NoTargetWorker
+        when none can."""
+        call = self.scheduler.plan_verify(req, drafted, probs, parents)
         client = self.targets[call.worker]
         verify = asyncio.ensure_future(self._verify(req, call))
         pre_task = None
-        if self.predraft and drafted:
+        if self.predraft and drafted and parents is None:
             pre_call = self.scheduler.plan_predraft(req, drafted, k)
             if pre_call is not None:
                 pre_task = asyncio.ensure_future(self._propose(req, pre_call))

@@ -22,6 +22,11 @@ measured costs (`planner_costs`: the target's verify cost per width, the head's 
 which the pipeline asks the workers for once) against acceptance per position, as in-process: the k with the most
 committed tokens per second, or a plain target step when no chain pays. Until those costs are known, AdaptiveK
 sizes the head's chains.
+
+Method "eagle-tree" asks the head's draft worker for a tree of k nodes (EAGLE-2's dynamic tree: tokens, parents and
+each node's path score) and the target worker verifies it in one forward, answering with the accepted path. With
+k='auto' the worker drafts MAX_TREE_NODES nodes and the scheduler keeps the best ones that pay at the target's measured
+verify cost per width (tree_policy.py), at most `auto_k_cap` of them under load.
 """
 
 from __future__ import annotations
@@ -40,11 +45,13 @@ from specserve.workers.speculation.adaptive_k import AdaptiveK
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import slice_rows
+from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.request import RequestState
+from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
 
 log = logging.getLogger(__name__)
 
-DRAFT_WORKER_METHODS = ("draft", "eagle", "eagle+ngram")  # methods whose proposals come from a draft worker
+DRAFT_WORKER_METHODS = ("draft", *HEAD_METHODS)  # methods whose proposals come from a draft worker
 
 
 @dataclass
@@ -60,6 +67,8 @@ class Call:
     draft_probs: bytes = b""  # verify calls
     features: bytes = b""  # EAGLE-3 draft calls: the target's features of the newly committed positions (encoded)
     want_features: bool = False  # EAGLE-3 verify calls: return the committed positions' features
+    tree: bool = False  # draft calls: a tree of up to k nodes
+    parents: list[int] | None = None  # verify calls: `drafted` is a tree with these parents
     # The whole sequence committed_len counts (never sent unless the worker lost the request). Kept on the call
     # because a concurrent restart may clear what the scheduler remembers telling the worker.
     sequence: list[int] = field(default_factory=list, repr=False)
@@ -85,6 +94,7 @@ class SchedRequest:
     features: FeatureRelay | None = None  # a head's methods: the target's features on their way to the draft worker
     planner: ChainPlanner | None = None  # a head's methods: whose chain each round drafts, and with 'auto' how long
     plan: ChainPlan | None = None  # the planner's for this round, until its verify is applied
+    pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
     pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
     resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request
@@ -142,9 +152,10 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         request_id: str | None = None,
     ) -> SchedRequest:
-        if spec.method not in get_args(SpecMethod) or spec.method in TREE_METHODS:  # trees: in-process only so far
-            served = ", ".join(m for m in get_args(SpecMethod) if m not in TREE_METHODS)
-            raise InvalidRequestError("method", f"{spec.method!r} is not served (only {served})")
+        if spec.method not in get_args(SpecMethod):
+            raise InvalidRequestError(
+                "method", f"{spec.method!r} is not served (only {', '.join(get_args(SpecMethod))})"
+            )
         target = self._least_loaded(self.target_workers, "target_worker")
         if target is None:
             raise NoTargetWorker("no healthy target worker")
@@ -160,7 +171,7 @@ class Scheduler:
         adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
         features = FeatureRelay(self.feature_traffic) if spec.method in HEAD_METHODS else None
         planner = None
-        if spec.method in HEAD_METHODS:
+        if spec.method in HEAD_METHODS and spec.method not in TREE_METHODS:
             planner = ChainPlanner(use_head=True, use_ngram=spec.method == "eagle+ngram", head_prior=self.head_prior)
         req = SchedRequest(state, params, spec, draft, target, adaptive, features=features, planner=planner)
         self.requests[state.request_id] = req
@@ -226,6 +237,8 @@ class Scheduler:
             req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
         if req.spec.method == "none":
             return 0
+        if req.spec.method in TREE_METHODS:
+            return self._tree_nodes(req)
         if req.adaptive is not None:
             k = req.adaptive.k if self.auto_k_cap is None else min(req.adaptive.k, self.auto_k_cap)
         else:
@@ -246,6 +259,29 @@ class Scheduler:
             return 0  # a head drafts from the target's features: none have come since it last drafted
         return req.state.draft_budget(k) if k else 0
 
+    def _tree_nodes(self, req: SchedRequest) -> int:
+        """Nodes to draft this round: k, or for 'auto' MAX_TREE_NODES (pruned once drafted), capped under load; none
+        without a draft worker, without new features, or when the round can commit one token only."""
+        if req.draft_worker is None or req.features.pending is None or not req.state.draft_budget(1):
+            return 0
+        if req.spec.k != "auto":
+            return req.spec.k
+        if req.pruning is None and self.planner_costs is not None:
+            req.pruning = TreePruning(self.planner_costs.verify)
+        return MAX_TREE_NODES if self.auto_k_cap is None else min(MAX_TREE_NODES, self.auto_k_cap)
+
+    def prune_tree(self, req: SchedRequest, tree: DraftTree) -> DraftTree | None:
+        """The drafted tree as it is verified: for 'auto', its nodes that pay (None: none does, a plain step), at most
+        the load cap's."""
+        if req.spec.k != "auto" or not tree.tokens:
+            return tree if tree.tokens else None
+        if req.pruning is not None:
+            tree = req.pruning.prune(tree)
+        cap = self.auto_k_cap
+        if tree is not None and cap is not None and len(tree.tokens) > cap:
+            tree = tree.best(cap) if cap else None
+        return tree
+
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])
         start = common_prefix_length(told, sequence)
@@ -261,7 +297,8 @@ class Scheduler:
 
     def plan_draft(self, req: SchedRequest, k: int) -> Call:
         features = req.features.to_send() if req.features is not None else b""
-        return self._call(req, req.draft_worker, req.state.tokens, k=k, features=features)
+        tree = req.spec.method in TREE_METHODS
+        return self._call(req, req.draft_worker, req.state.tokens, k=k, features=features, tree=tree)
 
     def plan_predraft(self, req: SchedRequest, drafted: list[int], k: int) -> Call | None:
         """Round r + 1's draft, assuming all of round r's drafted tokens are accepted (None when pointless, and for a
@@ -272,10 +309,12 @@ class Scheduler:
             return None
         return self._call(req, req.draft_worker, req.state.tokens + drafted, k=k)
 
-    def plan_verify(self, req: SchedRequest, drafted: list[int], draft_probs: bytes) -> Call:
+    def plan_verify(self, req: SchedRequest, drafted: list[int], draft_probs: bytes,
+                    parents: list[int] | None = None) -> Call:  # fmt: skip
+        """Verify the drafted chain, or with `parents` the drafted tree."""
         want = req.features is not None and req.draft_worker is not None
         return self._call(req, req.target_worker, req.state.tokens, drafted=drafted, draft_probs=draft_probs,
-                          want_features=want)  # fmt: skip
+                          want_features=want, parents=parents)  # fmt: skip
 
     # -- applying results -------------------------------------------------------------------------------------------
 
@@ -291,9 +330,23 @@ class Scheduler:
             req.features.received(features)
         return req.state.commit_round(drafted, accepted, next_token)
 
+    def apply_tree_verify(
+        self, req: SchedRequest, tree: DraftTree | None, path: list[int], next_token: int, features: bytes = b""
+    ) -> list[int]:
+        """Commit a verified tree round (tree None: a plain step): the accepted path's tokens and the next token."""
+        if req.features is not None and features:
+            req.features.received(features)
+        if tree is None:
+            return req.state.commit_round([], 0, next_token)
+        if req.pruning is not None:
+            req.pruning.observe(len(path))
+        accepted = [tree.tokens[node] for node in path]
+        return req.state.commit_round(accepted, len(accepted), next_token, tree=(len(tree.tokens), tree.depth))
+
     def wants_costs(self, req: SchedRequest) -> bool:
         """Whether the request's planning would weigh the workers' costs, and they are not known yet."""
-        return self.planner_costs is None and req.planner is not None and req.adaptive is not None
+        auto_trees = req.spec.method in TREE_METHODS and req.spec.k == "auto"
+        return self.planner_costs is None and (req.planner is not None or auto_trees) and req.adaptive is not None
 
     @staticmethod
     def _observe_plan(req: SchedRequest, drafted: list[int], accepted: int) -> None:

@@ -12,6 +12,7 @@ from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import SamplingParams
 from specserve.workers.service.grpc_service import GRPC_OPTIONS, SECRET_METADATA, sampling_to_proto
+from specserve.workers.speculation.draft_tree import DraftTree
 
 COSTS_TIMEOUT_S = 120.0  # a first cost measurement: a few dozen forward passes, on a busy CPU worker too
 
@@ -72,9 +73,8 @@ class DraftClient(_Client):
         super().__init__(address, timeout_s, secret)
         self.stub = pb_grpc.DraftWorkerStub(self.channel)
 
-    async def propose(self, call: Call, params: SamplingParams) -> tuple[list[int], bytes]:
-        """(drafted tokens, encoded draft probs)."""
-        response = await self._invoke(
+    async def _propose(self, call: Call, params: SamplingParams) -> pb.ProposeResponse:
+        return await self._invoke(
             self.stub.Propose,
             pb.ProposeRequest(
                 request_id=call.request_id,
@@ -83,9 +83,22 @@ class DraftClient(_Client):
                 k=call.k,
                 sampling=sampling_to_proto(params),
                 features=call.features,
+                tree=call.tree,
             ),
         )
+
+    async def propose(self, call: Call, params: SamplingParams) -> tuple[list[int], bytes]:
+        """(drafted tokens, encoded draft probs)."""
+        response = await self._propose(call, params)
         return list(response.drafted), response.draft_probs
+
+    async def propose_tree(self, call: Call, params: SamplingParams) -> DraftTree:
+        """A tree call's drafted tree (no nodes: the head had no features to draft from)."""
+        response = await self._propose(call, params)
+        if len(response.parents) != len(response.drafted) or len(response.scores) != len(response.drafted):
+            raise WorkerUnavailable(f"{self.address}: a tree reply of {len(response.drafted)} tokens, "
+                                    f"{len(response.parents)} parents, {len(response.scores)} scores")  # fmt: skip
+        return DraftTree(list(response.drafted), list(response.parents), list(response.scores))
 
 
 class VerifyReply(NamedTuple):
@@ -95,6 +108,7 @@ class VerifyReply(NamedTuple):
     batch_tokens: int  # positions that batch fed
     batch_seconds: float
     features: bytes = b""  # EAGLE-3: the committed positions' features, when the call asked (encoded)
+    path: tuple[int, ...] = ()  # a tree's accepted nodes, root-down
 
 
 class TargetClient(_Client):
@@ -113,6 +127,7 @@ class TargetClient(_Client):
                 draft_probs=call.draft_probs,
                 sampling=sampling_to_proto(params),
                 want_features=call.want_features,
+                parents=call.parents or [],
             ),
         )
         return VerifyReply(
@@ -122,4 +137,5 @@ class TargetClient(_Client):
             batch_tokens=response.batch_tokens,
             batch_seconds=response.compute_seconds,
             features=response.features,
+            path=tuple(response.path),
         )

@@ -11,7 +11,7 @@ from specserve.cluster.app_config import AppConfig, LimitsConfig, ModelPairConfi
 from specserve.cluster.scheduling.prepared import Prepared
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.serve.edge import Request
-from specserve.workers.config import HEAD_METHODS, TREE_METHODS, SamplingParams, SpecParams
+from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids
 from specserve.workers.runtime.worker_state import check_token_ids
@@ -51,23 +51,20 @@ class RequestPreparer:
 
 
 def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
-    """The request's speculation: "draft" needs a draft model on the draft pool, "eagle" and "eagle+ngram" an
-    EAGLE-3 head there. A model served with a head drafts with "eagle+ngram" unless the request says otherwise: the
-    head's chain or prompt lookup's (free) continuation, whichever is expected to accept more each round."""
+    """The request's speculation: "draft" needs a draft model on the draft pool, "eagle", "eagle+ngram" and
+    "eagle-tree" an EAGLE-3 head there. A model served with a head drafts with "eagle+ngram" unless the request says
+    otherwise: the head's chain or prompt lookup's (free) continuation, whichever is expected to accept more each
+    round."""
     pool_method = "eagle+ngram" if has_head else "draft"
     default_method = pool_method if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
     spec = SpecParams(method=request.method or default_method, k=cfg.k if request.k is None else request.k)
-    if spec.method in TREE_METHODS:
-        served = "eagle+ngram/eagle/ngram/none"
-        raise InvalidRequestError("speculation.method", f"{spec.method!r} runs in-process only so far (SpecEngine, "
-                                  f"specserve bench); served: {served}")  # fmt: skip
     if spec.method in HEAD_METHODS and not has_head:
         use = "draft/ngram/none" if cfg.drafts_with_model else "ngram/none"
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} is served without an EAGLE-3 head "
                                   f"(use {use})")  # fmt: skip
     if spec.method == "draft" and has_head:
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} drafts with an EAGLE-3 head, not a draft "
-                                  "model (use eagle+ngram/eagle/ngram/none)")  # fmt: skip
+                                  "model (use eagle+ngram/eagle/eagle-tree/ngram/none)")  # fmt: skip
     if spec.method == "draft" and not cfg.drafts_with_model:
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} has no draft model (use ngram/none)")
     return spec

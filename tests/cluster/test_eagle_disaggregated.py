@@ -1,8 +1,8 @@
 """EAGLE-3 heads in the disaggregated path: the head on its own draft worker, the target's features of each round's
 committed positions carried by the verify reply to the scheduler and by the next propose call to the head. Lossless
 against target-only decoding with concurrent requests, rejections, lost and restarted draft workers and dropped
-features; sampling draws from the target's distribution; the edge takes methods "eagle" and "eagle+ngram" only for a
-model served with a head; the scheduler keeps only undelivered features. Method "eagle+ngram" served, and the packaged
+features; sampling draws from the target's distribution; the edge takes the head's methods only for a model served
+with a head; the scheduler keeps only undelivered features. Method "eagle+ngram" served, and the packaged
 head as the serving default: tests/cluster/test_eagle_ngram_disaggregated.py."""
 
 import asyncio
@@ -31,6 +31,7 @@ from specserve.workers.speculation import codec
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.eagle3_io import save_head
+from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from tests.worker_helpers import LocalWorkers, save_tiny_llama
 from tests.workers.test_eagle_engine import hf_features, random_head
 from tests.workers.test_engine_greedy import own_greedy_loop
@@ -157,7 +158,7 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
         want = hf_features(target.model, r.state.tokens)[: ends[-1]]
         torch.testing.assert_close(got, want.cpu(), atol=2e-3, rtol=2e-3)
     costs = pipeline.scheduler.planner_costs  # k='auto' asked the workers for their measured costs
-    assert len(costs.verify.verify_s) == MAX_AUTO_K + 1 and costs.head.step_s > 0
+    assert len(costs.verify.verify_s) == max(MAX_AUTO_K, MAX_TREE_NODES) + 1 and costs.head.step_s > 0
     totals = pipeline.scheduler.feature_traffic
     assert totals.received_bytes == sum(r.features.traffic.received_bytes for r in eagle)
     assert 0 < totals.bytes_per_propose and totals.to_dict()["feature_bytes_per_verify_reply"] > 0
@@ -366,9 +367,10 @@ def app_with(target_path: str, draft: str) -> AppConfig:
                                      "auth": {"api_key_env": None}})  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle+ngram"])
+@pytest.mark.parametrize("method", ["eagle", "eagle+ngram", "eagle-tree"])
 def test_the_edge_takes_the_head_methods_only_for_a_model_served_with_a_head(byte_pair, method):
-    """Both edges take "eagle" and "eagle+ngram"; a model served with a head drafts with "eagle+ngram" by default."""
+    """Both edges take "eagle", "eagle+ngram" and "eagle-tree"; a model served with a head drafts with "eagle+ngram"
+    by default."""
     target, head_dir = byte_pair
     with_head = RequestPreparer(app_with(target.path, head_dir), {"m": (target.path, head_dir)})
     without = RequestPreparer(app_with(target.path, "ngram"), {"m": (target.path, None)})
@@ -384,12 +386,6 @@ def test_the_edge_takes_the_head_methods_only_for_a_model_served_with_a_head(byt
     draft = oai.parse_completion({"prompt": "x", "speculation": {"method": "draft"}}).request
     with pytest.raises(InvalidRequestError, match="drafts with an EAGLE-3 head, not a draft model"):
         with_head.prepare(draft)
-    tree = oai.parse_completion({"prompt": "x", "speculation": {"method": "eagle-tree"}}).request
-    with pytest.raises(InvalidRequestError, match="'eagle-tree' runs in-process only") as e:
-        with_head.prepare(tree)  # trees are not served yet
-    assert e.value.field == "speculation.method"
-    with pytest.raises(InvalidRequestError, match="'eagle-tree' is not served"):
-        Scheduler(["d"], ["t"]).add([1, 2], SamplingParams(), SpecParams(method="eagle-tree"), frozenset())
 
 
 @dataclass
@@ -400,10 +396,10 @@ class ServedRun:
     status: dict  # the scheduler replica's status of the model
 
 
-def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int) -> ServedRun:
+def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int, speculation: dict | None = None) -> ServedRun:
     """What the Serve app runs for the first model of `app`, without Ray: the pool replicas' worker bodies (the draft
-    pool runs the head, the target pool captures its features), the ingress's RequestPreparer (a greedy request
-    without a method) and the scheduler replica's SpecService."""
+    pool runs the head, the target pool captures its features), the ingress's RequestPreparer (a greedy request,
+    without a method unless `speculation` says) and the scheduler replica's SpecService."""
     from specserve.cluster.serve.pool_worker import _worker_body
     from specserve.cluster.serve.replica_env import resolve_paths
 
@@ -411,7 +407,8 @@ def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int) -> Served
     paths = {name: resolve_paths(app.models[0])}
     bodies = {kind: _worker_body(app.models[0], kind) for kind in ("target", "draft")}
     assert bodies["draft"].runner is None and bodies["target"].runner.capture_layers == (2, 2, 1)
-    request = oai.parse_completion({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).request
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    request = oai.parse_completion({**body, "speculation": speculation} if speculation else body).request
     prepared = RequestPreparer(app, paths).prepare(request)
 
     async def main():
@@ -454,7 +451,8 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
 @pytest.mark.slow
 def test_the_serve_app_serves_a_model_with_a_head(byte_pair):
     """The real Serve app on a local Ray (about a minute): the draft pool runs the head, a request without a method
-    drafts with it (identical to target-only), method "draft" is INVALID_ARGUMENT naming the field."""
+    drafts with it, one with method "eagle-tree" drafts trees with it (both identical to target-only), method "draft"
+    is INVALID_ARGUMENT naming the field."""
     import grpc
     import ray
 
@@ -477,6 +475,7 @@ def test_the_serve_app_serves_a_model_with_a_head(byte_pair):
     try:
         with SpecServeClient(info["grpc"], timeout_s=120) as client:
             out = client.generate(BYTE_PROMPTS[0], max_new_tokens=24, k=3)
+            tree = client.generate(BYTE_PROMPTS[1], max_new_tokens=16, method="eagle-tree", k=4)
             with pytest.raises(grpc.RpcError) as e:
                 client.generate("x", method="draft")
     finally:
@@ -484,4 +483,6 @@ def test_the_serve_app_serves_a_model_with_a_head(byte_pair):
         ray.shutdown()
     ids = target.tokenizer(BYTE_PROMPTS[0])["input_ids"]
     assert out["token_ids"] == own_greedy_loop(target.model, ids, 24, {2}) and out["stats"]["drafted"] > 0
+    tree_ids = target.tokenizer(BYTE_PROMPTS[1])["input_ids"]
+    assert tree["token_ids"] == own_greedy_loop(target.model, tree_ids, 16, {2}) and tree["stats"]["drafted"] > 0
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "speculation.method" in e.value.details()

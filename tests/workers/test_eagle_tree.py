@@ -5,8 +5,10 @@ candidates with their parents, in ragged batches."""
 
 import torch
 
+from specserve.workers.runtime.tree_rows import ROOT
+from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.eagle3_drafting import Eagle3Drafting
-from specserve.workers.speculation.eagle3_tree import ROOT, TreeShape, draft_trees
+from specserve.workers.speculation.eagle3_tree import draft_trees
 from tests.workers.test_eagle_engine import random_head
 
 H, FEATURES = 32, 96

@@ -28,6 +28,7 @@ from specserve.workers.speculation.eagle3_io import save_head
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
 from specserve.workers.speculation.eagle_loading import load_head_drafter, load_target_embedding, resolve_eagle_head
 from specserve.workers.speculation.target import TargetVerifier
+from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from tests.worker_helpers import LocalWorkers, save_tiny_llama
 from tests.workers.test_eagle_engine import random_head
 
@@ -260,8 +261,9 @@ async def _error(call) -> grpc.aio.AioRpcError:
 
 
 def test_workers_measure_and_report_their_costs_only_when_asked(target, head_dir):
-    """Health with want_costs: a target worker's verify seconds for widths 1..MAX_AUTO_K + 1, a head's draft worker
-    its cost per call and per drafted token (a draft model's worker: none); measured once, then reported again."""
+    """Health with want_costs: a target worker's verify seconds for widths up to a k='auto' tree's, a head's draft
+    worker its cost per call and per drafted token (a draft model's worker: none); measured once, then reported
+    again."""
 
     async def main():
         async with LocalWorkers(target, [target], eagle_head=head_dir) as w:
@@ -273,7 +275,8 @@ def test_workers_measure_and_report_their_costs_only_when_asked(target, head_dir
 
     plain, (verify, again, model, head), measured = asyncio.run(main())
     assert plain.healthy and not plain.verify_seconds_by_width and plain.draft_step_seconds == 0
-    assert len(verify.verify_seconds_by_width) == MAX_AUTO_K + 1 and all(t > 0 for t in verify.verify_seconds_by_width)
+    assert len(verify.verify_seconds_by_width) == max(MAX_AUTO_K, MAX_TREE_NODES) + 1
+    assert all(t > 0 for t in verify.verify_seconds_by_width)
     assert list(again.verify_seconds_by_width) == list(verify.verify_seconds_by_width) == list(measured)
     assert (model.draft_fixed_seconds, model.draft_step_seconds) == (0, 0) and not model.verify_seconds_by_width
     assert head.draft_step_seconds > 0 and head.draft_fixed_seconds >= 0 and head.healthy

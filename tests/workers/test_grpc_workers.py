@@ -56,6 +56,7 @@ def call_draft(models, message):
          "shorter than"),
         (dict(request_id="a", k=2, committed_len=2, new_tokens=[5, 10**6]), grpc.StatusCode.INVALID_ARGUMENT,
          "outside the vocabulary"),
+        (dict(request_id="a", k=2, tree=True), grpc.StatusCode.INVALID_ARGUMENT, "invalid tree"),  # a model's worker
     ],
 )  # fmt: skip
 def test_bad_propose_calls_get_status_codes_and_server_keeps_serving(models, fields, status, text):

@@ -4,8 +4,9 @@ import math
 
 import pytest
 
+from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.chain_policy import VerifyCosts
-from specserve.workers.speculation.eagle3_tree import ROOT, DraftTree
+from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.tree_policy import TreeCalibration, best_node_count, expected_accepted
 
 FLAT = VerifyCosts((0.1,) * 17)  # every width costs a step: more nodes never cost more

@@ -1,9 +1,10 @@
 """A draft worker: proposes tokens for many requests, keeping each request's draft KV cache between rounds. Its
 drafter is a draft model, or an EAGLE-3 head (EagleDrafter), which every call hands the target's features of the
-newly committed positions."""
+newly committed positions; a head's worker also drafts trees (EAGLE-2's dynamic trees) for calls that ask."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import FeatureBlock, encode_probs
+from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafters import Drafter
 from specserve.workers.speculation.eagle_costs import head_cost
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
@@ -30,6 +32,31 @@ class ProposeCall:
     k: int
     params: SamplingParams
     features: FeatureBlock | None = None  # EAGLE-3: the target's features of the newly committed positions
+    tree: bool = False  # EAGLE-3: draft a tree of up to k nodes instead of a chain
+
+
+@dataclass
+class Proposed:
+    """One call's proposal: a chain, or with `parents` a tree (DraftTree's fields)."""
+
+    tokens: list[int]
+    probs: bytes  # encoded draft distributions (codec.encode_probs); empty for greedy requests and trees
+    seconds: float  # of the whole batch the call ran in
+    parents: list[int] | None = None  # a tree: each node's parent (ROOT or an earlier node)
+    scores: list[float] | None = None  # a tree: each node's path log-probability under the head
+
+
+@dataclass
+class _Row:
+    request_id: str
+    tokens: list[int]  # the committed sequence
+    k: int  # a chain's tokens or a tree's nodes
+    params: SamplingParams
+    tree: bool
+
+    def chain(self) -> tuple:
+        """The drafter's propose_batch row."""
+        return self.request_id, self.tokens, self.k, self.params
 
 
 class DraftWorker:
@@ -51,30 +78,50 @@ class DraftWorker:
         k: int,
         params: SamplingParams,
         features: FeatureBlock | None = None,
-    ) -> tuple[list[int], bytes, float]:
-        """(drafted tokens, encoded draft probs, compute seconds). Raises RequestNotFoundError (re-send)."""
-        call = ProposeCall(request_id, committed_len, list(new_tokens), k, params, features)
+        tree: bool = False,
+    ) -> Proposed:
+        """Raises RequestNotFoundError (re-send)."""
+        call = ProposeCall(request_id, committed_len, list(new_tokens), k, params, features, tree)
         result = self.propose_batch([call])[0]
         if isinstance(result, Exception):
             raise result
         return result
 
-    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[tuple[list[int], bytes, float] | Exception]:
-        """Draft for many requests at once (one draft forward pass per step); each call gets its own result or its
-        own error. Request ids must be distinct."""
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposed | Exception]:
+        """Draft for many requests at once (one draft forward pass per step, chains and trees apart); each call gets
+        its own result or its own error. Request ids must be distinct."""
         t0 = time.perf_counter()
 
-        def prepare(call: ProposeCall):
+        def prepare(call: ProposeCall) -> _Row:
             check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
             self._check_features(call)
+            if call.tree and self.feature_size is None:
+                raise InvalidRequestError("tree", "this draft worker drafts with a model: trees come from an EAGLE-3 "
+                                          "head's worker")  # fmt: skip
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             if call.features is not None:
                 self.drafter.add_features(call.request_id, call.features.start, call.features.to_tensor())
-            return call.request_id, tokens, call.k, call.params
+            return _Row(call.request_id, tokens, call.k, call.params, call.tree)
 
-        results, _ = run_calls(self.committed, calls, prepare, self.drafter.propose_batch, self.release)
+        results, _ = run_calls(self.committed, calls, prepare, self._draft_rows, self.release)
         seconds = time.perf_counter() - t0
-        return [r if isinstance(r, Exception) else (r.tokens, encode_probs(r.probs), seconds) for r in results]
+        return [r if isinstance(r, Exception) else dataclasses.replace(r, seconds=seconds) for r in results]
+
+    def _draft_rows(self, rows: list[_Row]) -> list[Proposed]:
+        out: list[Proposed | None] = [None] * len(rows)
+        chains = [i for i, row in enumerate(rows) if not row.tree]
+        trees = [i for i, row in enumerate(rows) if row.tree]
+        if chains:
+            proposals = self.drafter.propose_batch([rows[i].chain() for i in chains])
+            for i, proposal in zip(chains, proposals, strict=True):
+                out[i] = Proposed(proposal.tokens, encode_probs(proposal.probs), 0.0)
+        if trees:
+            drafted = self.drafter.propose_trees([(rows[i].request_id, rows[i].tokens,
+                                                   TreeShape.for_budget(rows[i].k)) for i in trees])  # fmt: skip
+            for i, tree in zip(trees, drafted, strict=True):  # None: no features yet, nothing drafted
+                tree = tree or DraftTree([], [], [])
+                out[i] = Proposed(tree.tokens, b"", 0.0, tree.parents, tree.scores)
+        return out
 
     def _check_features(self, call: ProposeCall) -> None:
         """An EAGLE-3 head needs, with every call, the features of the positions committed since its last one: a

@@ -178,13 +178,19 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
                 request.k,
                 self.sampling.get(request.request_id, request.sampling),
                 decode_features(request.features, self.worker.feature_size),
+                request.tree,
             )
         except ValueError as e:
             await self._abort(context, e)
         cost = len(call.new_tokens) + call.k + (call.features.rows if call.features is not None else 0)
-        drafted, probs, seconds = await self._batched(context, call.request_id, call, cost)
+        proposed = await self._batched(context, call.request_id, call, cost)
         return pb.ProposeResponse(
-            drafted=drafted, draft_probs=probs, vocab_size=self.worker.vocab_size, compute_seconds=seconds
+            drafted=proposed.tokens,
+            draft_probs=proposed.probs,
+            vocab_size=self.worker.vocab_size,
+            compute_seconds=proposed.seconds,
+            parents=proposed.parents or [],
+            scores=proposed.scores or [],
         )
 
 
@@ -198,6 +204,8 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             probs = decode_probs(request.draft_probs, self.worker.vocab_size)
             if probs is not None and probs.shape[0] != len(request.drafted):
                 raise InvalidRequestError("draft_probs", f"{probs.shape[0]} rows for {len(request.drafted)} drafted")
+            if request.parents and len(request.parents) != len(request.drafted):
+                raise InvalidRequestError("parents", f"{len(request.parents)} for {len(request.drafted)} drafted")
             call = VerifyCall(
                 request.request_id,
                 request.committed_len,
@@ -206,6 +214,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
                 probs,
                 self.sampling.get(request.request_id, request.sampling),
                 request.want_features,
+                list(request.parents) if request.parents else None,
             )
         except ValueError as e:
             await self._abort(context, e)
@@ -213,12 +222,22 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
         return pb.VerifyResponse(
             accepted=result.accepted,
             next_token=result.next_token,
-            bonus=result.accepted == len(call.drafted),
+            bonus=_bonus(call, result),
             compute_seconds=result.compute_seconds,
             batch_rows=result.batch_rows,
             batch_tokens=result.batch_tokens,
             features=result.features,
+            path=result.path or [],
         )
+
+
+def _bonus(call: VerifyCall, result) -> bool:
+    """Whether next_token is the bonus token: every drafted token accepted, or for a tree the deepest accepted node
+    (the root when none was) has no children."""
+    if call.parents is None:
+        return result.accepted == len(call.drafted)
+    deepest = result.path[-1] if result.path else -1
+    return deepest not in call.parents
 
 
 SECRET_METADATA = "x-specserve-secret"

@@ -1,9 +1,12 @@
 """A target worker: verifies drafted tokens for many requests, keeping each request's target KV cache. A target whose
 model is served with an EAGLE-3 head also returns, to the calls that ask, the features of the positions each call
-committed (captured in the same forward pass: a batch where no call asks keeps no hidden states)."""
+committed (captured in the same forward pass: a batch where no call asks keeps no hidden states). A call may bring a
+drafted tree instead of a chain: a batch verifies its chains in one forward and its trees in another (tree attention
+mask), keeping only each tree's accepted path in the cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,11 +16,13 @@ import torch
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
+from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import encode_features
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
-from specserve.workers.speculation.target import TargetVerifier
+from specserve.workers.speculation.target import TargetVerifier, TreeCall
+from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 
 @dataclass
@@ -28,6 +33,7 @@ class VerifyResult:
     batch_rows: int
     batch_tokens: int  # positions the batch's forward pass fed
     features: bytes = b""  # the committed positions' features (codec.encode_features), when the call asked
+    path: list[int] | None = None  # a tree's accepted nodes, root-down (accepted of them)
 
 
 @dataclass
@@ -41,12 +47,14 @@ class VerifyCall:
     draft_probs: torch.Tensor | None  # [len(drafted), V] as decoded from the wire, None = one-hot
     params: SamplingParams
     want_features: bool = False  # EAGLE-3: return the features of the positions this call commits
+    parents: list[int] | None = None  # the drafted tokens form a tree (ROOT or an earlier node each); None: a chain
 
 
 @dataclass
 class _Row:
     verify: tuple  # TargetVerifier's row: (request_id, tokens, drafted, draft_probs, params, generator)
     want_features: bool
+    tree: TreeCall | None = None  # a tree to verify instead of `verify`'s chain
 
 
 @dataclass
@@ -54,6 +62,7 @@ class _Verified:
     accepted: int
     next_token: int
     features: bytes = b""
+    path: list[int] | None = None
 
 
 class TargetWorker:
@@ -95,19 +104,40 @@ class TargetWorker:
             if call.want_features and self.verifier.runner.capture_layers is None:
                 raise InvalidRequestError("want_features", "this target worker captures no features: its model is "
                                           "served without an EAGLE-3 head")  # fmt: skip
+            tree = _checked_tree(call)
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
             verify = (call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator)
-            return _Row(verify, call.want_features)
+            if tree is not None:
+                tree = TreeCall(dataclasses.replace(tree, sequence=tokens), call.params, generator)
+            return _Row(verify, call.want_features, tree)
 
         results, rows = run_calls(self.committed, calls, prepare, self._verify_rows, self.release)
         seconds, tokens = time.perf_counter() - t0, self.verifier.runner.forward_positions - fed
         return [
-            r if isinstance(r, Exception) else VerifyResult(r.accepted, r.next_token, seconds, rows, tokens, r.features)
+            r
+            if isinstance(r, Exception)
+            else VerifyResult(r.accepted, r.next_token, seconds, rows, tokens, r.features, r.path)
             for r in results
         ]
 
     def _verify_rows(self, rows: list[_Row]) -> list[_Verified]:
+        """The chains in one forward pass, the trees in another."""
+        out: list[_Verified | None] = [None] * len(rows)
+        chains = [i for i, row in enumerate(rows) if row.tree is None]
+        trees = [i for i, row in enumerate(rows) if row.tree is not None]
+        if chains:
+            for i, verified in zip(chains, self._verify_chains([rows[i] for i in chains]), strict=True):
+                out[i] = verified
+        if trees:
+            capture = any(rows[i].want_features for i in trees)
+            verdicts = self.verifier.verify_trees([rows[i].tree for i in trees], capture=capture)
+            for i, v in zip(trees, verdicts, strict=True):
+                features = encode_features(v.feature_start, v.features) if rows[i].want_features else b""
+                out[i] = _Verified(len(v.path), v.next_token, features, v.path)
+        return out
+
+    def _verify_chains(self, rows: list[_Row]) -> list[_Verified]:
         """One forward pass for the rows; with features captured only when a row asks for them."""
         plain = [row.verify for row in rows]
         if not any(row.want_features for row in rows):
@@ -124,10 +154,10 @@ class TargetWorker:
         return self.committed.release(request_id)
 
     def verify_costs(self) -> tuple[float, ...]:
-        """Seconds of one forward over w = 1..MAX_AUTO_K + 1 new positions, measured once here (k='auto' weighs them:
-        on a CPU verifying 2-3 positions can cost more than 5)."""
+        """Seconds of one forward over w = 1..MAX_TREE_NODES + 1 new positions (the widest a k='auto' chain or tree
+        verifies), measured once here (k='auto' weighs them: on a CPU verifying 2-3 positions can cost more than 5)."""
         if self._verify_costs is None:
-            runner, widest = self.verifier.runner, MAX_AUTO_K + 1
+            runner, widest = self.verifier.runner, max(MAX_AUTO_K, MAX_TREE_NODES) + 1
             self._verify_costs = verify_seconds(runner, probe_context(runner.loaded.max_positions, widest), widest)
         return self._verify_costs
 
@@ -146,3 +176,17 @@ class TargetWorker:
         if costs and failed is None:
             report["verify_seconds_by_width"] = list(self.verify_costs())
         return report
+
+
+def _checked_tree(call: VerifyCall) -> TreeRow | None:
+    """The call's tree (its sequence filled in later), or None for a chain; InvalidRequestError names the field."""
+    if call.parents is None:
+        return None
+    if call.draft_probs is not None:
+        raise InvalidRequestError("draft_probs", "a tree's candidates are deterministic: it takes no draft probs")
+    tree = TreeRow(call.request_id, [0], call.drafted, call.parents)
+    try:
+        tree.check()
+    except ValueError as e:
+        raise InvalidRequestError("parents", str(e)) from None
+    return tree

@@ -18,45 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.workers.runtime.tree_rows import ROOT, node_depths
+from specserve.workers.runtime.tree_rows import ROOT
+from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.eagle3_drafting import DraftStep, Eagle3Drafting, attend, padded_kv
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """depth: levels of candidates (the longest path); topk: children scored per expanded node and nodes expanded
-    per level; budget: nodes kept (what the target verifies, plus the root's token)."""
-
-    depth: int
-    topk: int
-    budget: int
-
-    @classmethod
-    def for_budget(cls, budget: int) -> TreeShape:
-        """A tree of `budget` nodes: a chain up to 2, then 2 and from 8 nodes 4 candidates per level, 6 levels at
-        most (EAGLE-2's defaults are 4-8 per level, 5-6 levels)."""
-        topk = 1 if budget <= 2 else 2 if budget < 8 else 4
-        return cls(depth=min(budget, 6), topk=topk, budget=budget)
-
-
-@dataclass
-class DraftTree:
-    tokens: list[int]  # target ids, in depth order
-    parents: list[int]  # ROOT or the index of an earlier node
-    scores: list[float]  # the head's log-probability of the path ending at each node
-
-    def best(self, count: int) -> DraftTree:
-        """The tree of its `count` best nodes (their parents among them: a path's score never rises along it)."""
-        order = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:count]
-        kept = sorted(order)  # index order is depth order, parents first
-        index = {node: i for i, node in enumerate(kept)}
-        parents = [ROOT if self.parents[node] == ROOT else index[self.parents[node]] for node in kept]
-        return DraftTree([self.tokens[node] for node in kept], parents, [self.scores[node] for node in kept])
-
-    @property
-    def depth(self) -> int:
-        """Nodes on the longest root-to-node path."""
-        return 1 + max(node_depths(self.parents), default=-1)
 
 
 @dataclass

@@ -24,11 +24,12 @@ import torch
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.runtime.loading import LoadedModel
+from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafters import Proposal, draw_token
 from specserve.workers.speculation.eagle3 import Eagle3Head, default_feature_layers
-from specserve.workers.speculation.eagle3_drafting import Eagle3Drafting
+from specserve.workers.speculation.eagle3_drafting import DraftStep, Eagle3Drafting
 from specserve.workers.speculation.eagle3_io import load_head
-from specserve.workers.speculation.eagle3_tree import DraftTree, TreeShape, draft_trees
+from specserve.workers.speculation.eagle3_tree import draft_trees
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,30 @@ class EagleDrafter:
 
     def propose_tree(self, request_id: str, tokens: Sequence[int], shape: TreeShape) -> DraftTree | None:
         """A draft tree after the committed `tokens` (None before the target's first features)."""
-        extension = self._extension(request_id, tokens)
-        if extension is None:
-            return None
-        return draft_trees(self.drafting, [request_id], self.drafting.extend([extension]), shape)[0]
+        return self.propose_trees([(request_id, tokens, shape)])[0]
+
+    def propose_trees(self, rows: Sequence[tuple[str, Sequence[int], TreeShape]]) -> list[DraftTree | None]:
+        """Trees for many requests: one head forward extends every request's cache, then one forward per level over
+        the requests of each shape. A request without target features yet gets None."""
+        trees: list[DraftTree | None] = [None] * len(rows)
+        ready = []  # (index into rows, the row for Eagle3Drafting.extend)
+        for b, (request_id, tokens, _) in enumerate(rows):
+            extension = self._extension(request_id, tokens)
+            if extension is not None:
+                ready.append((b, extension))
+        if not ready:
+            return trees
+        first = self.drafting.extend([extension for _, extension in ready])
+        by_shape: dict[TreeShape, list[int]] = {}  # shape -> indices into ready
+        for i, (b, _) in enumerate(ready):
+            by_shape.setdefault(rows[b][2], []).append(i)
+        for shape, members in by_shape.items():
+            index = torch.tensor(members, device=first.hidden.device)
+            step = DraftStep(first.logits.index_select(0, index), first.hidden.index_select(0, index))
+            request_ids = [rows[ready[i][0]][0] for i in members]
+            for i, tree in zip(members, draft_trees(self.drafting, request_ids, step, shape), strict=True):
+                trees[ready[i][0]] = tree
+        return trees
 
     def _extension(self, request_id: str, tokens: Sequence[int]) -> tuple[str, torch.Tensor, list[int]] | None:
         """The Eagle3Drafting.extend row that brings the request's head cache up to its committed `tokens` (rolled

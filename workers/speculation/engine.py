@@ -20,9 +20,9 @@ from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, VerifyCosts
+from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle3 import Eagle3Head
-from specserve.workers.speculation.eagle3_tree import TreeShape
 from specserve.workers.speculation.eagle_costs import head_cost
 from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle_drafter
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats

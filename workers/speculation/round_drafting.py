@@ -4,17 +4,15 @@
 
 from __future__ import annotations
 
-import math
-
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.speculation.adaptive_k import AdaptiveK
 from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
+from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafters import Drafter, Proposal
-from specserve.workers.speculation.eagle3_tree import DraftTree, TreeShape
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
 from specserve.workers.speculation.request import RequestState
-from specserve.workers.speculation.tree_policy import TreeCalibration, best_node_count
+from specserve.workers.speculation.tree_policy import TreePruning
 
 
 class DrafterRounds:
@@ -59,24 +57,23 @@ class ChainRounds:
 
 class TreeRounds:
     """The head's dynamic tree each round: `shape.budget` nodes; with `verify` costs (k = 'auto'), the best nodes of
-    it that pay for their verification (tree_policy.py), none when none does."""
+    it that pay for their verification (tree_policy.py), none when none does. No tree for a round that can commit
+    one token only."""
 
     def __init__(self, eagle: EagleDrafter, shape: TreeShape, verify: VerifyCosts | None = None):
         self.drafter = eagle
         self.shape = shape
-        self.verify = verify
-        self.calibration = TreeCalibration()
-        self._predicted = 0.0  # of the tree being verified
+        self.pruning = TreePruning(verify) if verify is not None else None
 
     def propose_tree(self, state: RequestState) -> DraftTree | None:
+        if not state.draft_budget(1):
+            return None
         tree = self.drafter.propose_tree(state.request_id, state.tokens, self.shape)
-        if tree is None or self.verify is None:
+        if tree is None or self.pruning is None:
             return tree
-        scores = sorted(tree.scores, reverse=True)
-        count = best_node_count(scores, self.verify, self.calibration.factor)
-        self._predicted = sum(math.exp(s) for s in scores[:count])
-        return tree.best(count) if count else None
+        return self.pruning.prune(tree)
 
     def observe(self, accepted: int) -> None:
         """The verified tree's accepted nodes."""
-        self.calibration.observe(self._predicted, accepted)
+        if self.pruning is not None:
+            self.pruning.observe(accepted)

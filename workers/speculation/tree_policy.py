@@ -5,16 +5,18 @@ accepted length of the tree made of the b best nodes is about c * sum of exp(sco
 log-probability; c: the request's calibration, accepted / predicted over its verified rounds, from a cautious
 prior), and a round verifies the b with the most committed tokens per second at the target's verify cost measured per
 width, or none (a plain step) when no b pays. The head's drafting is already spent when b is chosen: it does not
-enter the choice. Pure functions and small per-request state.
+enter the choice. Pure functions and small per-request state (`TreePruning`), shared by the in-process engine and the
+distributed scheduler.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.workers.speculation.chain_policy import VerifyCosts
+from specserve.workers.speculation.draft_tree import DraftTree
 
 MAX_TREE_NODES = 16  # the tree drafted for k='auto', pruned each round
 
@@ -53,3 +55,24 @@ def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float)
         if rate > best_rate:
             best, best_rate = b, rate
     return best
+
+
+@dataclass
+class TreePruning:
+    """One request's k='auto' trees: each drafted tree cut to the nodes that pay (`prune`), and the verified outcome
+    back into its calibration (`observe`)."""
+
+    verify: VerifyCosts
+    calibration: TreeCalibration = field(default_factory=TreeCalibration)
+    predicted: float = 0.0  # expected accepted nodes of the tree being verified
+
+    def prune(self, tree: DraftTree) -> DraftTree | None:
+        """The tree's best nodes that pay for their verification, or None (a plain step) when none does."""
+        scores = sorted(tree.scores, reverse=True)
+        count = best_node_count(scores, self.verify, self.calibration.factor)
+        self.predicted = sum(math.exp(s) for s in scores[:count])
+        return tree.best(count) if count else None
+
+    def observe(self, accepted: int) -> None:
+        """The verified tree's accepted nodes."""
+        self.calibration.observe(self.predicted, accepted)

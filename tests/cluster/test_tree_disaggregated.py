@@ -1,0 +1,185 @@
+"""Draft trees in the disaggregated path (method "eagle-tree"): the head's draft worker builds each round's tree and
+sends it in the propose reply (tokens, parents, path scores); the target worker verifies it in one forward and answers
+with the accepted path. Greedy requests are identical to target-only beside chain requests in the same batches, with
+k fixed and 'auto', through forgetful and dead draft workers; sampling draws from the target's distribution; the
+scheduler prunes 'auto' trees by the measured verify costs and to the load cap; the serving path takes the method."""
+
+import asyncio
+
+import pytest
+import torch
+
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.runtime.tree_rows import ROOT
+from specserve.workers.speculation.chain_planner import PlannerCosts
+from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
+from specserve.workers.speculation.codec import feature_block
+from specserve.workers.speculation.draft_tree import DraftTree
+from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
+from tests.cluster.test_eagle_disaggregated import (
+    BYTE_PROMPTS,
+    app_with,
+    assert_all_released,
+    build_pairs,
+    generate_all,
+    greedy,
+    prompts_of,
+    run_the_serving_path,
+    sample_disaggregated,
+)
+from tests.worker_helpers import LocalWorkers
+from tests.workers.test_engine_greedy import own_greedy_loop
+from tests.workers.test_engine_sampling import NEW, chi2_pvalue, exact_joint, marginal_tv
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, device) -> dict:
+    return build_pairs(tmp_path_factory.mktemp("tree_pairs"), device)
+
+
+def run(target, head_dir: str, requests, faults=None, reconnect_to=None) -> tuple[list, object]:
+    async def main():
+        async with LocalWorkers(target, [], n_targets=2, eagle_head=head_dir, eagle_drafts=2) as w:
+            trees = []
+            for worker in w.drafts.values():  # every tree call a draft worker answered: (nodes asked, nodes drafted)
+                batch = worker.propose_batch
+                worker.propose_batch = lambda calls, batch=batch: _record(trees, calls, batch(calls))
+            during = (lambda pipeline: faults(w, pipeline)) if faults else None
+            results, pipeline = await generate_all(w, requests, during=during)
+            live = [worker for name, worker in w.built.items() if name not in pipeline.scheduler.unhealthy]
+            assert all(len(worker.worker.committed) == 0 for worker in live)  # every request released
+            if not faults:
+                assert_all_released(w)
+            return results, pipeline, trees
+
+    return asyncio.run(main())
+
+
+def _record(trees: list, calls, results):
+    trees += [(c.k, len(r.tokens)) for c, r in zip(calls, results, strict=True) if c.tree and hasattr(r, "tokens")]
+    return results
+
+
+@pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
+def test_concurrent_greedy_tree_requests_are_identical_to_target_only(pairs, pair_name):
+    """Trees of 2, 4 and 8 nodes and 'auto' (16 drafted, pruned by the workers' measured costs), beside head chains
+    and target-only requests in the same draft and target batches."""
+    target, head_dir = pairs[pair_name]
+    prompts = prompts_of(target, pair_name)
+    requests = [(ids, *greedy(12 + 4 * i, "eagle-tree", k)) for i, ids in enumerate(prompts) for k in (2, 4, 8, "auto")]
+    requests += [(ids, *greedy(16, method)) for ids in prompts[:2] for method in ("eagle", "none")]
+
+    results, pipeline, trees = run(target, head_dir, requests)
+    for (ids, params, _), result in zip(requests, results, strict=True):
+        assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
+    fixed = [r for r in results if r.spec.method == "eagle-tree" and r.spec.k != "auto"]
+    assert all(r.state.stats.drafted > 0 for r in fixed)
+    for r in fixed:  # every round after the prefill drafted a tree of k nodes (the last one may be cut short)
+        assert r.state.stats.drafted <= r.spec.k * (r.state.stats.rounds - 1)
+    assert {asked for asked, _ in trees} == {2, 4, 8, MAX_TREE_NODES}
+    assert all(drafted == asked for asked, drafted in trees)  # the head drafts the whole budget
+    accepted = sum(r.state.stats.accepted for r in fixed)
+    assert accepted > 0 or pair_name == "byte"
+    assert pipeline.scheduler.planner_costs is not None  # 'auto' asked the workers for their costs
+    assert len(pipeline.scheduler.planner_costs.verify.verify_s) == MAX_TREE_NODES + 1
+
+
+def test_forgetful_and_dead_draft_workers_change_no_output(pairs):
+    """The head's draft workers forget every request (NOT_FOUND: re-sent with the undelivered features), then one
+    dies: its requests go on with the other, outputs identical."""
+    target, head_dir = pairs["byte"]
+    requests = [(ids, *greedy(40, "eagle-tree", 4)) for ids in prompts_of(target, "byte")]
+
+    async def faults(w, pipeline):
+        for _ in range(2):
+            await _until(lambda: pipeline.scheduler.feature_traffic.proposes >= 4)
+            for name in ("draft-0", "draft-1"):
+                for rid in w.drafts[name].committed.least_recent():
+                    await pipeline.drafts[name].release(rid)
+            await asyncio.sleep(0.02)
+        await w.stop("draft-0")
+
+    results, pipeline, _ = run(target, head_dir, requests, faults=faults)
+    for (ids, params, _), result in zip(requests, results, strict=True):
+        assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
+    assert sum(r.resent for r in results) > 0 and "draft-0" in pipeline.scheduler.unhealthy
+
+
+@pytest.mark.slow
+def test_sampled_trees_through_the_workers_match_the_targets_distribution(pairs):
+    """2,000 seeded requests with trees of 4 nodes (2 candidates a level), top-p truncating: the chi-square test of
+    tests/workers/test_engine_sampling.py against the exact joint of the next 3 tokens."""
+    target, head_dir = pairs["tiny_vocab"]
+    samples = 2000
+    params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
+    results = sample_disaggregated(target, head_dir, params, SpecParams(method="eagle-tree", k=4), samples)
+    outputs = [tuple(r.state.generated) for r in results]
+    joint = exact_joint(target.model, params, target.model.config.vocab_size)
+    assert sum(r.state.stats.accepted for r in results) > 0.2 * samples
+    assert chi2_pvalue(outputs, joint) > 1e-3
+    for pos in range(NEW):
+        assert marginal_tv(outputs, joint, pos, target.model.config.vocab_size) <= 0.04
+
+
+def test_a_tree_request_runs_through_the_serving_path(pairs):
+    """The ingress's preparer takes "eagle-tree" for a model served with a head; greedy output identical."""
+    target, head_dir = pairs["byte"]
+    run_ = run_the_serving_path(app_with(target.path, head_dir), BYTE_PROMPTS[0], 24, {"method": "eagle-tree", "k": 4})
+    assert run_.prepared.spec.method == "eagle-tree"
+    assert run_.out["token_ids"] == own_greedy_loop(target.model, run_.prepared.prompt_ids, 24, {2})
+    assert run_.out["stats"]["drafted"] > 0
+
+
+# -- the scheduler alone ---------------------------------------------------------------------------------------------
+
+
+def _features(start: int, rows: int) -> bytes:
+    return feature_block(start, torch.zeros(rows, 6)).encode()
+
+
+def _tree(nodes: int) -> DraftTree:
+    """A chain of `nodes` whose path scores fall by 0.1 nats a node, i.e. likely."""
+    return DraftTree(
+        list(range(10, 10 + nodes)), [ROOT] + list(range(nodes - 1)), [-0.1 * (i + 1) for i in range(nodes)]
+    )
+
+
+def test_the_scheduler_sizes_trees_by_k_costs_and_load():
+    s = Scheduler(["d"], ["t"])
+    fixed = s.add([1, 2, 3], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k=5), frozenset())
+    auto = s.add([1, 2, 3], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k="auto"), frozenset())
+    assert s.wants_costs(auto) and not s.wants_costs(fixed)
+    assert s.k_for(fixed) == s.k_for(auto) == 0  # no features before the prefill: a plain step
+    for req in (fixed, auto):
+        verify = s.plan_verify(req, [], b"")
+        assert verify.want_features and verify.parents is None
+        assert s.apply_tree_verify(req, None, [], 7, _features(0, 3)) == [7]
+    assert s.k_for(fixed) == 5 and s.k_for(auto) == MAX_TREE_NODES
+    draft = s.plan_draft(fixed, 5)
+    assert draft.tree and draft.k == 5 and draft.features
+    s.drafted(fixed, draft)
+    tree = s.prune_tree(fixed, _tree(5))
+    assert tree == _tree(5)  # a fixed k verifies the whole tree
+    verify = s.plan_verify(fixed, tree.tokens, b"", tree.parents)
+    assert verify.parents == tree.parents and verify.drafted == tree.tokens
+    assert s.apply_tree_verify(fixed, tree, [0, 1], 99, _features(3, 3)) == [10, 11, 99]
+    assert fixed.state.stats.drafted == 5 and fixed.state.stats.accepted == 2
+    assert s.k_for(fixed) == 5
+
+    # every width costs the same: every likely node pays
+    s.planner_costs = PlannerCosts(VerifyCosts((0.1,) * (MAX_TREE_NODES + 1)), DraftCost(step_s=0.01, fixed_s=0.01))
+    assert s.k_for(auto) == MAX_TREE_NODES and len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) == MAX_TREE_NODES
+    s.auto_k_cap = 3  # under load: at most 3 nodes, the best ones
+    assert s.k_for(auto) == 3 and s.prune_tree(auto, _tree(MAX_TREE_NODES)) == _tree(3)
+    assert s.k_for(fixed) == 5  # a fixed k is what the request asked for
+    s.auto_k_cap = 0
+    assert s.k_for(auto) == 0
+
+
+async def _until(condition, timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("timed out waiting")
+        await asyncio.sleep(0.002)
