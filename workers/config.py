@@ -72,6 +72,11 @@ class ModelConfig(_Strict):
         "float32", description="Weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA."
     )
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
+    packed_linears: bool = Field(
+        True,
+        description="float32 on a CPU: run the linear layers on oneDNN's prepacked weights (faster for the one- and "
+        "few-position forwards of decoding and verification); false: PyTorch's default kernels.",
+    )
 
 
 class KVCacheConfig(_Strict):

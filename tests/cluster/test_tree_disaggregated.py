@@ -78,7 +78,7 @@ def test_concurrent_greedy_tree_requests_are_identical_to_target_only(pairs, pai
     for r in fixed:  # every round after the prefill drafted a tree of k nodes (the last one may be cut short)
         assert r.state.stats.drafted <= r.spec.k * (r.state.stats.rounds - 1)
     assert {asked for asked, _ in trees} == {2, 4, 8, MAX_TREE_NODES}
-    assert all(drafted == asked for asked, drafted in trees)  # the head drafts the whole budget
+    assert all(0 < drafted <= asked for asked, drafted in trees)  # less where the head's paths grow unlikely
     accepted = sum(r.state.stats.accepted for r in fixed)
     assert accepted > 0 or pair_name == "byte"
     assert pipeline.scheduler.planner_costs is not None  # 'auto' asked the workers for their costs

@@ -81,3 +81,20 @@ def test_the_tree_keeps_the_best_candidates_and_their_parents():
     assert sorted(small.scores, reverse=True) == sorted(big.scores, reverse=True)[:6]
     for i, parent in enumerate(small.parents):
         assert parent == ROOT or small.scores[parent] >= small.scores[i]
+
+
+def test_levels_stop_where_no_frontier_path_is_likely_enough():
+    """A level is expanded only while the best frontier path's probability reaches min_path_prob: the tree is the
+    full one's nodes above the levels it skipped."""
+    head, drafting, rows = setup_requests([7])
+    first = drafting.extend(rows)
+    full = draft_trees(drafting, ["r0"], first, TreeShape(depth=4, topk=3, budget=100))[0]
+    depths = [len(path_of(full, i)) for i in range(len(full.tokens))]
+    best_at = [max(s for s, d in zip(full.scores, depths, strict=True) if d == level) for level in (1, 2, 3)]
+    assert best_at == sorted(best_at, reverse=True)
+    for levels in (1, 2, 3):  # a threshold just above the best path of level `levels`: no deeper level
+        above = float(torch.tensor(best_at[levels - 1]).exp()) * 1.01
+        cut = draft_trees(drafting, ["r0"], first, TreeShape(depth=4, topk=3, budget=100, min_path_prob=above))[0]
+        kept = [i for i, d in enumerate(depths) if d <= levels]
+        assert cut.tokens == [full.tokens[i] for i in kept] and cut.parents == full.parents[: len(kept)]
+    assert draft_trees(drafting, ["r0"], first, TreeShape(depth=4, topk=3, budget=100, min_path_prob=0.0))[0] == full

@@ -14,6 +14,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from specserve.workers.config import ModelConfig
 from specserve.workers.errors import ModelLoadError
+from specserve.workers.runtime.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,9 +119,12 @@ def load_model(config: ModelConfig, distributed_config=None) -> LoadedModel:
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not load causal LM weights from {config.path!r}: {e}") from None
     model.to(device).eval().requires_grad_(False)
-    log.info(
-        "loaded %s (%s) on %s as %s in %.1f s", path, hf_config.model_type, device, dtype, time.perf_counter() - start
-    )
+    packed = 0
+    if config.packed_linears and distributed_config is None:  # a tensor-parallel shard's layers are transformers'
+        output = model.get_output_embeddings()  # kept whole: it may be tied to the input embedding
+        packed = pack_linears(model, keep_weight=lambda name, layer: layer is output)
+    log.info("loaded %s (%s) on %s as %s in %.1f s%s", path, hf_config.model_type, device, dtype,
+             time.perf_counter() - start, f", {packed} linear layers packed for oneDNN" if packed else "")  # fmt: skip
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, device=device, dtype=dtype)
 
 

@@ -12,6 +12,7 @@ sampled requests verify them by recursive rejection sampling with one-hot draft 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,6 +76,8 @@ def draft_trees(
     keys, values = [committed_keys], [committed_values]
     slots = torch.arange(k, device=device)
     for depth in range(1, shape.depth):
+        if shape.min_path_prob and float(scores.max()) < math.log(shape.min_path_prob):
+            break  # no frontier node is likely enough to pay for another level of the head
         tokens = head.draft_to_target(draft_ids)  # [B, K] target ids
         positions = (starts + depth - 1)[:, None].expand(batch, k)  # [B, K]
         q, key, value, residual = head.qkv(F.embedding(tokens, embed), hidden, positions)

@@ -15,6 +15,7 @@ exactly what was sampled from, so the target's rejection sampler stays lossless.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ import torch
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.runtime.loading import LoadedModel
+from specserve.workers.runtime.packed_linear import PackedLinear, pack_linears
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafters import Proposal, draw_token
 from specserve.workers.speculation.eagle3 import Eagle3Head, default_feature_layers
@@ -182,12 +184,16 @@ def load_eagle_drafter(
     records one, hidden size, vocabulary, feature layers) or an Eagle3Head in memory (checked for shapes)."""
     config = target.model.config.get_text_config()
     hidden, num_layers, vocab = config.hidden_size, config.num_hidden_layers, target.vocab_size
-    if isinstance(head, Eagle3Head):
+    given = isinstance(head, Eagle3Head)
+    if given:
         _check_fits(head, hidden, vocab, num_layers)
     else:
         head = load_head(head, target.path, hidden, vocab, target_num_layers=num_layers, dtype=target.dtype)
-    layers = tuple(head.config.feature_layers or default_feature_layers(num_layers))
     head = head.to(device=target.device, dtype=target.dtype).eval()
+    if isinstance(target.model.get_output_embeddings(), PackedLinear):  # the target runs packed: so does its head
+        head = copy.deepcopy(head) if given else head  # the caller's head stays trainable
+        pack_linears(head)
+    layers = tuple(head.config.feature_layers or default_feature_layers(num_layers))
     embed = target.model.get_input_embeddings().weight
     log.info("EAGLE-3 head for %s: draft vocabulary %d, features of layers %s", target.path,
              head.config.draft_vocab_size, list(layers))  # fmt: skip

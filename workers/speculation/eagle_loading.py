@@ -16,6 +16,7 @@ from safetensors import safe_open
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.models.packaged_heads import PACKAGED, resolve_head
 from specserve.workers.runtime.loading import resolve_device, resolve_dtype
+from specserve.workers.runtime.packed_linear import pack_linears
 from specserve.workers.speculation.eagle3 import ARCHITECTURE, default_feature_layers
 from specserve.workers.speculation.eagle3_io import CONFIG_FILE, config_from_json, load_head
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
@@ -106,6 +107,7 @@ def load_head_drafter(
     dtype: str = "float32",
     device: str = "auto",
     max_support: int = 256,
+    packed_linears: bool = True,
 ) -> EagleDrafter:
     """An EagleDrafter for the target at `target_path` without loading the target: its config for the checks
     (identity, hidden size, vocabulary, layers) and its embedding for the drafting. dtype/device as ModelConfig's."""
@@ -125,4 +127,7 @@ def load_head_drafter(
     layers = tuple(head.config.feature_layers or default_feature_layers(num_layers))
     log.info("EAGLE-3 head %s for %s on %s: draft vocabulary %d, features of layers %s", head_dir, target_path, where,
              head.config.draft_vocab_size, list(layers))  # fmt: skip
-    return EagleDrafter(head.to(where).eval(), embed, layers, max_support)
+    head = head.to(where).eval()
+    if packed_linears:
+        pack_linears(head)  # float32 on a CPU only
+    return EagleDrafter(head, embed, layers, max_support)
