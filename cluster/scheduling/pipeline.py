@@ -7,8 +7,9 @@
    head (methods "eagle", "eagle+ngram"), which drafts round r + 1 from round r's features: each verify reply
    carries them, and the next propose call hands them to the request's draft worker.
 
-Method "eagle-tree" runs a round as: the head's tree from the draft worker (tokens, parents, path scores), pruned by the
-scheduler for k='auto', verified on the target worker in one forward, whose reply names the accepted path.
+Methods "eagle-tree" and "ngram-tree" run a round as: the head's tree from the draft worker (tokens, parents, path
+scores) or prompt lookup's from here, pruned by the scheduler for k='auto', verified on the target worker in one
+forward, whose reply names the accepted path.
 
 Prompt lookup runs here, next to the committed tokens: method "ngram" every round, "eagle+ngram" in the rounds the
 scheduler's plan gives to it (no draft call; the head gets those rounds' features with its next call).
@@ -45,6 +46,7 @@ from specserve.cluster.scheduling.worker_clients import (
 from specserve.workers.config import TREE_METHODS, SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import PlannerCosts
 from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
+from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.drafters import NgramDrafter
 
 log = logging.getLogger(__name__)
@@ -237,10 +239,14 @@ class Pipeline:
         return proposal
 
     async def _tree_round(self, req: SchedRequest, clock: _RoundClock) -> list[int] | None:
-        """Draft the head's tree on the draft worker (none when the round plans no nodes, or the worker failed: a plain
-        step), verify it on the target worker, commit the accepted path. None when the target failed."""
+        """Draft the round's tree, prompt lookup's here or the head's on the draft worker (none when the round plans
+        no nodes, nothing matches or the worker failed: a plain step), verify it on the target worker, commit the
+        accepted path. None when the target failed."""
         nodes, tree = self.scheduler.k_for(req), None
-        if nodes:
+        if nodes and req.spec.method == "ngram-tree":  # no model: here, next to the committed tokens
+            drafted = self.ngram.propose_tree(req.request_id, req.state.tokens, TreeShape.for_budget(nodes))
+            tree = self.scheduler.prune_tree(req, drafted) if drafted is not None else None
+        elif nodes:
             with clock.waiting():
                 call = self.scheduler.plan_draft(req, nodes)
                 client = self.drafts[call.worker]

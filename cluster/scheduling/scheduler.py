@@ -24,9 +24,10 @@ committed tokens per second, or a plain target step when no chain pays. Until th
 sizes the head's chains.
 
 Method "eagle-tree" asks the head's draft worker for a tree of k nodes (EAGLE-2's dynamic tree: tokens, parents and
-each node's path score) and the target worker verifies it in one forward, answering with the accepted path. With
-k='auto' the worker drafts MAX_TREE_NODES nodes and the scheduler keeps the best ones that pay at the target's measured
-verify cost per width (tree_policy.py), at most `auto_k_cap` of them under load.
+each node's path score), "ngram-tree" has the pipeline merge prompt lookup's matches into one (no draft call); the
+target worker verifies the tree in one forward, answering with the accepted path. With k='auto' MAX_TREE_NODES are
+drafted and the scheduler keeps the best ones that pay at the target's measured verify cost per width
+(tree_policy.py), at most `auto_k_cap` of them under load.
 """
 
 from __future__ import annotations
@@ -261,8 +262,9 @@ class Scheduler:
 
     def _tree_nodes(self, req: SchedRequest) -> int:
         """Nodes to draft this round: k, or for 'auto' MAX_TREE_NODES (pruned once drafted), capped under load; none
-        without a draft worker, without new features, or when the round can commit one token only."""
-        if req.draft_worker is None or req.features.pending is None or not req.state.draft_budget(1):
+        when the round can commit one token only, and for a head's tree without a draft worker or new features."""
+        head = req.spec.method in HEAD_METHODS
+        if head and (req.draft_worker is None or req.features.pending is None) or not req.state.draft_budget(1):
             return 0
         if req.spec.k != "auto":
             return req.spec.k
@@ -297,7 +299,7 @@ class Scheduler:
 
     def plan_draft(self, req: SchedRequest, k: int) -> Call:
         features = req.features.to_send() if req.features is not None else b""
-        tree = req.spec.method in TREE_METHODS
+        tree = req.spec.method == "eagle-tree"
         return self._call(req, req.draft_worker, req.state.tokens, k=k, features=features, tree=tree)
 
     def plan_predraft(self, req: SchedRequest, drafted: list[int], k: int) -> Call | None:

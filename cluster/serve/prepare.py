@@ -59,14 +59,16 @@ def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
     default_method = pool_method if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
     spec = SpecParams(method=request.method or default_method, k=cfg.k if request.k is None else request.k)
     if spec.method in HEAD_METHODS and not has_head:
-        use = "draft/ngram/none" if cfg.drafts_with_model else "ngram/none"
+        use = "draft/ngram/ngram-tree/none" if cfg.drafts_with_model else "ngram/ngram-tree/none"
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} is served without an EAGLE-3 head "
                                   f"(use {use})")  # fmt: skip
     if spec.method == "draft" and has_head:
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} drafts with an EAGLE-3 head, not a draft "
-                                  "model (use eagle+ngram/eagle/eagle-tree/ngram/none)")  # fmt: skip
+                                  "model (use eagle+ngram/eagle/eagle-tree/ngram/ngram-tree/none)")  # fmt: skip
     if spec.method == "draft" and not cfg.drafts_with_model:
-        raise InvalidRequestError("speculation.method", f"model {cfg.name!r} has no draft model (use ngram/none)")
+        raise InvalidRequestError(
+            "speculation.method", f"model {cfg.name!r} has no draft model (use ngram/ngram-tree/none)"
+        )
     return spec
 
 

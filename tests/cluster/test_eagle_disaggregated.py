@@ -386,6 +386,8 @@ def test_the_edge_takes_the_head_methods_only_for_a_model_served_with_a_head(byt
     draft = oai.parse_completion({"prompt": "x", "speculation": {"method": "draft"}}).request
     with pytest.raises(InvalidRequestError, match="drafts with an EAGLE-3 head, not a draft model"):
         with_head.prepare(draft)
+    lookup_tree = oai.parse_completion({"prompt": "x", "speculation": {"method": "ngram-tree"}}).request
+    assert without.prepare(lookup_tree).spec.method == with_head.prepare(lookup_tree).spec.method == "ngram-tree"
 
 
 @dataclass

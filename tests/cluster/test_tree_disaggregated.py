@@ -69,10 +69,12 @@ def test_concurrent_greedy_tree_requests_are_identical_to_target_only(pairs, pai
     prompts = prompts_of(target, pair_name)
     requests = [(ids, *greedy(12 + 4 * i, "eagle-tree", k)) for i, ids in enumerate(prompts) for k in (2, 4, 8, "auto")]
     requests += [(ids, *greedy(16, method)) for ids in prompts[:2] for method in ("eagle", "none")]
+    requests += [(ids, *greedy(20, "ngram-tree", k)) for ids in prompts for k in (4, "auto")]
 
     results, pipeline, trees = run(target, head_dir, requests)
     for (ids, params, _), result in zip(requests, results, strict=True):
         assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
+    assert sum(r.state.stats.drafted for r in results if r.spec.method == "ngram-tree") > 0  # no draft call
     fixed = [r for r in results if r.spec.method == "eagle-tree" and r.spec.k != "auto"]
     assert all(r.state.stats.drafted > 0 for r in fixed)
     for r in fixed:  # every round after the prefill drafted a tree of k nodes (the last one may be cut short)
@@ -122,11 +124,14 @@ def test_sampled_trees_through_the_workers_match_the_targets_distribution(pairs)
         assert marginal_tv(outputs, joint, pos, target.model.config.vocab_size) <= 0.04
 
 
-def test_a_tree_request_runs_through_the_serving_path(pairs):
-    """The ingress's preparer takes "eagle-tree" for a model served with a head; greedy output identical."""
+@pytest.mark.parametrize("method", ["eagle-tree", "ngram-tree"])
+def test_a_tree_request_runs_through_the_serving_path(pairs, method):
+    """The ingress's preparer takes "eagle-tree" for a model served with a head, "ngram-tree" for any; greedy output
+    identical."""
     target, head_dir = pairs["byte"]
-    run_ = run_the_serving_path(app_with(target.path, head_dir), BYTE_PROMPTS[0], 24, {"method": "eagle-tree", "k": 4})
-    assert run_.prepared.spec.method == "eagle-tree"
+    app = app_with(target.path, head_dir)
+    run_ = run_the_serving_path(app, BYTE_PROMPTS[2], 24, {"method": method, "k": 4})
+    assert run_.prepared.spec.method == method
     assert run_.out["token_ids"] == own_greedy_loop(target.model, run_.prepared.prompt_ids, 24, {2})
     assert run_.out["stats"]["drafted"] > 0
 

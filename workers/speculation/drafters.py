@@ -17,6 +17,8 @@ import torch
 from specserve.workers.config import NgramConfig, SamplingParams
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.codec import sparsify
+from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
+from specserve.workers.speculation.ngram_tree import ngram_tree
 from specserve.workers.speculation.sampling import (
     DRAFT_SALT,
     exponential_noise,
@@ -106,6 +108,10 @@ class NgramDrafter:
 
     def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]:
         return [self.propose(*row) for row in rows]  # no model: nothing to batch
+
+    def propose_tree(self, request_id: str, tokens: Sequence[int], shape: TreeShape) -> DraftTree | None:
+        """The continuations of every recent match as a tree (ngram_tree.py); None when nothing matches."""
+        return ngram_tree(tokens, shape.budget, shape.depth, self.config.max_ngram, self.config.min_ngram)
 
     def release(self, request_id: str) -> None:
         pass

@@ -120,7 +120,7 @@ class SpecEngine:
     def _drafter(self, spec: SpecParams) -> Drafter | None:
         if spec.method == "none":
             return None
-        name = "eagle" if spec.method in (*EAGLE_METHODS, *TREE_METHODS) else spec.method
+        name = {"eagle+ngram": "eagle", "eagle-tree": "eagle", "ngram-tree": "ngram"}.get(spec.method, spec.method)
         if name not in self.drafters:
             needs = "an EAGLE-3 head (eagle_head)" if name == "eagle" else "a draft model"
             raise InvalidRequestError("method", f"{spec.method!r} drafting needs {needs}, and none is loaded")
@@ -130,12 +130,12 @@ class SpecEngine:
         drafter = self._drafter(spec)
         if drafter is None:
             return None
+        if spec.method in TREE_METHODS and spec.k == "auto":  # the best nodes of a big tree, each round
+            return TreeRounds(drafter, TreeShape.for_budget(MAX_TREE_NODES), self.tree_verify_costs())
+        if spec.method in TREE_METHODS:
+            return TreeRounds(drafter, TreeShape.for_budget(spec.k))
         if not isinstance(drafter, EagleDrafter):
             return DrafterRounds(drafter, spec, self.cost_ratio)
-        if spec.method == "eagle-tree" and spec.k == "auto":  # the best nodes of a big tree, each round
-            return TreeRounds(drafter, TreeShape.for_budget(MAX_TREE_NODES), self.tree_verify_costs())
-        if spec.method == "eagle-tree":
-            return TreeRounds(drafter, TreeShape.for_budget(spec.k))
         auto = spec.k == "auto"
         planner = ChainPlanner(use_head=True, use_ngram=spec.method == "eagle+ngram",
                                ngram=self.drafters["ngram"].config, head_prior=self.head_prior,
@@ -182,17 +182,19 @@ class SpecEngine:
     def _tree_round(
         self, state: RequestState, rounds: TreeRounds, params: SamplingParams, generator: torch.Generator
     ) -> None:
-        """Draft the head's tree (none before the target's first features), verify it, commit the accepted path and
-        the recovered or bonus token; the head gets the committed positions' features."""
+        """Draft the round's tree (none: a plain step, as before the head's first features), verify it, commit the
+        accepted path and the recovered or bonus token; a head gets the committed positions' features."""
         tree = rounds.propose_tree(state)
         if tree is None:
             num_accepted, next_token = self._verify(state, rounds.drafter, None, params, generator)
             state.commit_round([], num_accepted, next_token)
             return
+        head = rounds.drafter if isinstance(rounds.drafter, EagleDrafter) else None
         call = TreeCall(TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents), params, generator)
-        verdict = self.verifier.verify_trees([call], capture=True)[0]
+        verdict = self.verifier.verify_trees([call], capture=head is not None)[0]
         rounds.observe(len(verdict.path))
-        rounds.drafter.add_features(state.request_id, verdict.feature_start, verdict.features)
+        if head is not None:
+            head.add_features(state.request_id, verdict.feature_start, verdict.features)
         path = [tree.tokens[i] for i in verdict.path]
         state.commit_round(path, len(path), verdict.next_token, tree=(len(tree.tokens), tree.depth))
 

@@ -1,6 +1,6 @@
 """What the in-process engine drafts each round, per request: one drafter with a fixed or adaptive k
-(`DrafterRounds`), the chain planner over an EAGLE-3 head and n-gram lookup (`ChainRounds`), or the head's draft tree
-(`TreeRounds`)."""
+(`DrafterRounds`), the chain planner over an EAGLE-3 head and n-gram lookup (`ChainRounds`), or a draft tree, the
+head's or prompt lookup's (`TreeRounds`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from specserve.workers.speculation.adaptive_k import AdaptiveK
 from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafters import Drafter, Proposal
+from specserve.workers.speculation.drafters import Drafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.tree_policy import TreePruning
@@ -56,12 +56,12 @@ class ChainRounds:
 
 
 class TreeRounds:
-    """The head's dynamic tree each round: `shape.budget` nodes; with `verify` costs (k = 'auto'), the best nodes of
-    it that pay for their verification (tree_policy.py), none when none does. No tree for a round that can commit
-    one token only."""
+    """A tree each round, the head's (EAGLE-2's dynamic tree) or prompt lookup's (every recent match's continuation):
+    up to `shape.budget` nodes; with `verify` costs (k = 'auto'), the best nodes of it that pay for their
+    verification (tree_policy.py), none when none does. No tree for a round that can commit one token only."""
 
-    def __init__(self, eagle: EagleDrafter, shape: TreeShape, verify: VerifyCosts | None = None):
-        self.drafter = eagle
+    def __init__(self, drafter: EagleDrafter | NgramDrafter, shape: TreeShape, verify: VerifyCosts | None = None):
+        self.drafter = drafter
         self.shape = shape
         self.pruning = TreePruning(verify) if verify is not None else None
 
