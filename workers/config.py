@@ -76,7 +76,8 @@ class ModelConfig(_Strict):
     packed_linears: bool = Field(
         True,
         description="float32 on a CPU: run the linear layers on oneDNN's prepacked weights (faster for the one- and "
-        "few-position forwards of decoding and verification); false: PyTorch's default kernels.",
+        "few-position forwards of decoding and verification; the model's parameters then omit the packed layers' "
+        "original weights); false: PyTorch's default kernels.",
     )
 
 

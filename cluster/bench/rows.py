@@ -254,6 +254,8 @@ def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[t
                 add(f"specserve {method} k={k} {tag}", method, k, temp, spec_fn(engine, method, k))
         for k in ((*TREE_KS, "auto") if temp == 0 else (8,)) if "eagle" in engine.drafters else ():
             add(f"specserve eagle-tree k={k} {tag}", "eagle-tree", k, temp, spec_fn(engine, "eagle-tree", k))
+        for k in (*TREE_KS, "auto") if temp == 0 else ():
+            add(f"specserve ngram-tree k={k} {tag}", "ngram-tree", k, temp, spec_fn(engine, "ngram-tree", k))
         if has_draft:
             for k in (*cfg.ks, "auto") if temp == 0 else (best_k, "auto"):
                 add(f"specserve draft k={k} {tag}", "draft", k, temp, spec_fn(engine, "draft", k))

@@ -29,7 +29,7 @@ from specserve.cluster.bench.rows import (
     prompt_lookup_row,
 )
 from specserve.cluster.bench.timing import Costs, CostSampler, distinct_ngram_fraction, fill_bounds, measure
-from specserve.workers.config import ModelConfig, SamplingParams
+from specserve.workers.config import TREE_METHODS, ModelConfig, SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.engine import SpecEngine
 
@@ -66,7 +66,7 @@ def _warm_up(engine: SpecEngine, plan: list[tuple[Row, RowFn]], prompts: list[li
     for _, fn in {id(fn): (r, fn) for r, fn in plan}.values():
         fn(prompts[0][:16], warm)
     draft_runner = _draft_runner(engine)
-    trees = TREE_KS if "eagle" in engine.drafters else ()
+    trees = TREE_KS if cfg.suite != "demo" else ()
     ks = cfg.ks if cfg.suite == "demo" else tuple(sorted({*NGRAM_KS, *(cfg.ks if draft_runner else ()), *trees}))
     sampler = CostSampler(engine.target, draft_runner.loaded if draft_runner else None, ks)
     sampler.warm_up(prompts[0])
@@ -90,10 +90,10 @@ def _fill_speculation(rows: list[Row], counts: dict, costs: Costs) -> None:
             fixed = row.method == "draft" and row.k != "auto"
             depth = sum(c.reached_by_position) / c.rounds  # a tree drafts as many steps as it is deep
             fill_bounds(row, costs, float(row.k) if fixed else c.drafted / c.rounds,
-                        steps=depth if row.method == "eagle-tree" else None)  # fmt: skip
+                        steps=depth if row.method in TREE_METHODS else None)  # fmt: skip
 
 
-SPECULATIVE = ("draft", "ngram", "eagle", "eagle+ngram", "eagle-tree")
+SPECULATIVE = ("draft", "ngram", "eagle", "eagle+ngram", *TREE_METHODS)
 HEAD_K = 4  # a head's cost per drafted token is quoted at this k
 
 

@@ -35,9 +35,10 @@ def test_without_a_draft_rows_are_prompt_lookup_and_ngram_and_greedy_rows_match(
     engine = _engine(tiny_target, eos_after=5)
     rows, meta = run_bench(engine, PROMPTS, CFG, progress=False)
 
-    assert {r.method for r in rows} == {"target-only", "hf-generate", "hf-prompt-lookup", "ngram"}  # no draft rows
+    assert {r.method for r in rows} == {"target-only", "hf-generate", "hf-prompt-lookup", "ngram", "ngram-tree"}
     greedy = [r for r in rows if r.temperature == 0]
     assert [r.k for r in greedy if r.method == "ngram"] == [*NGRAM_KS, "auto"]
+    assert [r.k for r in greedy if r.method == "ngram-tree"] == [*TREE_KS, "auto"]
     best = max((r for r in greedy if r.method == "ngram" and r.k != "auto"), key=lambda r: r.speedup).k
     assert [r.k for r in greedy if r.method == "hf-prompt-lookup"] == [PROMPT_LOOKUP_N, best]
     assert meta["prompt_lookup_best_k"]["n"] == best
@@ -50,10 +51,11 @@ def test_without_a_draft_rows_are_prompt_lookup_and_ngram_and_greedy_rows_match(
     assert sampled == [("target-only", None), ("ngram", 4), ("ngram", "auto")]
     assert all(r.identical is None for r in rows if r.temperature > 0)
 
-    ngram = [r for r in rows if r.method == "ngram"]
-    assert any(r.mean_accepted_length > 1 for r in ngram)  # prompt lookup did draft and get tokens accepted
-    assert all(r.t_draft_ms == 0 and r.bound > 0 and r.acceptance_rate is not None for r in ngram)
-    assert meta["cost_ratio_c"] == 0 and sorted(meta["t_verify_ms"]) == list(NGRAM_KS)
+    for method in ("ngram", "ngram-tree"):
+        ngram = [r for r in rows if r.method == method]
+        assert any(r.mean_accepted_length > 1 for r in ngram)  # prompt lookup did draft and get tokens accepted
+        assert all(r.t_draft_ms == 0 and r.bound > 0 and r.acceptance_rate is not None for r in ngram)
+    assert meta["cost_ratio_c"] == 0 and sorted(meta["t_verify_ms"]) == sorted({*NGRAM_KS, *TREE_KS})
     assert all(r.tokens == sum(len(o) for o in r.outputs) and r.tokens_per_s > 0 for r in rows)
 
 

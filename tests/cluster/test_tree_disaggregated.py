@@ -19,6 +19,7 @@ from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from tests.cluster.test_eagle_disaggregated import (
     BYTE_PROMPTS,
+    _until,
     app_with,
     assert_all_released,
     build_pairs,
@@ -30,7 +31,7 @@ from tests.cluster.test_eagle_disaggregated import (
 )
 from tests.worker_helpers import LocalWorkers
 from tests.workers.test_engine_greedy import own_greedy_loop
-from tests.workers.test_engine_sampling import NEW, chi2_pvalue, exact_joint, marginal_tv
+from tests.workers.test_engine_sampling import NEW, assert_target_distribution
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def test_forgetful_and_dead_draft_workers_change_no_output(pairs):
 
     async def faults(w, pipeline):
         for _ in range(2):
-            await _until(lambda: pipeline.scheduler.feature_traffic.proposes >= 4)
+            await _until(lambda: pipeline.scheduler.feature_traffic.proposes >= 4, timeout_s=20)
             for name in ("draft-0", "draft-1"):
                 for rid in w.drafts[name].committed.least_recent():
                     await pipeline.drafts[name].release(rid)
@@ -116,12 +117,8 @@ def test_sampled_trees_through_the_workers_match_the_targets_distribution(pairs)
     samples = 2000
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
     results = sample_disaggregated(target, head_dir, params, SpecParams(method="eagle-tree", k=4), samples)
-    outputs = [tuple(r.state.generated) for r in results]
-    joint = exact_joint(target.model, params, target.model.config.vocab_size)
     assert sum(r.state.stats.accepted for r in results) > 0.2 * samples
-    assert chi2_pvalue(outputs, joint) > 1e-3
-    for pos in range(NEW):
-        assert marginal_tv(outputs, joint, pos, target.model.config.vocab_size) <= 0.04
+    assert_target_distribution([tuple(r.state.generated) for r in results], target.model, params, max_tv=0.04)
 
 
 @pytest.mark.parametrize("method", ["eagle-tree", "ngram-tree"])
@@ -180,11 +177,3 @@ def test_the_scheduler_sizes_trees_by_k_costs_and_load():
     assert s.k_for(fixed) == 5  # a fixed k is what the request asked for
     s.auto_k_cap = 0
     assert s.k_for(auto) == 0
-
-
-async def _until(condition, timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("timed out waiting")
-        await asyncio.sleep(0.002)

@@ -161,7 +161,8 @@ def test_the_packaged_family_installs_without_training_and_matches_the_default_r
     assert family.root.parent.parent == tmp_path and find_demo_family() == family
     manifest = family.manifest
     assert manifest["corpus_root"] == str(stdlib_root()) and manifest["held_out_files"]
-    target = load_model(ModelConfig(path=family.target, device="cpu"))  # fp16 on disk, fp32 as configured
+    # fp16 on disk, fp32 as configured; unpacked, to count every weight (packed layers keep only their packed copy)
+    target = load_model(ModelConfig(path=family.target, device="cpu", packed_linears=False))
     draft = load_model(ModelConfig(path=family.draft, device="cpu"))
     assert next(target.model.parameters()).dtype == torch.float32
     assert target.model.config.num_hidden_layers == DemoSpec().target_layers
@@ -203,7 +204,7 @@ def test_a_packaged_family_installs_as_it_was_built(tiny_family, tmp_path, monke
     manifest = family.manifest
     assert manifest["weights_dtype"] == "float16" and manifest["corpus_root"] == str(stdlib_root())
     assert manifest["held_out_files"] == tiny_family.manifest["held_out_files"]
-    target = load_model(ModelConfig(path=family.target, device="cpu"))
-    built = load_model(ModelConfig(path=tiny_family.target, device="cpu"))
+    target = load_model(ModelConfig(path=family.target, device="cpu", packed_linears=False))  # every weight, as stored
+    built = load_model(ModelConfig(path=tiny_family.target, device="cpu", packed_linears=False))
     for a, b in zip(target.model.parameters(), built.model.parameters(), strict=True):
         assert torch.equal(a, b.half().float())  # the built weights, rounded to fp16

@@ -75,6 +75,16 @@ def marginal_tv(samples, joint, position, V):
     return 0.5 * np.abs(emp - exact).sum()
 
 
+def assert_target_distribution(outputs, model, params, max_tv: float) -> None:
+    """The sampled NEW-token outputs after PROMPT fit the target's exact joint (chi-square) and each position's
+    marginal is within `max_tv` of the exact one (total variation)."""
+    V = model.config.vocab_size
+    joint = exact_joint(model, params, V)
+    assert chi2_pvalue(outputs, joint) > 1e-3
+    for pos in range(NEW):
+        assert marginal_tv(outputs, joint, pos, V) <= max_tv
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "method, k, top_p, samples, max_tv, min_accepted",
