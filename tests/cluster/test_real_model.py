@@ -99,7 +99,7 @@ def test_served_chat_is_identical_on_every_path(server, reference):
         for q in QUESTIONS:
             tokens, text = reference[q]
             messages = [{"role": "user", "content": q}]
-            # the default (n-gram: the packaged head does not pay yet, see README), explicit n-gram, target only
+            # the default (the packaged head with prompt lookup, eagle+ngram), explicit n-gram, target only
             for method in ("", "ngram", "none"):
                 out = client.generate(messages=messages, max_new_tokens=NEW_TOKENS, method=method)
                 assert out["token_ids"] == tokens, (q, method)

@@ -48,7 +48,7 @@ def test_a_head_drafts_by_default_only_if_its_measured_acceptance_pays(heads_dir
     head = heads_dir / "measured"
     head.mkdir(parents=True)
     target = _converted_target(tmp_path / "target", digest)
-    for acceptance, default in ((None, True), ([0.45, 0.3], True), ([0.25, 0.25], False)):
+    for acceptance, default in ((None, True), ([0.45, 0.3], True), ([0.3, 0.2], True), ([0.2, 0.25], False)):
         (head / "config.json").write_text(
             json.dumps({"specserve": {"target_identity": digest, "acceptance": acceptance}})
         )

@@ -87,6 +87,7 @@ def test_tree_verify_over_grpc_names_the_path_and_refuses_bad_trees(target):
                     dict(drafted=[5, 6], parents=[ROOT]),  # one parent for two tokens
                     dict(drafted=[5, 6], parents=[ROOT, 1]),  # a node its own parent
                     dict(drafted=[5, 6], parents=[ROOT, 0], draft_probs=b"\x90"),  # probs for a tree
+                    dict(drafted=[5] * 17, parents=[ROOT] * 17),  # over MAX_K nodes
                 ):
                     try:
                         await stub.Verify(pb.VerifyRequest(request_id="x", committed_len=2, new_tokens=[1, 5],
@@ -104,9 +105,9 @@ def test_tree_verify_over_grpc_names_the_path_and_refuses_bad_trees(target):
                 return errors, ok, leaf, want
 
     errors, ok, leaf, want = asyncio.run(main())
-    assert [code for code, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert [code for code, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 4
     assert "invalid parents" in errors[0][1] and "invalid parents" in errors[1][1]
-    assert "invalid draft_probs" in errors[2][1]
+    assert "invalid draft_probs" in errors[2][1] and "invalid drafted: at most 16" in errors[3][1]
     assert list(ok.path) == [1, 2] and ok.accepted == 2 and ok.next_token == want[2] and not ok.bonus
     assert list(leaf.path) == [0] and leaf.next_token == want[1] and leaf.bonus  # the accepted node has no children
 

@@ -201,6 +201,10 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
     async def Verify(self, request, context):
         try:
             _check_request_id(request.request_id)
+            if len(request.drafted) > MAX_K:  # a tree's mask grows with its square: bound it here
+                raise InvalidRequestError(
+                    "drafted", f"at most {MAX_K} tokens (a tree's nodes), got {len(request.drafted)}"
+                )
             probs = decode_probs(request.draft_probs, self.worker.vocab_size)
             if probs is not None and probs.shape[0] != len(request.drafted):
                 raise InvalidRequestError("draft_probs", f"{probs.shape[0]} rows for {len(request.drafted)} drafted")
