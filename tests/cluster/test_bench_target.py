@@ -115,7 +115,7 @@ def test_cli_quick_bench_on_a_target_with_a_chat_prompts_file(tiny_target, tmp_p
     assert result["meta"]["prompts"] == 4 and result["meta"]["prompts_kind"] == "chat"  # --quick: the first 4
     assert result["meta"]["max_new_tokens"] == 64
     methods = {r["method"] for r in result["rows"]}
-    assert methods == {"target-only", "hf-generate", "hf-prompt-lookup", "ngram"}
+    assert methods == {"target-only", "hf-generate", "hf-prompt-lookup", "ngram", "ngram-tree"}
     for row in result["rows"]:
         assert {"method", "k", "speedup", "tokens_per_s", "acceptance_rate", "identical"} <= set(row)
         assert row["identical"] is (True if row["temperature"] == 0 and row["name"] != "target-only greedy" else None)
