@@ -107,7 +107,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", **{f"f{i}": 0 for i in range(100_000)}}, "body", "100000 unknown fields (f0, f1, f2, ...)"),
     ({"prompt": "x", "speculation": "fast"}, "speculation", "must be an object"),
     ({"prompt": "x", "speculation": {"method": "draft", "depth": 3}}, "speculation.depth", "unknown field"),
-    ({"prompt": "x", "speculation": {"method": "DRAFT"}}, "speculation.method", "'draft', 'ngram' or 'none'"),
+    ({"prompt": "x", "speculation": {"method": "DRAFT"}}, "speculation.method", "'ngram-tree' or 'none'"),
     ({"prompt": "x", "speculation": {"k": 0}}, "speculation.k", "greater than or equal to 1"),
     ({"prompt": "x", "speculation": {"k": 17}}, "speculation.k", "less than or equal to 16"),
     ({"prompt": "x", "speculation": {"k": "many"}}, "speculation.k", "'auto'"),
