@@ -16,6 +16,15 @@ def node_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
+def check_parents(tokens: Sequence[int], parents: Sequence[int]) -> None:
+    """ValueError unless there is one parent per token, each the root or an earlier node."""
+    if len(tokens) != len(parents):
+        raise ValueError(f"{len(tokens)} tokens for {len(parents)} parents")
+    for i, parent in enumerate(parents):
+        if not ROOT <= parent < i:
+            raise ValueError(f"node {i}'s parent {parent} is not the root or an earlier node")
+
+
 @dataclass(frozen=True)
 class TreeRow:
     """One request's committed tokens and drafted tree: node i holds tokens[i], a child of parents[i] (ROOT or an
@@ -30,11 +39,10 @@ class TreeRow:
         """ValueError unless the tree is well formed and there is a committed token to hang it on."""
         if not self.sequence:
             raise ValueError(f"{self.request_id!r}: a tree needs a committed token before it")
-        if len(self.tokens) != len(self.parents):
-            raise ValueError(f"{self.request_id!r}: {len(self.tokens)} tokens for {len(self.parents)} parents")
-        for i, parent in enumerate(self.parents):
-            if not ROOT <= parent < i:
-                raise ValueError(f"{self.request_id!r}: node {i}'s parent {parent} is not the root or an earlier node")
+        try:
+            check_parents(self.tokens, self.parents)
+        except ValueError as e:
+            raise ValueError(f"{self.request_id!r}: {e}") from None
 
     def depths(self) -> list[int]:
         """Per node, its depth (0 for a child of the root): its rotary position is the root's + 1 + depth."""

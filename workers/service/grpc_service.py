@@ -22,9 +22,10 @@ from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.protos.wire import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 (importable from here too)
 from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams, validate
 from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError, UnavailableError
+from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.service.batcher import Batcher
 from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
-from specserve.workers.service.target_worker import TargetWorker, VerifyCall
+from specserve.workers.service.target_worker import TargetWorker, VerifyCall, VerifyResult
 from specserve.workers.speculation.codec import decode_features, decode_probs
 
 log = logging.getLogger(__name__)
@@ -235,12 +236,12 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
         )
 
 
-def _bonus(call: VerifyCall, result) -> bool:
+def _bonus(call: VerifyCall, result: VerifyResult) -> bool:
     """Whether next_token is the bonus token: every drafted token accepted, or for a tree the deepest accepted node
     (the root when none was) has no children."""
     if call.parents is None:
         return result.accepted == len(call.drafted)
-    deepest = result.path[-1] if result.path else -1
+    deepest = result.path[-1] if result.path else ROOT
     return deepest not in call.parents
 
 

@@ -6,7 +6,6 @@ mask), keeping only each tree's accepted path in the cache."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import torch
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
-from specserve.workers.runtime.tree_rows import TreeRow
+from specserve.workers.runtime.tree_rows import TreeRow, check_parents
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import encode_features
@@ -104,12 +103,13 @@ class TargetWorker:
             if call.want_features and self.verifier.runner.capture_layers is None:
                 raise InvalidRequestError("want_features", "this target worker captures no features: its model is "
                                           "served without an EAGLE-3 head")  # fmt: skip
-            tree = _checked_tree(call)
+            _check_tree(call)  # before the call's tokens are taken as committed
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
             verify = (call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator)
-            if tree is not None:
-                tree = TreeCall(dataclasses.replace(tree, sequence=tokens), call.params, generator)
+            tree = None
+            if call.parents is not None:
+                tree = TreeCall(TreeRow(call.request_id, tokens, call.drafted, call.parents), call.params, generator)
             return _Row(verify, call.want_features, tree)
 
         results, rows = run_calls(self.committed, calls, prepare, self._verify_rows, self.release)
@@ -178,15 +178,14 @@ class TargetWorker:
         return report
 
 
-def _checked_tree(call: VerifyCall) -> TreeRow | None:
-    """The call's tree (its sequence filled in later), or None for a chain; InvalidRequestError names the field."""
+def _check_tree(call: VerifyCall) -> None:
+    """A tree call's parents and draft probs (none: its candidates are deterministic); InvalidRequestError names the
+    field."""
     if call.parents is None:
-        return None
+        return
     if call.draft_probs is not None:
         raise InvalidRequestError("draft_probs", "a tree's candidates are deterministic: it takes no draft probs")
-    tree = TreeRow(call.request_id, [0], call.drafted, call.parents)
     try:
-        tree.check()
+        check_parents(call.drafted, call.parents)
     except ValueError as e:
         raise InvalidRequestError("parents", str(e)) from None
-    return tree

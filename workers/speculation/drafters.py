@@ -18,7 +18,7 @@ from specserve.workers.config import NgramConfig, SamplingParams
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.codec import sparsify
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.ngram_tree import ngram_tree
+from specserve.workers.speculation.ngram_tree import ngram_matches, ngram_tree
 from specserve.workers.speculation.sampling import (
     DRAFT_SALT,
     exponential_noise,
@@ -125,14 +125,8 @@ def ngram_lookup(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) 
 def ngram_match(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
     """(n, continuation): the longest suffix n-gram with an earlier occurrence that has a continuation, and up to k
     tokens that followed its most recent one; (0, []) when none matches."""
-    seq = list(tokens)
-    length = len(seq)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = seq[length - n :]
-        # Scan backwards for the most recent earlier occurrence (not the suffix itself).
-        for start in range(length - n - 1, -1, -1):
-            if seq[start : start + n] == suffix:
-                follow = seq[start + n : start + n + k]
-                if follow:
-                    return n, follow
-    return 0, []
+    found = ngram_matches(tokens, max_ngram, min_ngram, max_matches=1) if k > 0 else []
+    if not found:
+        return 0, []
+    start, n = found[0]
+    return n, list(tokens[start : start + k])
