@@ -85,14 +85,12 @@ class ModelPairConfig(_Strict):
                        "Unset: 'eagle' when a head is packaged for the target, else 'ngram'.")  # fmt: skip
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="Model dtype.")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
-    k: int | Literal["auto"] = Field(4, description=f"Default tokens drafted per round (1..{MAX_K}) or 'auto'.")
-    cost_ratio: float = Field(0.1, gt=0, le=10, description="Assumed t_draft / t_target for k='auto'.")
-    predraft: bool = Field(True, description="Draft round r + 1 while round r verifies.")
-    saturation_requests: int | None = Field(
-        None, gt=0, description="Concurrent requests per target replica at which its forward passes become "
-        "compute-bound, so verifying more tokens costs more and k='auto' requests speculate less (or not at all). "
-        "None: measured from the target workers' batch timings (seconds per batched forward vs tokens fed)."
+    k: int | Literal["auto"] = Field(
+        "auto", description=f"Default tokens drafted per round (1..{MAX_K}), or 'auto': the goodput planner's, per "
+        "request and round, from the workers' measured costs and the request's acceptance (0 where drafting does "
+        "not pay, as under heavy load)."
     )  # fmt: skip
+    predraft: bool = Field(True, description="Draft round r + 1 while round r verifies.")
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(
         default_factory=lambda: WorkerPoolConfig(num_cpus=0.5), description="Draft workers (unused for ngram/none)."

@@ -35,7 +35,6 @@ class DistributedConfig(BaseModel):
         "whose config and input embedding the head reads) and the target workers capture the features it reads."
     )  # fmt: skip
     predraft: bool = Field(True, description="Within-request pipelining: draft round r+1 while round r verifies.")
-    cost_ratio: float = Field(0.1, gt=0, le=10, description="Assumed t_draft / t_target for k='auto'.")
     call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")
     restart_timeout_s: float = Field(120.0, gt=0, description="How long to wait for a restarted worker.")
 

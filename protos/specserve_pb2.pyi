@@ -127,7 +127,7 @@ class HealthRequest(_message.Message):
     def __init__(self, want_costs: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("healthy", "requests", "kv_used_tokens", "kv_capacity_tokens", "model", "verify_seconds_by_width", "draft_fixed_seconds", "draft_step_seconds")
+    __slots__ = ("healthy", "requests", "kv_used_tokens", "kv_capacity_tokens", "model", "verify_seconds_by_width", "draft_fixed_seconds", "draft_step_seconds", "verify_profile_rows", "verify_seconds_by_rows")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class HealthResponse(_message.Message):
     VERIFY_SECONDS_BY_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_PROFILE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_BY_ROWS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     requests: int
     kv_used_tokens: int
@@ -144,7 +146,9 @@ class HealthResponse(_message.Message):
     verify_seconds_by_width: _containers.RepeatedScalarFieldContainer[float]
     draft_fixed_seconds: float
     draft_step_seconds: float
-    def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ..., verify_seconds_by_width: _Optional[_Iterable[float]] = ..., draft_fixed_seconds: _Optional[float] = ..., draft_step_seconds: _Optional[float] = ...) -> None: ...
+    verify_profile_rows: _containers.RepeatedScalarFieldContainer[int]
+    verify_seconds_by_rows: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ..., verify_seconds_by_width: _Optional[_Iterable[float]] = ..., draft_fixed_seconds: _Optional[float] = ..., draft_step_seconds: _Optional[float] = ..., verify_profile_rows: _Optional[_Iterable[int]] = ..., verify_seconds_by_rows: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("method", "k")

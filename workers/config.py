@@ -54,7 +54,7 @@ class SpecParams(_Strict):
         "continuations of every recent match as a tree of k nodes; none: off.",
     )
     k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] = Field(
-        4, description=f"Tokens drafted per round, 1..{MAX_K}, or 'auto' to adapt k per round."
+        "auto", description=f"Tokens drafted per round, 1..{MAX_K}, or 'auto': the goodput planner's per round."
     )
 
 

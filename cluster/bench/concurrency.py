@@ -1,53 +1,59 @@
-"""The concurrency sweep of `specserve bench`: 1, 4, 16, 32 concurrent greedy streams through the disaggregated
-workers (a target and a draft worker process, each behind its gRPC server, continuous batching on both; this process
-runs the scheduler), speculation on (k='auto' under the load-aware speculation policy, as the Serve app runs it) vs
-off, measured side by side in one run.
+"""The served load bench of `specserve bench --load` (alias --concurrency): the Serve application a user starts with
+`specserve serve` (the bench's target, its default drafting and default k), driven through the public gRPC client by
+closed-loop streams at 1, 2, 4, 8 and 16, the model's default speculation against speculation off
+(`method: none`) on the same server, measured side by side in one run. Every figure at N streams is compared with
+speculation off at N streams through the same path, never with one stream: plain decoding batches too (4 streams of
+it ran at 2.7x one stream's rate on 2 cores), and dividing by one stream would count that batching as speculation.
 
-The policy's state (acceptance, the target's fitted step cost, the measured switch) is kept across levels, as a running
-service keeps it while its load changes. A stream is a closed loop: it sends its next request when the last one
-finished. Requests ask for new_tokens on average, each a different length between half and one and a half times that
-(fixed per request index, so both modes run the same requests): with equal lengths, plain decoding's streams ran in
-lockstep, all prefilling together and all decoding in one batch, a best case for it that independent arrivals never
-give (measured at 16 streams: 0.89x that throughput once the same streams were out of step).
+A stream is a closed loop: it sends its next request when the last one finished. Requests ask for new_tokens on
+average, each a different length between half and one and a half times that (fixed per request index, as is its
+prompt, so every mode runs the same requests): with equal lengths, plain decoding's streams ran in lockstep, all
+prefilling together and all decoding in one batch, a best case for it that independent arrivals never give (measured
+at 16 streams: 0.89x that throughput once the same streams were out of step).
 
-Each level first runs a `settle_s` pass with the policy live, unmeasured (it settles at the new load, as in a service
-that has been at that load for a while), then `pairs` pairs of an off and an on segment,
-`segment_s` seconds apiece, in Thue-Morse order (off on, on off, on off, off on, ...: so that this machine's slow
-phases land on both modes alike, and a steady drift of its speed, which ABAB order charges to the later mode, cancels
-out); a segment ends when its streams finish the requests they started in time, but its throughput counts only the
-tokens committed within its `segment_s` window, at steady load (not while the streams drain). The switch's clock runs
-only during on segments' windows, so neither the off segments nor the drains count as time it spent in a mode, and it
-measures no draining round (a service's load does not stop every few seconds). A mode's throughput sums its segments'
-windows; `spread` is how much the off segments' throughputs differ from each other (max - min over mean): the noise
-floor of the on/off ratio. The two segments of a pair ran back to back, so their ratio is nearly free of the
-machine's slower swings: `ratio_ci95` is a 95% confidence interval of the on/off ratio from the pairs' ratios (a
-t-interval of their logs), what "on >= off" can honestly be judged by on a noisy machine. `identical` compares every
-request both modes ran (same index, same prompt)."""
+Each level first runs a `settle_s` pass of the default mode, unmeasured (the server's planner sees this load for a
+while, as a service at that load has), then `pairs` pairs of an off and a default segment, `segment_s` seconds
+apiece, in Thue-Morse order (off on, on off, on off, off on, ...: so that this machine's slow phases land on both
+modes alike, and a steady drift of its speed, which ABAB order charges to the later mode, cancels out). At
+`fixed_k_levels` each round of pairs also runs, for its first `fixed_k_pairs` rounds, a pair of off and the default
+method at each fixed k, so the default can be judged against the best fixed k of the same run. A segment ends when
+its streams finish the requests they started in time, but its throughput counts only the tokens that arrived within
+its `segment_s` window, at steady load (not while the streams drain). The two segments of a pair ran back to back, so
+their ratio is nearly free of the machine's slower swings: `ratio_ci95` is a 95% confidence interval of a mode's
+ratio to off from its pairs' ratios (a t-interval of their logs), what "default >= off" can honestly be judged by on a
+noisy machine. `spread` is how much the off segments' throughputs differ from each other (max - min over mean): the
+noise floor of the ratios. `identical`: every request a mode and off both ran (same index) gave the same tokens,
+every time (greedy)."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 import statistics
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from specserve.cluster.pools.worker_processes import WorkerProcesses
-from specserve.cluster.scheduling.k_policy import VerifyCostModel
-from specserve.cluster.scheduling.pipeline import Pipeline
-from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.cluster.scheduling.speculation_control import SpeculationControl
-from specserve.cluster.scheduling.switch import SpeculationSwitch
-from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
-from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
-
-LEVELS = (1, 4, 16, 32)
-SETTLE_S = 45.0
-SEGMENT_S = 7.5
-PAIRS = 8
+OFF, DEFAULT = "off", "default"
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1-15)
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    levels: tuple[int, ...] = (1, 2, 4, 8, 16)  # concurrent streams
+    fixed_k_levels: tuple[int, ...] = (1, 4)  # where the default method also runs at each of fixed_ks
+    fixed_ks: tuple[int, ...] = (1, 2, 3, 4)
+    pairs: int = 8  # off/default pairs per level (4 or 8: Thue-Morse order balances them)
+    fixed_k_pairs: int = 4  # off/fixed-k pairs per level and k
+    segment_s: float = 7.5
+    settle_s: float = 10.0
+    new_tokens: int = 32  # max_new_tokens per request, on average (see request_length)
+
+
+# For SmolLM2-135M on 2 cores the full run takes ~25-30 min (the drains at 16 streams are long), this one ~5 min.
+QUICK_LOAD = LoadConfig(pairs=2, fixed_k_pairs=2, segment_s=4.0, settle_s=4.0, new_tokens=16)
 
 
 def _segment_order(pairs: int) -> list[bool]:
@@ -61,8 +67,8 @@ def _segment_order(pairs: int) -> list[bool]:
 
 def ratio_ci95(ratios: list[float]) -> tuple[float, float] | None:
     """95% confidence interval of the on/off ratio from paired segments' ratios (a t-interval of their logs; None
-    for fewer than 2 pairs)."""
-    if len(ratios) < 2 or min(ratios) <= 0:
+    for fewer than 2 pairs, or a pair without an off token to divide by)."""
+    if len(ratios) < 2 or not all(r > 0 for r in ratios):
         return None
     logs = [math.log(r) for r in ratios]
     half = _T95[min(len(logs) - 1, len(_T95)) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
@@ -70,32 +76,8 @@ def ratio_ci95(ratios: list[float]) -> tuple[float, float] | None:
     return math.exp(mean - half), math.exp(mean + half)
 
 
-@dataclass
-class LevelRow:
-    streams: int
-    speculation: str  # "on (k=auto + policy)" | "off"
-    requests: int = 0  # in all (each stream sends the next when its last one finished)
-    new_tokens: int = 0  # per request, on average (see request_length)
-    tokens: int = 0  # every request's tokens, those finishing after the window included
-    seconds: float = 0.0
-    window_tokens: int = 0  # tokens committed within the measured window
-    window_s: float = 0.0
-    tokens_per_s: float = 0.0  # aggregate over all streams, within the window (steady load, no drain)
-    tpot_ms_p50: float = 0.0  # per-token latency: a request's time over its generated tokens
-    tpot_ms_p99: float = 0.0
-    target_batch_mean: float = 0.0  # requests per target forward pass
-    final_k_cap: int | None = None  # the policy's k at the end (0: speculation turned off)
-    identical: bool | None = None  # spec-on rows: same tokens as spec-off
-    spread: float | None = None  # off rows: (max - min) / mean of the off segments' tokens/s
-    pair_ratios: list[float] = field(default_factory=list)  # on rows: on / off tokens/s of each back-to-back pair
-    ratio_ci95: tuple[float, float] | None = None  # on rows: 95% confidence interval of on / off, from the pairs
-    segment_tokens_per_s: list[float] = field(default_factory=list)
-    outputs: dict[int, list[int]] = field(default_factory=dict, repr=False)  # request index -> tokens
-    tpots: list[float] = field(default_factory=list, repr=False)
-
-
 def request_lengths(new_tokens: int) -> tuple[int, int]:
-    """(shortest, longest) max_new_tokens of the sweep's requests: half to one and a half times the mean."""
+    """(shortest, longest) max_new_tokens of the bench's requests: half to one and a half times the mean."""
     return max(1, new_tokens // 2), max(1, new_tokens * 3 // 2)
 
 
@@ -104,202 +86,237 @@ def request_length(i: int, new_tokens: int) -> int:
     return random.Random(i).randint(*request_lengths(new_tokens))
 
 
+def mode_speculation(mode: str) -> dict:
+    """The client's speculation arguments of a mode: none for the default (the request leaves speculation unset, so
+    the model's default method and k apply), method 'none' for off, k alone (the default method) for 'k=N'."""
+    if mode == DEFAULT:
+        return {}
+    if mode == OFF:
+        return {"method": "none"}
+    return {"k": int(mode.removeprefix("k="))}
+
+
+@dataclass
+class Request:
+    index: int
+    token_ids: list[int]
+    ttft_s: float  # until the first chunk with tokens
+    tpot_s: float | None  # (end - first token) / (tokens - 1); None for one token
+    window_tokens: int  # tokens that arrived within the segment's window
+    rounds: int
+
+
+@dataclass
+class Segment:
+    mode: str
+    window_s: float
+    requests: list[Request]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r.window_tokens for r in self.requests) / self.window_s
+
+
+@dataclass
+class LevelRow:
+    streams: int
+    speculation: str  # "off" | "default" | "k=N"
+    requests: int = 0  # in all (each stream sends the next when its last one finished)
+    tokens: int = 0  # every request's tokens, those finishing after the windows included
+    window_tokens: int = 0  # tokens that arrived within the measured windows
+    window_s: float = 0.0
+    tokens_per_s: float = 0.0  # aggregate over all streams, within the windows (steady load, no drain)
+    vs_off: float | None = None  # tokens_per_s over that of the off segments paired with this mode's, same streams
+    pair_ratios: list[float] = field(default_factory=list)  # this mode / off of each back-to-back pair
+    ratio_ci95: tuple[float, float] | None = None  # 95% confidence interval of vs_off, from the pairs
+    spread: float | None = None  # off rows: (max - min) / mean of the off segments' tokens/s
+    ttft_ms_p50: float = 0.0
+    ttft_ms_p99: float = 0.0
+    tpot_ms_p50: float = 0.0
+    tpot_ms_p99: float = 0.0
+    tokens_per_round: float = 0.0  # tokens committed per verify round (1.0: nothing drafted was accepted)
+    identical: bool | None = None  # speculative rows: every request off ran too gave off's tokens
+    segment_tokens_per_s: list[float] = field(default_factory=list)
+    outputs: dict[int, set[tuple[int, ...]]] = field(default_factory=dict, repr=False)  # request index -> outputs
+
+
 def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _level(
-    w,
-    prompts,
-    streams,
-    new_tokens,
-    pass_s,
-    speculate,
-    cost_ratio,
-    state: SpeculationControl,
-    costs: VerifyCostModel,
-    clock: _SegmentClock | None = None,
-) -> LevelRow:
-    row = LevelRow(streams, "on (k=auto + policy)" if speculate else "off", new_tokens=new_tokens)
-    pipeline, clients = _pipeline(w, cost_ratio, costs)
-    spec = SpecParams(method="draft", k="auto") if speculate else SpecParams(method="none")
-    if speculate:  # the policy's current decision applies from the first round, as in a running service
-        state.apply(pipeline, cost_ratio, None)
-
-    async def request(i: int) -> list[int]:
-        prompt = prompts[i % len(prompts)]
-        cut = (i // len(prompts)) % max(1, len(prompt) // 2)  # requests beyond the prompt count differ too
-        prompt = prompt[: len(prompt) - cut]
-        params = SamplingParams(max_new_tokens=request_length(i, new_tokens), stop_at_eos=False)
-        req = pipeline.scheduler.add(prompt, params, spec, frozenset())
-        start = last = time.perf_counter()
-        prev = (0, 0)
-        async for committed in pipeline.rounds(req):
-            now, stats = time.perf_counter(), req.state.stats
-            if now <= deadline:
-                row.window_tokens += len(committed)
-            elif clock is not None:
-                clock.run(False)  # the streams are draining, a load no service sees: the switch neither times it ...
-            if speculate:  # with speculation off there is no policy to run (the target's cost model still learns)
-                # ... nor measures it, nor the streams' first requests: they all start at once, another transient
-                if now <= deadline and i >= streams:
-                    done = now - start if req.state.finished else None
-                    drafted, accepted = stats.drafted - prev[0], stats.accepted - prev[1]
-                    state.after_round(drafted, accepted, len(committed), now - last, done)
-                state.apply(pipeline, cost_ratio, None)
-            prev, last = (stats.drafted, stats.accepted), now
-        row.tpots.append((time.perf_counter() - start) / max(1, len(req.state.generated)))
-        return req.state.generated
-
-    async def stream(s: int) -> None:
-        r = 0
-        while r == 0 or time.perf_counter() < deadline:
-            row.outputs[s + streams * r] = await request(s + streams * r)
-            r += 1
-
-    t0 = time.perf_counter()
-    deadline = t0 + pass_s
-    await asyncio.gather(*(stream(s) for s in range(streams)))
-    row.seconds = time.perf_counter() - t0
-    await pipeline.drain_releases()
-    for client in clients:
-        await client.close()
-    _finish_level(row, pipeline, pass_s, speculate)
-    return row
-
-
-def _pipeline(w, cost_ratio: float, costs: VerifyCostModel) -> tuple[Pipeline, list]:
-    """A scheduler and its pipeline over fresh clients of the worker processes `w`; (pipeline, clients to close)."""
-    drafts = {n: DraftClient(a, timeout_s=120) for n, a in w.draft_addresses.items()}
-    targets = {n: TargetClient(a, timeout_s=120) for n, a in w.target_addresses.items()}
-    scheduler = Scheduler(list(drafts), list(targets), cost_ratio=cost_ratio)
-    # No drafting ahead (PEARL-style pre-drafts): both worker processes share this machine's cores, so a pre-draft
-    # competes with the verification it overlaps (measured on 2 cores, 1 stream, k=4: 65 tok/s with, 93 without).
-    pipeline = Pipeline(scheduler, drafts, targets, predraft=False, verify_costs=costs)
-    return pipeline, [*drafts.values(), *targets.values()]
-
-
-def _finish_level(row: LevelRow, pipeline: Pipeline, pass_s: float, speculate: bool) -> None:
-    """Totals of a pass whose requests recorded their outputs, window tokens and seconds."""
-    row.window_s = min(pass_s, row.seconds)
-    row.requests = len(row.outputs)
-    row.target_batch_mean = pipeline.mean_target_batch
-    row.final_k_cap = pipeline.scheduler.auto_k_cap if speculate else None
-    row.tokens = sum(len(o) for o in row.outputs.values())
-    row.tokens_per_s = row.window_tokens / row.window_s if row.window_s > 0 else row.tokens / row.seconds
-
-
-def _merge(segments: list[LevelRow]) -> LevelRow:
-    """One mode's segments as one row: tokens and seconds summed, latencies pooled."""
-    row = LevelRow(segments[0].streams, segments[0].speculation, new_tokens=segments[0].new_tokens)
-    for seg in segments:
-        row.tokens += seg.tokens
-        row.seconds += seg.seconds
-        row.window_tokens += seg.window_tokens
-        row.window_s += seg.window_s
-        row.requests += seg.requests
-        row.tpots += seg.tpots
-        row.outputs.update(seg.outputs)
-        row.segment_tokens_per_s.append(seg.tokens_per_s)
+def _row(streams: int, mode: str, segments: list[Segment]) -> LevelRow:
+    """One mode's segments as one row: window tokens and seconds summed, latencies pooled."""
+    row = LevelRow(streams, mode, segment_tokens_per_s=[s.tokens_per_s for s in segments])
+    requests = [r for s in segments for r in s.requests]
+    row.requests = len(requests)
+    row.tokens = sum(len(r.token_ids) for r in requests)
+    row.window_tokens = sum(r.window_tokens for r in requests)
+    row.window_s = sum(s.window_s for s in segments)
     row.tokens_per_s = row.window_tokens / row.window_s
-    row.tpot_ms_p50 = statistics.median(row.tpots) * 1e3
-    row.tpot_ms_p99 = _percentile(row.tpots, 0.99) * 1e3
-    row.target_batch_mean = statistics.fmean(seg.target_batch_mean for seg in segments)
-    row.final_k_cap = segments[-1].final_k_cap
+    ttfts, tpots = [r.ttft_s for r in requests], [r.tpot_s for r in requests if r.tpot_s is not None]
+    row.ttft_ms_p50, row.ttft_ms_p99 = statistics.median(ttfts) * 1e3, _percentile(ttfts, 0.99) * 1e3
+    row.tpot_ms_p50 = statistics.median(tpots) * 1e3 if tpots else 0.0
+    row.tpot_ms_p99 = _percentile(tpots, 0.99) * 1e3
+    row.tokens_per_round = row.tokens / max(1, sum(r.rounds for r in requests))
+    for r in requests:
+        row.outputs.setdefault(r.index, set()).add(tuple(r.token_ids))
     return row
 
 
-class _SegmentClock:
-    """Monotonic time that advances only while running (the switch's clock: on segments only)."""
-
-    def __init__(self):
-        self._base, self._since = 0.0, None
-
-    def __call__(self) -> float:
-        return self._base + (time.monotonic() - self._since if self._since is not None else 0.0)
-
-    def run(self, running: bool) -> None:
-        if running and self._since is None:
-            self._since = time.monotonic()
-        elif not running and self._since is not None:
-            self._base, self._since = self(), None
+def compare(row: LevelRow, pairs: list[tuple[Segment, Segment]], off: LevelRow) -> None:
+    """Fill a speculative row's comparison with off at its streams: `pairs` are its (mode, off) segment pairs, `off`
+    all the level's off segments (whose outputs it is checked against)."""
+    paired_off = _row(row.streams, OFF, [o for _, o in pairs])
+    row.vs_off = row.tokens_per_s / paired_off.tokens_per_s if paired_off.tokens_per_s > 0 else None
+    row.pair_ratios = [m.tokens_per_s / o.tokens_per_s if o.tokens_per_s > 0 else math.nan for m, o in pairs]
+    row.ratio_ci95 = ratio_ci95(row.pair_ratios)
+    common = row.outputs.keys() & off.outputs.keys()
+    row.identical = bool(common) and all(len(row.outputs[i] | off.outputs[i]) == 1 for i in common)
 
 
-def concurrency_rows(
-    target: ModelConfig,
-    draft: ModelConfig,
-    vocab: int,
-    prompts: list[list[int]],
-    new_tokens: int,
-    cost_ratio: float,
-    levels=LEVELS,
-    progress: bool = True,
-    settle_s: float = SETTLE_S,
-    segment_s: float = SEGMENT_S,
-    pairs: int = PAIRS,
-) -> list[LevelRow]:
-    from tqdm import tqdm
+def _request(client, prompts: list[list[int]], i: int, mode: str, new_tokens: int, deadline: float) -> Request:
+    """Request i, streamed: its prompt and length fixed by i, greedy."""
+    tokens: list[int] = []
+    window, first, rounds = 0, None, 0
+    start = time.perf_counter()
+    chunks = client.generate_stream(prompts[i % len(prompts)], max_new_tokens=request_length(i, new_tokens),
+                                    temperature=0.0, **mode_speculation(mode))  # fmt: skip
+    for chunk in chunks:
+        now = time.perf_counter()
+        if chunk["token_ids"] and first is None:
+            first = now
+        tokens += chunk["token_ids"]
+        window += len(chunk["token_ids"]) if now <= deadline else 0
+        rounds = chunk["stats"]["rounds"]
+    end = time.perf_counter()
+    first = end if first is None else first
+    tpot = (end - first) / (len(tokens) - 1) if len(tokens) > 1 else None
+    return Request(i, tokens, first - start, tpot, window, rounds)
 
-    rows: list[LevelRow] = []
-    bar = tqdm(total=(1 + 2 * pairs) * len(levels), desc="concurrency sweep", disable=not progress)
-    clock = _SegmentClock()
-    state = SpeculationControl(switch=SpeculationSwitch(clock=clock))  # kept across levels, as in a service
-    costs = VerifyCostModel()
 
-    def run(streams: int, seconds: float, speculate: bool) -> LevelRow:
-        clock.run(speculate)
-        try:
-            return asyncio.run(
-                _level(w, prompts, streams, new_tokens, seconds, speculate, cost_ratio, state, costs, clock)
-            )
-        finally:
-            clock.run(False)
-            bar.update()
+def _segment(client, prompts: list[list[int]], streams: int, mode: str, seconds: float, new_tokens: int) -> Segment:
+    """`streams` closed loops for `seconds` (and the requests they started in time): request s + streams * r is
+    stream s's r-th, so every segment of every mode runs the same requests."""
+    deadline = time.perf_counter() + seconds
 
-    with WorkerProcesses(target, draft, vocab, BatchingConfig(max_batch_size=max(levels))) as w:
-        asyncio.run(_level(w, prompts, 2, 4, 0.0, True, cost_ratio, state, costs))  # warm-up: threads, gRPC, ...
-        for streams in levels:
-            # The policy settles at this load, unmeasured: its first probes here last a few request durations each
-            # (longer while a mode's rate still moves), and turning speculation on waits for a window after the
-            # probe; a pass of 15 s left them in the measured segments, 30 s did at 16 streams
-            run(streams, settle_s, True)
-            order = _segment_order(pairs)
-            segments = [run(streams, segment_s, speculate) for speculate in order]
-            off = _merge([seg for seg, spec in zip(segments, order, strict=True) if not spec])
-            on = _merge([seg for seg, spec in zip(segments, order, strict=True) if spec])
-            off.spread = (max(off.segment_tokens_per_s) - min(off.segment_tokens_per_s)) / off.tokens_per_s
-            on.pair_ratios = [on_seg.tokens_per_s / off_seg.tokens_per_s for on_seg, off_seg in _pairs(segments, order)]
-            on.ratio_ci95 = ratio_ci95(on.pair_ratios)
-            common = on.outputs.keys() & off.outputs.keys()
-            on.identical = bool(common) and all(on.outputs[i] == off.outputs[i] for i in common)
-            rows += [off, on]
-    bar.close()
+    def stream(s: int) -> list[Request]:
+        done: list[Request] = []
+        while not done or time.perf_counter() < deadline:
+            done.append(_request(client, prompts, s + streams * len(done), mode, new_tokens, deadline))
+        return done
+
+    with ThreadPoolExecutor(streams) as pool:
+        requests = [r for done in pool.map(stream, range(streams)) for r in done]
+    return Segment(mode, seconds, requests)
+
+
+def _modes(cfg: LoadConfig, streams: int) -> list[str]:
+    return [DEFAULT] + ([f"k={k}" for k in cfg.fixed_ks] if streams in cfg.fixed_k_levels else [])
+
+
+def segment_count(cfg: LoadConfig) -> int:
+    """Segments of a run, the settle passes included (the progress bar's total)."""
+    fixed = min(cfg.pairs, cfg.fixed_k_pairs) * len(cfg.fixed_ks) * sum(s in cfg.fixed_k_levels for s in cfg.levels)
+    return len(cfg.levels) * (1 + 2 * cfg.pairs) + 2 * fixed
+
+
+def _level(client, prompts: list[list[int]], streams: int, cfg: LoadConfig, bar) -> list[LevelRow]:
+    """The rows of one level: off, the default, and the fixed k's where they run."""
+
+    def run(mode: str, seconds: float) -> Segment:
+        seg = _segment(client, prompts, streams, mode, seconds, cfg.new_tokens)
+        bar.update()
+        return seg
+
+    run(DEFAULT, cfg.settle_s)
+    order = _segment_order(cfg.pairs)
+    pairs: dict[str, list[tuple[Segment, Segment]]] = {mode: [] for mode in _modes(cfg, streams)}
+    for i in range(cfg.pairs):
+        for mode in pairs if i < cfg.fixed_k_pairs else [DEFAULT]:
+            first, second = (mode, OFF) if order[2 * i] else (OFF, mode)
+            a, b = run(first, cfg.segment_s), run(second, cfg.segment_s)
+            pairs[mode].append((a, b) if first == mode else (b, a))
+    off = _row(streams, OFF, [o for runs in pairs.values() for _, o in runs])
+    off.spread = (max(off.segment_tokens_per_s) - min(off.segment_tokens_per_s)) / off.tokens_per_s
+    rows = [off]
+    for mode, runs in pairs.items():
+        rows.append(_row(streams, mode, [m for m, _ in runs]))
+        compare(rows[-1], runs, off)
     return rows
 
 
-def _pairs(segments: list[LevelRow], order: list[bool]) -> list[tuple[LevelRow, LevelRow]]:
-    """(on, off) segment of each back-to-back pair."""
-    return [
-        (segments[i], segments[i + 1]) if order[i] else (segments[i + 1], segments[i])
-        for i in range(0, len(segments), 2)
-    ]
+def bench_app(target: str, draft: str | None, device: str, dtype: str) -> dict:
+    """The Serve config of the bench: `target` with `draft` (None: the model's default drafting, as `specserve
+    serve` has it) and the model's default k; small CPU reservations, so that it starts on 2 cores."""
+    from specserve.cluster.app_config import AppConfig, serve_config
+    from specserve.workers.service.local_processes import free_port
+
+    model = {"name": "bench", "target": target, "device": device, "dtype": dtype, "target_pool": {"num_cpus": 0.5},
+             "draft_pool": {"num_cpus": 0.5}, **({"draft": draft} if draft else {})}  # fmt: skip
+    app = AppConfig.model_validate({"models": [model], "ingress": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
+    return serve_config(app, grpc_port=free_port(), http_port=free_port())
+
+
+def load_rows(
+    target: str,
+    draft: str | None,
+    prompts: list[list[int]],
+    cfg: LoadConfig = LoadConfig(),
+    device: str = "auto",
+    dtype: str = "float32",
+    progress: bool = True,
+) -> tuple[list[LevelRow], str]:
+    """Start the Serve application (and a Ray, unless one is connected), run every level, stop them; returns (rows,
+    the drafting the model was served with)."""
+    from tqdm import tqdm
+
+    from specserve.client import SpecServeClient
+    from specserve.cluster.serve.server import start, stop
+
+    config = bench_app(target, draft, device, dtype)
+    drafting = config["applications"][0]["args"]["models"][0]["draft"]
+    info = start(config, ready_timeout_s=1800)
+    try:
+        with SpecServeClient(info["grpc"], timeout_s=600) as client:
+            for mode in dict.fromkeys(m for s in cfg.levels for m in (OFF, *_modes(cfg, s))):  # first calls: warm-up
+                _request(client, prompts, 0, mode, 4, math.inf)
+            with tqdm(total=segment_count(cfg), desc="load bench", unit="segment", disable=not progress,
+                      file=sys.stderr) as bar:  # fmt: skip
+                rows = [row for streams in cfg.levels for row in _level(client, prompts, streams, cfg, bar)]
+    finally:
+        stop(info)
+    return rows, drafting
+
+
+def load_meta(rows: list[LevelRow], cfg: LoadConfig, drafting: str, in_process_tok_s: float) -> dict:
+    """The bench's JSON entry: the run's settings, the levels, and served speculation-off at one stream beside
+    in-process target-only decoding (the same prompts, the orchestration's cost)."""
+    off_1 = next((r.tokens_per_s for r in rows if r.streams == 1 and r.speculation == OFF), None)
+    return {
+        "drafting": drafting,
+        "config": asdict(cfg),
+        "served_off_1_stream_tok_s": off_1,
+        "in_process_target_only_tok_s": in_process_tok_s,
+        "served_off_vs_in_process": off_1 / in_process_tok_s if off_1 else None,
+        "levels": levels_json(rows),
+    }
 
 
 def format_levels(rows: list[LevelRow]) -> str:
-    head = ["streams", "requests", "speculation", "agg tok/s", "on/off", "95% CI", "spread", "TPOT p50 ms",
-            "TPOT p99 ms", "target batch", "k cap", "identical"]  # fmt: skip
+    head = ["streams", "speculation", "requests", "agg tok/s", "vs off", "95% CI", "spread", "TTFT p50 ms",
+            "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "tok/round", "identical"]  # fmt: skip
     lines = [head]
-    off = {r.streams: r for r in rows if r.speculation == "off"}
     for r in rows:
-        ratio = r.tokens_per_s / off[r.streams].tokens_per_s
         lines.append([
-            str(r.streams), str(r.requests), r.speculation, f"{r.tokens_per_s:.1f}", f"{ratio:.2f}x",
+            str(r.streams), r.speculation, str(r.requests), f"{r.tokens_per_s:.1f}",
+            "1.00x" if r.speculation == OFF else ("-" if r.vs_off is None else f"{r.vs_off:.2f}x"),
             "-" if r.ratio_ci95 is None else f"{r.ratio_ci95[0]:.2f}-{r.ratio_ci95[1]:.2f}",
             "-" if r.spread is None else f"{r.spread:.0%}",
-            f"{r.tpot_ms_p50:.1f}", f"{r.tpot_ms_p99:.1f}", f"{r.target_batch_mean:.1f}",
-            "-" if r.final_k_cap is None else str(r.final_k_cap),
-            "-" if r.identical is None else ("yes" if r.identical else "NO"),
+            f"{r.ttft_ms_p50:.0f}", f"{r.ttft_ms_p99:.0f}", f"{r.tpot_ms_p50:.1f}", f"{r.tpot_ms_p99:.1f}",
+            f"{r.tokens_per_round:.2f}", "-" if r.identical is None else ("yes" if r.identical else "NO"),
         ])  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
@@ -312,31 +329,44 @@ def levels_json(rows: list[LevelRow]) -> list[dict]:
     for r in rows:
         d = asdict(r)
         d.pop("outputs")
-        d.pop("tpots")
+        d["pair_ratios"] = [None if math.isnan(x) else x for x in r.pair_ratios]  # JSON has no NaN
         out.append(d)
     return out
 
 
 def plot_levels(rows: list[LevelRow], path: str) -> None:
+    """Left: each mode's ratio to off at the same streams, with its 95% CI; right: TTFT and TPOT, default vs off."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, style in (("off", "s--"), ("on (k=auto + policy)", "o-")):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for j, mode in enumerate(dict.fromkeys(r.speculation for r in rows if r.speculation != OFF)):
+        sel = [r for r in rows if r.speculation == mode and r.vs_off is not None]
+        errs = [(r.vs_off - r.ratio_ci95[0], r.ratio_ci95[1] - r.vs_off) if r.ratio_ci95 else (0, 0) for r in sel]
+        xs = [r.streams * 2 ** (0.05 * j) for r in sel]  # the fixed k's beside the default, not on top of it
+        ax1.errorbar(xs, [r.vs_off for r in sel], yerr=list(zip(*errs, strict=True)) or None,
+                     fmt="o-" if mode == DEFAULT else "x", capsize=3, label=mode)  # fmt: skip
+    ax1.axhline(1.0, color="black", linewidth=0.7)
+    ax1.set_ylabel("tokens/s over speculation off, same streams")
+    for mode, style in ((DEFAULT, "o-"), (OFF, "s--")):
         sel = [r for r in rows if r.speculation == mode]
         xs = [r.streams for r in sel]
-        ax1.plot(xs, [r.tokens_per_s for r in sel], style, label=f"speculation {mode}")
-        ax2.plot(xs, [r.tpot_ms_p50 for r in sel], style, label=f"{mode} p50")
-        ax2.plot(xs, [r.tpot_ms_p99 for r in sel], style, alpha=0.4, label=f"{mode} p99")
+        ax2.plot(xs, [r.ttft_ms_p50 for r in sel], style, color="tab:blue", label=f"TTFT p50, {mode}")
+        ax2.plot(xs, [r.tpot_ms_p50 for r in sel], style, color="tab:orange", label=f"TPOT p50, {mode}")
+        ax2.plot(xs, [r.tpot_ms_p99 for r in sel], style, color="tab:orange", alpha=0.35, label=f"TPOT p99, {mode}")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("ms")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streams")
-        ax.legend()
-    ax1.set_ylabel("aggregate tokens/s")
-    ax2.set_ylabel("ms per output token")
-    fig.suptitle("specserve bench: concurrency sweep (continuous batching, greedy)")
+        ax.set_xticks(sorted({r.streams for r in rows}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("concurrent streams (closed loop)")
+        ax.legend(fontsize=7)
+    ax2.yaxis.set_major_formatter(ScalarFormatter())
+    fig.suptitle("specserve bench --load: the Serve app, default speculation vs off (greedy)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

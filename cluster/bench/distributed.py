@@ -43,7 +43,8 @@ def distributed_rows(target_path: str, draft_path: str | None, prompts: list[lis
             out = ray.get(deployment.scheduler.generate.remote(prompt, sampling, spec))
             one.seconds += time.perf_counter() - t0
             one.outputs.append(out["token_ids"])
-        many = Row(f"disaggregated {what} greedy, {len(prompts)} streams", "disaggregated", k, 0.0)
+        many = Row(f"disaggregated {what} greedy, {len(prompts)} streams", "disaggregated", k, 0.0,
+                   streams=len(prompts))  # fmt: skip
         t0 = time.perf_counter()
         outs = ray.get([deployment.scheduler.generate.remote(p, sampling, spec) for p in prompts])
         many.seconds = time.perf_counter() - t0
@@ -115,17 +116,18 @@ def eagle_rows(target: ModelConfig, head_dir: str, vocab: int, prompts: list[lis
     streams = min(streams, len(prompts))
     with WorkerProcesses(target, target, vocab, BatchingConfig(), eagle_head=head_dir) as w:
         return [
-            asyncio.run(_head_streams(w, target.path, prompts, cfg, SpecParams(method=method, k=k), streams, base))
+            asyncio.run(
+                _head_streams(w, target.path, head_dir, prompts, cfg, SpecParams(method=method, k=k), streams, base)
+            )
             for method, k in ks.items()
         ]
 
 
-async def _head_streams(w, target_path: str, prompts: list[list[int]], cfg: BenchConfig, spec: SpecParams,
+async def _head_streams(w, target_path: str, head: str, prompts: list[list[int]], cfg: BenchConfig, spec: SpecParams,
                         streams: int, base: Row) -> HeadRows:  # fmt: skip
     from transformers import AutoTokenizer
 
-    from specserve.cluster.scheduling.pipeline import Pipeline
-    from specserve.cluster.scheduling.scheduler import Scheduler
+    from specserve.cluster.scheduling.pipeline import build_pipeline
     from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
     from specserve.workers.runtime.loading import directory_eos_ids
 
@@ -133,11 +135,11 @@ async def _head_streams(w, target_path: str, prompts: list[list[int]], cfg: Benc
     drafts = {n: DraftClient(a, timeout_s=600) for n, a in w.draft_addresses.items()}
     targets = {n: TargetClient(a, timeout_s=600) for n, a in w.target_addresses.items()}
     try:
-        warm_up = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
+        warm_up = build_pipeline(drafts, targets, head)
         await warm_up.generate(prompts[0][:16], SamplingParams(max_new_tokens=4), spec, eos)
         await warm_up.drain_releases()
         wire0 = warm_up.wire_bytes()  # the clients count from their start
-        pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
+        pipeline = build_pipeline(drafts, targets, head)
 
         async def generate(prompt: list[int], counts: RoundCounts) -> list[int]:
             req = await pipeline.generate(prompt, SamplingParams(max_new_tokens=cfg.max_new_tokens), spec, eos)
@@ -146,7 +148,7 @@ async def _head_streams(w, target_path: str, prompts: list[list[int]], cfg: Benc
 
         name = f"disaggregated {spec.method} k={spec.k} greedy"
         one = Row(f"{name}, 1 stream", "disaggregated", spec.k, 0.0)
-        many = Row(f"{name}, {streams} streams", "disaggregated", spec.k, 0.0)
+        many = Row(f"{name}, {streams} streams", "disaggregated", spec.k, 0.0, streams=streams)
         await _one_stream(generate, prompts, one)
         await _streams_at_once(generate, prompts, many, streams)
         await pipeline.drain_releases()

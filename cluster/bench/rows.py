@@ -58,7 +58,8 @@ class Row:
     tokens: int = 0
     seconds: float = 0.0
     tokens_per_s: float = 0.0
-    speedup: float = 1.0
+    speedup: float | None = 1.0  # over one stream of in-process target-only; None for rows of several streams
+    streams: int = 1  # concurrent requests (several: throughput only; the load bench compares them like for like)
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     t_draft_ms: float | None = None

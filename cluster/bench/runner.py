@@ -185,21 +185,17 @@ def _models(args) -> tuple[str, str | None, BenchConfig, list[str]]:
 
 
 def _extras(args, draft_path: str | None) -> int:
-    """Settle which extra sections run (args.distributed, args.concurrency; returns the TP world size, 0 for none),
-    saying before the long run starts which ones need a draft model and have none."""
+    """Settle which extra sections run (args.distributed, args.load; returns the TP world size, 0 for none), saying
+    before the long run starts which ones need a draft model and have none."""
     if args.distributed is None:
         args.distributed = not args.quick
-    if args.concurrency is None:
-        args.concurrency = not args.target
+    if args.load is None:
+        args.load = not args.target and not args.quick
     tp_n = args.tensor_parallel if args.tensor_parallel is not None else (0 if args.quick or args.target else 2)
     if tp_n > 1 and not draft_path:
         print("specserve bench: skipping the tensor-parallel rows: they pair the TP target with a draft worker, and "
               "there is no draft model (give --draft)")  # fmt: skip
         tp_n = 0
-    if args.concurrency and not draft_path:
-        print("specserve bench: skipping the concurrency sweep: it measures a draft model's speculation under the "
-              "load-aware policy, and there is no draft model (give --draft)")  # fmt: skip
-        args.concurrency = False
     return tp_n
 
 
@@ -211,10 +207,6 @@ def _eagle_head(args, target_path: str):
     if choice == "none" or not args.target:
         return None
     return resolve_head(choice, target_path) if choice else packaged_head_for(target_path)
-
-
-def _sweep_tokens(args) -> int:
-    return 16 if args.quick else 32
 
 
 def main_bench(args) -> int:
@@ -247,32 +239,40 @@ def main_bench(args) -> int:
                                  best_draft_k(cfg), rows[0], tp_n)  # fmt: skip
         rows += extra
         meta["tensor_parallel"] = {"world_size": tp_n, **profile}
-    levels = _concurrency(args, target_cfg, draft_cfg, target.vocab_size, prompts, meta) if args.concurrency else []
+    levels = _load(args, target_path, prompts, meta, rows[0].tokens_per_s) if args.load else []
     _report(args, rows, meta, levels, machine_info(target.device, target.dtype))
     return 0
 
 
-def _concurrency(args, target_cfg: ModelConfig, draft_cfg: ModelConfig, vocab: int, prompts: list[list[int]],
-                 meta: dict) -> list:  # fmt: skip
-    from specserve.cluster.bench.concurrency import concurrency_rows, levels_json
+def _load(args, target_path: str, prompts: list[list[int]], meta: dict, in_process_tok_s: float) -> list:
+    """The served load bench (cluster/bench/concurrency.py) on the bench's target with its default drafting (the
+    demo family's: its draft model), on the same prompts; its JSON entry goes to meta['load']."""
+    from specserve.cluster.app_config import DEMO
+    from specserve.cluster.bench.concurrency import QUICK_LOAD, LoadConfig, load_meta, load_rows
 
-    smoke = dict(settle_s=1.5, segment_s=0.5, pairs=4) if args.quick else {}
-    levels = concurrency_rows(target_cfg, draft_cfg, vocab, prompts, _sweep_tokens(args), meta["cost_ratio_c"],
-                              **smoke)  # fmt: skip
-    meta["concurrency"] = levels_json(levels)
+    target, draft = (target_path, None) if args.target else (DEMO, DEMO)
+    cfg = QUICK_LOAD if args.quick else LoadConfig()
+    levels, drafting = load_rows(target, draft, prompts, cfg, args.device, args.dtype)
+    meta["load"] = load_meta(levels, cfg, drafting, in_process_tok_s)
     return levels
 
 
 def _report(args, rows: list[Row], meta: dict, levels: list, machine: dict) -> None:
-    """The table (and the sweep's) on stdout; the JSON file and plots when asked for."""
+    """The table (and the load bench's) on stdout; the JSON file and plots when asked for."""
     print(format_table(rows, meta))
     if levels:
         from specserve.cluster.bench.concurrency import format_levels, request_lengths
 
-        lengths = "-".join(map(str, request_lengths(_sweep_tokens(args))))
-        print(f"\nConcurrency sweep (greedy, {lengths} new tokens per request, closed-loop streams, disaggregated "
-              "over gRPC; per level: the policy settles, unmeasured, then off and on segments alternate):")  # fmt: skip
+        load = meta["load"]
+        lengths = "-".join(map(str, request_lengths(load["config"]["new_tokens"])))
+        print(f"\nServed load bench (the Serve app over gRPC, drafting {load['drafting']!r}, its default k; greedy, "
+              f"{lengths} new tokens per request, closed-loop streams; per level: the default settles, unmeasured, "
+              "then off and each mode alternate in pairs; every ratio is to off at the same streams):")  # fmt: skip
         print(format_levels(levels))
+        if load["served_off_vs_in_process"] is not None:
+            print(f"served speculation off, 1 stream: {load['served_off_1_stream_tok_s']:.1f} tok/s, "
+                  f"{load['served_off_vs_in_process']:.2f}x in-process target-only greedy "
+                  f"({load['in_process_target_only_tok_s']:.1f} tok/s)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(to_json(rows, meta, machine), f, indent=2)
@@ -282,4 +282,4 @@ def _report(args, rows: list[Row], meta: dict, levels: list, machine: dict) -> N
             from specserve.cluster.bench.concurrency import plot_levels
 
             root, ext = os.path.splitext(args.plot)
-            plot_levels(levels, f"{root}-concurrency{ext or '.png'}")
+            plot_levels(levels, f"{root}-load{ext or '.png'}")

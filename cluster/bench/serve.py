@@ -41,7 +41,7 @@ def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg:
                 t0 = time.perf_counter()
                 one.outputs.append(one_request(prompt))
                 one.seconds += time.perf_counter() - t0
-            many = Row(f"serve gRPC e2e k={k} greedy, {len(prompts)} streams", "serve", k, 0.0)
+            many = Row(f"serve gRPC e2e k={k} greedy, {len(prompts)} streams", "serve", k, 0.0, streams=len(prompts))
             t0 = time.perf_counter()
             with ThreadPoolExecutor(len(prompts)) as pool:
                 many.outputs = list(pool.map(one_request, prompts))

@@ -13,7 +13,7 @@ from specserve.workers.config import KVCacheConfig, SamplingParams
 from specserve.workers.runtime.cost_probe import time_forward
 from specserve.workers.runtime.loading import LoadedModel
 from specserve.workers.runtime.runner import ModelRunner
-from specserve.workers.speculation.adaptive_k import fit_acceptance, leviathan_speedup
+from specserve.workers.speculation.leviathan import fit_acceptance, leviathan_speedup
 
 
 @dataclass
@@ -139,10 +139,12 @@ def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampl
 
 
 def finish_stream_rows(rows: list[Row], base: Row) -> list[Row]:
-    """Fill in throughput, speedup over `base` and the identical check of rows that recorded outputs and seconds."""
+    """Fill in throughput, speedup over `base` and the identical check of rows that recorded outputs and seconds. A
+    row of several streams gets no speedup: `base` is one stream, and dividing by it would count batching as
+    speculation (the load bench, `--load`, compares speculation with plain decoding at the same streams)."""
     for row in rows:
         row.tokens = sum(len(o) for o in row.outputs)
         row.tokens_per_s = row.tokens / row.seconds
-        row.speedup = row.tokens_per_s / base.tokens_per_s
+        row.speedup = row.tokens_per_s / base.tokens_per_s if row.streams == 1 else None
         row.identical = row.outputs == base.outputs
     return rows

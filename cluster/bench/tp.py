@@ -11,8 +11,7 @@ import time
 from specserve.cluster.bench.rows import Row
 from specserve.cluster.bench.timing import finish_stream_rows
 from specserve.cluster.pools.worker_processes import WorkerProcesses
-from specserve.cluster.scheduling.pipeline import Pipeline
-from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.pipeline import build_pipeline
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 from specserve.workers.service.local_processes import free_port, wait_ready
@@ -22,7 +21,7 @@ from specserve.workers.service.tensor_parallel import LocalTensorParallelReplica
 async def _decode(target_address, draft_addresses, prompts, new_tokens, spec) -> tuple[list[list[int]], float]:
     drafts = {n: DraftClient(a, timeout_s=300) for n, a in draft_addresses.items()}
     targets = {"target-tp": TargetClient(target_address, timeout_s=300)}
-    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
+    pipeline = build_pipeline(drafts, targets)
     params = SamplingParams(max_new_tokens=new_tokens)
     outputs, seconds = [], 0.0
     for prompt in prompts:  # one stream, like the in-process rows

@@ -41,6 +41,12 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
         choices=["float32", "bfloat16", "float16", "auto"],
         help="weights and activations dtype of both models (auto: float32 on CPU, bfloat16 on CUDA)",
     )
+    _add_extras(p)
+    p.set_defaults(func=_bench)
+
+
+def _add_extras(p: argparse.ArgumentParser) -> None:
+    """The bench's optional sections beside the in-process rows."""
     p.add_argument(
         "--distributed",
         action=argparse.BooleanOptionalAction,
@@ -49,11 +55,15 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
         "model or, without one, n-gram drafting (default: on, off with --quick)",
     )
     p.add_argument(
+        "--load",
         "--concurrency",
+        dest="load",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="add the concurrency sweep: 1, 4, 16, 32 streams, draft-model speculation under the load-aware policy "
-        "on vs off (default: on for the demo family; off with --target, where it needs --draft and adds ~30 min)",
+        help="add the served load bench: the Serve app with the target's default drafting and k, closed-loop streams "
+        "at 1, 2, 4, 8, 16 through the gRPC client, default speculation vs off (and fixed k = 1..4 at 1 and 4 "
+        "streams) in paired segments; tokens/s as a ratio to off at the same streams, TTFT and TPOT (default: on "
+        "for the demo family, off with --quick or --target; for SmolLM2 on 2 cores it adds ~25 min, ~5 with --quick)",
     )
     p.add_argument(
         "--tensor-parallel",
@@ -64,7 +74,6 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
         "communication share (default: 2 for the demo family, off with --quick or --target; 0 turns it off; "
         "skipped without a draft model)",
     )
-    p.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:

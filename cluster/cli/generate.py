@@ -62,7 +62,7 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
         "pays, else ngram)",
     )
     draft.add_argument("--no-spec", action="store_true", help="target-only decoding, no speculation")
-    p.add_argument("--k", type=_k_value, default=None, help="tokens drafted per round (1..16), or 'auto' (default 4)")
+    p.add_argument("--k", type=_k_value, default=None, help="tokens drafted per round (1..16), or 'auto' (the default)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

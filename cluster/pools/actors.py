@@ -155,17 +155,14 @@ class SchedulerActor:
     def _ensure_pipeline(self):
         # gRPC channels belong to the actor's event loop, so they are made on the first call, inside it.
         if self.pipeline is None:
-            from specserve.cluster.scheduling.pipeline import Pipeline
-            from specserve.cluster.scheduling.scheduler import Scheduler
+            from specserve.cluster.scheduling.pipeline import build_pipeline
             from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 
             timeout = self.config.call_timeout_s
             drafts = {n: DraftClient(a, timeout, self.secret) for n, a in self.draft_addresses.items()}
             targets = {n: TargetClient(a, timeout, self.secret) for n, a in self.target_addresses.items()}
-            scheduler = Scheduler(list(drafts), list(targets), cost_ratio=self.config.cost_ratio)
-            self.pipeline = Pipeline(
-                scheduler, drafts, targets, predraft=self.config.predraft, reconnect=self._reconnect
-            )
+            self.pipeline = build_pipeline(drafts, targets, self.config.eagle_head, self.config.predraft,
+                                           self._reconnect)  # fmt: skip
         return self.pipeline
 
     async def _reconnect(self, worker: str) -> str | None:

@@ -1,6 +1,6 @@
 """Draft and target workers in their own local processes, each behind its own gRPC server: the disaggregated shape
-on one machine without Ray, for the bench's concurrency sweep (separate processes, so the draft's Python work never
-waits on the target's interpreter lock, as it would with both in one process)."""
+on one machine without Ray, for the bench's disaggregated and tensor-parallel rows (separate processes, so the draft's
+Python work never waits on the target's interpreter lock, as it would with both in one process)."""
 
 from __future__ import annotations
 

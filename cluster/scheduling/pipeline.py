@@ -34,8 +34,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specserve.cluster.scheduling.k_policy import VerifyCostModel
-from specserve.cluster.scheduling.scheduler import Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
+from specserve.cluster.scheduling.costs import measured_costs
+from specserve.cluster.scheduling.scheduler import (
+    FALLBACK_K,
+    Call,
+    NoTargetWorker,
+    PreDraft,
+    SchedRequest,
+    Scheduler,
+)
 from specserve.cluster.scheduling.worker_clients import (
     DraftClient,
     TargetClient,
@@ -44,10 +51,9 @@ from specserve.cluster.scheduling.worker_clients import (
     WorkerUnavailable,
 )
 from specserve.workers.config import TREE_METHODS, SamplingParams, SpecParams
-from specserve.workers.speculation.chain_planner import PlannerCosts
-from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.drafters import NgramDrafter
+from specserve.workers.speculation.goodput import VerifyTimings
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +102,9 @@ class Pipeline:
         targets: dict[str, TargetClient],
         predraft: bool = True,
         reconnect: Callable[[str], Awaitable[str | None]] | None = None,
-        verify_costs: VerifyCostModel | None = None,
     ):
-        """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none.
-        verify_costs: the target's batched step cost, fitted from verify replies for the speculation policy (pass
-        one to keep what was learnt across pipelines)."""
+        """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none."""
         self.scheduler = scheduler
-        self.verify_costs = verify_costs or VerifyCostModel()
         # Each call reports its batch's size, so a batch of n is reported n times: calls / sum(1/n) = batches' mean.
         self.verify_calls, self.inverse_batch_rows = 0, 0.0
         self.drafts = drafts
@@ -181,35 +183,40 @@ class Pipeline:
         finally:
             self.release_soon(req)
 
-    async def _fetch_costs(self, req: SchedRequest) -> None:
-        """Ask the request's target and draft workers for their measured costs, once per pipeline (one after the
-        other: on one host, measuring both at once would time each under the other's load). The head's cost per call
-        includes a call's round trip, timed here."""
+    async def _fetch_costs(self, req: SchedRequest | None = None) -> None:
+        """Ask a target worker, then a draft worker if there is one, for their measured costs (costs.py), once per
+        pipeline. `fetch_costs_soon` asks as soon as a target attaches, so
+        that the first request is planned right; a request with k='auto' that comes earlier waits for them."""
         async with self._costs_lock:
-            target, draft = self.targets.get(req.target_worker), self.drafts.get(req.draft_worker or "")
-            if self.scheduler.planner_costs is not None or self._costs_failed or target is None or draft is None:
+            targets = [req.target_worker] if req is not None else self.scheduler.healthy("target")
+            target = next((self.targets[w] for w in targets if w in self.targets), None)
+            drafts = self.scheduler.healthy("draft")
+            draft = self.drafts.get(drafts[0]) if drafts else None
+            if self.scheduler.planner_costs is not None or self._costs_failed or target is None:
                 return
             try:
-                verify = (await target.health(want_costs=True)).verify_seconds_by_width
-                head = await draft.health(want_costs=True)
-                trips = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    await draft.health()
-                    trips.append(time.perf_counter() - t0)
+                costs = await measured_costs(target, draft)
             except (WorkerUnavailable, grpc.aio.AioRpcError) as e:
-                log.warning("k='auto' sizes chains by acceptance alone: a worker did not report its costs (%s)", e)
+                log.warning("k='auto' drafts k=%d: a worker did not report its costs (%s)", FALLBACK_K, e)
                 self._costs_failed = True
                 return
-            if not verify or head.draft_step_seconds <= 0.0:
-                log.warning("k='auto' sizes chains by acceptance alone: the workers reported no costs")
+            if costs is None:
+                log.warning("k='auto' drafts k=%d: the target worker reported no costs", FALLBACK_K)
                 self._costs_failed = True
                 return
-            head_cost = DraftCost(step_s=head.draft_step_seconds, fixed_s=head.draft_fixed_seconds + min(trips))
-            self.scheduler.planner_costs = PlannerCosts(VerifyCosts(tuple(verify)), head_cost)
-            log.info("k='auto' costs: verify %s ms by width; head %.1f ms a call (%.1f ms of it the round trip) + "
-                     "%.1f ms a drafted token", " ".join(f"{1e3 * t:.1f}" for t in verify), 1e3 * head_cost.fixed_s,
-                     1e3 * min(trips), 1e3 * head_cost.step_s)  # fmt: skip
+            self.scheduler.planner_costs = costs
+            surface = costs.verify.profile
+            log.info("k='auto' costs: verify %s ms by width (1 request), %s ms (%d); drafting %.1f ms a call + %.1f ms "
+                     "a drafted token", " ".join(f"{1e3 * t:.1f}" for t in surface.seconds[0][:9]),
+                     " ".join(f"{1e3 * t:.1f}" for t in surface.seconds[-1][:9]), surface.rows[-1],
+                     1e3 * costs.head.fixed_s, 1e3 * costs.head.step_s)  # fmt: skip
+
+    def fetch_costs_soon(self) -> None:
+        """Measure the workers' costs in the background (a target worker has attached)."""
+        if self.scheduler.planner_costs is None and not self._costs_failed:
+            task = asyncio.get_running_loop().create_task(self._fetch_costs())
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
 
     async def _draft(
         self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock
@@ -223,10 +230,8 @@ class Pipeline:
         if reused is not None:
             req.pipelined_rounds += 1
             return reused
-        if req.spec.method == "ngram":
-            return self.ngram.propose(req.request_id, req.state.tokens, k, req.params).tokens, b""  # no model
         if req.plan is not None and req.plan.source == "ngram":
-            return list(req.plan.tokens), b""  # "eagle+ngram": the lookup's continuation the plan chose
+            return list(req.plan.tokens), b""  # prompt lookup's continuation, as the plan chose it: no model
         with clock.waiting():
             call = self.scheduler.plan_draft(req, k)
             client = self.drafts[call.worker]
@@ -296,7 +301,8 @@ class Pipeline:
                         f"{len(req.state.generated)} tokens were generated before the failure"
                     ) from None
                 return None, None
-            self.verify_costs.observe(reply.batch_tokens, reply.batch_seconds)
+            if isinstance(getattr(self.scheduler.planner_costs, "verify", None), VerifyTimings):
+                self.scheduler.planner_costs.verify.observe(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
             self.verify_calls += 1
             self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
         return reply, pre_task
@@ -372,3 +378,19 @@ async def _cancel(task: asyncio.Future | None) -> None:
         log.debug("a dropped pre-draft had failed: %s", error)
     elif error is not None:
         raise error
+
+
+def build_pipeline(
+    drafts: dict[str, DraftClient],
+    targets: dict[str, TargetClient],
+    head: str | None = None,
+    predraft: bool = True,
+    reconnect: Callable[[str], Awaitable[str | None]] | None = None,
+) -> Pipeline:
+    """A model's scheduler and pipelined driver over its workers' clients, for every caller (the Serve app's scheduler
+    replica, the plain-actor path, the bench). head: the EAGLE-3 head directory the draft workers run, whose recorded
+    acceptance is where the planner starts."""
+    from specserve.workers.speculation.eagle_loading import head_acceptance
+
+    prior = head_acceptance(head) if head is not None else None
+    return Pipeline(Scheduler(list(drafts), list(targets), head_prior=prior), drafts, targets, predraft, reconnect)

@@ -4,30 +4,26 @@ over gRPC; `service.py` (hosted by the Serve deployment's `SchedulerReplica`) an
 (`specserve generate --distributed`, no Serve) each hold one per model.
 
 Per request it tracks the committed tokens (RequestState), the sticky draft and target workers that hold its KV
-caches, the tokens each of them has been sent (the KV state protocol's tails), k (fixed or adaptive), and
+caches, the tokens each of them has been sent (the KV state protocol's tails), k (fixed or 'auto'), and
 within-request pipelining (PEARL-style pre-drafting: while the target verifies round r, the draft already drafts
 round r + 1 assuming every drafted token is accepted; used if that assumption and the bonus token hold).
 
 Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify asks the target for the features of the
-positions it commits, and the next propose hands them to the head (cluster/scheduling/features.py keeps those not
-delivered yet). A round before any features came (the prompt's prefill, or after the request's draft worker was
-gone) is target-only, and there is no pre-drafting: round r + 1's features do not exist while round r verifies.
+positions it commits, and the next propose hands them to the head (features.py keeps those not delivered yet). A
+round before any features came (the prefill, or after the draft worker was gone) drafts no head chain, and there is
+no pre-drafting: round r + 1's features do not exist while round r verifies.
 
-The head's methods plan each round with a per-request ChainPlanner; "eagle+ngram" chooses between the head's chain
-(a draft call) and prompt lookup's continuation (no draft call; the pipeline proposes it), whichever is expected to
-accept more. Prompt lookup may draft when the head cannot (the prefill, or no draft worker); the target's features of
-n-gram rounds wait in the relay until the head's next draft call, so its cache stays complete (within the relay's
-bound). Each verified round's outcome goes back into the planner. With k='auto' the planner weighs the workers'
-measured costs (`planner_costs`: the target's verify cost per width, the head's cost per call and per drafted token,
-which the pipeline asks the workers for once) against acceptance per position, as in-process: the k with the most
-committed tokens per second, or a plain target step when no chain pays. Until those costs are known, AdaptiveK
-sizes the head's chains.
+Every chain method plans its rounds with the goodput planner (docs/planner.md), as the in-process engine does: each
+request's ChainPlanner says what its drafters offer this round (the head's chain, prompt lookup's continuation, a
+draft model's chain) and how they have done; for k='auto' the chain width of all the requests on one target worker
+is the one that commits the most tokens per second of its batches (0: plain steps), at the worker's measured costs
+(`planner_costs`). "eagle+ngram" drafts the head's chain or the lookup's (no draft call); the target's features of
+rounds without a draft call wait in the relay until the head's next call, so its cache stays complete.
 
-Method "eagle-tree" asks the head's draft worker for a tree of k nodes (EAGLE-2's dynamic tree: tokens, parents and
-each node's path score), "ngram-tree" has the pipeline merge prompt lookup's matches into one (no draft call); the
-target worker verifies the tree in one forward, answering with the accepted path. With k='auto' MAX_TREE_NODES are
-drafted and the scheduler keeps the best ones that pay at the target's measured verify cost per width
-(tree_policy.py), at most `auto_k_cap` of them under load.
+Method "eagle-tree" asks the head's draft worker for a tree of k nodes (tokens, parents, path scores), "ngram-tree"
+has the pipeline merge prompt lookup's matches into one; the target worker verifies it in one forward and names the
+accepted path. With k='auto' MAX_TREE_NODES are drafted and the nodes that pay at the batch's verify cost are kept
+(tree_policy.py); after a tree that paid for no node, plain steps follow for a while.
 """
 
 from __future__ import annotations
@@ -42,17 +38,24 @@ from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.workers.config import HEAD_METHODS, TREE_METHODS, SamplingParams, SpecMethod, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import common_prefix_length
-from specserve.workers.speculation.adaptive_k import AdaptiveK
-from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner, PlannerCosts
+from specserve.workers.speculation.chain_planner import HEAD_PRIOR, BatchWidth, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.draft_tree import DraftTree
+from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
 
 log = logging.getLogger(__name__)
 
 DRAFT_WORKER_METHODS = ("draft", *HEAD_METHODS)  # methods whose proposals come from a draft worker
+CHAIN_SOURCES = {  # method -> the chain drafters its planner may choose from (head, prompt lookup, draft model)
+    "eagle": (True, False, False),
+    "eagle+ngram": (True, True, False),
+    "ngram": (False, True, False),
+    "draft": (False, False, True),
+}
+FALLBACK_K = 3  # k='auto' when the workers could not report their costs: a chain length that pays on most hardware
 
 
 @dataclass
@@ -91,9 +94,9 @@ class SchedRequest:
     spec: SpecParams
     draft_worker: str | None
     target_worker: str
-    adaptive: AdaptiveK | None
     features: FeatureRelay | None = None  # a head's methods: the target's features on their way to the draft worker
-    planner: ChainPlanner | None = None  # a head's methods: whose chain each round drafts, and with 'auto' how long
+    planner: ChainPlanner | None = None  # chain methods: what its drafters offer each round, and their acceptance
+    choice: RowChoice | None = None  # chain methods and "none": this round's row for the goodput planner
     plan: ChainPlan | None = None  # the planner's for this round, until its verify is applied
     pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
@@ -114,23 +117,20 @@ class Scheduler:
     and applies their results. Plain data in, plain data out: `Pipeline` makes the calls. A Serve `SchedulerReplica`
     and a Ray `SchedulerActor` are hosts of one (or one per model), not schedulers themselves."""
 
-    def __init__(self, draft_workers: list[str], target_workers: list[str], cost_ratio: float = 0.1,
+    def __init__(self, draft_workers: list[str], target_workers: list[str],
                  head_prior: tuple[float, ...] | None = None):  # fmt: skip
         """Workers may also join later (`add_worker`): a Serve pool scales while the scheduler runs. head_prior: the
         EAGLE-3 head's measured acceptance by position (its config's), where eagle+ngram planning starts."""
         self.head_prior = head_prior or HEAD_PRIOR
         self.draft_workers = list(draft_workers)
         self.target_workers = list(target_workers)
-        self.cost_ratio = cost_ratio
         self.requests: dict[str, SchedRequest] = {}
         self.unhealthy: set[str] = set()
-        # Upper bound on k for k='auto' requests, set by the load-aware speculation policy (0: no speculation while
-        # the target pool is saturated). Fixed-k requests keep the k they asked for.
-        self.auto_k_cap: int | None = None
         self.feature_traffic = FeatureTraffic()  # EAGLE-3 features through this scheduler, over every request
-        # What k='auto' weighs for a head's methods, measured by the workers (the pipeline asks them once); None:
-        # not yet known, AdaptiveK sizes the head's chains meanwhile.
+        # What k='auto' weighs, measured by the workers (the pipeline asks them once, and refines the verify cost
+        # from every reply); None: not known yet (or a worker could not report them: FALLBACK_K).
         self.planner_costs: PlannerCosts | None = None
+        self.batches: dict[str, BatchWidth] = {}  # target worker -> its requests' planned chain width
 
     # -- placement -------------------------------------------------------------------------------------------------
 
@@ -169,12 +169,14 @@ class Scheduler:
             max_new_tokens=params.max_new_tokens,
             eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset(),
         )
-        adaptive = AdaptiveK(cost_ratio=self.cost_ratio) if spec.k == "auto" else None
         features = FeatureRelay(self.feature_traffic) if spec.method in HEAD_METHODS else None
-        planner = None
-        if spec.method in HEAD_METHODS and spec.method not in TREE_METHODS:
-            planner = ChainPlanner(use_head=True, use_ngram=spec.method == "eagle+ngram", head_prior=self.head_prior)
-        req = SchedRequest(state, params, spec, draft, target, adaptive, features=features, planner=planner)
+        planner, choice = None, None
+        if spec.method in CHAIN_SOURCES:
+            head, ngram, model = CHAIN_SOURCES[spec.method]
+            planner = ChainPlanner(use_head=head, use_ngram=ngram, use_draft=model, head_prior=self.head_prior)
+        elif spec.method == "none":
+            choice = RowChoice(())  # a plain row of its target worker's batches
+        req = SchedRequest(state, params, spec, draft, target, features=features, planner=planner, choice=choice)
         self.requests[state.request_id] = req
         return req
 
@@ -231,7 +233,7 @@ class Scheduler:
         return req.target_worker in self.unhealthy
 
     def k_for(self, req: SchedRequest) -> int:
-        """Tokens to draft this round (0: target-only). For "eagle+ngram" it also plans whose chain drafts them
+        """Tokens to draft this round (0: a plain step). For chains it also plans whose chain drafts them
         (`req.plan`, applied by `apply_verify`)."""
         uses_draft = req.spec.method in DRAFT_WORKER_METHODS
         if uses_draft and req.draft_worker is None:  # re-attach once a draft worker is back
@@ -240,49 +242,61 @@ class Scheduler:
             return 0
         if req.spec.method in TREE_METHODS:
             return self._tree_nodes(req)
-        if req.adaptive is not None:
-            k = req.adaptive.k if self.auto_k_cap is None else min(req.adaptive.k, self.auto_k_cap)
-        else:
-            k = req.spec.k
-        if req.planner is not None:
-            # A head drafts only on a draft worker, from features that came since it last drafted.
-            head = req.draft_worker is not None and req.features.pending is not None
-            if req.adaptive is not None and self.planner_costs is not None:
-                req.planner.costs = self.planner_costs
-                cap = MAX_AUTO_K if self.auto_k_cap is None else min(MAX_AUTO_K, self.auto_k_cap)
-                req.plan = req.planner.plan(req.state.tokens, None, req.state.draft_budget(cap), head=head)
-            else:
-                req.plan = req.planner.plan(req.state.tokens, k, req.state.draft_budget(k), head=head)
-            return req.plan.k
-        if uses_draft and req.draft_worker is None:
-            return 0
-        if req.features is not None and req.features.pending is None:
-            return 0  # a head drafts from the target's features: none have come since it last drafted
-        return req.state.draft_budget(k) if k else 0
+        req.plan = self._plan_chain(req)
+        return req.plan.k
+
+    def _plan_chain(self, req: SchedRequest) -> ChainPlan:
+        """This round's chain: a fixed k's, or for 'auto' the goodput planner's for the request's target worker."""
+        # A model drafts only on a draft worker, and a head only from features that came since it last drafted.
+        model = req.draft_worker is not None and (req.features is None or req.features.pending is not None)
+        fixed = None if req.spec.k == "auto" else req.spec.k
+        if fixed is None and self.planner_costs is None:
+            fixed = FALLBACK_K
+        limit = req.state.draft_budget(fixed or MAX_AUTO_K)
+        req.choice = RowChoice(req.planner.options(req.state.tokens, limit, model), fixed, limit)
+        if not req.choice.options:
+            return NO_DRAFT
+        if fixed is not None:
+            return choose_row(req.choice, limit, 0.0, {})
+        costs = self.planner_costs
+        rows, width = self._batch_width(req.target_worker)
+        share = costs.surface.at(rows, width + 1) / rows
+        return choose_row(req.choice, width, share, costs.drafters)
+
+    def _batch_width(self, worker: str) -> tuple[int, int]:
+        """(requests, planned chain width) of the worker's batches."""
+        peers = [r.choice for r in self.requests.values() if r.target_worker == worker and r.choice is not None]
+        width = self.batches.setdefault(worker, BatchWidth()).for_round(peers, self.planner_costs, MAX_AUTO_K)
+        return len(peers), width
+
+    def _tree_rows(self, worker: str) -> int:
+        return sum(r.target_worker == worker and r.spec.method in TREE_METHODS for r in self.requests.values())
 
     def _tree_nodes(self, req: SchedRequest) -> int:
-        """Nodes to draft this round: k, or for 'auto' MAX_TREE_NODES (pruned once drafted), capped under load; none
-        when the round can commit one token only, and for a head's tree without a draft worker or new features."""
+        """Nodes to draft this round: k, or for 'auto' MAX_TREE_NODES (pruned once drafted); none when the round can
+        commit one token only, for a head's tree without a draft worker or new features, and for 'auto' in the plain
+        rounds after trees that paid for no node."""
         head = req.spec.method in HEAD_METHODS
         if head and (req.draft_worker is None or req.features.pending is None) or not req.state.draft_budget(1):
             return 0
         if req.spec.k != "auto":
             return req.spec.k
         if req.pruning is None and self.planner_costs is not None:
-            req.pruning = TreePruning(self.planner_costs.verify)
-        return MAX_TREE_NODES if self.auto_k_cap is None else min(MAX_TREE_NODES, self.auto_k_cap)
+            req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, MAX_TREE_NODES + 1))
+        if req.pruning is not None and not req.pruning.wants_tree():
+            return 0
+        return MAX_TREE_NODES
 
     def prune_tree(self, req: SchedRequest, tree: DraftTree) -> DraftTree | None:
-        """The drafted tree as it is verified: for 'auto', its nodes that pay (None: none does, a plain step), at most
-        the load cap's."""
+        """The drafted tree as it is verified: for 'auto', its nodes that pay at the verify cost of the worker's
+        batch of trees (None: none does, a plain step)."""
         if req.spec.k != "auto" or not tree.tokens:
             return tree if tree.tokens else None
-        if req.pruning is not None:
-            tree = req.pruning.prune(tree)
-        cap = self.auto_k_cap
-        if tree is not None and cap is not None and len(tree.tokens) > cap:
-            tree = tree.best(cap) if cap else None
-        return tree
+        if req.pruning is None:
+            return tree
+        rows = max(1, self._tree_rows(req.target_worker))
+        req.pruning.verify = self.planner_costs.surface.for_rows(rows, MAX_TREE_NODES + 1)
+        return req.pruning.prune(tree)
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])
@@ -326,8 +340,6 @@ class Scheduler:
         """Commit a verified round; `features`: the reply's (EAGLE-3), kept until the next draft call takes them."""
         if req.planner is not None:
             self._observe_plan(req, drafted, accepted)
-        elif req.adaptive is not None and drafted:
-            req.adaptive.observe(len(drafted), accepted)
         if req.features is not None and features:
             req.features.received(features)
         return req.state.commit_round(drafted, accepted, next_token)
@@ -346,19 +358,15 @@ class Scheduler:
         return req.state.commit_round(accepted, len(accepted), next_token, tree=(len(tree.tokens), tree.depth))
 
     def wants_costs(self, req: SchedRequest) -> bool:
-        """Whether the request's planning would weigh the workers' costs, and they are not known yet."""
-        auto_trees = req.spec.method in TREE_METHODS and req.spec.k == "auto"
-        return self.planner_costs is None and (req.planner is not None or auto_trees) and req.adaptive is not None
+        """Whether the request's planning weighs the workers' costs, and they are not known yet."""
+        return self.planner_costs is None and req.spec.k == "auto" and req.spec.method != "none"
 
     @staticmethod
     def _observe_plan(req: SchedRequest, drafted: list[int], accepted: int) -> None:
-        """For a head's methods: the round's outcome into the planner, by the chain drafted; for k='auto' also into
-        AdaptiveK, for the head's rounds only (it sizes the head's chains until the costs are known)."""
+        """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""
         plan, req.plan = req.plan, None
-        if plan is None or not drafted:
+        if plan is None or not drafted or plan.source == "none":
             return
-        if plan.source == "head" and req.adaptive is not None:
-            req.adaptive.observe(len(drafted), accepted)
         req.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
 
     def drafted(self, req: SchedRequest, call: Call) -> None:

@@ -80,9 +80,7 @@ class SpecService:
                 "active_requests": len(s.scheduler.requests),
                 "rounds": s.pipeline.times.rounds,
                 "orchestration_ms_p50": s.pipeline.times.p50_ms(),
-                "auto_k_cap": s.scheduler.auto_k_cap,
-                "speculation_on": s.speculation.switch.on,
-                "measured_speedup": s.speculation.switch.measured_speedup(),
+                "chain_width": {w: b.width for w, b in s.scheduler.batches.items()},  # the goodput planner's
                 **s.scheduler.feature_traffic.to_dict(),
             }
             for name, s in self.models.items()
@@ -147,8 +145,7 @@ class SpecService:
                 async for committed in rounds:
                     now, state = time.perf_counter(), sched_req.state
                     stats = state.stats.to_dict()
-                    request_s = now - started if state.finished else None
-                    self._observe(serving, prev, stats, len(committed), now - last, now - started, generated, request_s)
+                    self._observe(serving, prev, stats, len(committed), now - last, now - started, generated)
                     yield Chunk(
                         text=text.delta(state.generated, final=state.finished),
                         token_ids=committed,
@@ -161,16 +158,13 @@ class SpecService:
             raise UnavailableError(str(e)) from None
 
     def _observe(self, serving: ModelServing, prev: dict, stats: dict, committed: int, seconds: float,
-                 since_start: float, generated: int, request_s: float | None) -> None:  # fmt: skip
+                 since_start: float, generated: int) -> None:  # fmt: skip
         """A round's metrics (TTFT at the round that commits the first token, TPOT for each one after it) and the
         model's speculation control."""
         name = serving.config.name
         if self.metrics:
             first_token = generated == 0 and committed > 0
             self.metrics.round(name, prev, stats, committed, seconds, first_token, since_start)
-        drafted, accepted = stats["drafted"] - prev["drafted"], stats["accepted"] - prev["accepted"]
-        serving.speculation.after_round(drafted, accepted, committed, seconds, request_s)
-        serving.speculation.apply(serving.pipeline, serving.config.cost_ratio, serving.config.saturation_requests)
 
     async def generate(self, req: Prepared) -> dict:
         """The whole completion: the CLI's JSON contract (text, token_ids, finish_reason, stats) plus usage."""

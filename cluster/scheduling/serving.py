@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 
 from specserve.cluster.app_config import ModelPairConfig
 from specserve.cluster.scheduling.detokenize import byte_pieces
-from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.pipeline import Pipeline, build_pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.cluster.scheduling.speculation_control import SpeculationControl
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.runtime.loading import directory_eos_ids
-from specserve.workers.speculation.eagle_loading import head_acceptance, resolve_eagle_head
+from specserve.workers.speculation.eagle_loading import resolve_eagle_head
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,6 @@ class ModelServing:
     eos: frozenset[int]
     byte_pieces: frozenset[int]  # held back by the detokenizer until a run of them ends
     pipeline: Pipeline
-    speculation: SpeculationControl = field(default_factory=SpeculationControl)
     addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -47,9 +45,7 @@ class ModelServing:
         """The model's tokenizer (from its target directory) and an empty scheduler: no workers until they attach."""
         tokens = ModelTokenizer(target_path)
         head = resolve_eagle_head(config.draft, target_path)
-        prior = head_acceptance(head) if head is not None else None
-        scheduler = Scheduler([], [], cost_ratio=config.cost_ratio, head_prior=prior)
-        pipeline = Pipeline(scheduler, {}, {}, predraft=config.predraft, reconnect=reconnect)
+        pipeline = build_pipeline({}, {}, head, predraft=config.predraft, reconnect=reconnect)
         eos = directory_eos_ids(target_path, tokens.tokenizer)
         return cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
 
@@ -70,6 +66,9 @@ class ModelServing:
         else:
             self.pipeline.targets[worker_id] = TargetClient(address, timeout_s, secret)
         self.scheduler.add_worker(kind, worker_id)
+        if kind == "target":  # profile the verify costs now, not when the first request is waiting for them
+            with contextlib.suppress(RuntimeError):  # no event loop: the first request with k='auto' asks
+                self.pipeline.fetch_costs_soon()
         log.info("model %r: %s worker %s attached at %s", self.config.name, kind, worker_id, address)
 
     def detach(self, worker_id: str) -> None:

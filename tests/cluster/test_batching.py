@@ -31,7 +31,8 @@ def _requests():
     for i in range(16):
         prompt = PROMPTS[i % len(PROMPTS)]
         spec = SpecParams(method="ngram" if i % 5 == 4 else "draft", k=KS[i % len(KS)])
-        if i % 4 == 3:  # seeded sampling, with and without top-p
+        if i % 4 == 3:  # seeded sampling, with and without top-p; a fixed k (k='auto' drafts by the batch's load,
+            spec = SpecParams(method=spec.method, k=KS[i % 5])  # and the tokens drawn follow what was drafted)
             params = SamplingParams(temperature=0.8, top_p=0.9 if i % 8 == 3 else 1.0, seed=100 + i,
                                     max_new_tokens=12 + i)  # fmt: skip
         else:

@@ -1,15 +1,37 @@
-"""The concurrency sweep's segment order and on/off statistics alone (the sweep itself runs in
-tests/workers/test_demo.py's bench run)."""
+"""The served load bench (`specserve bench --load`): its segment order, on/off statistics, requests and report alone,
+and one short run on the demo family through the Serve application (slow: it starts Ray)."""
 
+import json
 import math
 import random
 
 import pytest
 
-from specserve.cluster.bench.concurrency import PAIRS, LevelRow, _pairs, _segment_order, ratio_ci95, request_length
+from specserve.client import SpecServeClient
+from specserve.cluster.bench.concurrency import (
+    DEFAULT,
+    OFF,
+    LevelRow,
+    LoadConfig,
+    Request,
+    Segment,
+    _row,
+    _segment_order,
+    bench_app,
+    compare,
+    format_levels,
+    load_meta,
+    load_rows,
+    mode_speculation,
+    plot_levels,
+    ratio_ci95,
+    request_length,
+    segment_count,
+)
+from specserve.cluster.cli.main import build_parser
 
 
-@pytest.mark.parametrize("pairs", [4, PAIRS])
+@pytest.mark.parametrize("pairs", [4, 8])
 def test_segments_alternate_so_that_a_steady_drift_favours_neither_mode(pairs):
     order = _segment_order(pairs)
     assert order[:8] == [False, True, True, False, True, False, False, True]  # off on, on off, on off, off on
@@ -21,24 +43,18 @@ def test_segments_alternate_so_that_a_steady_drift_favours_neither_mode(pairs):
     assert sum(i for i, spec in enumerate(abab) if spec) > sum(i for i, spec in enumerate(abab) if not spec)
 
 
-def test_pairs_match_each_on_segment_with_the_off_segment_beside_it():
-    order = _segment_order(2)  # off on, on off
-    segments = [LevelRow(4, "off", tokens_per_s=1.0), LevelRow(4, "on", tokens_per_s=2.0),
-                LevelRow(4, "on", tokens_per_s=3.0), LevelRow(4, "off", tokens_per_s=4.0)]  # fmt: skip
-    assert [(on.tokens_per_s, off.tokens_per_s) for on, off in _pairs(segments, order)] == [(2.0, 1.0), (3.0, 4.0)]
-
-
 def test_ratio_interval_covers_the_true_ratio_about_95_percent_of_the_time():
     rng = random.Random(0)
     covered, trials = 0, 2000
     for _ in range(trials):  # each pair: the true ratio 0.9 times log-normal noise of 10%
-        lo, hi = ratio_ci95([0.9 * math.exp(rng.gauss(0.0, 0.1)) for _ in range(PAIRS)])
+        lo, hi = ratio_ci95([0.9 * math.exp(rng.gauss(0.0, 0.1)) for _ in range(8)])
         covered += lo <= 0.9 <= hi
     assert 0.93 <= covered / trials <= 0.97
     lo, hi = ratio_ci95([0.95, 1.05, 1.0, 1.0])
     assert lo < 1.0 < hi and math.sqrt(lo * hi) == pytest.approx((0.95 * 1.05) ** 0.25)  # around the geometric mean
     assert ratio_ci95([0.8, 0.82, 0.79, 0.81])[1] < 1.0  # consistently slower: the interval excludes a tie
     assert ratio_ci95([1.2]) is None  # one pair: no spread to judge by
+    assert ratio_ci95([1.2, math.nan]) is None  # a pair whose off segment committed nothing in its window
 
 
 def test_requests_differ_in_length_around_the_mean_and_each_mode_gets_the_same_ones():
@@ -48,3 +64,121 @@ def test_requests_differ_in_length_around_the_mean_and_each_mode_gets_the_same_o
     assert len(set(lengths[:16])) >= 8  # the streams' first requests do not end together
     assert lengths == [request_length(i, 32) for i in range(2000)]  # fixed per request index
     assert request_length(5, 1) == 1
+
+
+def test_each_mode_asks_the_server_for_its_speculation():
+    default = SpecServeClient.request([1, 2], **mode_speculation(DEFAULT))
+    assert not default.HasField("speculation")  # the model's default method and k
+    off = SpecServeClient.request([1, 2], **mode_speculation(OFF))
+    assert off.speculation.method == "none"
+    fixed = SpecServeClient.request([1, 2], **mode_speculation("k=3"))
+    assert fixed.speculation.method == "" and fixed.speculation.k == 3  # the default method at k = 3
+
+
+def _seg(mode: str, window_tokens: list[int], outputs: dict[int, list[int]] | None = None) -> Segment:
+    outputs = outputs or {}
+    requests = [Request(i, outputs.get(i, [7] * (i + 2)), 0.1 * (i + 1), 0.01, n, 1)
+                for i, n in enumerate(window_tokens)]  # fmt: skip
+    return Segment(mode, 2.0, requests)
+
+
+def test_a_mode_is_compared_with_the_off_segments_paired_with_it():
+    pairs = [(_seg(DEFAULT, [30, 30]), _seg(OFF, [20, 20])), (_seg(DEFAULT, [24, 24]), _seg(OFF, [24, 24]))]
+    other_off = _seg(OFF, [100, 100])  # another mode's pair partner: part of off's row, not of this mode's ratio
+    off = _row(2, OFF, [o for _, o in pairs] + [other_off])
+    row = _row(2, DEFAULT, [m for m, _ in pairs])
+    compare(row, pairs, off)
+    assert row.tokens_per_s == pytest.approx(108 / 4.0) and off.tokens_per_s == pytest.approx(288 / 6.0)
+    assert row.vs_off == pytest.approx(108 / 88)  # window tokens over the paired off segments' window tokens
+    assert row.pair_ratios == pytest.approx([1.5, 1.0])
+    lo, hi = row.ratio_ci95
+    assert lo < row.vs_off < hi
+    assert row.identical is True and row.requests == 4 and row.tokens_per_round == pytest.approx(10 / 4)
+    assert row.ttft_ms_p50 == pytest.approx(150.0) and row.tpot_ms_p99 == pytest.approx(10.0)
+    one = [(_seg("k=2", [30, 30], {1: [1, 2, 3]}), _seg(OFF, [20, 20], {1: [1, 2, 4]}))]
+    fixed = _row(2, "k=2", [one[0][0]])
+    compare(fixed, one, _row(2, OFF, [one[0][1]]))
+    assert fixed.identical is False and fixed.ratio_ci95 is None  # request 1 differs; one pair: no interval
+
+
+def _rows() -> list[LevelRow]:
+    rows = []
+    for streams in (1, 2):
+        pairs = [(_seg(DEFAULT, [30] * streams), _seg(OFF, [20] * streams)),
+                 (_seg(DEFAULT, [28] * streams), _seg(OFF, [21] * streams))]  # fmt: skip
+        off = _row(streams, OFF, [o for _, o in pairs])
+        off.spread = 0.05
+        row = _row(streams, DEFAULT, [m for m, _ in pairs])
+        compare(row, pairs, off)
+        rows += [off, row]
+    return rows
+
+
+def test_the_report_table_json_and_plot(tmp_path):
+    rows = _rows()
+    table = format_levels(rows)
+    assert table.count("\n") == 1 + len(rows) and "| 2       | default" in table and "1.00x" in table
+    meta = load_meta(rows, LoadConfig(), "ngram", in_process_tok_s=20.0)
+    assert meta["served_off_1_stream_tok_s"] == pytest.approx(41 / 4.0)
+    assert meta["served_off_vs_in_process"] == pytest.approx(41 / 4.0 / 20.0)
+    levels = json.loads(json.dumps(meta))["levels"]
+    assert [(r["streams"], r["speculation"]) for r in levels] == [(1, OFF), (1, DEFAULT), (2, OFF), (2, DEFAULT)]
+    assert "outputs" not in levels[0] and len(levels[1]["ratio_ci95"]) == 2
+    plot_levels(rows, str(tmp_path / "load.png"))
+    assert (tmp_path / "load.png").stat().st_size > 1000
+
+
+def test_run_length_and_the_flags():
+    cfg = LoadConfig()
+    assert segment_count(cfg) == 5 * (1 + 16) + 2 * 4 * 4 * 2  # settles, off/default pairs, off/fixed-k pairs
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--load"]).load is True
+    assert parser.parse_args(["bench", "--concurrency"]).load is True  # the old flag's name
+    assert parser.parse_args(["bench", "--no-concurrency"]).load is False
+    assert parser.parse_args(["bench"]).load is None  # decided by the run (on for the demo family's full run)
+
+
+def test_the_bench_serves_the_model_as_specserve_serve_does():
+    model = bench_app("demo", "demo", "cpu", "float32")["applications"][0]["args"]["models"][0]
+    assert model["target"] == model["draft"] == "demo"
+    from specserve.cluster.app_config import ModelPairConfig
+
+    assert model["k"] == ModelPairConfig.model_fields["k"].default  # the model's default k: the bench sets none
+    assert bench_app("demo", None, "cpu", "float32")["applications"][0]["args"]["models"][0]["draft"] == "ngram"
+
+
+@pytest.mark.slow
+def test_load_bench_on_the_demo_family(tmp_path):
+    from transformers import AutoTokenizer
+
+    from specserve.cluster.bench.rows import QUICK, bench_prompts
+    from specserve.workers.models.demo import ensure_demo_family
+
+    family = ensure_demo_family(progress=False)
+    root = family.manifest["corpus_root"]
+    held_out = [f"{root}/{p}" for p in family.manifest["held_out_files"]]
+    prompts, _ = bench_prompts(AutoTokenizer.from_pretrained(family.target), QUICK, None, held_out)
+    cfg = LoadConfig(levels=(1, 2), fixed_k_levels=(1,), fixed_ks=(1, 2), pairs=2, fixed_k_pairs=1, segment_s=1.5,
+                     settle_s=0.5, new_tokens=8)  # fmt: skip
+    rows, drafting = load_rows("demo", "demo", prompts, cfg, device="cpu", progress=False)
+    assert drafting == "demo"
+    by = {(r.streams, r.speculation): r for r in rows}
+    assert list(by) == [(1, OFF), (1, DEFAULT), (1, "k=1"), (1, "k=2"), (2, OFF), (2, DEFAULT)]
+    for (streams, mode), r in by.items():
+        assert r.requests >= streams and r.tokens_per_s > 0 and r.ttft_ms_p99 >= r.ttft_ms_p50 > 0
+        assert r.requests <= r.tokens <= 12 * r.requests  # up to 4-12 new tokens per request (or to EOS)
+        if mode == OFF:
+            assert r.identical is None and r.vs_off is None and len(r.segment_tokens_per_s) == 2 + (streams == 1) * 2
+            continue
+        assert r.identical is True  # greedy: every request both modes ran gave off's tokens
+        off = by[(streams, OFF)]  # each pair's ratio is to an off segment of the same streams
+        for ratio, tok_s in zip(r.pair_ratios, r.segment_tokens_per_s, strict=True):
+            assert any(ratio == pytest.approx(tok_s / o) for o in off.segment_tokens_per_s)
+        assert min(r.pair_ratios) <= r.vs_off <= max(r.pair_ratios)
+        assert (r.ratio_ci95 is not None) == (len(r.pair_ratios) >= 2)  # 2 default pairs, 1 fixed-k pair
+    meta = load_meta(rows, cfg, drafting, in_process_tok_s=100.0)
+    (tmp_path / "load.json").write_text(json.dumps(meta))
+    assert json.loads((tmp_path / "load.json").read_text())["served_off_1_stream_tok_s"] == by[(1, OFF)].tokens_per_s
+    plot_levels(rows, str(tmp_path / "load.png"))
+    assert (tmp_path / "load.png").stat().st_size > 1000
+    assert "k=2" in format_levels(rows)

@@ -31,6 +31,7 @@ from specserve.workers.speculation import codec
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.eagle3_io import save_head
+from specserve.workers.speculation.goodput import NO_DRAFT, PROFILE_ROWS
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from tests.worker_helpers import LocalWorkers, save_tiny_llama
 from tests.workers.test_eagle_engine import hf_features, random_head
@@ -158,11 +159,54 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
         want = hf_features(target.model, r.state.tokens)[: ends[-1]]
         torch.testing.assert_close(got, want.cpu(), atol=2e-3, rtol=2e-3)
     costs = pipeline.scheduler.planner_costs  # k='auto' asked the workers for their measured costs
-    assert len(costs.verify.verify_s) == max(MAX_AUTO_K, MAX_TREE_NODES) + 1 and costs.head.step_s > 0
+    profile = costs.verify.profile  # one row up to a tree's width; the profiled batch sizes up to a chain's
+    assert len(profile.seconds[0]) == max(MAX_AUTO_K, MAX_TREE_NODES) + 1 and costs.head.step_s > 0
+    assert profile.rows == PROFILE_ROWS and all(len(row) == MAX_AUTO_K + 1 for row in profile.seconds[1:])
     totals = pipeline.scheduler.feature_traffic
     assert totals.received_bytes == sum(r.features.traffic.received_bytes for r in eagle)
     assert 0 < totals.bytes_per_propose and totals.to_dict()["feature_bytes_per_verify_reply"] > 0
     assert all(r.features is None for r, (_, _, spec) in zip(results, requests, strict=True) if spec.method != "eagle")
+
+
+def test_plain_rounds_make_no_draft_call_feed_one_position_and_keep_the_head_in_step(tiny_vocab_pair, monkeypatch):
+    """k = 0 rounds (the goodput planner's answer where drafting does not pay): no draft call, the target is fed
+    exactly the plain step's one new position, and the head gets those rounds' features with its next call, so it
+    holds every position's once, in order (drafting after them is drafting as if it had drafted every round)."""
+    target, head_dir = tiny_vocab_pair
+    plan, verifies, proposes = Scheduler._plan_chain, [], []
+
+    def some_plain(self, req):  # rounds 2-4 of every 6 are plain, as a planner under load would make them
+        out = plan(self, req)
+        return NO_DRAFT if req.state.stats.rounds % 6 in (2, 3, 4) else out
+
+    verify, propose = TargetClient.verify, DraftClient.propose
+
+    async def spy_verify(self, call, params):
+        verifies.append((call.request_id, len(call.drafted), len(call.new_tokens)))
+        return await verify(self, call, params)
+
+    async def spy_propose(self, call, params):
+        proposes.append(call.request_id)
+        return await propose(self, call, params)
+
+    monkeypatch.setattr(Scheduler, "_plan_chain", some_plain)
+    monkeypatch.setattr(TargetClient, "verify", spy_verify)
+    monkeypatch.setattr(DraftClient, "propose", spy_propose)
+    requests = [(ids, *greedy(30, k=3)) for ids in prompts_of(target, "tiny_vocab")]
+    results, _, handed = generate_recording_features(target, head_dir, requests)
+    for r, (ids, _, _) in zip(results, requests, strict=True):
+        assert r.state.generated == own_greedy_loop(target.model, ids, 30, set())
+        mine = [(drafted, new) for rid, drafted, new in verifies if rid == r.request_id]
+        # after the prefill, a plain round that follows a plain round feeds one position: the token it committed
+        plain = [new for (before, _), (drafted, new) in zip(mine[1:], mine[2:], strict=False) if before == drafted == 0]
+        assert len(plain) >= 2 and set(plain) == {1}
+        assert proposes.count(r.request_id) == sum(drafted > 0 for drafted, _ in mine)  # no call for a plain round
+        starts = [start for start, _ in handed[r.request_id]]
+        ends = [start + len(f) for start, f in handed[r.request_id]]
+        assert starts == [0, *ends[:-1]]  # every position's features, once, in order
+        got = torch.cat([f for _, f in handed[r.request_id]])
+        torch.testing.assert_close(got, hf_features(target.model, r.state.tokens)[: ends[-1]].cpu(), atol=2e-3,
+                                   rtol=2e-3)  # fmt: skip
 
 
 def test_a_restarted_or_forgetful_draft_worker_changes_no_output(byte_pair):
@@ -432,10 +476,10 @@ def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int, speculati
 
 
 def test_a_model_served_with_a_head_runs_through_the_serving_path(byte_pair):
-    """No method: "eagle+ngram", the head's default. Greedy output identical to target-only; the replica's status
-    reports feature bytes."""
+    """No method: "eagle+ngram", the head's default (k fixed: a tiny random head would rarely pay under k='auto').
+    Greedy output identical to target-only; the replica's status reports feature bytes."""
     target, head_dir = byte_pair
-    run = run_the_serving_path(app_with(target.path, head_dir), BYTE_PROMPTS[0], 24)
+    run = run_the_serving_path(app_with(target.path, head_dir), BYTE_PROMPTS[0], 24, speculation={"k": 3})
     assert run.paths == (target.path, head_dir) and run.prepared.spec.method == "eagle+ngram"
     assert run.out["token_ids"] == own_greedy_loop(target.model, run.prepared.prompt_ids, 24, {2})
     assert run.out["stats"]["drafted"] > 0

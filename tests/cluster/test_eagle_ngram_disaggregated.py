@@ -14,13 +14,13 @@ import torch
 
 from specserve.cluster.app_config import ModelPairConfig, app_config
 from specserve.cluster.cli.main import main as cli_main
-from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.scheduler import FALLBACK_K, Scheduler
 from specserve.cluster.serve import server
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
 from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
-from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, ChainPlanner, PlannerCosts
+from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
 from specserve.workers.speculation.codec import decode_features, feature_block
 from tests.cluster.test_eagle_disaggregated import (
@@ -47,16 +47,16 @@ def pairs(tmp_path_factory, device) -> dict:
 
 @pytest.fixture
 def plan_sources(monkeypatch) -> list[str]:
-    """The source of every plan a ChainPlanner makes ("head", "ngram" or "none"), in order."""
+    """The source of every chain the scheduler plans ("head", "ngram" or "none"), in order."""
     sources = []
-    plan = ChainPlanner.plan
+    plan = Scheduler._plan_chain
 
-    def spy(self, tokens, k, budget, head=True):
-        out = plan(self, tokens, k, budget, head)
+    def spy(self, req):
+        out = plan(self, req)
         sources.append(out.source)
         return out
 
-    monkeypatch.setattr(ChainPlanner, "plan", spy)
+    monkeypatch.setattr(Scheduler, "_plan_chain", spy)
     return sources
 
 
@@ -117,33 +117,31 @@ def test_the_scheduler_plans_each_round_and_learns_from_its_result():
 
     auto = s.add([4, 4, 4], SamplingParams(max_new_tokens=20), SpecParams(method="eagle+ngram", k="auto"), frozenset())
     s.add_worker("draft", "d1")
+    # no costs known yet (a worker did not report them): k='auto' drafts FALLBACK_K, the lookup's as far as it goes
     assert s.k_for(auto) == 1 and auto.plan == ChainPlan("ngram", 1, (4,), 2) and auto.draft_worker == "d1"
     s.apply_verify(auto, [4], 0, 5, _features(0, 3))
-    assert auto.adaptive.accepts == auto.adaptive.rejects == 0  # prompt lookup's round taught AdaptiveK nothing
     assert auto.planner.by_match[2].reached == [1] and auto.planner.by_match[2].accepted == [0]
-    assert s.k_for(auto) == auto.adaptive.k == 4 and auto.plan.source == "head"
-    s.drafted(auto, s.plan_draft(auto, 4))
-    s.apply_verify(auto, [1, 1, 1, 1], 0, 6, _features(3, 1))
-    assert auto.adaptive.rejects == 1 and auto.planner.head.reached == [1]
+    assert s.k_for(auto) == FALLBACK_K and auto.plan.source == "head"
+    s.drafted(auto, s.plan_draft(auto, FALLBACK_K))
+    s.apply_verify(auto, [1, 1, 1], 0, 6, _features(3, 1))
+    assert auto.planner.head.reached == [1] and auto.planner.head.accepted == [0]
 
 
 def test_k_auto_weighs_the_workers_costs_once_they_are_known():
-    """Until the workers' costs are known AdaptiveK sizes the head's chains; then the planner drafts the k with the
-    most committed tokens per second: the longest chain when drafting is free and every width costs the same (within
-    the load-aware cap), nothing when a drafted token costs more than a target step. Fixed k needs no costs."""
+    """Until the workers' costs are known, k='auto' drafts FALLBACK_K; then the goodput planner drafts the k with the
+    most committed tokens per second: the longest chain when drafting is free and every width costs the same,
+    nothing when a drafted token costs more than a target step. Fixed k needs no costs."""
     s = Scheduler(["d1"], ["t1"], head_prior=(0.9,) * MAX_AUTO_K)
     req = s.add([4, 5, 6], SamplingParams(max_new_tokens=40), SpecParams(method="eagle", k="auto"), frozenset())
     assert s.wants_costs(req) and s.k_for(req) == 0  # the prefill round: no features yet
     s.apply_verify(req, [], 0, 7, _features(0, 3))
-    assert s.k_for(req) == req.adaptive.k and req.plan.source == "head"
+    assert s.k_for(req) == FALLBACK_K and req.plan.source == "head"
     flat = VerifyCosts((0.1,) * (MAX_AUTO_K + 1))
     s.planner_costs = PlannerCosts(flat, DraftCost())
     assert not s.wants_costs(req)
     assert s.k_for(req) == MAX_AUTO_K and req.plan.source == "head"
-    s.auto_k_cap = 2
-    assert s.k_for(req) == 2
-    s.auto_k_cap = None
     s.planner_costs = PlannerCosts(flat, DraftCost(step_s=0.2))
+    s.batches.clear()  # re-planned at the next batch round anyway; now
     assert s.k_for(req) == 0 and req.plan.source == "none"
     fixed = s.add([4, 5, 6], SamplingParams(max_new_tokens=40), SpecParams(method="eagle", k=3), frozenset())
     assert not Scheduler(["d1"], ["t1"]).wants_costs(fixed)

@@ -3,8 +3,11 @@ requests moving off a worker that left, re-attaching to a draft worker that came
 
 import pytest
 
-from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
+from specserve.cluster.scheduling.scheduler import NoTargetWorker, SchedRequest, Scheduler
 from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.speculation.chain_planner import PlannerCosts
+from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance
+from tests.helpers.cost_surfaces import cpu_surface
 
 PARAMS, SPEC = SamplingParams(max_new_tokens=8), SpecParams(method="draft", k=2)
 
@@ -62,12 +65,27 @@ def test_a_request_whose_only_target_fails_is_stranded():
     assert not s.stranded(req)
 
 
-def test_auto_k_cap_limits_only_auto_requests_and_zero_turns_speculation_off():
+def test_goodput_planning_drafts_alone_stops_under_load_and_resumes_when_it_drops():
+    """k='auto' on a CPU-like target (batching nearly free, each verified position dearer): a weak drafter pays for
+    one request; with 16 on the same target worker no chain pays, every request runs plain steps (a fixed-k request
+    keeps its k); once the load is gone the remaining request drafts again (no state stuck 'off')."""
     s = Scheduler(["d1"], ["t1"])
-    auto = s.add([1, 2], SamplingParams(max_new_tokens=50), SpecParams(method="draft", k="auto"), frozenset())
-    fixed = s.add([1, 2], SamplingParams(max_new_tokens=50), SpecParams(method="draft", k=5), frozenset())
-    uncapped = s.k_for(auto)
-    s.auto_k_cap = 1
-    assert s.k_for(auto) == min(1, uncapped) and s.k_for(fixed) == 5
-    s.auto_k_cap = 0
-    assert s.k_for(auto) == 0 and s.k_for(fixed) == 5
+    s.planner_costs = PlannerCosts(cpu_surface(), draft=DraftCost(step_s=0.003, fixed_s=0.002))
+    params, auto = SamplingParams(max_new_tokens=50), SpecParams(method="draft", k="auto")
+
+    def weak() -> SchedRequest:
+        req = s.add([1, 2], params, auto, frozenset())
+        req.planner.draft = PositionAcceptance((0.2, 0.3))
+        return req
+
+    first = weak()
+    assert s.k_for(first) > 0
+    crowd = [weak() for _ in range(15)]
+    for req in crowd:
+        s.k_for(req)  # every row's choice is known before the batch is planned again
+    assert [s.k_for(req) for req in [first, *crowd]] == [0] * 16
+    fixed = s.add([1, 2], params, SpecParams(method="draft", k=5), frozenset())
+    assert s.k_for(fixed) == 5
+    for req in [*crowd, fixed]:
+        s.release(req)
+    assert s.k_for(first) > 0

@@ -85,7 +85,7 @@ def test_concurrent_greedy_tree_requests_are_identical_to_target_only(pairs, pai
     accepted = sum(r.state.stats.accepted for r in fixed)
     assert accepted > 0 or pair_name == "byte"
     assert pipeline.scheduler.planner_costs is not None  # 'auto' asked the workers for their costs
-    assert len(pipeline.scheduler.planner_costs.verify.verify_s) == MAX_TREE_NODES + 1
+    assert len(pipeline.scheduler.planner_costs.verify.profile.seconds[0]) == MAX_TREE_NODES + 1  # one row
 
 
 def test_forgetful_and_dead_draft_workers_change_no_output(pairs):
@@ -172,8 +172,10 @@ def test_the_scheduler_sizes_trees_by_k_costs_and_load():
     # every width costs the same: every likely node pays
     s.planner_costs = PlannerCosts(VerifyCosts((0.1,) * (MAX_TREE_NODES + 1)), DraftCost(step_s=0.01, fixed_s=0.01))
     assert s.k_for(auto) == MAX_TREE_NODES and len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) == MAX_TREE_NODES
-    s.auto_k_cap = 3  # under load: at most 3 nodes, the best ones
-    assert s.k_for(auto) == 3 and s.prune_tree(auto, _tree(MAX_TREE_NODES)) == _tree(3)
-    assert s.k_for(fixed) == 5  # a fixed k is what the request asked for
-    s.auto_k_cap = 0
-    assert s.k_for(auto) == 0
+    # a verify that costs more with every node: no node pays, and plain steps follow before the next tree
+    s.planner_costs = PlannerCosts(VerifyCosts(tuple(0.1 * w for w in range(1, MAX_TREE_NODES + 2))), DraftCost())
+    auto.pruning = None
+    assert s.k_for(auto) == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None
+    assert s.k_for(auto) == 0 and s.k_for(fixed) == 5  # a fixed k is what the request asked for
+    assert s.k_for(auto) == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None
+    assert [s.k_for(auto) for _ in range(3)] == [0, 0, MAX_TREE_NODES]  # backing off: 1, then 2 plain rounds

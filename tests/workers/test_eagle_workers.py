@@ -24,6 +24,7 @@ from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import FeatureBlock, decode_features, encode_features, feature_block
+from specserve.workers.speculation.goodput import PROFILE_ROWS
 from specserve.workers.speculation.eagle3_io import save_head
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
 from specserve.workers.speculation.eagle_loading import load_head_drafter, load_target_embedding, resolve_eagle_head
@@ -278,5 +279,9 @@ def test_workers_measure_and_report_their_costs_only_when_asked(target, head_dir
     assert len(verify.verify_seconds_by_width) == max(MAX_AUTO_K, MAX_TREE_NODES) + 1
     assert all(t > 0 for t in verify.verify_seconds_by_width)
     assert list(again.verify_seconds_by_width) == list(verify.verify_seconds_by_width) == list(measured)
-    assert (model.draft_fixed_seconds, model.draft_step_seconds) == (0, 0) and not model.verify_seconds_by_width
+    assert list(verify.verify_profile_rows) == [r for r in PROFILE_ROWS if r > 1]  # batches the planner weighs
+    assert len(verify.verify_seconds_by_rows) == len(verify.verify_profile_rows) * (MAX_AUTO_K + 1)
+    assert all(t > 0 for t in verify.verify_seconds_by_rows) and not plain.verify_seconds_by_rows
+    # a draft model's worker measures one cached step a drafted token; a head's a fixed cost and a step
+    assert model.draft_fixed_seconds == 0 and model.draft_step_seconds > 0 and not model.verify_seconds_by_width
     assert head.draft_step_seconds > 0 and head.draft_fixed_seconds >= 0 and head.healthy

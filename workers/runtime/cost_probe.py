@@ -46,3 +46,30 @@ def verify_seconds(runner: ModelRunner, context: int, max_width: int, reps: int 
     prompt = probe_tokens(context, runner.vocab_size)
     time_forward(runner, prompt, max_width, 2)  # allocator and kernel caches
     return tuple(min(time_forward(runner, prompt, w, reps)) for w in range(1, max_width + 1))
+
+
+def batch_verify_seconds(runner: ModelRunner, context: int, rows: int, max_width: int,
+                         reps: int = 2) -> tuple[float, ...]:  # fmt: skip
+    """(t_1, ..., t_max_width) of one batched forward over `rows` requests, each feeding w new positions after
+    `context` tokens of its own (the fastest of `reps` each): what a target worker's verify batch costs."""
+    tag = uuid.uuid4().hex
+    prompts = [probe_tokens(context, runner.vocab_size, salt=r) for r in range(rows)]
+    ids = [f"cost-probe-{tag}-{r}" for r in range(rows)]
+    prefill = [(rid, p, 1) for rid, p in zip(ids, prompts, strict=True)]  # feeding it again rolls back to context
+    out = []
+    try:
+        runner.logits_for_batch(prefill)
+        runner.logits_for_batch(prefill)  # allocator and kernel caches
+        for width in range(1, max_width + 1):
+            best = float("inf")
+            for i in range(reps):
+                runner.logits_for_batch(prefill)
+                seqs = [p + probe_tokens(width, runner.vocab_size, salt=i + r + 1) for r, p in enumerate(prompts)]
+                t0 = time.perf_counter()
+                runner.logits_for_batch([(rid, s, width) for rid, s in zip(ids, seqs, strict=True)])
+                best = min(best, time.perf_counter() - t0)
+            out.append(best)
+    finally:
+        for rid in ids:
+            runner.release(rid)
+    return tuple(out)

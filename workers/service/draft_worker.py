@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.runtime.cost_probe import probe_context
+from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import FeatureBlock, encode_probs
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafters import Drafter
+from specserve.workers.speculation.drafters import Drafter, ModelDrafter
 from specserve.workers.speculation.eagle_costs import head_cost
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
 
@@ -146,18 +146,20 @@ class DraftWorker:
         return self.committed.release(request_id)
 
     def draft_cost(self) -> DraftCost | None:
-        """An EAGLE-3 head's drafting cost (fixed per call + per drafted token), measured once here; None for other
-        drafters (k='auto' weighs a head's cost only)."""
-        if not isinstance(self.drafter, EagleDrafter):
-            return None
-        if self._draft_cost is None:
+        """The drafter's cost (fixed per call + per drafted token), measured once here: an EAGLE-3 head's, or a draft
+        model's (one cached step per drafted token); None for prompt lookup (free)."""
+        if self._draft_cost is None and isinstance(self.drafter, EagleDrafter):
             config = self.drafter.head.config
             context = probe_context(config.max_position_embeddings, MAX_AUTO_K + 1)
             self._draft_cost = head_cost(self.drafter, context, MAX_AUTO_K)
+        elif self._draft_cost is None and isinstance(self.drafter, ModelDrafter):
+            runner = self.drafter.runner
+            step = verify_seconds(runner, probe_context(runner.loaded.max_positions, 2), 1)[0]
+            self._draft_cost = DraftCost(step_s=step)
         return self._draft_cost
 
     def health(self, costs: bool = False) -> dict:
-        """Liveness and capacity; with `costs`, also a head's drafting cost (measured on first use: call it on the
+        """Liveness and capacity; with `costs`, also the drafting cost (measured on first use: call it on the
         model thread)."""
         report = {
             "healthy": True,

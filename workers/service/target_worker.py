@@ -14,11 +14,12 @@ import torch
 
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
+from specserve.workers.runtime.cost_probe import batch_verify_seconds, probe_context, verify_seconds
 from specserve.workers.runtime.tree_rows import TreeRow, check_parents
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import encode_features
+from specserve.workers.speculation.goodput import PROFILE_ROWS
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier, TreeCall
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
@@ -70,6 +71,7 @@ class TargetWorker:
         self.model_name = model_name
         self.committed = CommittedTokens()
         self._verify_costs: tuple[float, ...] | None = None
+        self._verify_profile: dict[int, tuple[float, ...]] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -161,6 +163,17 @@ class TargetWorker:
             self._verify_costs = verify_seconds(runner, probe_context(runner.loaded.max_positions, widest), widest)
         return self._verify_costs
 
+    def verify_profile(self) -> dict[int, tuple[float, ...]]:
+        """Batch size -> seconds of one batched forward over that many requests, w = 1..MAX_AUTO_K + 1 new positions
+        each, for the profile's batch sizes past one (the goodput planner interpolates between them), measured once."""
+        if self._verify_profile is None:
+            runner, widest = self.verifier.runner, MAX_AUTO_K + 1
+            context = probe_context(runner.loaded.max_positions, widest)
+            self._verify_profile = {
+                rows: batch_verify_seconds(runner, context, rows, widest) for rows in PROFILE_ROWS if rows > 1
+            }
+        return self._verify_profile
+
     def health(self, costs: bool = False) -> dict:
         """Liveness and capacity; with `costs`, also the verify cost per width (measured on first use: call it on the
         model thread)."""
@@ -175,6 +188,9 @@ class TargetWorker:
         }
         if costs and failed is None:
             report["verify_seconds_by_width"] = list(self.verify_costs())
+            profile = self.verify_profile()
+            report["verify_profile_rows"] = list(profile)
+            report["verify_seconds_by_rows"] = [t for row in profile.values() for t in row]
         return report
 
 

@@ -1,107 +1,135 @@
-"""Per request, each round: whose chain to draft (the EAGLE-3 head's or the n-gram prompt lookup's) and how long.
+"""Per request, each round: what its chain drafters can offer (`ChainPlanner.options`) and how they have done
+(`observe`). The goodput planner (goodput.py) then picks, for the whole batch, whose chain each request drafts and
+how long; a request alone (the in-process engine) is a batch of one (`ChainPlanner.plan`).
 
-With a fixed k the chain with the larger expected accepted length wins (n-gram ties win: it costs nothing). With
-k = 'auto' each candidate's best k is chosen by the committed tokens per second of its rounds (chain_policy.py), and
-the faster candidate wins, or no chain at all (a plain target step) when neither is expected to pay for itself: a
-head that accepts little is not drafted with (its rates then stay where its measured prior puts them). Acceptance
-is tracked per chain position for the head and per matched suffix length for the n-gram (a 3-token match predicts
-its continuation far better than a 1-token one), starting from priors.
+Drafters: an EAGLE-3 head ("head"), prompt lookup ("ngram"), a draft model ("draft"); a method allows one or two
+(eagle+ngram: the head's chain or the lookup's continuation). Acceptance is tracked per chain position for the
+head and the draft model and per matched suffix length for prompt lookup (a 3-token match predicts its continuation
+far better than a 1-token one), starting from priors (a head's measured one from its config).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from specserve.workers.config import NgramConfig
-from specserve.workers.speculation.chain_policy import (
-    DraftCost,
-    PositionAcceptance,
-    VerifyCosts,
-    best_k,
-    expected_accepted,
-    round_rate,
-)
+from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance, VerifyCosts
 from specserve.workers.speculation.drafters import ngram_match
+from specserve.workers.speculation.goodput import (
+    NO_DRAFT,
+    ChainPlan,
+    Option,
+    RowChoice,
+    VerifySurface,
+    VerifyTimings,
+    plan_batch,
+)
 
 # Prior acceptance given the previous position accepted. The head's: a trained SmolLM2 head on held-out chat (its
-# config may carry measured ones); the n-gram's by matched suffix length 1, 2, 3+ (held-out chat, k = 4).
+# config may carry measured ones); the n-gram's by matched suffix length 1, 2, 3+ (held-out chat, k = 4); a draft
+# model's: a small model of the target's family.
 HEAD_PRIOR = (0.45, 0.4, 0.4, 0.4)
 NGRAM_PRIOR = {1: 0.2, 2: 0.4, 3: 0.55}
-Source = Literal["head", "ngram", "none"]
-
-
-@dataclass(frozen=True)
-class ChainPlan:
-    source: Source
-    k: int  # tokens to draft (the n-gram's: len(tokens))
-    tokens: tuple[int, ...] = ()  # the n-gram continuation (source "ngram")
-    match: int = 0  # the n-gram's matched suffix length
+DRAFT_PRIOR = (0.6,)
 
 
 @dataclass(frozen=True)
 class PlannerCosts:
-    """What k = 'auto' weighs: the target's verify cost per width and the head's drafting cost."""
+    """What k = 'auto' weighs: the target's verify cost (per width for one row, or measured over batch sizes too)
+    and the drafters' costs (prompt lookup's: none)."""
 
-    verify: VerifyCosts
-    head: DraftCost
+    verify: VerifyCosts | VerifySurface | VerifyTimings
+    head: DraftCost = DraftCost()
+    draft: DraftCost = DraftCost()
+
+    @property
+    def surface(self) -> VerifySurface | VerifyTimings:
+        return VerifySurface.single(self.verify) if isinstance(self.verify, VerifyCosts) else self.verify
+
+    @property
+    def drafters(self) -> dict[str, DraftCost]:
+        return {"head": self.head, "draft": self.draft}
 
 
 class ChainPlanner:
-    """One request's choice of chain each round. `use_head` / `use_ngram`: the candidates the method allows."""
+    """One request's chain drafters and their measured acceptance."""
 
     def __init__(
         self,
-        use_head: bool,
-        use_ngram: bool,
+        use_head: bool = False,
+        use_ngram: bool = False,
         ngram: NgramConfig | None = None,
         head_prior: Sequence[float] = HEAD_PRIOR,
         costs: PlannerCosts | None = None,
+        use_draft: bool = False,
     ):
-        self.use_head, self.use_ngram = use_head, use_ngram
+        self.use_head, self.use_ngram, self.use_draft = use_head, use_ngram, use_draft
         self.ngram = ngram or NgramConfig()
         self.costs = costs
         self.head = PositionAcceptance(tuple(head_prior))
+        self.draft = PositionAcceptance(DRAFT_PRIOR)
         self.by_match = {n: PositionAcceptance((a,)) for n, a in NGRAM_PRIOR.items()}
 
     def _ngram_stats(self, match: int) -> PositionAcceptance:
         return self.by_match[min(match, max(self.by_match))]
 
-    def plan(self, tokens: Sequence[int], k: int | None, budget: int, head: bool = True) -> ChainPlan:
-        """k: tokens to draft, or None for 'auto' (needs costs); budget: the most this round may draft; head: whether
-        the head can draft this round (a head on a draft worker waits for the target's features of the last round)."""
-        limit = min(budget, k) if k is not None else budget
+    def options(self, tokens: Sequence[int], limit: int, model: bool = True) -> tuple[Option, ...]:
+        """What each allowed drafter can draft this round, at most `limit` tokens. model: whether the head or draft
+        model can draft (one on a draft worker needs the worker, and a head the target's features of the last
+        round)."""
         if limit <= 0:
-            return ChainPlan("none", 0)
-        candidates: list[tuple[float, ChainPlan]] = []
+            return ()
+        out = []
         if self.use_ngram:
             match, follow = ngram_match(tokens, limit, self.ngram.max_ngram, self.ngram.min_ngram)
             if follow:
-                candidates.append(self._score(self._ngram_stats(match), DraftCost(), len(follow), k is None,
-                                              lambda n: ChainPlan("ngram", n, tuple(follow[:n]), match)))  # fmt: skip
-        if self.use_head and head:
-            head_cost = self.costs.head if self.costs is not None else DraftCost()
-            candidates.append(self._score(self.head, head_cost, limit, k is None, lambda n: ChainPlan("head", n)))
-        if k is None and self.costs is not None:  # 'auto': a plain step when no chain is expected to pay for itself
-            candidates.append((1.0 / self.costs.verify.verify(0), ChainPlan("none", 0)))
-        if not candidates:
-            return ChainPlan("none", 0)
-        return max(candidates, key=lambda c: (c[0], c[1].source == "ngram"))[1]
+                rates = tuple(self._ngram_stats(match).rates(len(follow)))
+                out.append(Option("ngram", rates, tuple(follow), match))
+        if self.use_head and model:
+            out.append(Option("head", tuple(self.head.rates(limit))))
+        if self.use_draft and model:
+            out.append(Option("draft", tuple(self.draft.rates(limit))))
+        return tuple(out)
 
-    def _score(self, stats: PositionAcceptance, cost: DraftCost, limit: int, auto: bool, make) -> tuple:
-        """(score, plan) of one candidate: with a fixed k, its expected accepted tokens; with 'auto', the committed
-        tokens per second at its best k (at least 1: the method asked for drafting). make(k) -> the plan."""
-        rates = stats.rates(limit)
-        if not auto:
-            return expected_accepted(rates, limit), make(limit)
-        if self.costs is None:
+    def choice(self, tokens: Sequence[int], k: int | None, budget: int, model: bool = True) -> RowChoice:
+        """This round's row for the goodput planner. k: a fixed k, or None for 'auto'; budget: the most it may draft."""
+        limit = min(budget, k) if k is not None else budget
+        return RowChoice(self.options(tokens, limit, model), k, limit)
+
+    def plan(self, tokens: Sequence[int], k: int | None, budget: int, model: bool = True,
+             batched_drafts: bool = False) -> ChainPlan:  # fmt: skip
+        """A request alone (a batch of one): with a fixed k, the chain expected to accept the most; with 'auto' (k
+        None, needs costs), the chain and length with the most committed tokens per second, or none."""
+        row = self.choice(tokens, k, budget, model)
+        if not row.options or row.budget <= 0:
+            return NO_DRAFT
+        if k is None and self.costs is None:
             raise ValueError("k='auto' needs measured costs")
-        n = best_k(rates, self.costs.verify, cost, limit, min_k=1)
-        return round_rate(rates, n, self.costs.verify, cost), make(n)
+        costs = self.costs or PlannerCosts(VerifyCosts((1.0,)))
+        return plan_batch([row], costs.surface, costs.drafters, row.budget, batched_drafts).rows[0]
 
     def observe(self, plan: ChainPlan, accepted: int) -> None:
         if plan.source == "head":
             self.head.observe(plan.k, accepted)
+        elif plan.source == "draft":
+            self.draft.observe(plan.k, accepted)
         elif plan.source == "ngram":
             self._ngram_stats(plan.match).observe(plan.k, accepted)
+
+
+@dataclass
+class BatchWidth:
+    """The goodput planner's chain width for one target worker's requests, re-planned once per batch round (after
+    as many plans as the worker has requests) or when their number changes."""
+
+    width: int = 0
+    rows: int = 0
+    plans_left: int = 0
+
+    def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int) -> int:
+        if self.rows != len(rows) or self.plans_left <= 0:
+            plan = plan_batch(rows, costs.surface, costs.drafters, max_width, batched_drafts=True)
+            self.width, self.rows, self.plans_left = plan.width, len(rows), len(rows)
+        self.plans_left -= 1
+        return self.width

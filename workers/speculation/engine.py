@@ -19,14 +19,14 @@ from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K, VerifyCosts
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle3 import Eagle3Head
 from specserve.workers.speculation.eagle_costs import head_cost
 from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle_drafter
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
-from specserve.workers.speculation.round_drafting import ChainRounds, DrafterRounds, TreeRounds
+from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier, TreeCall
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
@@ -84,25 +84,23 @@ class SpecEngine:
         draft: LoadedModel | None = None,
         kv_config: KVCacheConfig | None = None,
         ngram_config: NgramConfig | None = None,
-        cost_ratio: float = 0.1,
         eagle_head: str | os.PathLike | Eagle3Head | None = None,
         planner_costs: PlannerCosts | None = None,
         tree_costs: VerifyCosts | None = None,
     ):
-        """cost_ratio: the assumed c = t_draft / t_target used by k='auto'. A fixed number, not a live timing, so
-        that a seeded request with k='auto' reproduces exactly. eagle_head: an EAGLE-3 head (directory or loaded)
-        for methods 'eagle' and 'eagle+ngram'; the target's forward passes then also capture the features the head
-        reads. planner_costs: what k='auto' weighs for those methods (default: measured here on first use; a seeded
+        """eagle_head: an EAGLE-3 head (directory or loaded) for methods 'eagle' and 'eagle+ngram'; the target's
+        forward passes then also capture the features the head reads. planner_costs: what k='auto' weighs for chains
+        (the target's verify cost per width, the drafters' costs; default: measured here on first use; a seeded
         sampled request with k='auto' reproduces exactly under the same costs); tree_costs: likewise, the verify cost
-        per width up to a whole tree's that 'eagle-tree' with k='auto' weighs."""
+        per width up to a whole tree's that the trees' k='auto' weighs."""
         kv_config = kv_config or KVCacheConfig()
         self.target = target
         self.verifier = TargetVerifier(ModelRunner(target, kv_config))
         self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram_config)}
-        self.cost_ratio = cost_ratio
         if draft is not None:
             check_compatible(target, draft)
             self.drafters["draft"] = ModelDrafter(ModelRunner(draft, kv_config, vocab_size=self.verifier.vocab_size))
+        self.head_prior = HEAD_PRIOR
         if eagle_head is not None:
             eagle = load_eagle_drafter(target, eagle_head)
             self.verifier.runner.capture_features(eagle.feature_layers)
@@ -112,6 +110,8 @@ class SpecEngine:
         self.max_auto_k = MAX_AUTO_K
         self._planner_costs = planner_costs
         self._tree_costs = tree_costs
+        self._verify_costs: VerifyCosts | None = None
+        self._drafter_costs: dict[str, DraftCost] = {}
 
     @property
     def tokenizer(self):
@@ -126,7 +126,7 @@ class SpecEngine:
             raise InvalidRequestError("method", f"{spec.method!r} drafting needs {needs}, and none is loaded")
         return self.drafters[name]
 
-    def _rounds(self, spec: SpecParams) -> DrafterRounds | ChainRounds | TreeRounds | None:
+    def _rounds(self, spec: SpecParams) -> ChainRounds | TreeRounds | None:
         drafter = self._drafter(spec)
         if drafter is None:
             return None
@@ -134,13 +134,13 @@ class SpecEngine:
             return TreeRounds(drafter, TreeShape.for_budget(MAX_TREE_NODES), self.tree_verify_costs())
         if spec.method in TREE_METHODS:
             return TreeRounds(drafter, TreeShape.for_budget(spec.k))
-        if not isinstance(drafter, EagleDrafter):
-            return DrafterRounds(drafter, spec, self.cost_ratio)
-        auto = spec.k == "auto"
-        planner = ChainPlanner(use_head=True, use_ngram=spec.method == "eagle+ngram",
-                               ngram=self.drafters["ngram"].config, head_prior=self.head_prior,
-                               costs=self.planner_costs() if auto else None)  # fmt: skip
-        return ChainRounds(drafter, planner, None if auto else spec.k, self.max_auto_k)
+        auto, method = spec.k == "auto", spec.method
+        planner = ChainPlanner(use_head=method in EAGLE_METHODS, use_ngram=method in ("ngram", "eagle+ngram"),
+                               use_draft=method == "draft", ngram=self.drafters["ngram"].config,
+                               head_prior=self.head_prior,
+                               costs=self.planner_costs(method) if auto else None)  # fmt: skip
+        model = None if method == "ngram" else drafter
+        return ChainRounds(model, planner, None if auto else spec.k, self.max_auto_k)
 
     def tree_verify_costs(self) -> VerifyCosts:
         """The target's verify cost per width up to a whole k='auto' tree's, measured once."""
@@ -150,17 +150,28 @@ class SpecEngine:
             self._tree_costs = VerifyCosts(verify_seconds(self.verifier.runner, context, widest))
         return self._tree_costs
 
-    def planner_costs(self) -> PlannerCosts:
-        """The target's verify cost per width and the head's drafting cost, measured once (k='auto' weighs them)."""
-        if self._planner_costs is None:
-            eagle, widest = self.drafters["eagle"], self.max_auto_k + 1
-            context = probe_context(self.target.max_positions, widest)
-            verify = VerifyCosts(verify_seconds(self.verifier.runner, context, widest))
-            self._planner_costs = PlannerCosts(verify, head_cost(eagle, context, self.max_auto_k))
-            log.info("k='auto' costs: verify %s ms by width, head %.1f ms + %.1f ms per drafted token",
-                     " ".join(f"{1e3 * t:.1f}" for t in verify.verify_s), 1e3 * self._planner_costs.head.fixed_s,
-                     1e3 * self._planner_costs.head.step_s)  # fmt: skip
-        return self._planner_costs
+    def planner_costs(self, method: str = "eagle") -> PlannerCosts:
+        """The target's verify cost per width and the method's drafter's cost, each measured once on first use
+        (k='auto' weighs them; prompt lookup costs nothing)."""
+        if self._planner_costs is not None:
+            return self._planner_costs
+        widest = self.max_auto_k + 1
+        context = probe_context(self.target.max_positions, widest)
+        if self._verify_costs is None:
+            self._verify_costs = VerifyCosts(verify_seconds(self.verifier.runner, context, widest))
+            widths = " ".join(f"{1e3 * t:.1f}" for t in self._verify_costs.verify_s)
+            log.info("k='auto' costs: verify %s ms by width", widths)
+        head, draft = DraftCost(), DraftCost()
+        if method in EAGLE_METHODS:
+            if "head" not in self._drafter_costs:
+                self._drafter_costs["head"] = head_cost(self.drafters["eagle"], context, self.max_auto_k)
+            head = self._drafter_costs["head"]
+        if method == "draft":
+            if "draft" not in self._drafter_costs:  # one cached step of the draft model per drafted token
+                step = verify_seconds(self.drafters["draft"].runner, context, 1)[0]
+                self._drafter_costs["draft"] = DraftCost(step_s=step)
+            draft = self._drafter_costs["draft"]
+        return PlannerCosts(self._verify_costs, head=head, draft=draft)
 
     def _verify(
         self,

@@ -1,42 +1,28 @@
-"""What the in-process engine drafts each round, per request: one drafter with a fixed or adaptive k
-(`DrafterRounds`), the chain planner over an EAGLE-3 head and n-gram lookup (`ChainRounds`), or a draft tree, the
+"""What the in-process engine drafts each round, per request: a chain, whose and how long the goodput planner
+says (`ChainRounds`: an EAGLE-3 head, prompt lookup, a draft model, or the head or the lookup), or a draft tree, the
 head's or prompt lookup's (`TreeRounds`)."""
 
 from __future__ import annotations
 
-from specserve.workers.config import SamplingParams, SpecParams
-from specserve.workers.speculation.adaptive_k import AdaptiveK
-from specserve.workers.speculation.chain_planner import ChainPlan, ChainPlanner
+from specserve.workers.config import SamplingParams
+from specserve.workers.speculation.chain_planner import ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafters import Drafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
+from specserve.workers.speculation.goodput import ChainPlan
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.tree_policy import TreePruning
 
 
-class DrafterRounds:
-    """One drafter; k fixed, or AdaptiveK's (Leviathan's S(k) with an assumed cost ratio) for 'auto'."""
-
-    def __init__(self, drafter: Drafter, spec: SpecParams, cost_ratio: float):
-        self.drafter = drafter
-        self.adaptive = AdaptiveK(cost_ratio=cost_ratio) if spec.k == "auto" else None
-        self.k = self.adaptive.k if self.adaptive else spec.k
-
-    def propose(self, state: RequestState, params: SamplingParams) -> Proposal | None:
-        k = state.draft_budget(self.k)
-        return self.drafter.propose(state.request_id, state.tokens, k, params) if k else None
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        if self.adaptive is not None and drafted:
-            self.k = self.adaptive.observe(drafted, accepted)
-
-
 class ChainRounds:
-    """The head's chain or the n-gram continuation, whichever the planner expects to pay more, each round."""
+    """Each round the planner's chain: prompt lookup's continuation (no model), or `model`'s (the head or a draft
+    model) drafted here; none when nothing pays (k = 'auto') or nothing matches. `model` gets nothing on a round it
+    does not draft: the engine keeps a head's features current every round, and a draft model's cache catches up by
+    token comparison on its next call."""
 
-    def __init__(self, eagle: EagleDrafter, planner: ChainPlanner, k: int | None, max_k: int):
-        self.drafter = eagle  # gets the target's features after every verify, whichever chain was drafted
+    def __init__(self, model: Drafter | None, planner: ChainPlanner, k: int | None, max_k: int):
+        self.drafter = model
         self.planner = planner
         self.k, self.max_k = k, max_k  # k None: 'auto'
         self._plan: ChainPlan | None = None
@@ -46,7 +32,7 @@ class ChainRounds:
         self._plan = plan
         if plan.source == "ngram":
             return Proposal(tokens=list(plan.tokens), probs=None)
-        if plan.source == "head":
+        if plan.k:
             return self.drafter.propose(state.request_id, state.tokens, plan.k, params)
         return None
 
@@ -66,7 +52,7 @@ class TreeRounds:
         self.pruning = TreePruning(verify) if verify is not None else None
 
     def propose_tree(self, state: RequestState) -> DraftTree | None:
-        if not state.draft_budget(1):
+        if not state.draft_budget(1) or self.pruning is not None and not self.pruning.wants_tree():
             return None
         tree = self.drafter.propose_tree(state.request_id, state.tokens, self.shape)
         if tree is None or self.pruning is None:

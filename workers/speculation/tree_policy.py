@@ -19,6 +19,7 @@ from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree
 
 MAX_TREE_NODES = 16  # the tree drafted for k='auto', pruned each round
+MAX_PLAIN_ROUNDS = 16  # the longest run of plain steps between trees that pay for no node
 
 
 @dataclass
@@ -65,12 +66,24 @@ class TreePruning:
     verify: VerifyCosts
     calibration: TreeCalibration = field(default_factory=TreeCalibration)
     predicted: float = 0.0  # expected accepted nodes of the tree being verified
+    plain_rounds: int = 0  # plain steps to take before drafting the next tree
+    backoff: int = 0  # plain steps after the last tree that paid for no node (doubles while trees keep failing)
+
+    def wants_tree(self) -> bool:
+        """Whether to draft a tree this round: not for a few rounds after trees that paid for no node (drafting one
+        costs the head's levels for nothing), so that a load where no tree pays runs plain steps."""
+        if self.plain_rounds > 0:
+            self.plain_rounds -= 1
+            return False
+        return True
 
     def prune(self, tree: DraftTree) -> DraftTree | None:
         """The tree's best nodes that pay for their verification, or None (a plain step) when none does."""
         scores = sorted(tree.scores, reverse=True)
         count = best_node_count(scores, self.verify, self.calibration.factor)
         self.predicted = sum(math.exp(s) for s in scores[:count])
+        self.backoff = 0 if count else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
+        self.plain_rounds = self.backoff
         return tree.best(count) if count else None
 
     def observe(self, accepted: int) -> None:

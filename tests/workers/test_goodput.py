@@ -1,0 +1,114 @@
+"""The goodput planner (workers/speculation/goodput.py) on synthetic cost surfaces and acceptance profiles: it picks
+the k with the most committed tokens per second for one request and for a batch, 0 where nothing pays, each row's
+best drafter, and the measured surface's interpolation and online correction."""
+
+import itertools
+
+import pytest
+
+from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts, expected_accepted
+from specserve.workers.speculation.goodput import (
+    NO_DRAFT,
+    Option,
+    RowChoice,
+    VerifySurface,
+    VerifyTimings,
+    plan_batch,
+)
+from tests.helpers.cost_surfaces import cpu_seconds, cpu_surface, gpu_seconds, gpu_surface
+
+HEAD = DraftCost(step_s=0.0037, fixed_s=0.0009)  # ~0.064 of a CPU target step a drafted token
+COSTS = {"head": HEAD, "draft": DraftCost(step_s=0.006)}
+
+
+def head_row(rates, budget: int = 8, fixed: int | None = None) -> RowChoice:
+    return RowChoice((Option("head", tuple(rates[:budget])),), fixed, budget)
+
+
+def brute_force(rows: list[RowChoice], seconds, costs, batched: bool) -> float:
+    """The best batch rate over every assignment of k per row (small batches only)."""
+    best = 0.0
+    for ks in itertools.product(*[range(0, r.budget + 1) for r in rows]):
+        widest = max(ks)
+        drafting = [costs[r.options[0].source].of(k) for r, k in zip(rows, ks, strict=True) if k]
+        d = (max(drafting) if batched else sum(drafting)) if drafting else 0.0
+        committed = sum(1 + expected_accepted(r.options[0].rates, k) for r, k in zip(rows, ks, strict=True))
+        best = max(best, committed / (seconds(len(rows), widest + 1) + d))
+    return best
+
+
+@pytest.mark.parametrize("shape", ["cpu", "gpu"])
+@pytest.mark.parametrize("a", [0.05, 0.3, 0.6, 0.9])
+def test_one_request_gets_the_goodput_optimal_k(shape, a):
+    surface, seconds = (cpu_surface(), cpu_seconds) if shape == "cpu" else (gpu_surface(), gpu_seconds)
+    row = head_row([a] * 8)
+    plan = plan_batch([row], surface, COSTS, 8, batched_drafts=False)
+    rate = lambda k: (1 + expected_accepted(row.options[0].rates, k)) / (seconds(1, k + 1) + HEAD.of(k))  # noqa: E731
+    best = max(range(9), key=rate)
+    assert plan.rows[0].k == best and plan.rate == pytest.approx(rate(best))
+    if a == 0.05:
+        assert plan.rows[0] == NO_DRAFT  # nothing pays: a plain step
+
+
+@pytest.mark.parametrize("shape", ["cpu", "gpu"])
+@pytest.mark.parametrize("rates", [(0.7, 0.6, 0.5, 0.4), (0.35, 0.15, 0.1, 0.1), (0.9, 0.9, 0.9, 0.9)])
+def test_a_batch_plan_is_as_good_as_any_assignment_of_k(shape, rates):
+    """Rows padded to the widest: a uniform width is optimal, and the planner finds the best one."""
+    seconds = cpu_seconds if shape == "cpu" else gpu_seconds
+    surface = cpu_surface() if shape == "cpu" else gpu_surface()
+    rows = [head_row(rates, budget=4), head_row(rates[:2] + (0.2, 0.2), budget=4), head_row(rates, budget=2)]
+    plan = plan_batch(rows, surface, COSTS, 4, batched_drafts=True)
+    assert plan.rate == pytest.approx(brute_force(rows, seconds, COSTS, batched=True), rel=1e-9)
+
+
+def test_speculation_that_pays_alone_stops_paying_as_a_cpu_target_batches():
+    """A CPU-like target: a weak head (0.2 at position 1) pays at one stream; with 16 streams plain steps batch so
+    well that no chain pays. On a GPU-like surface (flat until its knee, the head 5% of a step a token) the same
+    head pays at 16 streams too."""
+    rates = (0.2, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3)
+    alone = plan_batch([head_row(rates)], cpu_surface(), COSTS, 8, batched_drafts=True)
+    crowd = plan_batch([head_row(rates)] * 16, cpu_surface(), COSTS, 8, batched_drafts=True)
+    gpu_head = {"head": DraftCost(step_s=0.001)}
+    gpu = plan_batch([head_row(rates)] * 16, gpu_surface(), gpu_head, 8, batched_drafts=True)
+    assert alone.width > 0 and crowd.width == 0 and gpu.width > 0
+    assert all(p == NO_DRAFT for p in crowd.rows)
+
+
+def test_each_row_takes_its_best_drafter_and_rows_with_nothing_to_draft_stay_plain():
+    lookup = Option("ngram", (0.9, 0.9, 0.9), tokens=(5, 6, 7), match=3)
+    head = Option("head", (0.3,) * 4)
+    rows = [RowChoice((lookup, head), None, 4), RowChoice((), None, 4), RowChoice((head,), None, 0)]
+    plan = plan_batch(rows, cpu_surface(), COSTS, 8, batched_drafts=True)
+    assert plan.rows[0].source == "ngram" and plan.rows[0].tokens == (5, 6, 7)[: plan.rows[0].k]
+    assert plan.rows[1] == NO_DRAFT and plan.rows[2] == NO_DRAFT
+
+
+def test_a_fixed_k_drafts_its_k_and_auto_rows_ride_along_where_it_is_free():
+    """The fixed row pads the batch to 4 positions: an 'auto' row drafts 3 too when its drafting is batched with
+    the fixed row's (free), not when it would add its own draft time (drafted one request after another)."""
+    rows = [head_row([0.01] * 8, budget=8, fixed=3), head_row([0.01] * 8)]
+    batched = plan_batch(rows, cpu_surface(), COSTS, 8, batched_drafts=True)
+    serial = plan_batch(rows, cpu_surface(), COSTS, 8, batched_drafts=False)
+    assert [p.k for p in batched.rows] == [3, 3] and [p.k for p in serial.rows] == [3, 0]
+
+
+def test_the_surface_interpolates_rows_and_extrapolates_widths():
+    s = VerifySurface((1, 4), ((1.0, 2.0, 3.0), (4.0, 5.0, 6.0)))
+    assert s.at(1, 2) == 2.0 and s.at(2, 1) == pytest.approx(2.0) and s.at(8, 1) == pytest.approx(8.0)
+    assert s.at(1, 5) == pytest.approx(5.0)  # linear past the widest measured
+    assert VerifySurface.single(VerifyCosts((0.1, 0.2))).at(3, 2) == pytest.approx(0.6)
+    with pytest.raises(ValueError):
+        VerifySurface((4, 1), ((1.0,), (1.0,)))
+
+
+def test_online_timings_correct_the_profile_per_batch_size():
+    """A draft worker on the same cores makes every batch of 4 cost 1.5x its profile: the planner sees it; batch
+    sizes never observed take the nearest observed correction."""
+    timings = VerifyTimings(cpu_surface())
+    assert timings.at(4, 3) == pytest.approx(cpu_seconds(4, 3))
+    for _ in range(50):
+        timings.observe(4, 12, 1.5 * cpu_seconds(4, 3))
+    assert timings.at(4, 3) == pytest.approx(1.5 * cpu_seconds(4, 3), rel=1e-3)
+    assert timings.factor(5) == pytest.approx(1.5, rel=1e-3) and timings.surface().at(4, 1) > cpu_seconds(4, 1)
+    timings.observe(0, 0, 1.0)  # nothing to learn from an empty batch
+    assert timings.factor(1) == pytest.approx(1.5, rel=1e-3)

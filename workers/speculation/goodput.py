@@ -1,0 +1,231 @@
+"""Goodput planning: how many tokens each request of a batch drafts this round, to commit the most tokens per second
+for the whole batch. One planner for every path (the in-process engine is a batch of one; the scheduler plans each
+target worker's requests together) and every chain drafter (an EAGLE-3 head, prompt lookup, a draft model).
+
+A target worker verifies its requests' rounds in one forward, every row left-padded to the widest, so a round of
+the batch costs T(rows, widest + 1) on the target plus the drafting on the critical path, and commits
+sum_i (1 + E_i(k_i)) tokens, E_i the expected accepted tokens of request i's chain of k_i (chain_policy.py). The
+planner tries every width w (0: a plain decoding step for the whole batch) and keeps the one with the most
+committed tokens per second: SmartSpec's goodput (arXiv 2406.14066) over a measured cost surface, with no table to
+write. Plain decoding batches well (4 rows cost far less than 4 single steps), so under load a width that paid at
+one stream stops paying, and the planner drafts less or nothing; when the load drops, it drafts again.
+
+T is measured where the target runs (`VerifySurface`: a profile at the worker's start, rows x widths), and refined
+online from the batches the worker reports (`VerifyTimings`): no shape is assumed (a CPU's cost rises slowly and
+not monotonically with width; a GPU's is flat to a knee). Pure functions and small state, torch-free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts, expected_accepted
+
+PROFILE_ROWS = (1, 2, 4, 8)  # batch sizes a target worker profiles at start (others are interpolated)
+
+
+@dataclass(frozen=True)
+class VerifySurface:
+    """seconds[r][w - 1]: one target forward over rows[r] rows of w new positions each, measured. Other row counts
+    are interpolated linearly (extrapolated past the largest from its last two), other widths likewise."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self):
+        if not self.rows or len(self.rows) != len(self.seconds) or list(self.rows) != sorted(set(self.rows)):
+            raise ValueError("a verify surface needs distinct increasing row counts, one cost row each")
+        if any(not row or min(row) <= 0 for row in self.seconds):
+            raise ValueError("every measured cost must be positive")
+
+    @classmethod
+    def single(cls, costs: VerifyCosts) -> VerifySurface:
+        """A surface from one row's costs per width (a batch of one)."""
+        return cls((1,), (tuple(costs.verify_s),))
+
+    @property
+    def max_width(self) -> int:
+        return min(len(row) for row in self.seconds)
+
+    def _at_width(self, r: int, width: int) -> float:
+        row = self.seconds[r]
+        if width <= len(row):
+            return row[max(1, width) - 1]
+        slope = (row[-1] - row[-2]) if len(row) > 1 else row[-1]
+        return row[-1] + max(0.0, slope) * (width - len(row))
+
+    def at(self, rows: int, width: int) -> float:
+        """Seconds of a forward over `rows` rows padded to `width` new positions."""
+        rows = max(1, rows)
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self._at_width(i, width)
+        if len(self.rows) == 1:  # one measured batch size: scale by rows (an upper bound: batching only helps)
+            return self._at_width(0, width) * rows / self.rows[0]
+        hi = min(max(i, 1), len(self.rows) - 1)  # the measured pair around `rows` (the last two past the largest)
+        lo = hi - 1
+        r0, r1 = self.rows[lo], self.rows[hi]
+        t0, t1 = self._at_width(lo, width), self._at_width(hi, width)
+        return max(1e-9, t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
+
+    def for_rows(self, rows: int, widest: int) -> VerifyCosts:
+        """A batch of `rows` rows' cost per width 1..widest, as one row's VerifyCosts (its rate is the batch's)."""
+        return VerifyCosts(tuple(self.at(rows, w) for w in range(1, widest + 1)))
+
+
+@dataclass
+class VerifyTimings:
+    """A target worker's verify costs: its start-up profile, corrected online by the batches it runs. Each batch's
+    measured seconds over the profile's prediction, per batch size, as a decayed mean: what the profile could not
+    see (a draft worker sharing the cores, verification and serialisation beside the forward, a warmer machine)."""
+
+    profile: VerifySurface
+    decay: float = 0.9
+    min_factor: float = 0.5
+    max_factor: float = 3.0
+    _factor: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (weighted sum, weight)
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """A verify batch of `rows` rows feeding `tokens` positions ran `seconds`."""
+        if rows <= 0 or tokens <= 0 or seconds <= 0:
+            return
+        width = math.ceil(tokens / rows)
+        ratio = min(self.max_factor, max(self.min_factor, seconds / self.profile.at(rows, width)))
+        total, weight = self._factor.get(rows, (0.0, 0.0))
+        self._factor[rows] = (total * self.decay + ratio, weight * self.decay + 1.0)
+
+    def factor(self, rows: int) -> float:
+        """The correction at this batch size: its own when seen, else the nearest seen one's, else 1."""
+        if not self._factor:
+            return 1.0
+        near = rows if rows in self._factor else min(self._factor, key=lambda r: (abs(r - rows), r))
+        total, weight = self._factor[near]
+        return total / weight
+
+    def at(self, rows: int, width: int) -> float:
+        return self.profile.at(rows, width) * self.factor(rows)
+
+    def for_rows(self, rows: int, widest: int) -> VerifyCosts:
+        return VerifyCosts(tuple(self.at(rows, w) for w in range(1, widest + 1)))
+
+    def surface(self) -> VerifySurface:
+        """The corrected surface, at the profile's measured row counts and the batch sizes seen since."""
+        rows = sorted(set(self.profile.rows) | set(self._factor))
+        width = self.profile.max_width
+        return VerifySurface(tuple(rows), tuple(tuple(self.at(r, w) for w in range(1, width + 1)) for r in rows))
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way a request can draft this round: its drafter, the acceptance it expects at each position (given the
+    one before accepted), at most len(rates) tokens, and for prompt lookup the continuation itself."""
+
+    source: str  # "head" | "ngram" | "draft"
+    rates: tuple[float, ...]
+    tokens: tuple[int, ...] = ()  # prompt lookup's continuation
+    match: int = 0  # prompt lookup's matched suffix length
+
+
+@dataclass(frozen=True)
+class RowChoice:
+    """One request in the batch: its options this round, and the k it asked for (None: 'auto')."""
+
+    options: tuple[Option, ...]
+    fixed_k: int | None = None
+    budget: int = 0  # the most it may draft this round (tokens left, k's cap)
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """What a request drafts this round: k tokens from `source` ("none", k = 0: a plain step)."""
+
+    source: str  # "head" | "ngram" | "draft" | "none"
+    k: int
+    tokens: tuple[int, ...] = ()  # prompt lookup's continuation (source "ngram"), k of them
+    match: int = 0  # prompt lookup's matched suffix length
+
+    @classmethod
+    def of(cls, option: Option, k: int) -> ChainPlan:
+        return cls(option.source, k, option.tokens[:k], option.match) if k else NO_DRAFT
+
+
+NO_DRAFT = ChainPlan("none", 0)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    rows: tuple[ChainPlan, ...]
+    width: int  # the widest chain (0: a plain step for every request)
+    rate: float  # expected committed tokens per second of the batch's rounds
+
+
+def _value(option: Option, k: int) -> float:
+    return expected_accepted(option.rates, min(k, len(option.rates)))
+
+
+def _planned(plan: ChainPlan, options: Sequence[Option]) -> float:
+    """Expected accepted tokens of a plan made from `options`."""
+    option = next(o for o in options if o.source == plan.source)
+    return _value(option, plan.k)
+
+
+def choose_row(row: RowChoice, width: int, share_s: float, costs: Mapping[str, DraftCost]) -> ChainPlan:
+    """The row's best option when the batch's chains are at most `width` long: the most committed tokens per second
+    of its share of the round (its share of the verify plus its own drafting); prompt lookup wins ties (free)."""
+    limit = min(width, row.budget) if row.fixed_k is None else min(row.fixed_k, row.budget)
+    if limit <= 0 or not row.options:
+        return NO_DRAFT
+    if row.fixed_k is not None:  # a fixed k: the option expected to accept the most (ties: prompt lookup)
+        best = max(row.options, key=lambda o: (_value(o, limit), o.source == "ngram"))
+        return ChainPlan.of(best, min(limit, len(best.rates)))
+
+    def rate(o: Option) -> float:
+        k = min(limit, len(o.rates))
+        return (1.0 + _value(o, k)) / (share_s + costs.get(o.source, DraftCost()).of(k))
+
+    best = max(row.options, key=lambda o: (rate(o), o.source == "ngram"))
+    return ChainPlan.of(best, min(limit, len(best.rates)))
+
+
+def _drafting_s(plans: Sequence[ChainPlan], costs: Mapping[str, DraftCost], batched: bool) -> float:
+    """Seconds of the round's drafting on its critical path: a draft worker drafts its rows in one batch (the
+    longest chain's cost), the in-process engine one request after another (the sum)."""
+    by_row = [costs.get(p.source, DraftCost()).of(p.k) for p in plans if p.k]
+    if not by_row:
+        return 0.0
+    return max(by_row) if batched else sum(by_row)
+
+
+def plan_batch(
+    rows: Sequence[RowChoice],
+    verify: VerifyTimings | VerifySurface,
+    costs: Mapping[str, DraftCost],
+    max_width: int,
+    batched_drafts: bool = True,
+) -> BatchPlan:
+    """Each request's draft for this round, maximising the batch's committed tokens per second:
+
+        rate(w) = sum_i (1 + E_i(k_i)) / (T(rows, widest k_i + 1) + drafting),   k_i <= w (fixed-k rows: their k),
+
+    over w = 0..max_width (w = 0: no 'auto' row drafts). Every row of the batch is padded to the widest, so the rows
+    under a width draft up to it (a longer chain accepts more at no extra verify cost), each with its best option."""
+    n = len(rows)
+    best: BatchPlan | None = None
+    for width in range(0, max_width + 1):
+        plans, widest = [], 0
+        for row in rows:
+            # a row's share of a round at this width, to weigh its drafter's own cost against the head's
+            plan = choose_row(row, width, verify.at(n, width + 1) / n, costs)
+            plans.append(plan)
+            widest = max(widest, plan.k)
+        if widest < width and width > 0:
+            break  # no row can draft this many: wider widths plan the same
+        seconds = verify.at(n, widest + 1) + _drafting_s(plans, costs, batched_drafts)
+        committed = sum(1.0 + (_planned(p, row.options) if p.k else 0.0) for p, row in zip(plans, rows, strict=True))
+        rate = committed / seconds
+        if best is None or rate > best.rate * (1.0 + 1e-9):
+            best = BatchPlan(tuple(plans), widest, rate)
+    return best
