@@ -53,7 +53,6 @@ from specserve.cluster.scheduling.worker_clients import (
 from specserve.workers.config import TREE_METHODS, SamplingParams, SpecParams
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.drafters import NgramDrafter
-from specserve.workers.speculation.goodput import VerifyTimings
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +184,8 @@ class Pipeline:
 
     async def _fetch_costs(self, req: SchedRequest | None = None) -> None:
         """Ask a target worker, then a draft worker if there is one, for their measured costs (costs.py), once per
-        pipeline. `fetch_costs_soon` asks as soon as a target attaches, so
-        that the first request is planned right; a request with k='auto' that comes earlier waits for them."""
+        pipeline. `fetch_costs_soon` asks as soon as the model's workers are there, so that the first request is
+        planned right; a request with k='auto' that comes earlier waits for them."""
         async with self._costs_lock:
             targets = [req.target_worker] if req is not None else self.scheduler.healthy("target")
             target = next((self.targets[w] for w in targets if w in self.targets), None)
@@ -212,7 +211,7 @@ class Pipeline:
                      1e3 * costs.head.fixed_s, 1e3 * costs.head.step_s)  # fmt: skip
 
     def fetch_costs_soon(self) -> None:
-        """Measure the workers' costs in the background (a target worker has attached)."""
+        """Measure the workers' costs in the background (the model's workers have attached)."""
         if self.scheduler.planner_costs is None and not self._costs_failed:
             task = asyncio.get_running_loop().create_task(self._fetch_costs())
             self._releasing.add(task)
@@ -301,8 +300,8 @@ class Pipeline:
                         f"{len(req.state.generated)} tokens were generated before the failure"
                     ) from None
                 return None, None
-            if isinstance(getattr(self.scheduler.planner_costs, "verify", None), VerifyTimings):
-                self.scheduler.planner_costs.verify.observe(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
+            if self.scheduler.planner_costs is not None:
+                self.scheduler.planner_costs.observe_batch(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
             self.verify_calls += 1
             self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
         return reply, pre_task

@@ -216,6 +216,7 @@ class Scheduler:
             if worker in workers:
                 workers.remove(worker)
         self.unhealthy.discard(worker)
+        self.batches.pop(worker, None)
 
     def healthy(self, kind: str) -> list[str]:
         workers = self.draft_workers if kind == "draft" else self.target_workers

@@ -159,8 +159,7 @@ class SpecService:
 
     def _observe(self, serving: ModelServing, prev: dict, stats: dict, committed: int, seconds: float,
                  since_start: float, generated: int) -> None:  # fmt: skip
-        """A round's metrics (TTFT at the round that commits the first token, TPOT for each one after it) and the
-        model's speculation control."""
+        """A round's metrics (TTFT at the round that commits the first token, TPOT for each one after it)."""
         name = serving.config.name
         if self.metrics:
             first_token = generated == 0 and committed > 0

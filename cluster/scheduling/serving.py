@@ -66,7 +66,7 @@ class ModelServing:
         else:
             self.pipeline.targets[worker_id] = TargetClient(address, timeout_s, secret)
         self.scheduler.add_worker(kind, worker_id)
-        if kind == "target":  # profile the verify costs now, not when the first request is waiting for them
+        if self.ready:  # measure the costs now (a draft worker's too), not when the first request waits for them
             with contextlib.suppress(RuntimeError):  # no event loop: the first request with k='auto' asks
                 self.pipeline.fetch_costs_soon()
         log.info("model %r: %s worker %s attached at %s", self.config.name, kind, worker_id, address)

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import FeatureBlock, encode_probs
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafters import Drafter, ModelDrafter
-from specserve.workers.speculation.eagle_costs import head_cost
+from specserve.workers.speculation.drafter_costs import drafter_cost
+from specserve.workers.speculation.drafters import Drafter
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
 
 
@@ -148,14 +147,8 @@ class DraftWorker:
     def draft_cost(self) -> DraftCost | None:
         """The drafter's cost (fixed per call + per drafted token), measured once here: an EAGLE-3 head's, or a draft
         model's (one cached step per drafted token); None for prompt lookup (free)."""
-        if self._draft_cost is None and isinstance(self.drafter, EagleDrafter):
-            config = self.drafter.head.config
-            context = probe_context(config.max_position_embeddings, MAX_AUTO_K + 1)
-            self._draft_cost = head_cost(self.drafter, context, MAX_AUTO_K)
-        elif self._draft_cost is None and isinstance(self.drafter, ModelDrafter):
-            runner = self.drafter.runner
-            step = verify_seconds(runner, probe_context(runner.loaded.max_positions, 2), 1)[0]
-            self._draft_cost = DraftCost(step_s=step)
+        if self._draft_cost is None:
+            self._draft_cost = drafter_cost(self.drafter, MAX_AUTO_K)
         return self._draft_cost
 
     def health(self, costs: bool = False) -> dict:

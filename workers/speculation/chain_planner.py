@@ -51,6 +51,11 @@ class PlannerCosts:
     def drafters(self) -> dict[str, DraftCost]:
         return {"head": self.head, "draft": self.draft}
 
+    def observe_batch(self, rows: int, tokens: int, seconds: float) -> None:
+        """A verify batch the target worker reported: corrects the measured surface (fixed costs learn nothing)."""
+        if isinstance(self.verify, VerifyTimings):
+            self.verify.observe(rows, tokens, seconds)
+
 
 class ChainPlanner:
     """One request's chain drafters and their measured acceptance."""

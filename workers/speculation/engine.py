@@ -21,9 +21,9 @@ from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
 from specserve.workers.speculation.draft_tree import TreeShape
+from specserve.workers.speculation.drafter_costs import drafter_cost
 from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle3 import Eagle3Head
-from specserve.workers.speculation.eagle_costs import head_cost
 from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle_drafter
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
 from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
@@ -110,8 +110,7 @@ class SpecEngine:
         self.max_auto_k = MAX_AUTO_K
         self._planner_costs = planner_costs
         self._tree_costs = tree_costs
-        self._verify_costs: VerifyCosts | None = None
-        self._drafter_costs: dict[str, DraftCost] = {}
+        self._drafter_costs: dict[str, DraftCost] = {}  # drafter name -> measured cost
 
     @property
     def tokenizer(self):
@@ -148,30 +147,22 @@ class SpecEngine:
             widest = MAX_TREE_NODES + 1
             context = probe_context(self.target.max_positions, widest)
             self._tree_costs = VerifyCosts(verify_seconds(self.verifier.runner, context, widest))
+            log.info(
+                "k='auto' costs: verify %s ms by width", " ".join(f"{1e3 * t:.1f}" for t in self._tree_costs.verify_s)
+            )
         return self._tree_costs
 
     def planner_costs(self, method: str = "eagle") -> PlannerCosts:
-        """The target's verify cost per width and the method's drafter's cost, each measured once on first use
-        (k='auto' weighs them; prompt lookup costs nothing)."""
+        """The target's verify cost per width (the trees' measurement, up to a chain's width) and the method's
+        drafter's cost, each measured once on first use (k='auto' weighs them; prompt lookup costs nothing)."""
         if self._planner_costs is not None:
             return self._planner_costs
-        widest = self.max_auto_k + 1
-        context = probe_context(self.target.max_positions, widest)
-        if self._verify_costs is None:
-            self._verify_costs = VerifyCosts(verify_seconds(self.verifier.runner, context, widest))
-            widths = " ".join(f"{1e3 * t:.1f}" for t in self._verify_costs.verify_s)
-            log.info("k='auto' costs: verify %s ms by width", widths)
-        head, draft = DraftCost(), DraftCost()
-        if method in EAGLE_METHODS:
-            if "head" not in self._drafter_costs:
-                self._drafter_costs["head"] = head_cost(self.drafters["eagle"], context, self.max_auto_k)
-            head = self._drafter_costs["head"]
-        if method == "draft":
-            if "draft" not in self._drafter_costs:  # one cached step of the draft model per drafted token
-                step = verify_seconds(self.drafters["draft"].runner, context, 1)[0]
-                self._drafter_costs["draft"] = DraftCost(step_s=step)
-            draft = self._drafter_costs["draft"]
-        return PlannerCosts(self._verify_costs, head=head, draft=draft)
+        verify = VerifyCosts(self.tree_verify_costs().verify_s[: self.max_auto_k + 1])
+        name = "eagle" if method in EAGLE_METHODS else method
+        if name in ("eagle", "draft") and name not in self._drafter_costs:
+            self._drafter_costs[name] = drafter_cost(self.drafters[name], self.max_auto_k)
+        cost = self._drafter_costs.get(name, DraftCost())
+        return PlannerCosts(verify, head=cost, draft=cost)  # a method drafts with one of them
 
     def _verify(
         self,

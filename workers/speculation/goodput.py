@@ -216,9 +216,9 @@ def plan_batch(
     best: BatchPlan | None = None
     for width in range(0, max_width + 1):
         plans, widest = [], 0
+        share = verify.at(n, width + 1) / n  # a row's share of a round at this width, beside its drafter's cost
         for row in rows:
-            # a row's share of a round at this width, to weigh its drafter's own cost against the head's
-            plan = choose_row(row, width, verify.at(n, width + 1) / n, costs)
+            plan = choose_row(row, width, share, costs)
             plans.append(plan)
             widest = max(widest, plan.k)
         if widest < width and width > 0:

@@ -1,5 +1,6 @@
-"""Timing an EAGLE-3 head's drafting where it runs: a fixed cost per propose call (bringing the head's cache up to
-date, the first step) plus a cost per further chained step, for the k policy (chain_policy.DraftCost)."""
+"""Timing a drafter where it runs, for the goodput planner (chain_policy.DraftCost): an EAGLE-3 head's fixed cost per
+propose call (bringing the head's cache up to date, the first step) plus a cost per further chained step; a draft
+model's cached step per drafted token. The in-process engine and the draft worker both measure with `drafter_cost`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,20 @@ import uuid
 import torch
 
 from specserve.workers.config import SamplingParams
-from specserve.workers.runtime.cost_probe import probe_tokens
+from specserve.workers.runtime.cost_probe import probe_context, probe_tokens, verify_seconds
 from specserve.workers.speculation.chain_policy import DraftCost
+from specserve.workers.speculation.drafters import Drafter, ModelDrafter
 from specserve.workers.speculation.eagle_drafter import EagleDrafter
+
+
+def drafter_cost(drafter: Drafter, k: int) -> DraftCost | None:
+    """A head's or a draft model's cost of up to k drafts after a chat-sized context; None for prompt lookup (free)."""
+    if isinstance(drafter, EagleDrafter):
+        return head_cost(drafter, probe_context(drafter.head.config.max_position_embeddings, k + 1), k)
+    if isinstance(drafter, ModelDrafter):
+        context = probe_context(drafter.runner.loaded.max_positions, k + 1)
+        return DraftCost(step_s=verify_seconds(drafter.runner, context, 1)[0])
+    return None
 
 
 def head_cost(eagle: EagleDrafter, context: int, k: int, reps: int = 3) -> DraftCost:
