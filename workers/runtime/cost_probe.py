@@ -42,10 +42,9 @@ def time_forward(runner: ModelRunner, prompt: Sequence[int], new: int, reps: int
 
 
 def verify_seconds(runner: ModelRunner, context: int, max_width: int, reps: int = 3) -> tuple[float, ...]:
-    """(t_1, ..., t_max_width): the fastest of `reps` forwards over w new positions after `context` tokens, each."""
-    prompt = probe_tokens(context, runner.vocab_size)
-    time_forward(runner, prompt, max_width, 2)  # allocator and kernel caches
-    return tuple(min(time_forward(runner, prompt, w, reps)) for w in range(1, max_width + 1))
+    """(t_1, ..., t_max_width): the fastest of `reps` forwards over w new positions after `context` tokens, each (one
+    request's verify; its context is fed once, not once a width)."""
+    return batch_verify_seconds(runner, context, 1, max_width, reps)
 
 
 def batch_verify_seconds(runner: ModelRunner, context: int, rows: int, max_width: int,
