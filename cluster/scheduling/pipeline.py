@@ -210,6 +210,10 @@ class Pipeline:
                      " ".join(f"{1e3 * t:.1f}" for t in surface.seconds[-1][:9]), surface.rows[-1],
                      1e3 * costs.head.fixed_s, 1e3 * costs.head.step_s)  # fmt: skip
 
+    async def measure_costs(self) -> None:
+        """Until the workers' costs are measured (or could not be)."""
+        await self._fetch_costs()
+
     def fetch_costs_soon(self) -> None:
         """Measure the workers' costs in the background (the model's workers have attached)."""
         if self.scheduler.planner_costs is None and not self._costs_failed:

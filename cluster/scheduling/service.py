@@ -63,14 +63,18 @@ class SpecService:
 
         return reconnect
 
-    async def wait_ready(self, model: str, timeout_s: float | None = None) -> None:
-        """Until the model has a healthy target worker (and a draft worker, if it drafts with a model)."""
+    async def wait_ready(self, model: str, timeout_s: float | None = None, costs: bool = False) -> None:
+        """Until the model has a healthy target worker (and a draft worker, if it drafts with a model); with `costs`,
+        also until its workers' costs are measured (a server's start: its first request is then planned at once,
+        not after seconds of profiling)."""
         serving = self.models[model]
         deadline = time.monotonic() + (self.app.ingress.worker_wait_s if timeout_s is None else timeout_s)
         while not serving.ready:
             if time.monotonic() >= deadline:
                 raise UnavailableError(f"model {model!r} has no healthy target worker yet; retry later")
             await serving.wait_changed(deadline)
+        if costs:
+            await serving.pipeline.measure_costs()
 
     def status(self) -> dict:
         return {

@@ -72,7 +72,7 @@ class SchedulerReplica:
         await self._ensure_polling()
         for m in self.config.models:
             if model is None or m.name == model:
-                await self.service.wait_ready(m.name, timeout_s)
+                await self.service.wait_ready(m.name, timeout_s, costs=True)
 
     # -- requests, as the ingress prepared them ----------------------------------------------------------------------
 

@@ -42,8 +42,8 @@ def time_forward(runner: ModelRunner, prompt: Sequence[int], new: int, reps: int
 
 
 def verify_seconds(runner: ModelRunner, context: int, max_width: int, reps: int = 3) -> tuple[float, ...]:
-    """(t_1, ..., t_max_width): the fastest of `reps` forwards over w new positions after `context` tokens, each (one
-    request's verify; its context is fed once, not once a width)."""
+    """(t_1, ..., t_max_width): the fastest of `reps` forwards over w new positions after about `context` tokens, each
+    (one request's verify; its context is fed once, not once a width)."""
     return batch_verify_seconds(runner, context, 1, max_width, reps)
 
 
@@ -60,10 +60,10 @@ def batch_verify_seconds(runner: ModelRunner, context: int, rows: int, max_width
         runner.logits_for_batch(prefill)
         runner.logits_for_batch(prefill)  # allocator and kernel caches
         for width in range(1, max_width + 1):
-            best = float("inf")
-            for i in range(reps):
-                runner.logits_for_batch(prefill)
-                seqs = [p + probe_tokens(width, runner.vocab_size, salt=i + r + 1) for r, p in enumerate(prompts)]
+            runner.logits_for_batch(prefill)
+            seqs, best = list(prompts), float("inf")
+            for i in range(reps):  # each rep continues the last: a context at most reps x width longer
+                seqs = [s + probe_tokens(width, runner.vocab_size, salt=i + r + 1) for r, s in enumerate(seqs)]
                 t0 = time.perf_counter()
                 runner.logits_for_batch([(rid, s, width) for rid, s in zip(ids, seqs, strict=True)])
                 best = min(best, time.perf_counter() - t0)
