@@ -63,10 +63,10 @@ def _train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target = resolve_model(args.target)
     data = args.data or default_data_dir(target_identity(target))
-    generate_data(target, data, args.answer_tokens)
+    generate_data(target, data, args.answer_tokens, device=args.device)
     result = train_head(data, target, args.out, steps=args.steps, epochs=args.epochs, ttt_steps=args.ttt_steps,
                         draft_vocab_size=args.draft_vocab_size, lr=args.lr, batch_tokens=args.batch_tokens,
-                        seed=args.seed, device=args.device)  # fmt: skip
+                        seed=args.seed, device=args.device, bf16=args.device == "cuda")  # fmt: skip
     accuracy = " ".join(f"{a:.3f}" for a in result.accuracy)
     print(f"head saved to {result.head_dir} after {result.steps} steps; accuracy by drafting step: {accuracy}")
     print(f"measure it: specserve draft eval --target {args.target} --head {result.head_dir}")

@@ -259,3 +259,61 @@ def test_target_identity(tmp_path, chatty_target, models_dir):
 def test_too_few_layers_is_refused(tiny_target, tmp_path):
     with pytest.raises(ModelLoadError, match="at least 7"):
         generate_data(tiny_target, tmp_path / "out", answer_tokens=10, settings=SMALL, progress=False)
+
+
+def test_passage_prompts_quote_the_answer_and_skip_short_ones():
+    long_answer = " ".join(f"Word{i} is here." for i in range(120))  # 360 words, 120 sentences
+    assert eagle_prompts.passage_prompt(eagle_prompts.PASSAGE_TASKS[0], "Q?", "too short", "French") is None
+    for task in eagle_prompts.PASSAGE_TASKS:
+        prompt = eagle_prompts.passage_prompt(task, " What is it? ", long_answer, "German")
+        assert prompt is not None and "{" not in prompt
+        if "{passage}" in task.template:
+            assert "Word0 is here." in prompt and "Word99 is" in prompt and "Word100 " not in prompt  # 300 words
+        if "{excerpt}" in task.template:
+            assert "Word2 is here." in prompt and "Word3 " not in prompt  # three sentences
+        if "{question}" in task.template:
+            assert "What is it?" in prompt
+        if "{language}" in task.template:
+            assert "German" in prompt
+
+
+def test_passage_requests_follow_finished_answers_and_never_quote_a_held_out_question(chatty_target):
+    target = EagleTarget(chatty_target)
+    words = target.tokenizer(" ".join(["apple"] * 60), add_special_tokens=False)["input_ids"]
+    finished, cut = [*words, target.eos_ids[0]], list(words)
+    rng = np.random.default_rng(0)
+    requests = eagle_target.passage_requests(target, ["Q1?", "Q2?"], [finished, cut], rng, 1.0)
+    assert len(requests) == 1 and "apple apple" in requests[0]
+    assert eagle_target.passage_requests(target, ["Q1?"], [finished], rng, 0.0) == []
+    held_out = HELD_OUT_QUESTIONS[0]
+    quoting = [t for t in eagle_prompts.PASSAGE_TASKS if "{question}" in t.template]
+    requests = [eagle_prompts.passage_prompt(t, held_out, " ".join(["apple"] * 60), "French") for t in quoting]
+    assert all(target.filter.is_held_out(r) for r in requests)  # passage_requests drops exactly these
+
+
+def test_shards_hold_requests_over_their_own_answers(chatty_target, tmp_path, monkeypatch):
+    monkeypatch.setattr(eagle_prompts, "_MIN_PASSAGE_WORDS", 1)
+    settings = GenerationSettings(**{**SMALL.__dict__, "passage_fraction": 1.0, "train_question_fraction": 0.0,
+                                     "max_answer_tokens": 64})  # answers that end, so they can be passages
+    manifest = generate_data(chatty_target, tmp_path / "d", answer_tokens=1, settings=settings, progress=False)
+    shard = load_file(str(tmp_path / "d" / manifest.shards[0].file))
+    assert manifest.shards[0].sequences > settings.shard_sequences  # the questions, then requests over answers
+    tokenizer = AutoTokenizer.from_pretrained(chatty_target)
+    starts = shard["seq_starts"].tolist()
+    texts = [tokenizer.decode(shard["input_ids"][a:b].tolist()) for a, b in zip(starts, starts[1:], strict=False)]
+    templates = [t.template.split("{")[0] for t in eagle_prompts.PASSAGE_TASKS if not t.template.startswith("{")]
+    assert any(any(head and head in text for head in templates) for text in texts[settings.shard_sequences :])
+    assert int(shard["loss_mask"].sum()) == manifest.shards[0].answer_tokens
+
+
+def test_a_deadline_ends_the_data_after_a_whole_shard_and_old_manifests_had_no_passages(chatty_target, tmp_path):
+    import time
+
+    manifest = generate_data(chatty_target, tmp_path / "d", answer_tokens=10**6, settings=SMALL, progress=False,
+                             deadline=time.monotonic())  # fmt: skip
+    assert len(manifest.shards) == 1
+    path = tmp_path / "d" / "manifest.json"
+    data = json.loads(path.read_text())
+    del data["generation"]["passage_fraction"]
+    path.write_text(json.dumps(data))
+    assert read_manifest(tmp_path / "d").settings.passage_fraction == 0.0

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, ttt_forward, vocab_maps
@@ -203,3 +204,21 @@ def test_data_of_another_target_is_refused(data, tmp_path):
     (tmp_path / "empty" / "manifest.json").write_text(json.dumps({"format": 1}))
     with pytest.raises(ModelLoadError, match="not an EAGLE-3 data manifest"):
         train_head(tmp_path / "empty", target, tmp_path / "head", steps=1)
+
+
+def test_the_recipe_packs_a_checkpoint_into_two_files_that_join_to_the_head(data, tmp_path):
+    """A lent GPU's run that is cut short still sends back its newest checkpoint, as two files of under 16 MB."""
+    from specserve.workers.training.eagle_recipe import WEIGHTS_PARTS, join_weights, pack
+
+    target, train, _ = data
+    trained = train_head(train, target, tmp_path / "work" / "head", steps=3, ttt_steps=2, draft_vocab_size=6,
+                         lr=3e-3, batch_tokens=256, progress=False)  # fmt: skip
+    assert pack(tmp_path / "work", tmp_path / "out")
+    parts = [load_file(str(tmp_path / "out" / name)) for name in WEIGHTS_PARTS]
+    assert set(parts[1]) == {"lm_head.weight"} and "lm_head.weight" not in parts[0]
+    join_weights(tmp_path / "out", tmp_path / "joined")
+    (tmp_path / "joined" / "config.json").write_text((tmp_path / "out" / "config.json").read_text())
+    a = load_head(trained.head_dir, target, 32, 8).state_dict()
+    b = load_head(tmp_path / "joined", target, 32, 8).state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[name], b[name]) for name in a)
+    assert not pack(tmp_path / "nothing", tmp_path / "out2")

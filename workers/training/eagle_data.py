@@ -51,7 +51,7 @@ from specserve.workers.training.eagle_manifest import (
     read_manifest,
     shard_name,
 )
-from specserve.workers.training.eagle_target import EagleTarget, Sampling, pick_questions
+from specserve.workers.training.eagle_target import EagleTarget, Sampling, passage_requests, pick_questions
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,12 @@ def generate_data(
     feature_batch_tokens: int = 8192,
     threads: int | None = None,
     progress: bool = True,
+    device: str = "cpu",
+    deadline: float | None = None,
 ) -> DataManifest:
     """Write shards into `out_dir` (default: default_data_dir) until they hold at least `answer_tokens` answer tokens
-    (the last shard is whole, so up to one shard more), continuing from the shards already there.
+    (the last shard is whole, so up to one shard more), continuing from the shards already there; or, given a
+    `deadline` (time.monotonic()), until the first whole shard that ends past it (a time-boxed run on a lent GPU).
 
     Raises InvalidRequestError when `out_dir` holds data of another target or settings, or another process is writing
     it; ModelLoadError when the target cannot be loaded or has too few layers."""
@@ -94,7 +97,7 @@ def generate_data(
         if done is not None:  # no need to load the target
             log.info("EAGLE-3 data in %s: %d answer tokens, of %d asked for", out, done.answer_tokens, answer_tokens)
             return done
-        target = EagleTarget(target_path, settings.gen_dtype)
+        target = EagleTarget(target_path, settings.gen_dtype, device)
         manifest = _resume(out, identity, target, seed, settings)
         _write_manifest(out, manifest)
         done = manifest.answer_tokens
@@ -120,6 +123,9 @@ def generate_data(
                 manifest.shards.append(_make_shard(target, out, manifest, feature_batch_tokens, bar.update))
                 bar.total = max(bar.total, bar.n)  # the last shard is whole: it may pass the goal
                 _write_manifest(out, manifest)
+                if deadline is not None and time.monotonic() >= deadline:
+                    log.info("stopping at the deadline with %d answer tokens", manifest.answer_tokens)
+                    break
     return manifest
 
 
@@ -135,6 +141,7 @@ def _check_settings(settings: GenerationSettings, answer_tokens: int) -> None:
         "answer_temperature": settings.answer_temperature > 0,
         "answer_top_p": 0.0 < settings.answer_top_p <= 1.0,
         "gen_dtype": settings.gen_dtype in ("bfloat16", "float16", "float32"),
+        "passage_fraction": 0.0 <= settings.passage_fraction <= 1.0,
     }
     for name, ok in checks.items():
         if not ok:
@@ -222,12 +229,7 @@ def _make_shard(target: EagleTarget, out: Path, manifest: DataManifest, batch_to
         settings.batch,
     )
     asked = time.perf_counter()
-    prompts = [target.chat_prompt(q) for q in questions]
-    sampled = [
-        t or bool(g) for t, g in zip(from_train, rng.random(len(prompts)) >= settings.greedy_fraction, strict=True)
-    ]
-    sampling = Sampling(settings.answer_temperature, settings.answer_top_p)
-    answers = target.answers(prompts, sampled, settings.max_answer_tokens, sampling, rng, settings.batch, on_tokens)
+    prompts, answers = _answer(target, settings, questions, from_train, rng, on_tokens)
     answered = time.perf_counter()
     sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
     features, last = target.features(sequences, manifest.feature_layers, batch_tokens)
@@ -268,6 +270,25 @@ def _make_shard(target: EagleTarget, out: Path, manifest: DataManifest, batch_to
     return info
 
 
+def _answer(target: EagleTarget, settings: GenerationSettings, questions: list[str], from_train: list[bool],
+            rng: np.random.Generator, on_tokens) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
+    """The chat prompts of `questions` and the target's answers, then requests over some of those answers (long
+    inputs: summaries, passage QA, translation) and their answers; TRAIN_QUESTIONS entries are always sampled."""
+    prompts = [target.chat_prompt(q) for q in questions]
+    sampled = [t or bool(g) for t, g in zip(from_train, rng.random(len(prompts)) >= settings.greedy_fraction,
+                                            strict=True)]  # fmt: skip
+    sampling = Sampling(settings.answer_temperature, settings.answer_top_p)
+    answers = target.answers(prompts, sampled, settings.max_answer_tokens, sampling, rng, settings.batch, on_tokens)
+    derived = passage_requests(target, questions, answers, rng, settings.passage_fraction)
+    if derived:
+        more = [target.chat_prompt(q) for q in derived]
+        more_sampled = list(rng.random(len(more)) >= settings.greedy_fraction)
+        prompts += more
+        answers += target.answers(more, more_sampled, settings.max_answer_tokens, sampling, rng, settings.batch,
+                                  on_tokens)  # fmt: skip
+    return prompts, answers
+
+
 def _write_manifest(out: Path, manifest: DataManifest) -> None:
     partial = out / f".{MANIFEST}.tmp"
     partial.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
@@ -286,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-dtype", default=defaults.gen_dtype, choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--feature-batch-tokens", type=int, default=8192, help="padded tokens per fp32 forward")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--passage-fraction", type=float, default=defaults.passage_fraction,
+                        help="per question, the chance of one more request over its answer (summary, QA, translation)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="where the target generates: cpu or cuda")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -297,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         max_answer_tokens=args.max_answer_tokens,
         gen_dtype=args.gen_dtype,
+        passage_fraction=args.passage_fraction,
     )
     try:
         manifest = generate_data(
@@ -308,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             args.feature_batch_tokens,
             args.threads,
             not args.quiet,
+            args.device,
         )
     except (InvalidRequestError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -33,6 +33,7 @@ class GenerationSettings:
     answer_temperature: float = 0.7
     answer_top_p: float = 0.9
     gen_dtype: str = "float32"
+    passage_fraction: float = 0.3  # per question, one more request over its answer (eagle_prompts.PASSAGE_TASKS)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class DataManifest:
         try:
             if data["format"] != FORMAT:
                 raise ValueError(f"format {data['format']!r}, this specserve reads format {FORMAT}")
-            settings = GenerationSettings(**data["generation"])
+            # data written before passage tasks existed had none
+            settings = GenerationSettings(**{"passage_fraction": 0.0, **data["generation"]})
             shards = [ShardInfo(**s) for s in data["shards"]]
             plain = {f.name: data[f.name] for f in fields(cls) if f.name not in ("settings", "shards")}
             return cls(**plain, settings=settings, shards=shards)

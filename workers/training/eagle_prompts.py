@@ -42,7 +42,8 @@ TOPICS: tuple[Topic, ...] = (
         "math",
         "You are a helpful assistant. Users ask you math questions and word problems: percentages, arithmetic, "
         "geometry, prices, speeds and simple algebra.",
-        (*_COMMON, "If", "A", "What is", "Calculate", "Solve", "How much", "Is"),
+        (*_COMMON, "If", "A", "What is", "Calculate", "Solve", "How much", "Is", "Solve step by step:", "A store",
+         "Tom has"),
     ),
     Topic(
         "how-to",
@@ -81,6 +82,44 @@ TOPICS: tuple[Topic, ...] = (
         (*_COMMON, "Compare", "What are the pros and cons of", "Which is better", "Summarize", "Is it"),
     ),
 )
+
+@dataclass(frozen=True)
+class PassageTask:
+    """A request over a text the target wrote itself (one of its answers): the long-input work Spec-Bench measures
+    (summarization, QA and RAG over a given passage, translation) without any of Spec-Bench's texts."""
+
+    name: str
+    template: str  # fields: {passage}, {excerpt} (its first sentences), {question} (what it answered), {language}
+
+
+PASSAGE_TASKS: tuple[PassageTask, ...] = (
+    PassageTask("summary", "Summarize the following text in a few sentences.\n\n{passage}"),
+    PassageTask("tldr", "{passage}\n\nWrite a short summary of the text above."),
+    PassageTask("key-points", "List the main points of the text below.\n\n{passage}"),
+    PassageTask("qa", "Answer the question using the passage below.\n\nPassage: {passage}\n\nQuestion: {question}"),
+    PassageTask("rag", "Context:\n{passage}\n\nUsing only the context above, answer: {question}"),
+    PassageTask("translate", "Translate the following text into {language}:\n\n{excerpt}"),
+    PassageTask("rewrite", "Rewrite this text in simpler words:\n\n{excerpt}"),
+)
+LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese")
+_MIN_PASSAGE_WORDS = 40
+_MAX_PASSAGE_WORDS = 300
+_EXCERPT_SENTENCES = 3
+
+
+def passage_prompt(task: PassageTask, question: str, answer: str, language: str) -> str | None:
+    """`task`'s request over `answer` (the target's answer to `question`), or None when the answer is too short to
+    work on; passages are cut to whole words."""
+    words = answer.split()
+    if len(words) < _MIN_PASSAGE_WORDS:
+        return None
+    passage = " ".join(words[:_MAX_PASSAGE_WORDS]) if len(words) > _MAX_PASSAGE_WORDS else answer.strip()
+    sentences = [s for s in passage.replace("\n", " ").split(". ") if s.strip()]
+    excerpt = ". ".join(sentences[:_EXCERPT_SENTENCES]).strip()
+    if excerpt and not excerpt.endswith((".", "!", "?")):
+        excerpt += "."
+    return task.template.format(passage=passage, excerpt=excerpt, question=question.strip(), language=language)
+
 
 _SENTINEL = "\x00question\x00"
 _MAX_QUESTION_LINES = 6  # past this a "question" is a document the model went on writing

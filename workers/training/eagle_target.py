@@ -19,7 +19,14 @@ from transformers.utils import logging as hf_logging
 
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, TRAIN_QUESTIONS, chat_prompt_ids
-from specserve.workers.training.eagle_prompts import TOPICS, QuestionFilter, question_prefix
+from specserve.workers.training.eagle_prompts import (
+    LANGUAGES,
+    PASSAGE_TASKS,
+    TOPICS,
+    QuestionFilter,
+    passage_prompt,
+    question_prefix,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +46,9 @@ class Sampling:
 class EagleTarget:
     """A target loaded twice: `gen_model` in `gen_dtype` for generation, `model` in fp32 for features."""
 
-    def __init__(self, path: str | Path, gen_dtype: str = "float32"):
+    def __init__(self, path: str | Path, gen_dtype: str = "float32", device: str = "cpu"):
         self.path = str(path)
+        self.device = torch.device(device)
         bars_were_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # two sub-second loads: their bars would only push the data bar around
         try:
@@ -57,8 +65,8 @@ class EagleTarget:
         finally:
             if bars_were_on:
                 hf_logging.enable_progress_bar()
-        self.model.eval()
-        self.gen_model.eval()
+        self.model.to(self.device).eval()
+        self.gen_model.to(self.device).eval()
         config = self.model.config
         self.num_hidden_layers, self.hidden_size, self.vocab_size = (
             config.num_hidden_layers,
@@ -88,11 +96,12 @@ class EagleTarget:
         for i, row in enumerate(rows):
             ids[i, width - len(row) :] = torch.tensor(row)
             mask[i, width - len(row) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row counts from its first token
         cache = DynamicCache(config=self.gen_model.config)
-        generator = torch.Generator().manual_seed(seed)
-        ends = torch.tensor([*self.eos_ids, *stop_ids])
-        live, new = torch.arange(len(rows)), [[] for _ in rows]
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        ends = torch.tensor([*self.eos_ids, *stop_ids], device=self.device)
+        live, new = torch.arange(len(rows), device=self.device), [[] for _ in rows]
         logits = self._step(ids, mask, positions, cache)
         next_position = positions[:, -1:] + 1
         for step in range(max_new):
@@ -107,7 +116,7 @@ class EagleTarget:
                 for layer in cache.layers:
                     layer.batch_select_indices(keep)
                 live, tokens, mask, next_position = live[keep], tokens[keep], mask[keep], next_position[keep]
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=self.device)], dim=1)
             logits = self._step(tokens[:, None], mask, next_position, cache)
             next_position = next_position + 1
         return new
@@ -193,12 +202,13 @@ class EagleTarget:
             for row, i in enumerate(chunk):
                 ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
                 mask[row, : len(sequences[i])] = 1
+            ids, mask = ids.to(self.device), mask.to(self.device)
             out = self.model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
             hidden = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
             for row, i in enumerate(chunk):
                 n, at = len(sequences[i]), int(starts[i])
-                features[at : at + n] = _half(hidden[row, :n])
-                last[at : at + n] = _half(out.last_hidden_state[row, :n])
+                features[at : at + n] = _half(hidden[row, :n]).cpu()
+                last[at : at + n] = _half(out.last_hidden_state[row, :n]).cpu()
         return features, last
 
 
@@ -261,3 +271,22 @@ def pick_questions(
     magpie = iter(target.questions(count - len(fixed), rng, max_new_tokens, batch) if len(fixed) < count else [])
     fixed_iter = iter(fixed)
     return [next(fixed_iter) if t else next(magpie) for t in from_train], from_train
+
+
+def passage_requests(
+    target: EagleTarget, questions: list[str], answers: list[list[int]], rng: np.random.Generator, fraction: float
+) -> list[str]:
+    """For a `fraction` of the answers (those that ended and are long enough), a request over the answer's text: a
+    summary, a question over it as a passage, a translation (eagle_prompts.PASSAGE_TASKS). Held-out questions never
+    reach here, and a request that quotes one is dropped like a question would be."""
+    requests = []
+    for question, answer, pick in zip(questions, answers, rng.random(len(answers)) < fraction, strict=True):
+        task = PASSAGE_TASKS[rng.integers(len(PASSAGE_TASKS))]
+        language = LANGUAGES[rng.integers(len(LANGUAGES))]
+        if not pick or not answer or answer[-1] not in target.eos_ids:
+            continue
+        text = target.tokenizer.decode(answer[:-1], skip_special_tokens=True)
+        request = passage_prompt(task, question, text, language)
+        if request is not None and not target.filter.is_held_out(request):
+            requests.append(request)
+    return requests
