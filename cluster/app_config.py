@@ -13,8 +13,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specserve.cluster.speculative_config import apply_speculative_config
 from specserve.protos.wire import APP_NAME
-from specserve.workers.config import MAX_K, BatchingConfig, KVCacheConfig, validate
+from specserve.workers.config import MAX_K, BatchingConfig, KVCacheConfig, NgramConfig, validate
 from specserve.workers.errors import InvalidRequestError
 
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
@@ -83,13 +84,20 @@ class ModelPairConfig(_Strict):
                        "and 'eagle': the draft pool runs the head, the target pool captures the features it reads), "
                        "'ngram' (prompt lookup), 'none', or 'demo' (the demo family's draft, with target 'demo'). "
                        "Unset: 'eagle' when a head is packaged for the target, else 'ngram'.")  # fmt: skip
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="Model dtype.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "auto", description="Model dtype; auto: bfloat16 on CUDA, float32 on a CPU (as vLLM's auto)."
+    )
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
     k: int | Literal["auto"] = Field(
         "auto", description=f"Default tokens drafted per round (1..{MAX_K}), or 'auto': the goodput planner's, per "
         "request and round, from the workers' measured costs and the request's acceptance (0 where drafting does "
         "not pay, as under heavy load)."
     )  # fmt: skip
+    max_k: int | None = Field(
+        None, ge=1, le=MAX_K, description="The most tokens k='auto' drafts a round (vLLM's num_speculative_tokens); "
+        "unset: the planner's own caps (8 for chains, 16 tree nodes)."
+    )  # fmt: skip
+    ngram: NgramConfig = Field(default_factory=NgramConfig, description="Prompt lookup's n-gram sizes.")
     predraft: bool = Field(True, description="Draft round r + 1 while round r verifies.")
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(
@@ -99,8 +107,12 @@ class ModelPairConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _default_draft(cls, data: Any) -> Any:
-        """An unset (or null) draft: the target's packaged head if any, else n-gram, decided once, here, so that every
-        replica reads the same answer from the dumped config."""
+        """vLLM's `speculative_config` translated into these fields (cluster/speculative_config.py); then an unset (or
+        null) draft: the target's packaged head if any, else n-gram, decided once, here, so that every replica reads
+        the same answer from the dumped config (which has no speculative_config left)."""
+        if isinstance(data, dict) and "speculative_config" in data:
+            data = dict(data)
+            data = apply_speculative_config(data, data.pop("speculative_config"))
         if isinstance(data, dict) and data.get("draft") is None:
             target = data.get("target", DEFAULT_MODEL)
             data = {**data, "draft": default_draft(target) if isinstance(target, str) else "ngram"}

@@ -103,7 +103,7 @@ def validate(model: type[BaseModel], data: dict) -> BaseModel:
     except ValidationError as e:
         by_field: dict[str, list[str]] = {}
         for err in e.errors():
-            by_field.setdefault(_field_name(err["loc"], model), []).append(err["msg"])
+            by_field.setdefault(_field_name(err["loc"], model), []).append(err["msg"].removeprefix("Value error, "))
         (first, msgs), *others = by_field.items()
         message = ", or ".join(msgs)
         if others:

@@ -30,6 +30,15 @@ def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
         "target's packaged EAGLE-3 head if its measured acceptance pays, else ngram; the demo's draft for --model "
         "demo)",
     )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="with --model: where the workers run (default "
+                   "auto: cuda when available)")  # fmt: skip
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="with --model: weights' dtype (default auto: bfloat16 on CUDA, float32 on a CPU)")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N", help="with --model: target ranks per replica")
+    p.add_argument("--k", help="with --model: tokens drafted per round, 1..16, or 'auto' (the default)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="with --model: vLLM's speculative config, e.g. '{\"method\": \"eagle3\", "
+                   "\"num_speculative_tokens\": 3}' (docs/speculative-config.md)")  # fmt: skip
     p.add_argument("--host", default=None, help="address the gRPC and HTTP proxies and the TLS gateway listen on "
                                                 "(default: the config's http_options.host, else 127.0.0.1: this "
                                                 "machine only; 0.0.0.0 for every interface, with SPECSERVE_API_KEY "
@@ -52,10 +61,39 @@ def _serve(args: argparse.Namespace) -> int:
         # The gateway listens on the proxies' host (set once the config is read).
         tls = _gateway_config(listen=f"127.0.0.1:{args.grpc_tls_port}", certfile=args.grpc_tls_cert,
                               keyfile=args.grpc_tls_key, client_ca=args.grpc_tls_client_ca)  # fmt: skip
-    if args.config and (args.model or args.draft):
-        raise SpecServeError("--model and --draft apply without --config (the config file names its models)")
+    overrides = _model_overrides(args)
+    if args.config and (args.model or args.draft or overrides):
+        raise SpecServeError("--model, --draft, --device, --dtype, --tensor-parallel-size, --k and "
+                             "--speculative-config apply without --config (the config names its models)")  # fmt: skip
     return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port, grpc_tls=tls,
-                         model=args.model, draft=args.draft, host=args.host)  # fmt: skip
+                         model=args.model, draft=args.draft, host=args.host, overrides=overrides)  # fmt: skip
+
+
+def _model_overrides(args: argparse.Namespace) -> dict:
+    """The served model's fields that `serve`'s flags set (validated with the rest of the model's config)."""
+    import json
+
+    out: dict = {}
+    for flag in ("device", "dtype"):
+        if getattr(args, flag) is not None:
+            out[flag] = getattr(args, flag)
+    if args.tensor_parallel_size is not None:
+        out["target_pool"] = {"tensor_parallel_size": args.tensor_parallel_size}
+    if args.k is not None:
+        out["k"] = args.k if args.k == "auto" else _int_flag("--k", args.k)
+    if args.speculative_config is not None:
+        try:
+            out["speculative_config"] = json.loads(args.speculative_config)
+        except ValueError as err:
+            raise SpecServeError(f"--speculative-config: not JSON ({err})") from None
+    return out
+
+
+def _int_flag(flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecServeError(f"{flag}: {value!r} is not an integer or 'auto'") from None
 
 
 def _gateway_config(**fields):

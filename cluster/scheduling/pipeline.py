@@ -17,8 +17,7 @@ scheduler's plan gives to it (no draft call; the head gets those rounds' feature
 Faults: a worker that lost a request's cache (NOT_FOUND) gets the whole committed prefix again; a worker that cannot
 be reached is marked unhealthy and its requests move to another worker (a draft failure falls back to target-only
 decoding until another draft worker is available). A head's draft worker that lost a request starts its cache again
-from the features it is handed (older positions are gone: drafts may be worse for a while). Outputs do not change
-either way.
+from the features it is handed (older positions are gone: drafts may be worse for a while). Outputs never change.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from specserve.cluster.scheduling.worker_clients import (
     WorkerLostRequest,
     WorkerUnavailable,
 )
-from specserve.workers.config import TREE_METHODS, SamplingParams, SpecParams
+from specserve.workers.config import TREE_METHODS, NgramConfig, SamplingParams, SpecParams
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.drafters import NgramDrafter
 
@@ -112,7 +111,7 @@ class Pipeline:
         self.reconnect = reconnect
         self.restarts = 0
         self._failure_locks: dict[str, asyncio.Lock] = {}
-        self.ngram = NgramDrafter()  # prompt lookup needs no model: it runs here, next to the committed tokens
+        self.ngram = NgramDrafter(scheduler.ngram)  # prompt lookup needs no model: here, next to the committed tokens
         self.times = RoundTimes()
         self._releasing: set[asyncio.Task] = set()  # releases sent after the request's reply left
         self._costs_lock = asyncio.Lock()
@@ -389,11 +388,13 @@ def build_pipeline(
     head: str | None = None,
     predraft: bool = True,
     reconnect: Callable[[str], Awaitable[str | None]] | None = None,
+    max_k: int | None = None,
+    ngram: NgramConfig | None = None,
 ) -> Pipeline:
     """A model's scheduler and pipelined driver over its workers' clients, for every caller (the Serve app's scheduler
     replica, the plain-actor path, the bench). head: the EAGLE-3 head directory the draft workers run, whose recorded
-    acceptance is where the planner starts."""
+    acceptance is where the planner starts; max_k: the most k='auto' drafts a round; ngram: prompt lookup's sizes."""
     from specserve.workers.speculation.eagle_loading import head_acceptance
 
     prior = head_acceptance(head) if head is not None else None
-    return Pipeline(Scheduler(list(drafts), list(targets), head_prior=prior), drafts, targets, predraft, reconnect)
+    return Pipeline(Scheduler(list(drafts), list(targets), prior, max_k, ngram), drafts, targets, predraft, reconnect)

@@ -9,9 +9,8 @@ within-request pipelining (PEARL-style pre-drafting: while the target verifies r
 round r + 1 assuming every drafted token is accepted; used if that assumption and the bonus token hold).
 
 Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify asks the target for the features of the
-positions it commits, and the next propose hands them to the head (features.py keeps those not delivered yet). A
-round before any features came (the prefill, or after the draft worker was gone) drafts no head chain, and there is
-no pre-drafting: round r + 1's features do not exist while round r verifies.
+positions it commits, and the next propose hands them to the head (features.py keeps those not delivered yet); no
+head chain before any features came, and no pre-drafting (round r + 1's features do not exist while r verifies).
 
 Every chain method plans its rounds with the goodput planner (docs/planner.md), as the in-process engine does: each
 request's ChainPlanner says what its drafters offer this round (the head's chain, prompt lookup's continuation, a
@@ -20,10 +19,9 @@ is the one that commits the most tokens per second of its batches (0: plain step
 (`planner_costs`). "eagle+ngram" drafts the head's chain or the lookup's (no draft call); the target's features of
 rounds without a draft call wait in the relay until the head's next call, so its cache stays complete.
 
-Method "eagle-tree" asks the head's draft worker for a tree of k nodes (tokens, parents, path scores), "ngram-tree"
-has the pipeline merge prompt lookup's matches into one; the target worker verifies it in one forward and names the
-accepted path. With k='auto' MAX_TREE_NODES are drafted and the nodes that pay at the batch's verify cost are kept
-(tree_policy.py); after a tree that paid for no node, plain steps follow for a while.
+Method "eagle-tree" asks the head's draft worker for a tree of k nodes, "ngram-tree" has the pipeline merge prompt
+lookup's matches into one; the target worker verifies it in one forward and names the accepted path. With k='auto'
+MAX_TREE_NODES are drafted and the nodes that pay at the batch's verify cost are kept (tree_policy.py).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
-from specserve.workers.config import HEAD_METHODS, TREE_METHODS, SamplingParams, SpecMethod, SpecParams
+from specserve.workers.config import HEAD_METHODS, TREE_METHODS, NgramConfig, SamplingParams, SpecMethod, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import common_prefix_length
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, BatchWidth, ChainPlanner, PlannerCosts
@@ -118,10 +116,14 @@ class Scheduler:
     and a Ray `SchedulerActor` are hosts of one (or one per model), not schedulers themselves."""
 
     def __init__(self, draft_workers: list[str], target_workers: list[str],
-                 head_prior: tuple[float, ...] | None = None):  # fmt: skip
-        """Workers may also join later (`add_worker`): a Serve pool scales while the scheduler runs. head_prior: the
-        EAGLE-3 head's measured acceptance by position (its config's), where eagle+ngram planning starts."""
+                 head_prior: tuple[float, ...] | None = None, max_k: int | None = None,
+                 ngram: NgramConfig | None = None):  # fmt: skip
+        """Workers may also join later (`add_worker`). head_prior: the EAGLE-3 head's measured acceptance by position,
+        where planning starts; max_k: the most k='auto' drafts a round (None: the planner's caps); ngram: lookup's."""
         self.head_prior = head_prior or HEAD_PRIOR
+        self.max_chain = min(MAX_AUTO_K, max_k or MAX_AUTO_K)
+        self.max_tree_nodes = min(MAX_TREE_NODES, max_k or MAX_TREE_NODES)
+        self.ngram = ngram or NgramConfig()
         self.draft_workers = list(draft_workers)
         self.target_workers = list(target_workers)
         self.requests: dict[str, SchedRequest] = {}
@@ -173,7 +175,8 @@ class Scheduler:
         planner, choice = None, None
         if spec.method in CHAIN_SOURCES:
             head, ngram, model = CHAIN_SOURCES[spec.method]
-            planner = ChainPlanner(use_head=head, use_ngram=ngram, use_draft=model, head_prior=self.head_prior)
+            planner = ChainPlanner(use_head=head, use_ngram=ngram, use_draft=model, head_prior=self.head_prior,
+                                   ngram=self.ngram)  # fmt: skip
         elif spec.method == "none":
             choice = RowChoice(())  # a plain row of its target worker's batches
         req = SchedRequest(state, params, spec, draft, target, features=features, planner=planner, choice=choice)
@@ -253,7 +256,7 @@ class Scheduler:
         fixed = None if req.spec.k == "auto" else req.spec.k
         if fixed is None and self.planner_costs is None:
             fixed = FALLBACK_K
-        limit = req.state.draft_budget(fixed or MAX_AUTO_K)
+        limit = req.state.draft_budget(fixed or self.max_chain)
         req.choice = RowChoice(req.planner.options(req.state.tokens, limit, model), fixed, limit)
         if not req.choice.options:
             return NO_DRAFT
@@ -267,26 +270,25 @@ class Scheduler:
     def _batch_width(self, worker: str) -> tuple[int, int]:
         """(requests, planned chain width) of the worker's batches."""
         peers = [r.choice for r in self.requests.values() if r.target_worker == worker and r.choice is not None]
-        width = self.batches.setdefault(worker, BatchWidth()).for_round(peers, self.planner_costs, MAX_AUTO_K)
+        width = self.batches.setdefault(worker, BatchWidth()).for_round(peers, self.planner_costs, self.max_chain)
         return len(peers), width
 
     def _tree_rows(self, worker: str) -> int:
         return sum(r.target_worker == worker and r.spec.method in TREE_METHODS for r in self.requests.values())
 
     def _tree_nodes(self, req: SchedRequest) -> int:
-        """Nodes to draft this round: k, or for 'auto' MAX_TREE_NODES (pruned once drafted); none when the round can
-        commit one token only, for a head's tree without a draft worker or new features, and for 'auto' in the plain
-        rounds after trees that paid for no node."""
+        """Nodes to draft this round: k, or for 'auto' max_tree_nodes (pruned once drafted); none when the round can
+        commit one token only, for a head without a draft worker or new features, or in 'auto''s plain rounds."""
         head = req.spec.method in HEAD_METHODS
         if head and (req.draft_worker is None or req.features.pending is None) or not req.state.draft_budget(1):
             return 0
         if req.spec.k != "auto":
             return req.spec.k
         if req.pruning is None and self.planner_costs is not None:
-            req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, MAX_TREE_NODES + 1))
+            req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, self.max_tree_nodes + 1))
         if req.pruning is not None and not req.pruning.wants_tree():
             return 0
-        return MAX_TREE_NODES
+        return self.max_tree_nodes
 
     def prune_tree(self, req: SchedRequest, tree: DraftTree) -> DraftTree | None:
         """The drafted tree as it is verified: for 'auto', its nodes that pay at the verify cost of the worker's
@@ -296,7 +298,7 @@ class Scheduler:
         if req.pruning is None:
             return tree
         rows = max(1, self._tree_rows(req.target_worker))
-        req.pruning.verify = self.planner_costs.surface.for_rows(rows, MAX_TREE_NODES + 1)
+        req.pruning.verify = self.planner_costs.surface.for_rows(rows, self.max_tree_nodes + 1)
         return req.pruning.prune(tree)
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:

@@ -45,7 +45,8 @@ class ModelServing:
         """The model's tokenizer (from its target directory) and an empty scheduler: no workers until they attach."""
         tokens = ModelTokenizer(target_path)
         head = resolve_eagle_head(config.draft, target_path)
-        pipeline = build_pipeline({}, {}, head, predraft=config.predraft, reconnect=reconnect)
+        pipeline = build_pipeline({}, {}, head, predraft=config.predraft, reconnect=reconnect, max_k=config.max_k,
+                                  ngram=config.ngram)  # fmt: skip
         eos = directory_eos_ids(target_path, tokens.tokenizer)
         return cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
 

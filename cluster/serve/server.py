@@ -37,15 +37,20 @@ from specserve.cluster.serve.serve_binds import (
     is_loopback,
     is_wildcard,
 )
+from specserve.workers.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 
 def prepare_config(config_path: str | None, grpc_port: int | None, http_port: int | None, model: str | None = None,
-                   draft: str | None = None, host: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """The Serve config to run: the file's, or the default (`model` and `draft` when given), with port and host
-    overrides (`host`: where the HTTP and gRPC proxies listen)."""
-    config = load_serve_config(config_path) if config_path else serve_config(single_model_app(model, draft))
+                   draft: str | None = None, host: str | None = None,
+                   overrides: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The Serve config to run: the file's, or the default (`model`, `draft` and the model's other `overrides` when
+    given: `specserve serve`'s flags), with port and host overrides (`host`: where the HTTP and gRPC proxies listen)."""
+    if config_path and overrides:
+        raise InvalidRequestError(next(iter(overrides)), "applies without --config (the config file names its models)")
+    config = (load_serve_config(config_path) if config_path
+              else serve_config(single_model_app(model, draft, overrides)))  # fmt: skip
     if host is not None:
         config.setdefault("http_options", {})["host"] = host
     if grpc_port is not None:
@@ -55,17 +60,19 @@ def prepare_config(config_path: str | None, grpc_port: int | None, http_port: in
     return config
 
 
-def single_model_app(model: str | None, draft: str | None) -> AppConfig:
+def single_model_app(model: str | None, draft: str | None, overrides: dict[str, Any] | None = None) -> AppConfig:
     """An app serving one model: the default (SmolLM2-135M-Instruct), the demo family, or any name / .gguf file /
     directory, served under its name (a path's file or directory name); without `draft`, with the target's packaged
-    EAGLE-3 head if any, else n-gram (ModelPairConfig's default)."""
+    EAGLE-3 head if any, else n-gram (ModelPairConfig's default). overrides: more of the model's fields (device,
+    dtype, k, speculative_config, target_pool)."""
+    overrides = overrides or {}
     if model == DEMO and draft is None:
-        return AppConfig(models=[demo_model()])
-    if model is None and draft is None:
+        return app_config({"models": [demo_model().model_dump() | overrides]})
+    if model is None and draft is None and not overrides:
         return AppConfig()
     target = model or DEFAULT_MODEL
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(target).name.removesuffix(".gguf"))[:128] or "model"
-    fields = {"name": name, "target": target, **({"draft": draft} if draft else {})}
+    fields = {"name": name, "target": target, **({"draft": draft} if draft else {}), **overrides}
     return app_config({"models": [fields]})
 
 
@@ -192,11 +199,12 @@ def stop(info: dict) -> None:
 
 def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int | None,
                   metrics_port: int | None, grpc_tls=None, model: str | None = None,
-                  draft: str | None = None, host: str | None = None) -> int:  # fmt: skip
+                  draft: str | None = None, host: str | None = None,
+                  overrides: dict[str, Any] | None = None) -> int:  # fmt: skip
     """Run until SIGINT/SIGTERM. `grpc_tls` (a GatewayConfig): also serve the gRPC API over TLS, forwarding to
     this Serve's proxy, on the same host as the proxies and with the same message limit."""
     stop_event = threading.Event()
-    config = prepare_config(config_path, grpc_port, http_port, model, draft, host)
+    config = prepare_config(config_path, grpc_port, http_port, model, draft, host, overrides)
     info = start(config, metrics_port)
     gateway = None
     try:

@@ -89,3 +89,19 @@ def test_goodput_planning_drafts_alone_stops_under_load_and_resumes_when_it_drop
     for req in [*crowd, fixed]:
         s.release(req)
     assert s.k_for(first) > 0
+
+
+def test_max_k_caps_what_auto_drafts_and_a_fixed_k_is_the_clients():
+    """vLLM's num_speculative_tokens: the most k='auto' drafts a round (chains and trees); a request's own k stays."""
+    strong = PositionAcceptance((0.95,) * 8)
+    drafted = {}
+    for cap in (None, 2):
+        s = Scheduler(["d1"], ["t1"], max_k=cap)
+        s.planner_costs = PlannerCosts(cpu_surface(), draft=DraftCost(step_s=0.0001, fixed_s=0.0001))
+        req = s.add([1, 2], SamplingParams(max_new_tokens=50), SpecParams(method="draft", k="auto"), frozenset())
+        req.planner.draft = strong
+        drafted[cap] = s.k_for(req)
+        fixed = s.add([1, 2], SamplingParams(max_new_tokens=50), SpecParams(method="draft", k=5), frozenset())
+        assert s.k_for(fixed) == 5
+    assert drafted[None] > 2 and drafted[2] == 2
+    assert Scheduler([], ["t1"], max_k=3).max_tree_nodes == 3
