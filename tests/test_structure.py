@@ -1,5 +1,6 @@
-"""The house rules of the layout (README "Code map"), checked on every module's imports, at any depth (imports inside
-functions count: a lazy import up a floor is still an import up a floor).
+"""The house rules of the layout (docs/architecture.md, "Folders: what each owns and may import"), checked on every
+module's imports, at any depth (imports inside functions count: a lazy import up a floor is still an import up a
+floor).
 
 Floors, lowest first: a module may import from its own floor and lower ones, never from a higher one; no module
 circles; training is reached only from the commands that train or build (bench, CLI), never from a serving path; the
