@@ -97,7 +97,7 @@ class SpecService:
         limit = self.app.ingress.max_active_requests
         if self.active >= limit:
             if self.metrics:
-                self.metrics.request_finished(model, "rejected", started=False)
+                self.metrics.request_rejected(model)
             log.info("model %r: refused a request: %d requests are running (max_active_requests)", model, limit)
             raise OverloadedError(f"{self.active} requests are running, the limit of this replica is {limit}")
 
@@ -106,13 +106,11 @@ class SpecService:
         serving = self.models[req.model]
         self.check_capacity(req.model)
         self.active += 1
-        started = time.perf_counter()
         status = "error"
-        if self.metrics:
-            self.metrics.request_started(req.model)
+        track = self.metrics.request(req.model, len(req.prompt_ids)) if self.metrics else None  # RequestMetrics
         try:
             await self.wait_ready(req.model)
-            async with contextlib.aclosing(self._rounds(serving, req, started)) as chunks:
+            async with contextlib.aclosing(self._rounds(serving, req, track)) as chunks:
                 async for chunk in chunks:
                     yield chunk
             status = "ok"
@@ -134,22 +132,25 @@ class SpecService:
             raise
         finally:
             self.active -= 1
-            if self.metrics:
-                self.metrics.request_finished(req.model, status)
+            if track:
+                track.finished(status)
 
-    async def _rounds(self, serving: ModelServing, req: Prepared, started: float) -> AsyncIterator[Chunk]:
+    async def _rounds(self, serving: ModelServing, req: Prepared, track=None) -> AsyncIterator[Chunk]:
         try:
             sched_req = serving.scheduler.add(req.prompt_ids, req.params, req.spec, serving.eos)
         except NoTargetWorker as e:
             raise UnavailableError(str(e)) from None
+        if track:
+            track.scheduled()
         text = IncrementalText(serving.tokens.tokenizer, serving.byte_pieces)
-        prev, last, generated, first = sched_req.state.stats.to_dict(), time.perf_counter(), 0, True
+        prev, first = sched_req.state.stats.to_dict(), True
         try:
             async with contextlib.aclosing(serving.pipeline.rounds(sched_req)) as rounds:
                 async for committed in rounds:
-                    now, state = time.perf_counter(), sched_req.state
+                    state = sched_req.state
                     stats = state.stats.to_dict()
-                    self._observe(serving, prev, stats, len(committed), now - last, now - started, generated)
+                    if track:
+                        track.round(prev, stats, len(committed), state.finish_reason)
                     yield Chunk(
                         text=text.delta(state.generated, final=state.finished),
                         token_ids=committed,
@@ -157,17 +158,9 @@ class SpecService:
                         stats=stats,
                         first=first,
                     )
-                    generated, prev, last, first = generated + len(committed), stats, now, False
+                    prev, first = stats, False
         except NoTargetWorker as e:
             raise UnavailableError(str(e)) from None
-
-    def _observe(self, serving: ModelServing, prev: dict, stats: dict, committed: int, seconds: float,
-                 since_start: float, generated: int) -> None:  # fmt: skip
-        """A round's metrics (TTFT at the round that commits the first token, TPOT for each one after it)."""
-        name = serving.config.name
-        if self.metrics:
-            first_token = generated == 0 and committed > 0
-            self.metrics.round(name, prev, stats, committed, seconds, first_token, since_start)
 
     async def generate(self, req: Prepared) -> dict:
         """The whole completion: the CLI's JSON contract (text, token_ids, finish_reason, stats) plus usage."""

@@ -1,119 +1,232 @@
-"""specserve's Prometheus metrics, recorded through Ray's metrics API so they appear on every node's Ray metrics
-endpoint (Ray's exporter prefixes them with `ray_`: `specserve_rounds_total` is scraped as
-`ray_specserve_rounds_total`). Created inside Serve replicas only.
+"""specserve's Prometheus metrics, shaped like vLLM's so that a vLLM panel ports by changing the prefix.
 
-The gauges (`specserve_acceptance_rate`, `specserve_mean_accepted_length`, `specserve_queue_depth`) are exported for
-every served model from the start, at 0: a series that exists before the first request, as Prometheus users expect
-(absent series break dashboards and `absent()`-style alerts). NaN, PromQL's own "0/0", would be the truer value for
-an undefined ratio, but Ray 2.60's exporter drops NaN samples, which would leave the series missing again. So 0 means
-"nothing drafted yet" as long as `specserve_drafted_tokens_total` has not moved (a real mean accepted length is
-never below 1); alert on, e.g., `acceptance_rate < 0.5 and rate(drafted_tokens_total[5m]) > 0`, and prefer
-rate(accepted) / rate(drafted) for windowed averages.
+Recorded through Ray's metrics API inside Serve replicas, so they appear on every node's Ray metrics endpoint. Ray's
+exporter prefixes them with `ray_`, and Ray 2.60 drops names with ':' (vLLM's `vllm:` separator), so vLLM's
+`vllm:<name>` is specserve's `ray_specserve_<name>`: `vllm:spec_decode_num_drafts_total` is
+`ray_specserve_spec_decode_num_drafts_total`, with the same labels (`model_name`, 0-based `position`,
+`finished_reason`). docs/metrics.md lists every metric with its vLLM counterpart; dashboards/specserve.json uses them.
+
+Ray cannot export a counter at 0 (its `inc` takes positive values only): a counter's series appears with its first
+increment (in PromQL, `or vector(0)` where an alert needs it). The gauges are exported for every served model from
+the start, at 0. Ray 2.60 exports a histogram's `_sum` from its buckets' midpoints, so means are best taken from the
+counters (rate(num_draft_tokens) / rate(num_drafts)) and latencies from the buckets (histogram_quantile).
 """
 
 from __future__ import annotations
 
-_LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
-MAX_POSITIONS = 16
+import time
+from collections import deque
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), with finer ones below vLLM's smallest where a round or a queue is short.
+TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BUCKETS_S = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+REQUEST_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+# Drafted tokens per round: le="0.5" counts the rounds that drafted nothing (Ray's bucket bounds must be positive).
+DRAFT_TOKENS_BUCKETS = [0.5, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64]
+MAX_POSITIONS = 16  # per-position counters stop here (a tree's deepest path, a chain's largest k)
+WINDOW_ROUNDS = 256  # the windowed acceptance gauges: over a model's last this-many drafting rounds on a replica
+FINISH_REASONS = {"cancelled": "abort"}  # a request's status -> vLLM's finished_reason; other failures are "error"
 
 
 class ServiceMetrics:
-    """Scheduler-side metrics: requests, rounds, acceptance, latency, queue depth."""
+    """Scheduler-side metrics of one scheduler replica: requests, speculative decoding, latency, queue."""
 
     def __init__(self, models: list[str] = ()):
         """models: the served models, whose gauges are exported from the start (at 0)."""
         from ray.util.metrics import Counter, Gauge, Histogram
 
-        m = ("model",)
-        mp, ms = ("model", "position"), ("model", "status")
-        self.requests = Counter("specserve_requests_total", "Finished requests by status.", tag_keys=ms)
-        self.rounds = Counter("specserve_rounds_total", "Verification rounds (target forward passes).", tag_keys=m)
-        self.drafted = Counter("specserve_drafted_tokens_total", "Tokens proposed by drafters.", tag_keys=m)
-        self.accepted = Counter("specserve_accepted_tokens_total", "Drafted tokens the target kept.", tag_keys=m)
-        self.generated = Counter("specserve_generated_tokens_total", "Tokens committed (returned).", tag_keys=m)
-        self.position_drafted = Counter(
-            "specserve_position_drafted_total", "Rounds that drafted position i (1-based).", tag_keys=mp
+        m, mp = ("model_name",), ("model_name", "position")
+        self.num_drafts = Counter("specserve_spec_decode_num_drafts_total", "Rounds that drafted (vLLM: drafts).", m)
+        self.num_draft_tokens = Counter("specserve_spec_decode_num_draft_tokens_total", "Drafted tokens.", m)
+        self.num_accepted_tokens = Counter(
+            "specserve_spec_decode_num_accepted_tokens_total", "Drafted tokens the target kept.", m
         )
-        self.position_accepted = Counter(
-            "specserve_position_accepted_total", "Rounds whose position i was accepted.", tag_keys=mp
+        self.accepted_per_pos = Counter(
+            "specserve_spec_decode_num_accepted_tokens_per_pos_total",
+            "Drafts whose token at 0-based `position` was accepted.",
+            mp,
+        )
+        self.draft_tokens_per_round = Histogram(
+            "specserve_spec_decode_draft_tokens_per_round",
+            "Tokens drafted each round, as the planner chose them (0: a target-only round).",
+            DRAFT_TOKENS_BUCKETS,
+            m,
         )
         self.acceptance_rate = Gauge(
-            "specserve_acceptance_rate", "accepted / drafted since start (0 until something is drafted).", tag_keys=m
+            "specserve_spec_decode_acceptance_rate",
+            f"accepted / drafted over the model's last {WINDOW_ROUNDS} drafting rounds here (0 before any).",
+            m,
         )
-        self.mean_accepted_length = Gauge(
-            "specserve_mean_accepted_length", "Tokens committed per round since start (0 before the first round).",
-            tag_keys=m,
-        )  # fmt: skip
-        self.queue_depth = Gauge("specserve_queue_depth", "Requests in flight at this ingress replica.", tag_keys=m)
-        self.ttft = Histogram("specserve_ttft_seconds", "Time to first token.", _LATENCY_BOUNDARIES_S, tag_keys=m)
-        self.per_token = Histogram(
-            "specserve_per_token_latency_seconds", "Time per output token (TPOT), one observation per generated token "
-            "after the first: a round's time / its tokens; 0 for the first round's other tokens, which arrive with the "
-            "first. sum / count = (latency - TTFT) / (tokens - 1).", _LATENCY_BOUNDARIES_S, tag_keys=m,
-        )  # fmt: skip
-        self._totals: dict[str, list[int]] = {}  # model -> [drafted, accepted, rounds, generated]
-        self._inflight: dict[str, int] = {}
+        self.mean_acceptance_length = Gauge(
+            "specserve_spec_decode_mean_acceptance_length",
+            f"1 + accepted / drafts over the model's last {WINDOW_ROUNDS} drafting rounds here (0 before any).",
+            m,
+        )
+        self._request_metrics()
+        self._windows: dict[str, _Window] = {}
+        self._counts: dict[str, list[int]] = {}  # model -> [waiting, running]
         for model in models:
-            for gauge in (self.acceptance_rate, self.mean_accepted_length, self.queue_depth):
-                gauge.set(0.0, tags={"model": model})
+            self._count(model)
+            self.acceptance_rate.set(0.0, tags={"model_name": model})
+            self.mean_acceptance_length.set(0.0, tags={"model_name": model})
 
-    def request_started(self, model: str) -> None:
-        self._inflight[model] = self._inflight.get(model, 0) + 1
-        self.queue_depth.set(self._inflight[model], tags={"model": model})
+    def _request_metrics(self) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
 
-    def request_finished(self, model: str, status: str, started: bool = True) -> None:
-        if started:
-            self._inflight[model] = max(0, self._inflight.get(model, 0) - 1)
-            self.queue_depth.set(self._inflight[model], tags={"model": model})
-        self.requests.inc(1, tags={"model": model, "status": status})
+        m = ("model_name",)
+        self.running = Gauge("specserve_num_requests_running", "Requests running their rounds here.", m)
+        self.waiting = Gauge("specserve_num_requests_waiting", "Requests admitted here, waiting to run.", m)
+        self.prompt_tokens = Counter("specserve_prompt_tokens_total", "Prompt tokens of the requests run.", m)
+        self.generation_tokens = Counter("specserve_generation_tokens_total", "Tokens generated (committed).", m)
+        self.request_success = Counter(
+            "specserve_request_success_total",
+            "Finished requests by finished_reason (stop, length; abort: cancelled; error: failed).",
+            ("model_name", "finished_reason"),
+        )
+        self.rejected = Counter("specserve_request_rejected_total", "Requests refused at admission (busy).", m)
+        self.e2e = Histogram(
+            "specserve_e2e_request_latency_seconds", "Arrival here to the last token.", REQUEST_BUCKETS_S, m
+        )
+        self.queue_time = Histogram(
+            "specserve_request_queue_time_seconds", "Arrival here to the first round.", REQUEST_BUCKETS_S, m
+        )
+        self.ttft = Histogram("specserve_time_to_first_token_seconds", "Arrival here to the first token.",
+                              TTFT_BUCKETS_S, m)  # fmt: skip
+        self.itl = Histogram(
+            "specserve_inter_token_latency_seconds",
+            "Time between a request's rounds (each round commits one or more tokens).",
+            ITL_BUCKETS_S,
+            m,
+        )
+        self.request_tpot = Histogram(
+            "specserve_request_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (tokens - 1), for requests of two tokens or more.",
+            ITL_BUCKETS_S,
+            m,
+        )
 
-    def round(self, model: str, before: dict, after: dict, committed: int, seconds: float, first: bool,
-              since_start: float) -> None:  # fmt: skip
-        tags = {"model": model}
-        drafted = after["drafted"] - before["drafted"]
-        accepted = after["accepted"] - before["accepted"]
-        self.rounds.inc(1, tags=tags)
-        if committed:
-            self.generated.inc(committed, tags=tags)
-        if drafted:
-            self.drafted.inc(drafted, tags=tags)
-            for pos in range(1, min(drafted, MAX_POSITIONS) + 1):
-                self.position_drafted.inc(1, tags={"model": model, "position": str(pos)})
+    def request(self, model: str, prompt_tokens: int) -> RequestMetrics:
+        """A request arrived (admitted): its metrics until it ends."""
+        return RequestMetrics(self, model, prompt_tokens)
+
+    def request_rejected(self, model: str) -> None:
+        self.rejected.inc(1, tags={"model_name": model})
+
+    def _count(self, model: str, waiting: int = 0, running: int = 0) -> None:
+        counts = self._counts.setdefault(model, [0, 0])
+        counts[0], counts[1] = max(0, counts[0] + waiting), max(0, counts[1] + running)
+        self.waiting.set(counts[0], tags={"model_name": model})
+        self.running.set(counts[1], tags={"model_name": model})
+
+    def spec_round(self, model: str, drafted: int, accepted: int) -> None:
+        """One round's speculative decoding: `drafted` tokens proposed, `accepted` of them kept."""
+        tags = {"model_name": model}
+        self.draft_tokens_per_round.observe(drafted, tags=tags)
+        if not drafted:
+            return
+        self.num_drafts.inc(1, tags=tags)
+        self.num_draft_tokens.inc(drafted, tags=tags)
         if accepted:
-            self.accepted.inc(accepted, tags=tags)
-            for pos in range(1, min(accepted, MAX_POSITIONS) + 1):
-                self.position_accepted.inc(1, tags={"model": model, "position": str(pos)})
-        totals = self._totals.setdefault(model, [0, 0, 0, 0])
-        totals[0] += drafted
-        totals[1] += accepted
-        totals[2] += 1
-        totals[3] += committed
-        if totals[0]:
-            self.acceptance_rate.set(totals[1] / totals[0], tags=tags)
-        self.mean_accepted_length.set(totals[3] / totals[2], tags=tags)
-        if first:
-            self.ttft.observe(since_start, tags=tags)
-        # A round's tokens arrive together; the first token's own time is TTFT, not TPOT.
-        per_token = 0.0 if first else seconds / max(committed, 1)
-        for _ in range(committed - 1 if first else committed):
-            self.per_token.observe(per_token, tags=tags)
+            self.num_accepted_tokens.inc(accepted, tags=tags)
+            for pos in range(min(accepted, MAX_POSITIONS)):
+                self.accepted_per_pos.inc(1, tags={"model_name": model, "position": str(pos)})
+        window = self._windows.setdefault(model, _Window(WINDOW_ROUNDS))
+        window.add(drafted, accepted)
+        self.acceptance_rate.set(window.accepted / window.drafted, tags=tags)
+        self.mean_acceptance_length.set(1.0 + window.accepted / len(window.rounds), tags=tags)
+
+
+class _Window:
+    """The last `size` drafting rounds' drafted and accepted tokens, with their sums."""
+
+    def __init__(self, size: int):
+        self.rounds: deque[tuple[int, int]] = deque(maxlen=size)
+        self.drafted = self.accepted = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        if len(self.rounds) == self.rounds.maxlen:
+            old_drafted, old_accepted = self.rounds[0]
+            self.drafted, self.accepted = self.drafted - old_drafted, self.accepted - old_accepted
+        self.rounds.append((drafted, accepted))
+        self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
+
+
+class RequestMetrics:
+    """One request's metrics, from its arrival at the scheduler replica to its end: waiting until `scheduled` (queue
+    time), then running its rounds (`round`: TTFT at the first token, inter-token latency at each later round), then
+    `finished` (end-to-end latency, time per output token, its finished_reason)."""
+
+    def __init__(self, metrics: ServiceMetrics, model: str, prompt_tokens: int):
+        self.metrics, self.model, self.prompt_tokens = metrics, model, prompt_tokens
+        self.tags = {"model_name": model}
+        self.arrived = time.perf_counter()
+        self.first_token: float | None = None
+        self.last_token = self.arrived
+        self.generated = 0
+        self.running = False
+        self.finish_reason: str | None = None
+        metrics._count(model, waiting=1)
+
+    def scheduled(self) -> None:
+        """Its first round starts."""
+        if self.running:
+            return
+        self.running = True
+        self.metrics._count(self.model, waiting=-1, running=1)
+        self.metrics.queue_time.observe(time.perf_counter() - self.arrived, tags=self.tags)
+        if self.prompt_tokens:
+            self.metrics.prompt_tokens.inc(self.prompt_tokens, tags=self.tags)
+
+    def round(self, before: dict, after: dict, committed: int, finish_reason: str | None = None) -> None:
+        """A round ended: `before` and `after` are the request's stats (drafted, accepted) around it; it committed
+        `committed` tokens."""
+        now, m = time.perf_counter(), self.metrics
+        m.spec_round(self.model, after["drafted"] - before["drafted"], after["accepted"] - before["accepted"])
+        if committed:
+            m.generation_tokens.inc(committed, tags=self.tags)
+            if self.first_token is None:
+                self.first_token = now
+                m.ttft.observe(now - self.arrived, tags=self.tags)
+            else:
+                m.itl.observe(now - self.last_token, tags=self.tags)
+            self.last_token, self.generated = now, self.generated + committed
+        self.finish_reason = finish_reason or self.finish_reason
+
+    def finished(self, status: str) -> None:
+        """It ended with `status` (ok, cancelled, invalid, unavailable, error)."""
+        m = self.metrics
+        if self.running:
+            m._count(self.model, running=-1)
+        else:
+            m._count(self.model, waiting=-1)
+        reason = (self.finish_reason or "stop") if status == "ok" else FINISH_REASONS.get(status, "error")
+        m.request_success.inc(1, tags={"model_name": self.model, "finished_reason": reason})
+        m.e2e.observe(time.perf_counter() - self.arrived, tags=self.tags)
+        if self.generated > 1:
+            m.request_tpot.observe((self.last_token - self.first_token) / (self.generated - 1), tags=self.tags)
 
 
 class WorkerMetrics:
-    """Worker-side metrics: KV-cache usage of each worker replica."""
+    """Worker-side metrics: the KV cache of each worker replica (`kind` target or draft), reported at its heartbeat."""
 
     def __init__(self):
         from ray.util.metrics import Gauge
 
-        keys = ("model", "kind", "worker")
+        keys = ("model_name", "kind", "worker")
+        self.usage = Gauge("specserve_kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", tag_keys=keys)
         self.used = Gauge("specserve_kv_cache_used_tokens", "Cached positions held.", tag_keys=keys)
         self.capacity = Gauge("specserve_kv_cache_capacity_tokens", "Configured KV capacity.", tag_keys=keys)
         self.requests = Gauge("specserve_kv_cache_requests", "Requests with a cache on the worker.", tag_keys=keys)
 
     def report(self, model: str, kind: str, worker: str, store) -> None:
-        tags = {"model": model, "kind": kind, "worker": worker}
+        tags = {"model_name": model, "kind": kind, "worker": worker}
+        capacity = store.capacity_tokens
+        self.usage.set(store.used_tokens / capacity if capacity else 0.0, tags=tags)
         self.used.set(store.used_tokens, tags=tags)
-        self.capacity.set(store.capacity_tokens, tags=tags)
+        self.capacity.set(capacity, tags=tags)
         self.requests.set(len(store), tags=tags)
 
 

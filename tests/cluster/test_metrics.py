@@ -1,15 +1,21 @@
-"""ServiceMetrics alone, with Ray's metric classes replaced by recorders: gauges exist from the start, TPOT is one
-observation per generated token after the first, TTFT one per request."""
+"""The metrics alone, with Ray's metric classes replaced by recorders: vLLM's names and labels (`model_name`, 0-based
+`position`, `finished_reason`), gauges exported from the start, a request's queue time, TTFT, inter-token latency,
+end-to-end latency and time per output token, the windowed acceptance gauges and drafted tokens per round."""
 
 import pytest
 
-from specserve.cluster.serve.metrics import ServiceMetrics
+from specserve.cluster.serve import metrics as metrics_module
+from specserve.cluster.serve.metrics import ServiceMetrics, WorkerMetrics
 
 
 class Recorder:
+    made: dict[str, "Recorder"] = {}
+
     def __init__(self, name, description="", *args, tag_keys=()):
-        self.name, self.tag_keys = name, tag_keys
+        self.name = name
+        self.tag_keys = tag_keys or args[-1]  # a histogram's boundaries come before its tag keys
         self.values: dict[tuple, list[float]] = {}
+        Recorder.made[name] = self
 
     def _add(self, value, tags):
         assert set(tags) == set(self.tag_keys), f"{self.name}: tags {tags}"
@@ -22,46 +28,134 @@ class Recorder:
     set = observe = _add
 
 
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(metrics_module.time, "perf_counter", clock)
+    return clock
+
+
 @pytest.fixture
 def metrics(monkeypatch):
     import ray.util.metrics as ray_metrics
 
+    Recorder.made = {}
     for cls in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(ray_metrics, cls, Recorder)
     return ServiceMetrics(["a", "b"])
 
 
-def last(metric, model):
-    return metric.values[(("model", model),)][-1]
+def values(metric, model="a", **labels):
+    return metric.values.get(tuple(sorted({"model_name": model, **labels}.items())), [])
+
+
+def last(metric, model="a", **labels):
+    return values(metric, model, **labels)[-1]
+
+
+def test_names_are_vllms_under_specserves_prefix(metrics):
+    WorkerMetrics()
+    names = set(Recorder.made)
+    for vllm in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds", "time_to_first_token_seconds",
+                 "inter_token_latency_seconds", "request_time_per_output_token_seconds", "prompt_tokens_total",
+                 "generation_tokens_total", "request_success_total", "num_requests_running", "num_requests_waiting",
+                 "kv_cache_usage_perc"):  # fmt: skip
+        assert f"specserve_{vllm}" in names
+    for made in Recorder.made.values():
+        assert "model_name" in made.tag_keys and ":" not in made.name  # Ray drops names with ':'
+    assert Recorder.made["specserve_spec_decode_num_accepted_tokens_per_pos_total"].tag_keys[-1] == "position"
 
 
 def test_gauges_are_exported_for_every_model_before_any_request(metrics):
-    for gauge in (metrics.acceptance_rate, metrics.mean_accepted_length, metrics.queue_depth):
+    for gauge in (metrics.running, metrics.waiting, metrics.acceptance_rate, metrics.mean_acceptance_length):
         assert last(gauge, "a") == 0.0 and last(gauge, "b") == 0.0
-    assert metrics.per_token.values == {} and metrics.ttft.values == {}
+    assert metrics.ttft.values == {} and metrics.itl.values == {}
 
 
-def test_tpot_is_recorded_per_generated_token_after_the_first(metrics):
+def test_a_request_from_arrival_to_its_end(metrics, clock):
     stats = [{"drafted": 0, "accepted": 0}, {"drafted": 4, "accepted": 2}, {"drafted": 8, "accepted": 3},
              {"drafted": 8, "accepted": 3}]  # fmt: skip
+    req = metrics.request("a", prompt_tokens=7)
+    assert (last(metrics.waiting), last(metrics.running)) == (1, 0)
+    clock.now += 0.25
+    req.scheduled()
+    assert (last(metrics.waiting), last(metrics.running)) == (0, 1)
     # (tokens committed, round seconds): the first round's 3 tokens arrive together at TTFT.
-    rounds = [(3, 0.5), (2, 0.2), (1, 0.1)]
-    since = 0.0
-    for i, (committed, seconds) in enumerate(rounds):
-        since += seconds
-        metrics.round("a", stats[i], stats[i + 1], committed, seconds, i == 0, since)
-    observed = metrics.per_token.values[(("model", "a"),)]
-    assert len(observed) == sum(c for c, _ in rounds) - 1  # one per token after the first
-    assert observed == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.1])
-    assert sum(observed) == pytest.approx(0.2 + 0.1)  # latency - TTFT: sum / count is the usual mean TPOT
-    assert metrics.ttft.values[(("model", "a"),)] == [0.5]
-    assert last(metrics.acceptance_rate, "a") == pytest.approx(3 / 8)
-    assert last(metrics.mean_accepted_length, "a") == pytest.approx(6 / 3)
+    for i, (committed, seconds) in enumerate([(3, 0.5), (2, 0.2), (1, 0.1)]):
+        clock.now += seconds
+        req.round(stats[i], stats[i + 1], committed, "length" if i == 2 else None)
+    clock.now += 0.05
+    req.finished("ok")
+    assert values(metrics.queue_time) == [0.25] and values(metrics.prompt_tokens) == [7]
+    assert values(metrics.ttft) == [pytest.approx(0.75)]
+    assert values(metrics.itl) == pytest.approx([0.2, 0.1])  # one per round after the first token's
+    assert values(metrics.request_tpot) == [pytest.approx(0.3 / 5)]  # (last - first token) / (tokens - 1)
+    assert values(metrics.e2e) == [pytest.approx(1.1)]
+    assert sum(values(metrics.generation_tokens)) == 6
+    assert values(metrics.request_success, finished_reason="length") == [1]
+    assert (last(metrics.waiting), last(metrics.running)) == (0, 0)
     assert last(metrics.acceptance_rate, "b") == 0.0  # the other model's gauges are untouched
 
 
-def test_a_round_without_tokens_records_no_latency(metrics):
-    s = {"drafted": 0, "accepted": 0}
-    metrics.round("a", s, s, 0, 0.3, False, 0.3)
-    assert metrics.per_token.values == {} and metrics.ttft.values == {}
-    assert sum(metrics.rounds.values[(("model", "a"),)]) == 1
+def test_spec_decode_counters_are_vllms_with_0_based_positions(metrics):
+    req = metrics.request("a", 3)
+    req.scheduled()
+    rounds = [(4, 2), (4, 0), (0, 0), (3, 3)]  # (drafted, accepted); (0, 0): a target-only round
+    before = {"drafted": 0, "accepted": 0}
+    for drafted, accepted in rounds:
+        after = {"drafted": before["drafted"] + drafted, "accepted": before["accepted"] + accepted}
+        req.round(before, after, accepted + 1)
+        before = after
+    assert sum(values(metrics.num_drafts)) == 3  # rounds that drafted
+    assert sum(values(metrics.num_draft_tokens)) == 11 and sum(values(metrics.num_accepted_tokens)) == 5
+    per_pos = {p: sum(values(metrics.accepted_per_pos, position=str(p))) for p in range(4)}
+    assert per_pos == {0: 2, 1: 2, 2: 1, 3: 0}
+    assert values(metrics.draft_tokens_per_round) == [4, 4, 0, 3]  # every round, as the planner chose it
+    assert last(metrics.acceptance_rate) == pytest.approx(5 / 11)
+    assert last(metrics.mean_acceptance_length) == pytest.approx(1 + 5 / 3)
+
+
+def test_acceptance_gauges_cover_the_last_rounds_only(metrics, monkeypatch):
+    monkeypatch.setattr(metrics_module, "WINDOW_ROUNDS", 4)
+    for _ in range(10):
+        metrics.spec_round("a", 4, 0)
+    assert last(metrics.acceptance_rate) == 0.0
+    for _ in range(4):
+        metrics.spec_round("a", 4, 4)
+    assert last(metrics.acceptance_rate) == 1.0 and last(metrics.mean_acceptance_length) == 5.0
+    metrics.spec_round("a", 4, 2)
+    assert last(metrics.acceptance_rate) == pytest.approx(14 / 16)
+
+
+@pytest.mark.parametrize(("status", "reason"), [("cancelled", "abort"), ("error", "error"), ("unavailable", "error")])
+def test_failed_requests_are_counted_by_vllms_finished_reason(metrics, status, reason):
+    req = metrics.request("b", 3)  # never scheduled (no healthy target, say)
+    req.finished(status)
+    assert values(metrics.request_success, "b", finished_reason=reason) == [1]
+    assert (last(metrics.waiting, "b"), last(metrics.running, "b")) == (0, 0)
+    assert values(metrics.queue_time, "b") == [] and values(metrics.prompt_tokens, "b") == []
+    metrics.request_rejected("b")
+    assert values(metrics.rejected, "b") == [1]
+
+
+def test_worker_kv_cache_usage_is_a_fraction(metrics):
+    class Store:
+        used_tokens, capacity_tokens = 64, 256
+
+        def __len__(self):
+            return 2
+
+    worker = WorkerMetrics()
+    worker.report("a", "target", "target-a-1", Store())
+    labels = {"kind": "target", "worker": "target-a-1"}
+    assert last(worker.usage, **labels) == 0.25 and last(worker.capacity, **labels) == 256

@@ -169,23 +169,28 @@ def test_openai_chat_models_and_errors(oai, server):
 
 
 def _scrape(url: str) -> dict[str, float]:
+    """Model "tiny"'s samples by name (and position), summed over the other labels."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r"^(ray_specserve_\w+)\{([^}]*)\} ([0-9.e+-]+)$", line)
-        if m and 'model="tiny"' in m.group(2):
+        if m and 'model_name="tiny"' in m.group(2):
             key = m.group(1) + ("" if "position" not in m.group(2) else re.search(r'position="(\d+)"', m.group(2))[0])
             values[key] = values.get(key, 0.0) + float(m.group(3))
     return values
 
 
+ROUNDS = "ray_specserve_spec_decode_draft_tokens_per_round_count"  # one observation per round, drafting or not
+
+
 def _scrape_when(url: str, health: str, timeout_s: float = 90.0) -> dict[str, float]:
-    """Ray exports metrics every few seconds: scrape until the exported round count equals the ingress's own."""
+    """Ray exports metrics every few seconds: scrape until the exported round count equals the scheduler's own."""
     deadline = time.time() + timeout_s
     while True:
-        rounds = json.loads(urllib.request.urlopen(health, timeout=10).read())["tiny"]["rounds"]
+        body = json.loads(urllib.request.urlopen(health, timeout=10).read())
+        rounds = body.get("models", body)["tiny"]["rounds"]  # /health: {"status", "models": {name: status}}
         values = _scrape(url)
-        if values.get("ray_specserve_rounds_total", 0) == rounds or time.time() > deadline:
+        if values.get(ROUNDS, 0) == rounds or time.time() > deadline:
             return values
         time.sleep(2)
 
@@ -196,27 +201,25 @@ def test_metrics_move_by_the_expected_amounts(server, client):
     out = client.generate(PROMPTS[3], max_new_tokens=N, k=4)
     after = _scrape_when(url, health)
 
-    def delta(key):
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    def positions(key):
-        return sum(delta(key + f'position="{i}"') for i in range(1, 17))
+    def delta(name):
+        return after.get("ray_specserve_" + name, 0.0) - before.get("ray_specserve_" + name, 0.0)
 
     s = out["stats"]
-    assert delta("ray_specserve_rounds_total") == s["rounds"]
-    assert (
-        delta("ray_specserve_drafted_tokens_total") == s["drafted"] == positions("ray_specserve_position_drafted_total")
-    )
-    assert (
-        delta("ray_specserve_accepted_tokens_total")
-        == s["accepted"]
-        == positions("ray_specserve_position_accepted_total")
-    )
-    assert delta("ray_specserve_generated_tokens_total") == len(out["token_ids"])
-    assert delta("ray_specserve_ttft_seconds_count") == 1
-    assert delta("ray_specserve_per_token_latency_seconds_count") == len(out["token_ids"]) - 1  # TPOT: per token
-    assert delta("ray_specserve_requests_total") == 1
-    assert after["ray_specserve_kv_cache_capacity_tokens"] > 0 and 0 <= after["ray_specserve_acceptance_rate"] <= 1
+    per_pos = sum(delta(f'spec_decode_num_accepted_tokens_per_pos_total position="{i}"'.replace(" ", ""))
+                  for i in range(16))  # fmt: skip
+    assert delta("spec_decode_draft_tokens_per_round_count") == s["rounds"]
+    assert 0 < delta("spec_decode_num_drafts_total") <= s["rounds"]  # rounds that drafted (k = 4: all but the last)
+    assert delta("spec_decode_num_draft_tokens_total") == s["drafted"] <= 4 * delta("spec_decode_num_drafts_total")
+    assert delta("spec_decode_num_accepted_tokens_total") == s["accepted"] == per_pos  # 0-based positions
+    assert delta("generation_tokens_total") == len(out["token_ids"]) and delta("prompt_tokens_total") > 0
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
+                      "request_time_per_output_token"):  # fmt: skip
+        assert delta(f"{histogram}_seconds_count") == 1, histogram
+    assert delta("inter_token_latency_seconds_count") == s["rounds"] - 1  # one per round after the first token's
+    assert delta("request_success_total") == 1
+    assert after["ray_specserve_kv_cache_capacity_tokens"] > 0 and after["ray_specserve_kv_cache_usage_perc"] >= 0
+    assert 0 <= after["ray_specserve_spec_decode_acceptance_rate"] <= 1
+    assert after["ray_specserve_num_requests_running"] == after["ray_specserve_num_requests_waiting"] == 0
 
 
 def test_cli_generate_against_the_server(server, reference, capsys):
@@ -235,3 +238,6 @@ def test_cli_generate_against_the_server(server, reference, capsys):
 
 # The table-driven bad-input tests run against this module's Serve app (see serve_bad_input_cases.py).
 from .serve_bad_input_cases import *  # noqa: E402, F403
+
+# The dashboard's queries against this module's Serve app's /metrics (see serve_dashboard_cases.py).
+from .serve_dashboard_cases import *  # noqa: E402, F403

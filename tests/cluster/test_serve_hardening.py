@@ -50,21 +50,22 @@ def server(tiny_target, tiny_draft):
 
 def test_gauges_are_exported_before_the_first_request(server):
     deadline, values = time.time() + 60, {}
-    while time.time() < deadline and 'ray_specserve_acceptance_rate{model="tiny"}' not in values:
+    while time.time() < deadline and 'ray_specserve_spec_decode_acceptance_rate{model_name="tiny"}' not in values:
         time.sleep(1)
         values = _labelled(server["metrics"])
-    for name in ("acceptance_rate", "mean_accepted_length", "queue_depth"):
-        assert values[f'ray_specserve_{name}{{model="tiny"}}'] == 0.0
+    gauges = ("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length", "num_requests_running")
+    for name in (*gauges, "num_requests_waiting"):
+        assert values[f'ray_specserve_{name}{{model_name="tiny"}}'] == 0.0
 
 
 def _labelled(url: str) -> dict[str, float]:
-    """Samples keyed by name{model="..."} (the other labels dropped)."""
+    """Samples keyed by name{model_name="..."} (the other labels dropped)."""
     out = {}
     for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-        if line.startswith("ray_specserve_") and 'model="' in line:
+        if line.startswith("ray_specserve_") and 'model_name="' in line:
             name, rest = line.split("{", 1)
-            model = rest.split('model="', 1)[1].split('"', 1)[0]
-            out[f'{name}{{model="{model}"}}'] = float(line.rsplit(" ", 1)[1])
+            model = rest.split('model_name="', 1)[1].split('"', 1)[0]
+            out[f'{name}{{model_name="{model}"}}'] = float(line.rsplit(" ", 1)[1])
     return out
 
 
