@@ -26,6 +26,8 @@ AUTOSCALING_POLICY = "specserve.cluster.scheduling.autoscaling:PoolAutoscalingPo
 # The generated add_SpecServeServicer_to_server, with a request deserializer that never raises (INVALID_ARGUMENT,
 # not UNKNOWN, for bytes that are no GenerateRequest).
 GRPC_SERVICER = "specserve.cluster.serve.public_proto.add_servicer_to_server"
+# The standard grpc.health.v1 service, answered by the ingress (cluster/serve/health.py).
+HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 
 
 class _Strict(BaseModel):
@@ -187,6 +189,11 @@ class IngressConfig(_Strict):
         "retry hint instead of queueing without bound."
     )  # fmt: skip
     call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")
+    drain_timeout_s: float = Field(
+        60.0, ge=0, description="On a stop (SIGTERM, `specserve drain`, a scheduler or ingress replica's shutdown): "
+        "how long running requests may finish while no new one is admitted (503 / UNAVAILABLE, retry). The "
+        "manifests' terminationGracePeriodSeconds leaves room for it."
+    )  # fmt: skip
     worker_wait_s: float = Field(600.0, gt=0, description="How long a request waits for the pools to come up.")
 
 
@@ -248,9 +255,10 @@ def serve_config(
             "policy_kwargs": {"goal_busy_fraction": app.autoscaling_goal_busy_fraction},
         }
     return {
-        "proxy_location": "HeadOnly",
+        # A proxy on every node with a replica: KubeRay's worker readiness probes expect one (kuberay #4994).
+        "proxy_location": "EveryNode",
         "http_options": {"host": http_host, "port": http_port},
-        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER, HEALTH_SERVICER]},
         "applications": [application],
     }
 

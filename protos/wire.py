@@ -5,6 +5,7 @@ from __future__ import annotations
 
 # The Serve application specserve deploys; gRPC calls name it in their `application` metadata.
 APP_NAME = "specserve"
+SERVICE_NAME = "specserve.v1.SpecServe"  # the public gRPC service (protos/specserve.proto)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Channel options of specserve's clients: the servers they call set the real limits.
 GRPC_OPTIONS = [

@@ -36,6 +36,19 @@ class UnavailableError(SpecServeError):
     """No worker can serve the request right now (pools starting, or every worker of a pool failed): retry later."""
 
 
+class DrainingError(UnavailableError):
+    """The server is stopping: it finishes the requests it runs and admits none (gRPC UNAVAILABLE, HTTP 503 with
+    Retry-After): retry, and a load balancer sends the retry elsewhere."""
+
+    def __init__(self, message: str = "this server is draining (stopping)", retry_after_s: float = 1.0):
+        self.retry_after_s = retry_after_s
+        self.message = message
+        super().__init__(f"{message}; retry after {retry_after_s:g} s")
+
+    def __reduce__(self):
+        return type(self), (self.message, self.retry_after_s)
+
+
 class UnauthenticatedError(SpecServeError):
     """A public call without the configured API key (gRPC UNAUTHENTICATED, HTTP 401)."""
 

@@ -12,6 +12,7 @@ def add_parsers(sub, common: list[argparse.ArgumentParser]) -> None:
     _add_serve(sub, common)
     _add_gateway(sub, common)
     _add_config(sub, common)
+    _add_drain(sub, common)
     _add_manifests(sub, common)
 
 
@@ -131,6 +132,29 @@ def _gateway(args: argparse.Namespace) -> int:
         await serve_gateway(config, stop)
 
     asyncio.run(run())
+    return 0
+
+
+def _add_drain(sub, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("drain", parents=common, help="stop admitting requests to a running app and wait for the "
+                       "running ones to finish (a Kubernetes preStop hook; `serve` does it on SIGTERM)")  # fmt: skip
+    p.add_argument("--app", default="specserve", help="the Serve application (default specserve)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait at most (default 60)")
+    p.add_argument("--address", default="auto", help="the Ray cluster (default auto: the one on this node)")
+    p.set_defaults(func=_drain)
+
+
+def _drain(args: argparse.Namespace) -> int:
+    import ray
+
+    from specserve.cluster.serve.drain import drain
+
+    ray.init(address=args.address, namespace="specserve", configure_logging=False, log_to_driver=False)
+    try:
+        left = drain(args.app, args.timeout)
+    finally:
+        ray.shutdown()
+    print("drained" if not left else f"{left} requests still running after {args.timeout:g} s", flush=True)
     return 0
 
 

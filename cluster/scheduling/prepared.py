@@ -16,6 +16,7 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     spec: SpecParams
+    request_id: str = ""  # the client's x-request-id (or the ingress's): in every log line about the request
 
 
 @dataclass

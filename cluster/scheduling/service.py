@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 from specserve.cluster.app_config import AppConfig
@@ -18,7 +19,13 @@ from specserve.cluster.scheduling.detokenize import IncrementalText
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.scheduling.scheduler import NoTargetWorker
 from specserve.cluster.scheduling.serving import ModelServing
-from specserve.workers.errors import InvalidRequestError, OverloadedError, SpecServeError, UnavailableError
+from specserve.workers.errors import (
+    DrainingError,
+    InvalidRequestError,
+    OverloadedError,
+    SpecServeError,
+    UnavailableError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +41,7 @@ class SpecService:
         self.metrics = metrics
         self.secret: str | None = None  # the workers' shared secret, sent with every worker call
         self.active = 0  # requests running now (admission control)
+        self.draining = False  # the app is stopping (the registry says so): finish what runs, admit nothing
         self.models = {
             m.name: ModelServing.load(m, resolved_paths[m.name][0], self._reconnect_for(m.name)) for m in app.models
         }
@@ -92,19 +100,24 @@ class SpecService:
 
     # -- requests --------------------------------------------------------------------------------------------------
 
-    def check_capacity(self, model: str) -> None:
-        """Admission control: OverloadedError (RESOURCE_EXHAUSTED / 429 with a retry hint) at the replica's limit."""
+    def check_capacity(self, model: str, request_id: str = "") -> None:
+        """Admission control: OverloadedError (RESOURCE_EXHAUSTED / 429 with a retry hint) at the replica's limit;
+        DrainingError (UNAVAILABLE / 503 with a retry hint) once the app is stopping."""
+        if self.draining:
+            log.info("model %r: refused request %s: the server is draining", model, request_id)
+            raise DrainingError()
         limit = self.app.ingress.max_active_requests
         if self.active >= limit:
             if self.metrics:
                 self.metrics.request_rejected(model)
-            log.info("model %r: refused a request: %d requests are running (max_active_requests)", model, limit)
+            log.info("model %r: refused request %s: %d requests are running (max_active_requests)", model, request_id,
+                     limit)  # fmt: skip
             raise OverloadedError(f"{self.active} requests are running, the limit of this replica is {limit}")
 
     async def run(self, req: Prepared) -> AsyncIterator[Chunk]:
         """Run a prepared request; yields one Chunk per round (the last one carries finish_reason)."""
         serving = self.models[req.model]
-        self.check_capacity(req.model)
+        self.check_capacity(req.model, req.request_id)
         self.active += 1
         status = "error"
         track = self.metrics.request(req.model, len(req.prompt_ids)) if self.metrics else None  # RequestMetrics
@@ -119,16 +132,16 @@ class SpecService:
             raise
         except UnavailableError as e:
             status = "unavailable"
-            log.warning("model %r: a request stopped: %s", req.model, e)
+            log.warning("model %r: request %s stopped: %s", req.model, req.request_id, e)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             raise
         except SpecServeError as e:  # the client's to act on (a full KV cache, ...): no traceback
-            log.warning("model %r: a request failed: %s", req.model, e)
+            log.warning("model %r: request %s failed: %s", req.model, req.request_id, e)
             raise
         except Exception:
-            log.error("model %r: a request failed", req.model, exc_info=True)
+            log.error("model %r: request %s failed", req.model, req.request_id, exc_info=True)
             raise
         finally:
             self.active -= 1
@@ -137,7 +150,9 @@ class SpecService:
 
     async def _rounds(self, serving: ModelServing, req: Prepared, track=None) -> AsyncIterator[Chunk]:
         try:
-            sched_req = serving.scheduler.add(req.prompt_ids, req.params, req.spec, serving.eos)
+            # The client's id names the request on the workers too, made unique: two clients may send the same one.
+            internal = f"{req.request_id}.{uuid.uuid4().hex[:8]}" if req.request_id else None
+            sched_req = serving.scheduler.add(req.prompt_ids, req.params, req.spec, serving.eos, request_id=internal)
         except NoTargetWorker as e:
             raise UnavailableError(str(e)) from None
         if track:

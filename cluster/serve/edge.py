@@ -9,6 +9,8 @@ the app's limits (vocabulary, context, prompt length) is checked by `prepare`, w
 from __future__ import annotations
 
 import logging
+import re
+import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
@@ -180,6 +182,21 @@ def unsupported(neutral: str) -> PydanticCustomError:
     change the output)."""
     return PydanticCustomError("unsupported", "is not supported by specserve: omit it (or send {neutral})",
                                {"neutral": neutral})  # fmt: skip
+
+
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:=+/-]{1,128}")
+
+
+def request_id(sent: str | None) -> str:
+    """The request's id: the client's `x-request-id` (HTTP header or gRPC metadata), checked because it reaches logs
+    and other systems, or a fresh one. It names the request in every log line, its responses and its stream."""
+    if not sent:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(sent):
+        raise InvalidRequestError(REQUEST_ID_HEADER, "must be 1 to 128 letters, digits or . _ : = + / - (leave it out "
+                                  "and one is made)")  # fmt: skip
+    return sent
 
 
 def client_message(error: BaseException) -> str:

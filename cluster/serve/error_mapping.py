@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.edge import client_message
 from specserve.cluster.serve.public_proto import http_status_for, status_for
-from specserve.workers.errors import OverloadedError, UnavailableError
+from specserve.workers.errors import DrainingError, OverloadedError, UnavailableError
 
 
 async def call_scheduler(response):
@@ -39,15 +39,19 @@ def scheduler_error(error: BaseException) -> BaseException:
     return error
 
 
-def set_grpc_error(grpc_context, error: BaseException) -> None:
+def set_grpc_error(grpc_context, error: BaseException, request_id: str | None = None) -> None:
+    """The error's status and message; the request's id joins the message, since Serve's gRPC proxy sends no
+    trailing metadata with an error."""
     if grpc_context is not None:
         grpc_context.set_code(status_for(error))
-        grpc_context.set_details(client_message(error))
+        suffix = f" (request {request_id})" if request_id else ""
+        grpc_context.set_details(client_message(error) + suffix)
 
 
 def http_error(error: BaseException) -> JSONResponse:
     status, kind = http_status_for(error)
     field = getattr(error, "field", None)
     code = "model_not_found" if field == "model" and "unknown model" in str(error) else None
-    headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if isinstance(error, OverloadedError) else None
+    retry = isinstance(error, OverloadedError | DrainingError)
+    headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if retry else None
     return JSONResponse(oai.error_body(client_message(error), kind, field, code), status_code=status, headers=headers)

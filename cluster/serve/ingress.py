@@ -3,6 +3,7 @@ OpenAI-compatible HTTP API (FastAPI). Each request is authenticated, validated o
 openai_api.py), checked against the model and tokenized here (prepare.py), and handed to a scheduler replica as a
 `Prepared` request through a deployment handle: one call per request, which streams one chunk per round back."""
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -11,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -18,10 +20,11 @@ from ray import serve
 from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.serve import openai_api as oai
-from specserve.cluster.serve.edge import PayloadTooLargeError, client_message
+from specserve.cluster.serve.edge import REQUEST_ID_HEADER, PayloadTooLargeError, client_message, request_id
 from specserve.cluster.serve.error_mapping import call_scheduler, http_error, scheduler_error, set_grpc_error
+from specserve.cluster.serve.health import Readiness
 from specserve.cluster.serve.public_proto import http_status_for, refused_status, request_from_proto, response
-from specserve.cluster.serve.replica_env import resolve_paths
+from specserve.cluster.serve.replica_env import resolve_paths, use_serve_log_files
 from specserve.workers.errors import SpecServeError, UnauthenticatedError
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ class SpecServeIngress:
         from specserve.cluster.serve.metrics import IngressMetrics
         from specserve.cluster.serve.prepare import RequestPreparer
 
+        use_serve_log_files()
         self.config: AppConfig = app_config(app_args)
         self.metrics = IngressMetrics()
         self.preparer = RequestPreparer(self.config, {m.name: resolve_paths(m) for m in self.config.models})
@@ -74,45 +78,51 @@ class SpecServeIngress:
         except Exception as e:  # noqa: BLE001 - a scheduler replica's error or death, as a specserve error
             raise scheduler_error(e) from None
 
-    def _refused(self, route: str, error: BaseException, status: str | None) -> None:
+    def _refused(self, route: str, error: BaseException, status: str | None, rid: str | None = None) -> None:
         """Count and log a request that ends in an error: refused (the client's doing) at INFO with the field it
         names, a specserve fault at WARNING; any other error is a bug, logged with its traceback by
-        `client_message` as it is answered."""
+        `client_message` as it is answered. rid: the request's id."""
+        rid = (rid or "-")[:128]
         if status:
             if not getattr(error, "counted", False):
                 self.metrics.refuse(route, status)
-            log.info("refused %s (%s, field %s): %s", route, status, getattr(error, "field", None), error)
+            log.info("refused %s request %s (%s, field %s): %s", route, rid, status, getattr(error, "field", None),
+                     error)  # fmt: skip
         elif isinstance(error, SpecServeError):
-            log.warning("%s failed: %s", route, _what(error))
+            log.warning("%s request %s failed: %s", route, rid, _what(error))
 
     # -- gRPC: the public SpecServe service ------------------------------------------------------------------------
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method name
+        rid = None
         try:
+            rid = _grpc_request_id(grpc_context)
             self._check_grpc_key(grpc_context)
-            prepared = self.preparer.prepare(request_from_proto(request))
+            prepared = self.preparer.prepare(request_from_proto(request), rid)
             out = await self._generate(prepared)
             return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"])
         except Exception as e:
-            self._grpc_failed("Generate", grpc_context, e)
+            self._grpc_failed("Generate", grpc_context, e, rid)
             raise
 
     async def GenerateStream(self, request, grpc_context):  # noqa: N802 - gRPC method name
-        started = False
+        started, rid = False, None
         try:
+            rid = _grpc_request_id(grpc_context)
             self._check_grpc_key(grpc_context)
-            prepared = self.preparer.prepare(request_from_proto(request))
+            prepared = self.preparer.prepare(request_from_proto(request), rid)
             async for chunk in self._run(prepared):
                 started = True
                 yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats)
         except Exception as e:
-            self._grpc_failed("GenerateStream", grpc_context, e, refused=not started)
+            self._grpc_failed("GenerateStream", grpc_context, e, rid, refused=not started)
             raise
 
-    def _grpc_failed(self, method: str, grpc_context, error: BaseException, refused: bool = True) -> None:
+    def _grpc_failed(self, method: str, grpc_context, error: BaseException, rid: str | None,
+                     refused: bool = True) -> None:  # fmt: skip
         status = refused_status(error, http=False) if refused else None
-        self._refused(f"/specserve.v1.SpecServe/{method}", error, status)
-        set_grpc_error(grpc_context, error)
+        self._refused(f"/specserve.v1.SpecServe/{method}", error, status, rid)
+        set_grpc_error(grpc_context, error, rid)
 
     # -- HTTP: OpenAI-compatible -----------------------------------------------------------------------------------
 
@@ -124,13 +134,48 @@ class SpecServeIngress:
             return self._refuse("/v1/models", e)
         return JSONResponse(oai.models_list([m.name for m in self.config.models], self.created))
 
+    async def _readiness(self) -> Readiness | None:
+        """None when no scheduler replica answers (the app is starting or gone)."""
+        try:
+            return await call_scheduler(self.scheduler.readiness.remote())
+        except Exception as e:  # noqa: BLE001 - not ready, whatever the reason
+            log.info("readiness: no scheduler replica answered: %s", _what(e))
+            return None
+
     @http_app.get("/health")
     async def health(self) -> JSONResponse:
-        try:
-            return JSONResponse(await self.status())
-        except Exception as e:  # noqa: BLE001 - answered as an error response
-            self._refused("/health", e, None)
-            return http_error(e)
+        """200 when ready; 503 while draining, while a model has no healthy target worker, or before the app is up."""
+        readiness = await self._readiness()
+        if readiness is None:
+            body = {"status": "unavailable", "problems": ["no scheduler replica answered"], "models": {}}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse(readiness.to_json(), status_code=200 if readiness.ready else 503)
+
+    # -- gRPC: the standard health service (grpc.health.v1) --------------------------------------------------------
+
+    async def Check(self, request, grpc_context):  # noqa: N802 - gRPC method name
+        from grpc_health.v1 import health_pb2
+
+        readiness = await self._readiness()
+        serving = False if readiness is None else readiness.serving(request.service)
+        if serving is None:
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"unknown service {request.service!r}: ask for '' or a served model's name")
+            return health_pb2.HealthCheckResponse()
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, grpc_context):  # noqa: N802 - gRPC method name
+        """The status now, then each change (polled every second), while the client listens."""
+        last = None
+        while True:
+            response = await self.Check(request, grpc_context)
+            if grpc_context.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            if response.status != last:
+                last = response.status
+                yield response
+            await asyncio.sleep(1.0)
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -142,12 +187,15 @@ class SpecServeIngress:
 
     async def _openai(self, request: Request, route: str):
         chat = route == "/v1/chat/completions"
+        # Serve's HTTP proxy puts the client's x-request-id (or one it makes) in the headers and on every response.
+        sent = request.headers.get(REQUEST_ID_HEADER)
         try:
+            prepared_id = request_id(sent)
             self._check_key(request.headers.get("authorization"))
             body = await _json_body(request, self.config.limits.max_request_bytes)
             parsed = oai.parse_chat(body) if chat else oai.parse_completion(body)
-            prepared = self.preparer.prepare(parsed.request)
-            rid = oai.new_id("chatcmpl" if chat else "cmpl")
+            prepared = self.preparer.prepare(parsed.request, prepared_id)
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{prepared_id}"
             if not parsed.stream:
                 out = await self._generate(prepared)
                 return JSONResponse(oai.completion_response(rid, prepared.model, out, chat))
@@ -158,11 +206,11 @@ class SpecServeIngress:
             return StreamingResponse(self._sse(rid, prepared, first, chunks, parsed.include_usage, chat),
                                      media_type="text/event-stream")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
-            return self._refuse(route, e)
+            return self._refuse(route, e, sent)
 
-    def _refuse(self, route: str, error: BaseException) -> JSONResponse:
+    def _refuse(self, route: str, error: BaseException, rid: str | None = None) -> JSONResponse:
         """The error response; counted when the client caused it (4xx)."""
-        self._refused(route, error, refused_status(error, http=True))
+        self._refused(route, error, refused_status(error, http=True), rid)
         return http_error(error)
 
     async def _sse(self, rid: str, prepared: Prepared, first: Chunk | None, chunks: AsyncIterator[Chunk],
@@ -179,7 +227,7 @@ class SpecServeIngress:
                 yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, stats, chat)
             yield oai.sse("[DONE]")
         except Exception as e:  # noqa: BLE001 - headers are sent: report the error as an event
-            log.warning("a stream of %s failed after its first chunk: %s", prepared.model, _what(e))
+            log.warning("stream %s of %s failed after its first chunk: %s", rid, prepared.model, _what(e))
             _, kind = http_status_for(e)
             yield oai.sse(oai.error_body(client_message(e), kind, getattr(e, "field", None)))
 
@@ -196,6 +244,17 @@ async def _after(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterat
     yield first
     async for chunk in rest:
         yield chunk
+
+
+def _grpc_request_id(grpc_context) -> str:
+    """The call's id: its x-request-id metadata, else Serve's request_id (metadata, or one Serve made); returned to
+    the client in the trailing metadata, errors included."""
+    metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+    sent = metadata.get(REQUEST_ID_HEADER) or (grpc_context.request_id() if grpc_context is not None else None)
+    rid = request_id(sent)  # refused (INVALID_ARGUMENT) when malformed
+    if grpc_context is not None:
+        grpc_context.set_trailing_metadata([(REQUEST_ID_HEADER, rid)])
+    return rid
 
 
 def _what(error: BaseException) -> str:

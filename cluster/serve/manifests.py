@@ -115,6 +115,22 @@ def _pod(container: dict, node_selector: dict, gpus: int, pulls: list[str]) -> d
     return {"spec": spec}
 
 
+_STOP_MARGIN_S = 30  # after the drain: Serve's and Ray's own shutdown
+
+
+def _worker_probes() -> dict:
+    """KubeRay's default worker probes, pinned (it injects none where a pod sets its own) and as httpGet, which needs
+    no wget in the image: ready while the node's Serve proxy is healthy (every node with a replica runs one under
+    proxy_location EveryNode; it answers 503 while draining), alive while its raylet is."""
+    raylet = {"httpGet": {"path": "/api/local_raylet_healthz", "port": 52365}}
+    return {
+        "readinessProbe": {"httpGet": {"path": "/-/healthz", "port": 8000}, "initialDelaySeconds": 10,
+                           "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**raylet, "initialDelaySeconds": 30, "periodSeconds": 10, "timeoutSeconds": 5,
+                          "failureThreshold": 12},
+    }  # fmt: skip
+
+
 GRPC_TLS_SECRET = "specserve-grpc-tls"
 GRPC_TLS_PORT = 9443
 
@@ -170,9 +186,13 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
     app = _app(serve_config)
     key_env = _api_key_env(app)
     limits = proxy_env(app.limits.max_grpc_message_bytes, app.limits.max_request_bytes)
+    # Serve's proxies run on every node with a replica (proxy_location EveryNode) and read their limits from its
+    # environment.
+    proxy_vars = [{"name": k, "value": v} for k, v in limits.items()]
     groups = []
     for g in _GROUPS[variant]:
-        container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"], env=key_env)
+        container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"], env=key_env + proxy_vars)
+        container |= _worker_probes()
         groups.append({
             "groupName": g["name"],
             "replicas": g["min"],
@@ -185,10 +205,14 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
                           g["resource"]: str(max(g["gpus"], 1))},
             "template": _pod(container, g["node_selector"], g["gpus"], pulls),
         })  # fmt: skip
-    # Serve's proxies run on the head only (proxy_location HeadOnly) and read their limits from its environment.
-    proxy_vars = [{"name": k, "value": v} for k, v in limits.items()]
     head = _container("ray-head", "2", "8Gi", 0, ports=_HEAD_PORTS, env=key_env + proxy_vars)
+    # A stopping head (an upgrade's old cluster, a deleted RayService) first drains the app: no new requests, the
+    # running ones finish; KubeRay's own head probes stay (a failing head readiness probe would take the head out of
+    # the head Service the workers reach it through).
+    drain_s = app.ingress.drain_timeout_s
+    head["lifecycle"] = {"preStop": {"exec": {"command": ["specserve", "drain", "--timeout", f"{drain_s:g}"]}}}
     head_pod = _pod(head, {}, 0, pulls)
+    head_pod["spec"]["terminationGracePeriodSeconds"] = int(drain_s) + _STOP_MARGIN_S
     if variant == "gpu":  # production shape: gRPC over TLS (the cpu variant is for kind/minikube, plaintext)
         head_pod["spec"]["containers"].append(_grpc_tls_sidecar())
         head_pod["spec"]["volumes"].append({"name": "grpc-tls", "secret": {"secretName": GRPC_TLS_SECRET}})

@@ -29,7 +29,7 @@ class RequestPreparer:
         # Models served with an EAGLE-3 head (their draft directory is the head's): "eagle" / "eagle+ngram" drafting.
         self.heads = {m.name for m in app.models if resolve_eagle_head(resolved_paths[m.name][1])}
 
-    def prepare(self, request: Request) -> Prepared:
+    def prepare(self, request: Request, request_id: str = "") -> Prepared:
         """The request to run; InvalidRequestError naming the client's field when it does not fit the model or the
         app's limits."""
         cfg = self.app.model(request.model)
@@ -47,7 +47,7 @@ class RequestPreparer:
             max_new_tokens=_max_new_tokens(model, request, len(ids), limits),
             seed=request.seed,
         )
-        return Prepared(cfg.name, ids, params, spec)
+        return Prepared(cfg.name, ids, params, spec, request_id)
 
 
 def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:

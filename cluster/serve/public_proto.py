@@ -22,6 +22,7 @@ from specserve.cluster.serve.edge import (
     text,
 )
 from specserve.protos import specserve_pb2 as pb
+from specserve.protos.wire import SERVICE_NAME
 from specserve.workers.config import MAX_K
 from specserve.workers.errors import (
     InvalidRequestError,
@@ -32,7 +33,7 @@ from specserve.workers.errors import (
 )
 from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
 
-SERVICE = "specserve.v1.SpecServe"
+SERVICE = SERVICE_NAME
 MAX_MESSAGES = 4096
 
 

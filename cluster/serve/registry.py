@@ -41,6 +41,8 @@ class WorkerRegistry:
         self.version = 0  # bumped on every change, so pollers can skip unchanged snapshots
         self.incarnation = secrets.token_hex(8)  # new on every (re)start: versions count again from 0
         self._secret = secret or new_secret()
+        self.draining = False  # the app is stopping: scheduler replicas admit no new request
+        self._active: dict[str, tuple[int, float]] = {}  # scheduler replica -> (requests running, when reported)
 
     def secret(self) -> str:
         """The app's worker secret: pool replicas require it on their gRPC ports, the ingress sends it. It lives
@@ -75,11 +77,23 @@ class WorkerRegistry:
         rows = [asdict(m) for m in self._members.values() if model is None or m.model == model]
         return self.version, sorted(rows, key=lambda r: (r["model"], r["kind"], r["worker_id"]))
 
-    def snapshot(self) -> dict:
-        """What a poller needs: incarnation, version, uptime_s (since this incarnation started) and members."""
+    def snapshot(self, replica: str | None = None, active: int = 0) -> dict:
+        """What a poller needs: incarnation, version, uptime_s (since this incarnation started), members and whether
+        the app is draining. A scheduler replica polling passes its id and how many requests it runs."""
+        if replica is not None:
+            self._active[replica] = (active, self._clock())
         version, rows = self.members()
         return {"incarnation": self.incarnation, "version": version, "uptime_s": self._clock() - self._started,
-                "members": rows}  # fmt: skip
+                "members": rows, "draining": self.draining}  # fmt: skip
+
+    def set_draining(self, draining: bool = True) -> None:
+        """Stop (or resume) admitting requests on every scheduler replica, from their next poll."""
+        self.draining = draining
+
+    def active_requests(self) -> int:
+        """Requests running on the scheduler replicas, as each last reported (a replica silent for ttl_s is gone)."""
+        now = self._clock()
+        return sum(n for n, at in self._active.values() if now - at <= self.ttl_s)
 
 
 def new_secret() -> str:

@@ -14,6 +14,20 @@ from specserve.cluster.app_config import APP_NAME, DEMO, ModelPairConfig
 log = logging.getLogger(__name__)
 
 
+def use_serve_log_files(level: int = logging.INFO) -> None:
+    """specserve's log lines into this replica's Serve log file (logs/serve/replica_*.log in the Ray session), where
+    Serve's format adds the replica and the current request's id; INFO included there, while the terminal keeps
+    WARNING and above only (the records still reach Python's last-resort stderr handler, as before)."""
+    import logging.handlers
+
+    ours = logging.getLogger("specserve")
+    for handler in logging.getLogger("ray.serve").handlers:  # Serve's file handler sits behind a MemoryHandler
+        to_file = isinstance(handler, logging.FileHandler | logging.handlers.MemoryHandler)
+        if to_file and handler not in ours.handlers:
+            ours.addHandler(handler)
+    ours.setLevel(min(ours.getEffectiveLevel(), level))
+
+
 def resolve_paths(model: ModelPairConfig) -> tuple[str, str | None]:
     """(target directory, draft directory or None): 'demo' means the demo family, installed here from the packaged
     weights if missing (serving never trains); names and .gguf files are pulled and converted once per machine

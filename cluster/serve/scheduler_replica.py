@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
+from specserve.cluster.serve.health import Readiness
 from specserve.cluster.serve.pool_worker import HEARTBEAT_S
 from specserve.cluster.serve.registry import registry_actor
-from specserve.cluster.serve.replica_env import app_name, every, resolve_paths
+from specserve.cluster.serve.replica_env import app_name, every, resolve_paths, use_serve_log_files
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +35,14 @@ class SchedulerReplica:
         from specserve.cluster.scheduling.service import SpecService
         from specserve.cluster.serve.metrics import ServiceMetrics
 
+        use_serve_log_files()
         self.config: AppConfig = app_config(app_args)
         paths = {m.name: resolve_paths(m) for m in self.config.models}
         self.service = SpecService(self.config, paths, metrics=ServiceMetrics([m.name for m in self.config.models]))
         self._poller: asyncio.Task | None = None
         self._seen: tuple[str, int] | None = None  # (registry incarnation, version) last applied
         self._rows: list[dict] = []
+        self.replica = uuid.uuid4().hex  # how the registry counts this replica's running requests while draining
         log.info("scheduler replica started: models %s", ", ".join(self.service.models))
 
     # -- worker membership ---------------------------------------------------------------------------------------
@@ -51,7 +55,10 @@ class SchedulerReplica:
             self._poller = asyncio.get_running_loop().create_task(every(POLL_S, self._poll_once, "registry poll"))
 
     async def _poll_once(self) -> None:
-        snap = await self.registry.snapshot.remote()
+        snap = await self.registry.snapshot.remote(self.replica, self.service.active)
+        if snap["draining"] != self.service.draining:
+            log.info("the app is %s", "draining: no new requests" if snap["draining"] else "admitting requests again")
+            self.service.draining = snap["draining"]
         rows, seen = snap["members"], (snap["incarnation"], snap["version"])
         if snap["uptime_s"] < REJOIN_S:  # a restarted registry: workers it has not heard from yet are still there
             known = {r["worker_id"] for r in rows}
@@ -67,6 +74,11 @@ class SchedulerReplica:
     async def status(self) -> dict:
         await self._ensure_polling()
         return self.service.status()
+
+    async def readiness(self) -> Readiness:
+        """Whether this replica takes requests: not draining, and every served model has a healthy target worker."""
+        await self._ensure_polling()
+        return Readiness.of(self.service.status(), self.service.draining)
 
     async def wait_ready(self, timeout_s: float | None = None, model: str | None = None) -> None:
         await self._ensure_polling()

@@ -67,6 +67,8 @@ def build_app(args: dict | AppConfig | None = None):
         num_replicas=app.ingress.replicas,
         max_ongoing_requests=app.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": app.ingress.num_cpus},
+        graceful_shutdown_timeout_s=app.ingress.drain_timeout_s,  # a stopping replica finishes its streams
+        graceful_shutdown_wait_loop_s=1.0,
     )
     # The front holds no request state and does little work per request: no CPU reserved (like Serve's proxies).
     ingress = serve.deployment(IngressDeployment).options(
@@ -74,5 +76,7 @@ def build_app(args: dict | AppConfig | None = None):
         num_replicas=app.ingress.replicas,
         max_ongoing_requests=app.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=app.ingress.drain_timeout_s,
+        graceful_shutdown_wait_loop_s=1.0,
     )
     return ingress.bind(args, scheduler.bind(args, *pools))

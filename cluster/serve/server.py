@@ -8,6 +8,7 @@ over `limits.max_request_bytes` before buffering them (cluster/serve/proxy_limit
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -78,7 +79,7 @@ def single_model_app(model: str | None, draft: str | None, overrides: dict[str, 
 
 def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout_s: float = 1800.0) -> dict:
     """Start Ray (unless connected), Serve and the app; returns once every pool serves. Returns the addresses."""
-    app_entry = next(a for a in config["applications"] if a.get("import_path", "").startswith("specserve."))
+    app_entry = _specserve_app(config)
     app = app_config(app_entry.get("args") or {})
     http = {"host": DEFAULT_HOST, "port": 8000, **(config.get("http_options") or {})}
     host = http["host"]
@@ -185,16 +186,68 @@ def _wait_running(name: str, timeout_s: float) -> None:
         time.sleep(1)
 
 
+_STOP_NOISE = "killed by `ray.kill`"
+
+
+def _drop_stop_noise() -> None:
+    """serve.shutdown() kills Serve's controller; the calls still queued on it (proxies' long polls, its own graceful
+    shutdown) then fail "because it was killed by `ray.kill`", and Ray prints each failure on this terminal as a
+    "(raylet)" line. They say only that the stop happened: drop exactly them, pass every other line. Ray has no
+    public hook for this: both of its printing paths (pushed errors and streamed worker logs) go through
+    ray._private.worker.print_to_stdstream (Ray pinned at 2.60); if that moves, the lines show again, nothing else."""
+    try:
+        from ray._private import worker as ray_worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    printer = getattr(ray_worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "drops_stop_noise", False):
+        return
+    quiet = functools.partial(_without_stop_noise, printer)
+    quiet.drops_stop_noise = True
+    ray_worker.print_to_stdstream = quiet  # the error listener looks it up at each call
+    for name, handler in list(getattr(dispatcher, "handlers", [])):
+        if name == "ray_print_logs":  # bound when Ray connected: rebind it through the filter
+            dispatcher.remove_handler(name)
+            dispatcher.add_handler(name, functools.partial(_without_stop_noise, handler))
+
+
+def _without_stop_noise(printer, data: dict, *args, **kwargs) -> None:
+    lines = [line for line in data.get("lines", []) if _STOP_NOISE not in line]
+    if lines:
+        printer({**data, "lines": lines}, *args, **kwargs)
+
+
 def stop(info: dict) -> None:
     import ray
     from ray import serve
 
     from specserve.cluster.serve.registry import kill_registry
 
+    _drop_stop_noise()
     serve.shutdown()
     kill_registry(info["app"])
     if info.get("started_ray"):
         ray.shutdown()
+
+
+def _specserve_app(config: dict[str, Any]) -> dict[str, Any]:
+    """The Serve config's entry of specserve's application."""
+    return next(a for a in config["applications"] if a.get("import_path", "").startswith("specserve."))
+
+
+def _drain(app: str, timeout_s: float) -> None:
+    """Finish the running requests (no new ones) before stopping; a second Ctrl-C / SIGTERM stops at once."""
+    from specserve.cluster.serve.drain import drain
+
+    now = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: now.set())
+    print(f"draining: no new requests; the running ones have up to {timeout_s:g} s (Ctrl-C again to stop now)",
+          flush=True)  # fmt: skip
+    left = drain(app, timeout_s, now)
+    if left:
+        print(f"stopping with {left} requests unfinished", flush=True)
 
 
 def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int | None,
@@ -211,7 +264,7 @@ def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int
         if grpc_tls is not None:
             from specserve.cluster.serve.tls_gateway import GatewayThread
 
-            app = next(a for a in config["applications"] if a.get("import_path", "").startswith("specserve."))
+            app = _specserve_app(config)
             update = {
                 "upstream": info["grpc"],
                 "app_name": info["app"],
@@ -227,9 +280,10 @@ def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int
         print(f"specserve is serving: gRPC {info['grpc']} (specserve.v1.SpecServe, reflection on), "
               f"HTTP {info['http']}/v1 (OpenAI-compatible)"
               + (f", metrics {info['metrics']}" if info["metrics"] else ""), flush=True)  # fmt: skip
-        log.info("Ctrl-C (SIGINT) or SIGTERM stops it")
+        log.info("Ctrl-C (SIGINT) or SIGTERM stops it, after the requests running finish")
         while not stop_event.wait(0.5):
             pass
+        _drain(info["app"], app_config(_specserve_app(config).get("args") or {}).ingress.drain_timeout_s)
         log.info("shutting down ...")
     finally:
         if gateway is not None:

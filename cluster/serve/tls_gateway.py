@@ -22,8 +22,9 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
 
 from specserve.cluster.app_config import APP_NAME
+from specserve.protos.wire import SERVICE_NAME
 
-SERVICE = "specserve.v1.SpecServe"
+SERVICE = SERVICE_NAME
 _DROPPED = ("user-agent", "content-type", "te", "grpc-", ":")  # transport headers: the upstream call sets its own
 
 

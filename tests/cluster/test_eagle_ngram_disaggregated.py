@@ -195,8 +195,8 @@ def test_a_target_with_a_packaged_head_serves_with_it_and_eagle_ngram_by_default
     configs = []
 
     def serve_forever(config_path, grpc_port, http_port, metrics_port, grpc_tls=None, model=None, draft=None,
-                      host=None):  # fmt: skip
-        configs.append(server.prepare_config(config_path, grpc_port, http_port, model, draft, host))
+                      host=None, overrides=None):  # fmt: skip
+        configs.append(server.prepare_config(config_path, grpc_port, http_port, model, draft, host, overrides))
         return 0
 
     monkeypatch.setattr(server, "serve_forever", serve_forever)

@@ -153,3 +153,29 @@ def test_cluster_binds_wide_with_the_api_key_from_a_secret_and_the_proxy_limits(
     assert head["SPECSERVE_PROXY_MAX_REQUEST_BYTES"] == str(cfg.limits.max_request_bytes)
     assert head["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specserve.cluster.serve.proxy_limits.proxy_middlewares"
     assert "kubectl create secret generic specserve-api-key" in output_path(variant).read_text().splitlines()[1]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_probes_work_with_a_proxy_on_every_node_and_the_head_drains_before_it_stops(variant):
+    """kuberay #4994: worker pods probe their node's Serve proxy, so every node with a replica runs one; the head
+    keeps KubeRay's probes, drains the app in preStop, and its grace period covers the drain."""
+    manifest = yaml.safe_load(output_path(variant).read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    serve = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    assert serve["proxy_location"] == "EveryNode"
+    assert "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server" in serve["grpc_options"][
+        "grpc_servicer_functions"
+    ]
+    cfg = app_config(next(a for a in serve["applications"] if a["import_path"] == IMPORT_PATH)["args"])
+    for group in cluster["workerGroupSpecs"]:
+        worker = group["template"]["spec"]["containers"][0]
+        assert worker["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8000}
+        assert worker["livenessProbe"]["httpGet"] == {"path": "/api/local_raylet_healthz", "port": 52365}
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(cfg.limits.max_grpc_message_bytes)  # its own proxy
+    head_pod = cluster["headGroupSpec"]["template"]["spec"]
+    head = head_pod["containers"][0]
+    assert "readinessProbe" not in head and "livenessProbe" not in head  # KubeRay's own
+    timeout = cfg.ingress.drain_timeout_s
+    assert head["lifecycle"]["preStop"]["exec"]["command"] == ["specserve", "drain", "--timeout", f"{timeout:g}"]
+    assert head_pod["terminationGracePeriodSeconds"] >= timeout + 10

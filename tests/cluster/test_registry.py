@@ -41,6 +41,20 @@ def test_members_that_stop_heartbeating_expire():
     assert [r["worker_id"] for r in reg.members()[1]] == ["t2"]
 
 
+def test_draining_reaches_every_poller_and_running_requests_are_counted_per_replica():
+    clock = Clock()
+    reg = WorkerRegistry(ttl_s=30, clock=clock)
+    assert reg.snapshot("s1", 3)["draining"] is False
+    reg.snapshot("s2", 2)
+    assert reg.active_requests() == 5
+    reg.set_draining()
+    assert reg.snapshot("s1", 1)["draining"] is True and reg.active_requests() == 3
+    clock.now = 31  # s2 stopped reporting: its replica is gone, its requests with it
+    assert reg.snapshot("s1", 0)["draining"] is True and reg.active_requests() == 0
+    reg.set_draining(False)
+    assert reg.snapshot()["draining"] is False
+
+
 def test_a_restarted_registry_keeps_the_secret_it_was_created_with():
     first = WorkerRegistry(secret="s3cret")
     again = WorkerRegistry(secret="s3cret")  # what Ray runs on restart: the same constructor arguments

@@ -6,8 +6,10 @@ import json
 import re
 import socket
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import openai
@@ -241,3 +243,99 @@ from .serve_bad_input_cases import *  # noqa: E402, F403
 
 # The dashboard's queries against this module's Serve app's /metrics (see serve_dashboard_cases.py).
 from .serve_dashboard_cases import *  # noqa: E402, F403
+
+
+def _health(server) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(server["http"] + "/health", timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _grpc_health(server, service: str):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(server["grpc"]) as channel:  # no `application` metadata: as a probe sends it
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+
+
+def test_health_reports_ready_and_a_draining_app_refuses_new_requests_until_it_admits_again(server, client):
+    from grpc_health.v1 import health_pb2
+
+    from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
+
+    status, body = _health(server)
+    assert status == 200 and body["status"] == "ok" and body["models"]["tiny"]["targets"]
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert _grpc_health(server, "").status == _grpc_health(server, "tiny").status == serving
+    with pytest.raises(grpc.RpcError) as err:
+        _grpc_health(server, "no-such-model")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    registry = ray.get_actor(registry_name(server["app"]), namespace=REGISTRY_NAMESPACE)
+    ray.get(registry.set_draining.remote(True))
+    try:
+        deadline = time.time() + 30
+        while _health(server)[0] != 503 and time.time() < deadline:
+            time.sleep(0.25)
+        status, body = _health(server)
+        assert status == 503 and body["status"] == "draining"
+        assert _grpc_health(server, "").status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(PROMPTS[0], max_new_tokens=4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+        request = urllib.request.Request(server["http"] + "/v1/completions", method="POST",
+                                         data=json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2}).encode(),
+                                         headers={"content-type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(request, timeout=30)
+        assert http_err.value.code == 503 and http_err.value.headers["Retry-After"] == "1"
+    finally:
+        ray.get(registry.set_draining.remote(False))
+    deadline = time.time() + 30
+    while _health(server)[0] != 200 and time.time() < deadline:
+        time.sleep(0.25)
+    assert client.generate(PROMPTS[0], max_new_tokens=4)["token_ids"]
+
+
+def _completion(server, headers: dict, stream: bool = False):
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "stream": stream}
+    request = urllib.request.Request(server["http"] + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json", **headers})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+def test_request_ids_are_taken_or_made_returned_everywhere_and_logged(server, client):
+    status, headers, body = _completion(server, {"x-request-id": "job-7.a"})
+    assert status == 200 and headers["x-request-id"] == "job-7.a" and json.loads(body)["id"] == "cmpl-job-7.a"
+    status, headers, body = _completion(server, {})
+    made = headers["x-request-id"]
+    assert status == 200 and made and json.loads(body)["id"] == f"cmpl-{made}"
+    status, headers, body = _completion(server, {"x-request-id": "job-8"}, stream=True)
+    events = [json.loads(e.removeprefix("data: ")) for e in body.split("\n\n") if e.startswith("data: {")]
+    assert headers["x-request-id"] == "job-8" and events and {e["id"] for e in events} == {"cmpl-job-8"}
+    status, _, body = _completion(server, {"x-request-id": "no spaces allowed"})
+    assert status == 400 and json.loads(body)["error"]["param"] == "x-request-id"
+
+    call = client.stub.Generate.with_call
+    request = client.request(PROMPTS[1], max_new_tokens=4)
+    _, answer = call(request, metadata=[("x-request-id", "grpc-9")], timeout=60)
+    assert ("x-request-id", "grpc-9") in answer.trailing_metadata()
+    with pytest.raises(grpc.RpcError) as err:
+        call(client.request(PROMPTS[1], max_new_tokens=10**9), metadata=[("x-request-id", "grpc-10")], timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().endswith("(request grpc-10)")  # Serve's proxy sends no trailing metadata with errors
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    deadline = time.time() + 30
+    while time.time() < deadline:  # the refusal's log line names the request (worker logs are flushed lazily)
+        if any("grpc-10" in p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file()):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("no log line names request grpc-10")

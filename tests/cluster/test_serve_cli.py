@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -36,10 +37,12 @@ def _marked(marker: str) -> list[psutil.Process]:
     return procs
 
 
-def test_serve_starts_serves_and_stops_cleanly_on_sigterm(tmp_path, tiny_target, tiny_draft):
+def test_serve_drains_its_streams_on_ctrl_c_then_stops_quietly_leaving_nothing(tmp_path, tiny_target, tiny_draft):
+    """Ctrl-C (SIGINT; SIGTERM does the same): no new requests, the streams in flight finish whole (equal to
+    target-only decoding), then everything the CLI started stops, with no raylet task-failure lines on the way."""
     app = AppConfig.model_validate(
         {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu",
-                     "target_pool": {"num_cpus": 0.5}}], "ingress": {"num_cpus": 0.5}}
+                     "target_pool": {"num_cpus": 0.5}}], "ingress": {"num_cpus": 0.5, "drain_timeout_s": 120}}
     )  # fmt: skip
     config_file = tmp_path / "serve.yaml"
     config_file.write_text(yaml.safe_dump(serve_config(app)))
@@ -48,22 +51,44 @@ def test_serve_starts_serves_and_stops_cleanly_on_sigterm(tmp_path, tiny_target,
     env = {**os.environ, "SPECSERVE_TEST_MARKER": marker, "SPECSERVE_HOME": str(tmp_path / "home")}
     ports = ["--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(free_port())]
     cmd = [sys.executable, "-m", "specserve.cluster.cli.main", "serve", "--config", str(config_file), *ports]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stderr = tmp_path / "stderr.log"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    prompts = ["def add(a, b):", "class Stack:", "import json", "for i in range(3):"]
     try:
-        line = wait_until_serving(proc, 400)
+        line = wait_until_serving(proc, 400, stderr)
         assert f"127.0.0.1:{grpc_port}" in line and f"http://127.0.0.1:{http_port}" in line
-        with SpecServeClient(f"127.0.0.1:{grpc_port}", timeout_s=120) as client:
-            out = client.generate("def add(a, b):", max_new_tokens=16, k=2)
         engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
-        ref = engine.generate("def add(a, b):", SamplingParams(max_new_tokens=16), SpecParams(method="none"))
-        assert out["token_ids"] == ref.token_ids
+        refs = [engine.generate(p, SamplingParams(max_new_tokens=300), SpecParams(method="none")).token_ids
+                for p in prompts]  # fmt: skip
         assert len(_marked(marker)) > 3  # the CLI, GCS, raylet, Serve's controller, proxy and replicas
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
+        started, outputs = threading.Barrier(len(prompts) + 1), {}
+
+        def stream(i: int) -> None:
+            with SpecServeClient(f"127.0.0.1:{grpc_port}", timeout_s=300) as client:
+                tokens = []
+                for n, chunk in enumerate(client.generate_stream(prompts[i], max_new_tokens=300, k=2)):
+                    tokens += chunk["token_ids"]
+                    if n == 0:
+                        started.wait(60)
+                outputs[i] = tokens
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        started.wait(120)  # every stream has its first round
+        proc.send_signal(signal.SIGINT)
+        assert "draining" in proc.stdout.readline()
+        for t in threads:
+            t.join(300)
+        assert [outputs.get(i) for i in range(len(prompts))] == refs  # none cut off
+        assert proc.wait(timeout=180) == 0
         deadline = time.time() + 60
         while _marked(marker) and time.time() < deadline:
             time.sleep(1)
         assert [p.name() for p in _marked(marker)] == []
+        log = stderr.read_text() + proc.stdout.read()
+        assert "ray.kill" not in log and "listen_for_change" not in log and "Traceback" not in log, log[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -89,7 +89,7 @@ def _wait_until_all_stream(drafted_at: dict, timeout_s: float = 120) -> None:
 
 
 def _healthy(server) -> dict:
-    return json.loads(urllib.request.urlopen(server["http"] + "/health", timeout=30).read())["tiny"]
+    return json.loads(urllib.request.urlopen(server["http"] + "/health", timeout=30).read())["models"]["tiny"]
 
 
 def test_killed_draft_replica_mid_stream(server, reference):

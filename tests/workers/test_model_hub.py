@@ -146,7 +146,8 @@ def test_a_malformed_repo_id_is_refused(hf_cache, ref, why):
     with pytest.raises(ModelLoadError) as info:
         resolve_model(ref, progress=False)
     message = str(info.value)
-    assert message.startswith(f"no such local path {ref!r}, and {ref!r} is not a Hugging Face repo id of the form ")
+    assert message.startswith(f"no such local path {ref!r}, not a known name")
+    assert f"and {ref!r} is not a Hugging Face repo id of the form " in message
     assert why in message
 
 

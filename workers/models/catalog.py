@@ -342,7 +342,7 @@ def resolve_model(ref: str, progress: bool = True) -> str:
         try:
             repo = hub.parse_repo_ref(ref)
         except ModelLoadError as e:
-            raise ModelLoadError(f"no such local path {ref!r}, and {e}") from None
+            raise ModelLoadError(f"no such local path {ref!r}, not a known name (known: {known}), and {e}") from None
         return hub.fetch(repo, progress=progress)
     raise ModelLoadError(
         f"unknown model {ref!r}: not a known name (known: {known}) nor a local .gguf file or Hugging Face directory, "
