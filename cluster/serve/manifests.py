@@ -191,14 +191,15 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
     proxy_vars = [{"name": k, "value": v} for k, v in limits.items()]
     groups = []
     for g in _GROUPS[variant]:
-        container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"], env=key_env + proxy_vars)
+        container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"], env=key_env + proxy_vars,
+                               ports=[{"containerPort": 8080, "name": "metrics"}])  # scraped (manifests/monitoring/)
         container |= _worker_probes()
         groups.append({
             "groupName": g["name"],
             "replicas": g["min"],
             "minReplicas": g["min"],
             "maxReplicas": g["max"],
-            "rayStartParams": {},
+            "rayStartParams": {"metrics-export-port": "8080"},
             # Ray resources of each node of the group; with this field, rayStartParams carries no num-cpus/num-gpus/
             # memory/resources (KubeRay rejects both at once).
             "resources": {"CPU": g["cpu"], **({"GPU": str(g["gpus"])} if g["gpus"] else {}),

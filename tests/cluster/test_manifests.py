@@ -171,6 +171,8 @@ def test_probes_work_with_a_proxy_on_every_node_and_the_head_drains_before_it_st
         worker = group["template"]["spec"]["containers"][0]
         assert worker["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8000}
         assert worker["livenessProbe"]["httpGet"] == {"path": "/api/local_raylet_healthz", "port": 52365}
+        assert {"containerPort": 8080, "name": "metrics"} in worker["ports"]  # the PodMonitor scrapes every pod
+        assert group["rayStartParams"]["metrics-export-port"] == "8080"
         env = {e["name"]: e.get("value") for e in worker["env"]}
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(cfg.limits.max_grpc_message_bytes)  # its own proxy
     head_pod = cluster["headGroupSpec"]["template"]["spec"]
