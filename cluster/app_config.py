@@ -79,13 +79,20 @@ class ModelPairConfig(_Strict):
     )  # fmt: skip
     target: str = Field(
         DEFAULT_MODEL, min_length=1, description="Target model: a known name (`specserve models list`), a .gguf file "
-        "(converted once, cached by its sha256), a Hugging Face directory, or 'demo' for the demo family."
+        "(converted once, cached by its sha256), a Hugging Face directory, a Hugging Face repo id org/name[@revision] "
+        "(downloaded into the Hugging Face cache; HF_HUB_OFFLINE=1 reads the cache only), or 'demo' for the demo "
+        "family."
     )  # fmt: skip
-    draft: str = Field(min_length=1, description="Draft model (name, .gguf file or directory), an EAGLE-3 head "
-                       "directory or 'eagle' (the head packaged for the target; methods 'eagle+ngram', the default, "
-                       "and 'eagle': the draft pool runs the head, the target pool captures the features it reads), "
-                       "'ngram' (prompt lookup), 'none', or 'demo' (the demo family's draft, with target 'demo'). "
-                       "Unset: 'eagle' when a head is packaged for the target, else 'ngram'.")  # fmt: skip
+    draft: str = Field(
+        min_length=1,
+        description=(
+            "Draft model (name, .gguf file, directory or repo id), an EAGLE-3 head directory or 'eagle' (the "
+            "head packaged for the target; methods 'eagle+ngram', the default, and 'eagle': the draft pool "
+            "runs the head, the target pool captures the features it reads), 'ngram' (prompt lookup), 'none',"
+            " or 'demo' (the demo family's draft, with target 'demo'). Unset: 'eagle' when a head is packaged"
+            " for the target, else 'ngram'."
+        ),
+    )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto", description="Model dtype; auto: bfloat16 on CUDA, float32 on a CPU (as vLLM's auto)."
     )

@@ -21,7 +21,8 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
                    help="a shorter run: fewer prompts and tokens (demo 2 x 48, < 5 min; --target 4 x 64)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write {machine, meta, rows} as JSON")
     p.add_argument("--plot", metavar="FILE", help="draw speedup and acceptance vs k (PNG)")
-    p.add_argument("--target", metavar="NAME|PATH", help="target model name or directory (default: the demo family)")
+    p.add_argument("--target", metavar="NAME|PATH|ORG/NAME",
+                   help="target model: name, .gguf file, directory or Hugging Face repo id (default: the demo family)")
     p.add_argument("--draft", metavar="NAME|PATH",
                    help="draft model (with --target): adds its rows and HF assisted generation; without it, "
                    "speculation is n-gram prompt lookup only")  # fmt: skip

@@ -21,7 +21,8 @@ def _add_train(commands, common) -> None:
                             "half of the built-in chat questions (never the held-out half); its features are recorded. "
                             "Training: SpecForge's recipe (training-time test, loss against the target's distribution "
                             "on the draft vocabulary). Both stop and resume: run the same command again.")  # fmt: skip
-    p.add_argument("--target", required=True, metavar="NAME|PATH", help="known model name, .gguf file or directory")
+    p.add_argument("--target", required=True, metavar="NAME|PATH|ORG/NAME",
+                   help="known model name, .gguf file, directory or Hugging Face repo id org/name[@revision]")
     p.add_argument("--out", required=True, metavar="DIR", help="the head's directory (checkpoints live there too)")
     p.add_argument("--data", metavar="DIR", help="training data directory (default $SPECSERVE_HOME/eagle-data/<id>)")
     p.add_argument("--answer-tokens", type=int, default=300_000, help="answer tokens of data to generate first")
@@ -40,7 +41,7 @@ def _add_train(commands, common) -> None:
 def _add_eval(commands, common) -> None:
     p = commands.add_parser("eval", parents=common,
                             help="per-position acceptance of a head on held-out chat questions (greedy)")  # fmt: skip
-    p.add_argument("--target", required=True, metavar="NAME|PATH")
+    p.add_argument("--target", required=True, metavar="NAME|PATH|ORG/NAME")
     p.add_argument("--head", default="eagle", metavar="DIR",
                    help="the head's directory (default: the head packaged for the target)")  # fmt: skip
     p.add_argument("-k", type=int, default=5, help="drafts per round")

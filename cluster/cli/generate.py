@@ -51,15 +51,18 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--target",
                    help=f"target model: a known name (`specserve models list`), a .gguf file, a Hugging Face "
-                        f"directory, or 'demo' for the demo family (default: {DEFAULT_MODEL})")  # fmt: skip
+                        f"directory or repo id org/name[@revision], or 'demo' for the demo family (default: "
+                        f"{DEFAULT_MODEL})")  # fmt: skip
     draft = p.add_mutually_exclusive_group()
     draft.add_argument(
         "--draft",
-        help="a draft model (name, .gguf file or directory), 'eagle' (the EAGLE-3 head packaged for the target) or "
-        "an EAGLE-3 head directory (in process the head's chain or prompt lookup's, whichever is expected to accept "
-        "more; --distributed: the head on its own draft worker), or 'ngram' for prompt-lookup drafting (default: the "
-        "demo family's draft with --target demo, else the target's packaged head when its measured acceptance "
-        "pays, else ngram)",
+        help=(
+            "a draft model (name, .gguf file, directory or repo id), 'eagle' (the EAGLE-3 head packaged for the "
+            "target) or an EAGLE-3 head directory (in process the head's chain or prompt lookup's, whichever is "
+            "expected to accept more; --distributed: the head on its own draft worker), or 'ngram' for prompt-"
+            "lookup drafting (default: the demo family's draft with --target demo, else the target's packaged "
+            "head when its measured acceptance pays, else ngram)"
+        ),
     )
     draft.add_argument("--no-spec", action="store_true", help="target-only decoding, no speculation")
     p.add_argument("--k", type=_k_value, default=None, help="tokens drafted per round (1..16), or 'auto' (the default)")

@@ -23,7 +23,7 @@ def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--model",
         help="the model to serve when no --config is given: a known name, a .gguf file, a "
-        "Hugging Face directory, or 'demo' (default: smollm2-135m-instruct)",
+        "Hugging Face directory or repo id org/name[@revision], or 'demo' (default: smollm2-135m-instruct)",
     )
     p.add_argument(
         "--draft",
