@@ -38,7 +38,7 @@ class SamplingParams(_Strict):
         return self.temperature == 0.0
 
 
-SpecMethod = Literal["eagle", "eagle+ngram", "eagle-tree", "draft", "ngram", "ngram-tree", "none"]
+SpecMethod = Literal["eagle", "eagle+ngram", "eagle-tree", "draft", "ngram", "ngram-tree", "suffix", "none"]
 TREE_METHODS = ("eagle-tree", "ngram-tree")  # drafted as trees
 HEAD_METHODS = ("eagle", "eagle+ngram", "eagle-tree")  # the methods an EAGLE-3 head drafts for (chains or trees)
 
@@ -51,7 +51,8 @@ class SpecParams(_Strict):
         description="draft: a draft model proposes; ngram: prompt lookup; eagle: an EAGLE-3 head; eagle+ngram: the "
         "head's chain or the prompt lookup's continuation, whichever is expected to accept more; eagle-tree: a "
         "tree of the head's likeliest continuations, k nodes, verified at once; ngram-tree: prompt lookup's "
-        "continuations of every recent match as a tree of k nodes; none: off.",
+        "continuations of every recent match as a tree of k nodes; suffix: the continuation of the longest earlier "
+        "match in the request or in the model's recent outputs (suffix decoding); none: off.",
     )
     k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] = Field(
         "auto", description=f"Tokens drafted per round, 1..{MAX_K}, or 'auto': the goodput planner's per round."

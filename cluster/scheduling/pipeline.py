@@ -7,9 +7,8 @@
    head (methods "eagle", "eagle+ngram"), which drafts round r + 1 from round r's features: each verify reply
    carries them, and the next propose call hands them to the request's draft worker.
 
-Methods "eagle-tree" and "ngram-tree" run a round as: the head's tree from the draft worker (tokens, parents, path
-scores) or prompt lookup's from here, pruned by the scheduler for k='auto', verified on the target worker in one
-forward, whose reply names the accepted path.
+Methods "eagle-tree" and "ngram-tree": the head's tree from the draft worker or prompt lookup's from here, pruned by
+the scheduler for k='auto', verified on the target worker in one forward, whose reply names the accepted path.
 
 Prompt lookup runs here, next to the committed tokens: method "ngram" every round, "eagle+ngram" in the rounds the
 scheduler's plan gives to it (no draft call; the head gets those rounds' features with its next call).
@@ -50,6 +49,7 @@ from specserve.cluster.scheduling.worker_clients import (
     WorkerUnavailable,
 )
 from specserve.workers.config import TREE_METHODS, NgramConfig, SamplingParams, SpecParams
+from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.drafters import NgramDrafter
 
@@ -232,8 +232,8 @@ class Pipeline:
         if reused is not None:
             req.pipelined_rounds += 1
             return reused
-        if req.plan is not None and req.plan.source == "ngram":
-            return list(req.plan.tokens), b""  # prompt lookup's continuation, as the plan chose it: no model
+        if req.plan is not None and req.plan.source in LOOKUP_SOURCES:
+            return list(req.plan.tokens), b""  # prompt lookup's or suffix drafting's continuation: no model
         with clock.waiting():
             call = self.scheduler.plan_draft(req, k)
             client = self.drafts[call.worker]

@@ -1,27 +1,21 @@
 """The scheduler as a CPU-only state machine: which worker holds each request, what each worker has been told, what
 the next round drafts and verifies, and how a verified round is applied. No I/O: `pipeline.py` executes its plans
-over gRPC; `service.py` (hosted by the Serve deployment's `SchedulerReplica`) and the Ray actor `SchedulerActor`
-(`specserve generate --distributed`, no Serve) each hold one per model.
+over gRPC; `service.py` (in the Serve app) and the Ray actor `SchedulerActor` each hold one per model.
 
-Per request it tracks the committed tokens (RequestState), the sticky draft and target workers that hold its KV
-caches, the tokens each of them has been sent (the KV state protocol's tails), k (fixed or 'auto'), and
-within-request pipelining (PEARL-style pre-drafting: while the target verifies round r, the draft already drafts
-round r + 1 assuming every drafted token is accepted; used if that assumption and the bonus token hold).
+Per request it tracks the committed tokens (RequestState), the sticky workers that hold its KV caches, the tokens
+each has been sent (the KV state protocol's tails), k, and PEARL-style pre-drafting (round r + 1 drafted while r
+verifies, assuming all of r is accepted; used when that held).
 
-Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify asks the target for the features of the
-positions it commits, and the next propose hands them to the head (features.py keeps those not delivered yet); no
-head chain before any features came, and no pre-drafting (round r + 1's features do not exist while r verifies).
+Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify returns the features of the positions it
+commits and the next propose hands them to the head (features.py); no pre-drafting for it.
 
 Every chain method plans its rounds with the goodput planner (docs/planner.md), as the in-process engine does: each
-request's ChainPlanner says what its drafters offer this round (the head's chain, prompt lookup's continuation, a
-draft model's chain) and how they have done; for k='auto' the chain width of all the requests on one target worker
-is the one that commits the most tokens per second of its batches (0: plain steps), at the worker's measured costs
-(`planner_costs`). "eagle+ngram" drafts the head's chain or the lookup's (no draft call); the target's features of
-rounds without a draft call wait in the relay until the head's next call, so its cache stays complete.
+request's ChainPlanner says what its drafters offer (the head's chain, prompt lookup's or suffix drafting's
+continuation, a draft model's chain) and how they have done; for k='auto' a target worker's requests draft the
+chain width that commits the most tokens per second of its batches (0: plain steps), at its measured costs.
 
-Method "eagle-tree" asks the head's draft worker for a tree of k nodes, "ngram-tree" has the pipeline merge prompt
-lookup's matches into one; the target worker verifies it in one forward and names the accepted path. With k='auto'
-MAX_TREE_NODES are drafted and the nodes that pay at the batch's verify cost are kept (tree_policy.py).
+Trees ("eagle-tree" from the head's draft worker, "ngram-tree" merged here from prompt lookup's matches) are verified
+in one forward; with k='auto' the nodes that pay at the batch's verify cost are kept (tree_policy.py).
 """
 
 from __future__ import annotations
@@ -42,6 +36,7 @@ from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
 from specserve.workers.speculation.request import RequestState
+from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
 
 log = logging.getLogger(__name__)
@@ -52,6 +47,7 @@ CHAIN_SOURCES = {  # method -> the chain drafters its planner may choose from (h
     "eagle+ngram": (True, True, False),
     "ngram": (False, True, False),
     "draft": (False, False, True),
+    "suffix": (False, False, False),  # its own drafter: the request's and the model's earlier text (suffix.py)
 }
 FALLBACK_K = 3  # k='auto' when the workers could not report their costs: a chain length that pays on most hardware
 
@@ -124,6 +120,7 @@ class Scheduler:
         self.max_chain = min(MAX_AUTO_K, max_k or MAX_AUTO_K)
         self.max_tree_nodes = min(MAX_TREE_NODES, max_k or MAX_TREE_NODES)
         self.ngram = ngram or NgramConfig()
+        self.suffix_cache = SuffixCache()  # the model's recent outputs, for method "suffix"
         self.draft_workers = list(draft_workers)
         self.target_workers = list(target_workers)
         self.requests: dict[str, SchedRequest] = {}
@@ -175,8 +172,9 @@ class Scheduler:
         planner, choice = None, None
         if spec.method in CHAIN_SOURCES:
             head, ngram, model = CHAIN_SOURCES[spec.method]
+            suffix = SuffixLookup(self.suffix_cache) if spec.method == "suffix" else None
             planner = ChainPlanner(use_head=head, use_ngram=ngram, use_draft=model, head_prior=self.head_prior,
-                                   ngram=self.ngram)  # fmt: skip
+                                   ngram=self.ngram, suffix=suffix)  # fmt: skip
         elif spec.method == "none":
             choice = RowChoice(())  # a plain row of its target worker's batches
         req = SchedRequest(state, params, spec, draft, target, features=features, planner=planner, choice=choice)
@@ -397,4 +395,6 @@ class Scheduler:
         """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for
         the caller to release it there."""
         self.requests.pop(req.request_id, None)
+        if req.spec.method == "suffix" and req.state.finished:
+            self.suffix_cache.remember_request(req.request_id, req.state.tokens, req.state.prompt_len)
         return list(req.told)

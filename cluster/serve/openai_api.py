@@ -4,7 +4,7 @@ functions over dicts: the HTTP routes in cluster/serve/ingress.py call them, tes
 Requests are validated once, here, by strict pydantic models of OpenAI's bodies (field names as OpenAI spells them,
 so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `Request` that `RequestPreparer.prepare`
 takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`). Extensions beyond OpenAI's
-fields: `top_k`, and `speculation: {"method": "draft"|"eagle"|"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|
+fields: `top_k`, and `speculation: {"method": "draft"|"eagle"|"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|
 "none", "k": 1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the
 output in ways specserve does not implement (`n`, `stop`, `logit_bias`, penalties, logprobs, tools, ...) are accepted
 only at their neutral value. Every response carries `specserve` stats (rounds, drafted, accepted, acceptance_rate,

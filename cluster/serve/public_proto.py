@@ -78,7 +78,7 @@ class GrpcSampling(EdgeModel):
 
 
 class GrpcSpeculation(EdgeModel):
-    method: Literal["", "eagle", "eagle+ngram", "eagle-tree", "draft", "ngram", "ngram-tree", "none"]
+    method: Literal["", "eagle", "eagle+ngram", "eagle-tree", "draft", "ngram", "ngram-tree", "suffix", "none"]
     k: Annotated[int, Field(ge=0, le=MAX_K)]  # 0 = auto
 
 

@@ -25,6 +25,7 @@ from specserve.workers.speculation.goodput import (
     VerifyTimings,
     plan_batch,
 )
+from specserve.workers.speculation.suffix import SuffixLookup
 
 # Prior acceptance given the previous position accepted. The head's: a trained SmolLM2 head on held-out chat (its
 # config may carry measured ones); the n-gram's by matched suffix length 1, 2, 3+ (held-out chat, k = 4); a draft
@@ -32,6 +33,10 @@ from specserve.workers.speculation.goodput import (
 HEAD_PRIOR = (0.45, 0.4, 0.4, 0.4)
 NGRAM_PRIOR = {1: 0.2, 2: 0.4, 3: 0.55}
 DRAFT_PRIOR = (0.6,)
+# Suffix drafting's, by matched suffix length 2-3, 4-7, 8-15, 16+: a long match repeats (an earlier answer, a quoted
+# passage) and keeps repeating.
+SUFFIX_PRIOR = {2: 0.35, 4: 0.5, 8: 0.65, 16: 0.8}
+LOOKUP_SOURCES = ("ngram", "suffix")  # drafters whose plan carries its tokens: no model to call
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,12 @@ class ChainPlanner:
         head_prior: Sequence[float] = HEAD_PRIOR,
         costs: PlannerCosts | None = None,
         use_draft: bool = False,
+        suffix: SuffixLookup | None = None,
     ):
+        """suffix: the request's suffix drafting (method "suffix"), None for the other methods."""
         self.use_head, self.use_ngram, self.use_draft = use_head, use_ngram, use_draft
+        self.suffix = suffix
+        self.by_suffix_match = {n: PositionAcceptance((a,)) for n, a in SUFFIX_PRIOR.items()}
         self.ngram = ngram or NgramConfig()
         self.costs = costs
         self.head = PositionAcceptance(tuple(head_prior))
@@ -78,6 +87,9 @@ class ChainPlanner:
 
     def _ngram_stats(self, match: int) -> PositionAcceptance:
         return self.by_match[min(match, max(self.by_match))]
+
+    def _suffix_stats(self, match: int) -> PositionAcceptance:
+        return self.by_suffix_match[max(n for n in self.by_suffix_match if n <= max(match, 2))]
 
     def options(self, tokens: Sequence[int], limit: int, model: bool = True) -> tuple[Option, ...]:
         """What each allowed drafter can draft this round, at most `limit` tokens. model: whether the head or draft
@@ -91,6 +103,11 @@ class ChainPlanner:
             if follow:
                 rates = tuple(self._ngram_stats(match).rates(len(follow)))
                 out.append(Option("ngram", rates, tuple(follow), match))
+        if self.suffix is not None:
+            draft = self.suffix.draft(tokens, limit)
+            if draft.tokens:
+                rates = tuple(self._suffix_stats(draft.match).rates(len(draft.tokens)))
+                out.append(Option("suffix", rates, draft.tokens, draft.match))
         if self.use_head and model:
             out.append(Option("head", tuple(self.head.rates(limit))))
         if self.use_draft and model:
@@ -121,6 +138,8 @@ class ChainPlanner:
             self.draft.observe(plan.k, accepted)
         elif plan.source == "ngram":
             self._ngram_stats(plan.match).observe(plan.k, accepted)
+        elif plan.source == "suffix":
+            self._suffix_stats(plan.match).observe(plan.k, accepted)
 
 
 @dataclass

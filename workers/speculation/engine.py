@@ -28,6 +28,7 @@ from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
 from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
+from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
 from specserve.workers.speculation.target import TargetVerifier, TreeCall
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
@@ -97,6 +98,7 @@ class SpecEngine:
         self.target = target
         self.verifier = TargetVerifier(ModelRunner(target, kv_config))
         self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram_config)}
+        self.suffix_cache = SuffixCache()  # method "suffix": this engine's recent outputs
         if draft is not None:
             check_compatible(target, draft)
             self.drafters["draft"] = ModelDrafter(ModelRunner(draft, kv_config, vocab_size=self.verifier.vocab_size))
@@ -126,6 +128,11 @@ class SpecEngine:
         return self.drafters[name]
 
     def _rounds(self, spec: SpecParams) -> ChainRounds | TreeRounds | None:
+        if spec.method == "suffix":  # no model: the request's own tokens and the engine's recent outputs
+            auto = spec.k == "auto"
+            planner = ChainPlanner(suffix=SuffixLookup(self.suffix_cache),
+                                   costs=self.planner_costs("suffix") if auto else None)  # fmt: skip
+            return ChainRounds(None, planner, None if auto else spec.k, self.max_auto_k)
         drafter = self._drafter(spec)
         if drafter is None:
             return None
@@ -235,6 +242,8 @@ class SpecEngine:
             self.verifier.release(state.request_id)
             if drafter is not None:
                 drafter.release(state.request_id)
+        if spec.method == "suffix":
+            self.suffix_cache.remember_request(state.request_id, state.tokens, state.prompt_len)
         return GenerationResult(
             text=self.tokenizer.decode(state.generated, skip_special_tokens=True),
             token_ids=state.generated,

@@ -5,7 +5,7 @@ head's or prompt lookup's (`TreeRounds`)."""
 from __future__ import annotations
 
 from specserve.workers.config import SamplingParams
-from specserve.workers.speculation.chain_planner import ChainPlanner
+from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES, ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafters import Drafter, NgramDrafter, Proposal
@@ -30,7 +30,7 @@ class ChainRounds:
     def propose(self, state: RequestState, params: SamplingParams) -> Proposal | None:
         plan = self.planner.plan(state.tokens, self.k, state.draft_budget(self.k or self.max_k))
         self._plan = plan
-        if plan.source == "ngram":
+        if plan.source in LOOKUP_SOURCES:  # prompt lookup's or suffix drafting's continuation: no model
             return Proposal(tokens=list(plan.tokens), probs=None)
         if plan.k:
             return self.drafter.propose(state.request_id, state.tokens, plan.k, params)
