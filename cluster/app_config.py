@@ -174,6 +174,8 @@ class LimitsConfig(_Strict):
         256, gt=0, description="max_new_tokens when a request does not say, lowered to what fits in the model's "
         "context after the prompt (so an unset max_new_tokens is never an error)."
     )  # fmt: skip
+    max_stop_sequences: int = Field(16, ge=0, le=64, description="Most stop sequences a request may send.")
+    max_stop_chars: int = Field(256, gt=0, le=1024, description="Longest stop sequence, in characters.")
     max_request_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest HTTP request body accepted (413 above it)."
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve.cluster.scheduling.stops import StopSpec
 from specserve.workers.config import SamplingParams, SpecParams
 
 
@@ -17,6 +18,7 @@ class Prepared:
     params: SamplingParams
     spec: SpecParams
     request_id: str = ""  # the client's x-request-id (or the ingress's): in every log line about the request
+    stop: StopSpec = StopSpec()
 
 
 @dataclass

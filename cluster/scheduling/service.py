@@ -19,6 +19,7 @@ from specserve.cluster.scheduling.detokenize import IncrementalText
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.scheduling.scheduler import NoTargetWorker
 from specserve.cluster.scheduling.serving import ModelServing
+from specserve.cluster.scheduling.stops import StopCut, StopMatcher
 from specserve.workers.errors import (
     DrainingError,
     InvalidRequestError,
@@ -158,21 +159,22 @@ class SpecService:
         if track:
             track.scheduled()
         text = IncrementalText(serving.tokens.tokenizer, serving.byte_pieces)
+        stops = StopMatcher(req.stop, text.delta) if req.stop else None
         prev, first = sched_req.state.stats.to_dict(), True
         try:
             async with contextlib.aclosing(serving.pipeline.rounds(sched_req)) as rounds:
                 async for committed in rounds:
                     state = sched_req.state
                     stats = state.stats.to_dict()
+                    cut = (stops.feed(state.generated, len(committed), state.finished) if stops
+                           else StopCut(text.delta(state.generated, final=state.finished), len(committed), False))
+                    finish = "stop" if cut.stopped else state.finish_reason
                     if track:
-                        track.round(prev, stats, len(committed), state.finish_reason)
-                    yield Chunk(
-                        text=text.delta(state.generated, final=state.finished),
-                        token_ids=committed,
-                        finish_reason=state.finish_reason,
-                        stats=stats,
-                        first=first,
-                    )
+                        track.round(prev, stats, cut.tokens, finish)
+                    yield Chunk(text=cut.text, token_ids=committed[: cut.tokens], finish_reason=finish, stats=stats,
+                                first=first)  # fmt: skip
+                    if cut.stopped:
+                        return  # a stop sequence ended it: the rest of the round is dropped, the workers released
                     prev, first = stats, False
         except NoTargetWorker as e:
             raise UnavailableError(str(e)) from None

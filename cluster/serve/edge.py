@@ -62,6 +62,10 @@ class Request:
     k: int | Literal["auto"] | None  # None: the model's default
     prompt_field: str = "prompt"
     max_new_tokens_field: str = "max_new_tokens"
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    stop_field: str = "stop"
 
 
 class EdgeModel(BaseModel):
@@ -183,6 +187,10 @@ def unsupported(neutral: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", "is not supported by specserve: omit it (or send {neutral})",
                                {"neutral": neutral})  # fmt: skip
 
+
+# Hard caps on stop sequences at the edge (before anything is built of them); the app's limits may be lower.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:=+/-]{1,128}")

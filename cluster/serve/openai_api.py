@@ -24,6 +24,8 @@ from pydantic_core import PydanticCustomError
 
 from specserve.cluster.serve.edge import (
     MAX_NAME_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
     MAX_TEMPERATURE,
     SEED_LIMIT,
     UINT32_MAX,
@@ -44,7 +46,6 @@ from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
 
 MAX_MESSAGES = 4096
 MAX_PARTS = 256  # content parts of one message
-MAX_STOP = 4  # OpenAI's limit on stop sequences
 TOKEN_ID_LIMIT = 2**31  # token ids travel to the workers as int32
 SHORT = 256  # characters of a user id, a message's author name, a metadata value
 
@@ -163,7 +164,6 @@ _NEUTRAL: dict[str, tuple[tuple, str]] = {
     "frequency_penalty": ((0,), "0"),
     "presence_penalty": ((0,), "0"),
     "logit_bias": (({},), "{}"),
-    "stop": (("", []), "[]"),
     "suffix": (("",), '""'),
     "response_format": (({"type": "text"},), '{"type": "text"}'),
     "tools": (([],), "[]"),
@@ -171,6 +171,7 @@ _NEUTRAL: dict[str, tuple[tuple, str]] = {
 }
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
+StopText = text(min_length=1, max_length=MAX_STOP_CHARS)
 
 
 class _Body(EdgeModel):
@@ -192,8 +193,10 @@ class _Body(EdgeModel):
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
     logit_bias: dict | None = None
-    stop: one_of("must be a string or a list of strings", string=Text, null=None,
-                 array=Annotated[list[Text], Field(max_length=MAX_STOP, fail_fast=True)]) = None  # fmt: skip
+    stop: one_of("must be a string or a list of strings", string=StopText, null=None,
+                 array=Annotated[list[StopText], Field(max_length=MAX_STOPS, fail_fast=True)]) = None  # fmt: skip
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS, fail_fast=True)] | None = None  # vLLM's
+    include_stop_str_in_output: bool | None = None  # vLLM's
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: one_of("must be a string or an object", string=Text, object=dict, null=None) = None
@@ -225,6 +228,9 @@ class _Body(EdgeModel):
             k=spec.k,
             prompt_field=prompt_field,
             max_new_tokens_field="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
 
 

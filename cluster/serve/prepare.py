@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from specserve.cluster.app_config import AppConfig, LimitsConfig, ModelPairConfig
 from specserve.cluster.scheduling.prepared import Prepared
+from specserve.cluster.scheduling.stops import StopSpec
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.serve.edge import Request
 from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecParams
@@ -47,7 +48,7 @@ class RequestPreparer:
             max_new_tokens=_max_new_tokens(model, request, len(ids), limits),
             seed=request.seed,
         )
-        return Prepared(cfg.name, ids, params, spec, request_id)
+        return Prepared(cfg.name, ids, params, spec, request_id, _stops(request, limits, model.vocab_size))
 
 
 def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
@@ -70,6 +71,19 @@ def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
             "speculation.method", f"model {cfg.name!r} has no draft model (use ngram/ngram-tree/none)"
         )
     return spec
+
+
+def _stops(request: Request, limits: LimitsConfig, vocab_size: int) -> StopSpec:
+    """The request's stop sequences and stop token ids, within the app's limits."""
+    if len(request.stop) > limits.max_stop_sequences:
+        raise InvalidRequestError(request.stop_field, f"{len(request.stop)} stop sequences, this server's limit is "
+                                  f"{limits.max_stop_sequences}")  # fmt: skip
+    for i, stop in enumerate(request.stop):
+        if len(stop) > limits.max_stop_chars:
+            raise InvalidRequestError(f"{request.stop_field}[{i}]", f"{len(stop)} characters, this server's limit is "
+                                      f"{limits.max_stop_chars}")  # fmt: skip
+    check_token_ids("stop_token_ids", list(request.stop_token_ids), vocab_size)
+    return StopSpec(tuple(request.stop), frozenset(request.stop_token_ids), request.include_stop_str_in_output)
 
 
 def _max_new_tokens(model: ModelTokenizer, request: Request, prompt_tokens: int, limits: LimitsConfig) -> int:

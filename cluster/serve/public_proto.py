@@ -13,6 +13,8 @@ from pydantic import Field
 
 from specserve.cluster.serve.edge import (
     MAX_NAME_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
     MAX_TEMPERATURE,
     SEED_LIMIT,
     EdgeModel,
@@ -94,6 +96,8 @@ class GrpcRequest(EdgeModel):
     sampling: GrpcSampling
     speculation: GrpcSpeculation | None
     messages: Annotated[list[GrpcMessage], Field(fail_fast=True)]
+    stop: Annotated[list[text(min_length=1, max_length=MAX_STOP_CHARS)], Field(max_length=MAX_STOPS, fail_fast=True)]
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS, fail_fast=True)]
 
 
 def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
@@ -113,6 +117,8 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
                      "max_new_tokens": s.max_new_tokens, "seed": s.seed if s.HasField("seed") else None},
         "speculation": {"method": spec.method, "k": spec.k} if request.HasField("speculation") else None,
         "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "stop": list(request.stop[: MAX_STOPS + 1]),
+        "stop_token_ids": list(request.stop_token_ids[: MAX_STOPS + 1]),
     })  # fmt: skip
     if given[0]:
         prompt, field = request.prompt, "prompt"
@@ -133,6 +139,9 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
         k=(sp.k or "auto") if sp else None,
         prompt_field=field,
         max_new_tokens_field="sampling.max_new_tokens",
+        stop=tuple(edge.stop),
+        stop_token_ids=tuple(edge.stop_token_ids),
+        include_stop_str_in_output=request.include_stop_str_in_output,
     )
 
 

@@ -93,13 +93,17 @@ class SpecServeClient:
         k: int | str | None = None,
         model: str = "",
         messages: list[dict] | None = None,
+        stop: list[str] | tuple[str, ...] = (),
+        stop_token_ids: list[int] | tuple[int, ...] = (),
+        include_stop_str_in_output: bool = False,
     ) -> pb.GenerateRequest:
         """A GenerateRequest: a raw `prompt` (text or token ids), or chat `messages` ([{"role", "content"}, ...])
-        that the server renders with the model's chat template."""
+        that the server renders with the model's chat template; `stop` sequences and `stop_token_ids` end it."""
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
         if seed is not None:
             sampling.seed = seed
-        req = pb.GenerateRequest(model=model, sampling=sampling)
+        req = pb.GenerateRequest(model=model, sampling=sampling, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                 include_stop_str_in_output=include_stop_str_in_output)  # fmt: skip
         if messages is not None:
             req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
         if isinstance(prompt, str):
