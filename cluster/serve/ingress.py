@@ -20,6 +20,7 @@ from ray import serve
 from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.serve import openai_api as oai
+from specserve.cluster.serve.choices import merged, per_choice
 from specserve.cluster.serve.edge import REQUEST_ID_HEADER, PayloadTooLargeError, client_message, request_id
 from specserve.cluster.serve.error_mapping import call_scheduler, http_error, scheduler_error, set_grpc_error
 from specserve.cluster.serve.health import Readiness
@@ -142,6 +143,35 @@ class SpecServeIngress:
             log.info("readiness: no scheduler replica answered: %s", _what(e))
             return None
 
+    @http_app.get("/v1/models/{name}")
+    async def model(self, name: str, request: Request) -> JSONResponse:
+        try:
+            self._check_key(request.headers.get("authorization"))
+            if name not in {m.name for m in self.config.models}:
+                body = oai.error_body(f"unknown model {name!r}", "invalid_request_error", "model", "model_not_found")
+                return JSONResponse(body, status_code=404)
+            return JSONResponse(oai.model_card(name, self.created))
+        except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
+            return self._refuse("/v1/models/{name}", e)
+
+    @http_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        try:
+            self._check_key(request.headers.get("authorization"))
+            model, prompt = oai.parse_tokenize(await _json_body(request, self.config.limits.max_request_bytes))
+            return JSONResponse(self.preparer.tokenize(model, prompt))
+        except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
+            return self._refuse("/tokenize", e)
+
+    @http_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        try:
+            self._check_key(request.headers.get("authorization"))
+            model, ids = oai.parse_detokenize(await _json_body(request, self.config.limits.max_request_bytes))
+            return JSONResponse(self.preparer.detokenize(model, ids))
+        except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
+            return self._refuse("/detokenize", e)
+
     @http_app.get("/health")
     async def health(self) -> JSONResponse:
         """200 when ready; 503 while draining, while a model has no healthy target worker, or before the app is up."""
@@ -196,6 +226,8 @@ class SpecServeIngress:
             parsed = oai.parse_chat(body) if chat else oai.parse_completion(body)
             prepared = self.preparer.prepare(parsed.request, prepared_id)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{prepared_id}"
+            if parsed.n > 1:
+                return await self._choices(rid, per_choice(prepared, parsed.n), parsed, chat)
             if not parsed.stream:
                 out = await self._generate(prepared)
                 return JSONResponse(oai.completion_response(rid, prepared.model, out, chat))
@@ -207,6 +239,35 @@ class SpecServeIngress:
                                      media_type="text/event-stream")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
             return self._refuse(route, e, sent)
+
+    async def _choices(self, rid: str, prepared: list[Prepared], parsed, chat: bool):
+        """`n` choices: each its own request, answered together or streamed as their rounds come."""
+        if not parsed.stream:
+            outs = await asyncio.gather(*(self._generate(p) for p in prepared))
+            return JSONResponse(oai.completion_response(rid, prepared[0].model, list(outs), chat))
+        streams = [self._run(p) for p in prepared]
+        firsts = await asyncio.gather(*(anext(s, None) for s in streams))  # refusals before the 200, as for one
+        chunks = merged([_after(f, s) for f, s in zip(firsts, streams, strict=True)])
+        return StreamingResponse(self._sse_choices(rid, prepared[0], chunks, parsed.include_usage, chat),
+                                 media_type="text/event-stream")  # fmt: skip
+
+    async def _sse_choices(self, rid: str, prepared: Prepared, chunks: AsyncIterator[tuple[int, Chunk]],
+                           include_usage: bool, chat: bool) -> AsyncIterator[str]:  # fmt: skip
+        generated = 0
+        try:
+            async with contextlib.aclosing(chunks):
+                async for i, chunk in chunks:
+                    generated += len(chunk.token_ids)
+                    if chunk.text or chunk.finish_reason:
+                        yield oai.stream_chunk(rid, prepared.model, chunk.text, chunk.finish_reason, chat, chunk.first,
+                                               index=i)  # fmt: skip
+            if include_usage:
+                yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, {}, chat)
+            yield oai.sse("[DONE]")
+        except Exception as e:  # noqa: BLE001 - headers are sent: report the error as an event
+            log.warning("stream %s of %s failed after its first chunk: %s", rid, prepared.model, _what(e))
+            _, kind = http_status_for(e)
+            yield oai.sse(oai.error_body(client_message(e), kind, getattr(e, "field", None)))
 
     def _refuse(self, route: str, error: BaseException, rid: str | None = None) -> JSONResponse:
         """The error response; counted when the client caused it (4xx)."""

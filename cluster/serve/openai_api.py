@@ -156,7 +156,6 @@ def _metadata(value: dict) -> dict:
 
 # Accepted only at these values (anything else would silently change the output): field -> (values, as shown).
 _NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "1"),
     "best_of": ((1,), "1"),
     "echo": ((False,), "false"),
     "logprobs": ((0, False), "null"),
@@ -172,6 +171,7 @@ _NEUTRAL: dict[str, tuple[tuple, str]] = {
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 StopText = text(min_length=1, max_length=MAX_STOP_CHARS)
+MAX_N = 16  # choices per request
 
 
 class _Body(EdgeModel):
@@ -187,8 +187,8 @@ class _Body(EdgeModel):
     top_k: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     speculation: Speculation | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # choices, each its own request (seeded: seed + index)
     # neutral only (_NEUTRAL)
-    n: int | None = None
     top_logprobs: int | None = None
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
@@ -269,17 +269,54 @@ class ParsedRequest:
     request: Request
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 def _parsed(body: _Body, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str) -> ParsedRequest:
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage)
+    return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage, body.n or 1)
 
 
 def parse_completion(body: Any) -> ParsedRequest:
     """A /v1/completions body (parsed JSON) -> the typed request; InvalidRequestError naming the bad field."""
     parsed: CompletionBody = parse(CompletionBody, body)
     return _parsed(parsed, parsed.prompt, "prompt")
+
+
+class TokenizeBody(EdgeModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered with the model's template (with its generation
+    prompt, as a chat completion renders them)."""
+
+    model: text(max_length=MAX_NAME_CHARS) | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)] | None = None
+    add_generation_prompt: Literal[True] | None = None  # the chat completion's rendering, always
+
+
+class DetokenizeBody(EdgeModel):
+    """vLLM's POST /detokenize."""
+
+    model: text(max_length=MAX_NAME_CHARS) | None = None
+    tokens: Annotated[list[int], Field(fail_fast=True)]
+
+
+def parse_tokenize(body: Any) -> tuple[str, str | ChatPrompt]:
+    """(model, the prompt or conversation); exactly one of prompt and messages."""
+    parsed: TokenizeBody = parse(TokenizeBody, body)
+    if (parsed.prompt is None) == (parsed.messages is None):
+        raise InvalidRequestError("prompt", "send exactly one of prompt and messages")
+    if parsed.messages is not None:
+        return parsed.model or "", ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages))
+    return parsed.model or "", parsed.prompt
+
+
+def parse_detokenize(body: Any) -> tuple[str, list[int]]:
+    parsed: DetokenizeBody = parse(DetokenizeBody, body)
+    return parsed.model or "", parsed.tokens
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "specserve"}
 
 
 def parse_chat(body: Any) -> ParsedRequest:
@@ -322,25 +359,32 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def completion_response(rid: str, model: str, result: dict, chat: bool) -> dict:
-    usage = _usage(result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"])
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                  "finish_reason": result["finish_reason"], "logprobs": None}  # fmt: skip
-    else:
-        choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"], "logprobs": None}
+def completion_response(rid: str, model: str, result: dict | list[dict], chat: bool) -> dict:
+    """One result, or a list of them for `n` choices (usage: the prompt once, every choice's tokens; `specserve`:
+    one choice's stats, or a list)."""
+    results = result if isinstance(result, list) else [result]
+    usage = _usage(results[0]["usage"]["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in results))
+    choices = []
+    for i, r in enumerate(results):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]},
+                            "finish_reason": r["finish_reason"], "logprobs": None})  # fmt: skip
+        else:
+            choices.append({"index": i, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None})
+    stats = result["stats"] if isinstance(result, dict) else [r["stats"] for r in results]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage, "specserve": result["stats"]}  # fmt: skip
+            "model": model, "choices": choices, "usage": usage, "specserve": stats}  # fmt: skip
 
 
-def stream_chunk(rid: str, model: str, text: str, finish_reason: str | None, chat: bool, first: bool) -> str:
+def stream_chunk(rid: str, model: str, text: str, finish_reason: str | None, chat: bool, first: bool,
+                 index: int = 0) -> str:  # fmt: skip
     if chat:
         delta = {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
     obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
            "model": model, "choices": [choice]}  # fmt: skip
     return sse(obj)
@@ -364,5 +408,5 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 def models_list(names: list[str], created: int) -> dict:
     return {
         "object": "list",
-        "data": [{"id": n, "object": "model", "created": created, "owned_by": "specserve"} for n in names],
+        "data": [model_card(n, created) for n in names],
     }

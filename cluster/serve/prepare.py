@@ -30,6 +30,20 @@ class RequestPreparer:
         # Models served with an EAGLE-3 head (their draft directory is the head's): "eagle" / "eagle+ngram" drafting.
         self.heads = {m.name for m in app.models if resolve_eagle_head(resolved_paths[m.name][1])}
 
+    def tokenize(self, model: str, prompt: str | ChatPrompt) -> dict:
+        """vLLM's /tokenize answer: the ids a completion would feed the model (a chat prompt through its template)."""
+        cfg = self.app.model(model)
+        tokens = self.models[cfg.name]
+        ids = chat_prompt_ids(tokens.tokenizer, prompt.messages) if isinstance(prompt, ChatPrompt) else (
+            encode_prompt(tokens.tokenizer, prompt))  # fmt: skip
+        return {"count": len(ids), "max_model_len": tokens.max_positions, "tokens": ids}
+
+    def detokenize(self, model: str, ids: list[int]) -> dict:
+        cfg = self.app.model(model)
+        tokens = self.models[cfg.name]
+        check_token_ids("tokens", ids, tokens.vocab_size)
+        return {"prompt": tokens.tokenizer.decode(ids)}
+
     def prepare(self, request: Request, request_id: str = "") -> Prepared:
         """The request to run; InvalidRequestError naming the client's field when it does not fit the model or the
         app's limits."""

@@ -1,0 +1,53 @@
+"""OpenAI's `n`: several choices for one prompt, each its own request to the scheduler (so each is exactly what a
+request alone would give, and they run in parallel), seeded `seed + index` when the client seeded the request, so
+every choice is reproducible on its own; their streams merged as their rounds arrive, each chunk with its `index`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+from specserve.cluster.scheduling.prepared import Chunk, Prepared
+
+
+def per_choice(prepared: Prepared, n: int) -> list[Prepared]:
+    """The n requests: the same prompt and controls, choice i seeded seed + i (unseeded choices draw independently)."""
+    out = []
+    for i in range(n):
+        seed = None if prepared.params.seed is None else prepared.params.seed + i
+        params = prepared.params.model_copy(update={"seed": seed})
+        out.append(dataclasses.replace(prepared, params=params, request_id=f"{prepared.request_id}.{i}"))
+    return out
+
+
+async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) from every stream as each comes; an error in one ends the merge with it (the others
+    are closed)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    await queue.put((i, chunk))
+            await queue.put((i, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
