@@ -283,7 +283,7 @@ class Scheduler:
         if req.spec.k != "auto":
             return req.spec.k
         if req.pruning is None and self.planner_costs is not None:
-            req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, self.max_tree_nodes + 1))
+            req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, self.max_tree_nodes + 1), costly=head)
         if req.pruning is not None and not req.pruning.wants_tree():
             return 0
         return self.max_tree_nodes

@@ -46,3 +46,17 @@ def test_pruning_a_tree_keeps_its_best_nodes_with_their_parents_in_depth_order()
     assert best.tokens == [10, 11, 12, 15] and best.parents == [ROOT, ROOT, 0, 0]
     assert best.scores == [-0.1, -0.5, -0.3, -0.2] and best.depth == 2
     assert tree.best(0).tokens == [] and tree.best(6).tokens == tree.tokens and tree.depth == 3
+
+
+def test_a_head_backs_off_after_trees_that_pay_for_nothing_and_free_lookup_trees_never_do():
+    from specserve.workers.speculation.tree_policy import TreePruning
+
+    hopeless = DraftTree([10, 11], [ROOT, 0], [math.log(0.01), math.log(0.001)])
+    head, lookup = TreePruning(CPU), TreePruning(CPU, costly=False)
+    for pruning in (head, lookup):
+        assert pruning.wants_tree() and pruning.prune(hopeless) is None  # a plain step this round
+    assert not head.wants_tree()  # the head's levels are not spent again at once
+    assert lookup.wants_tree()  # the next match may pay, and drafting it costs nothing
+    for _ in range(3):
+        head.prune(hopeless)
+    assert head.backoff == 8 and lookup.backoff == 0

@@ -49,7 +49,8 @@ class TreeRounds:
     def __init__(self, drafter: EagleDrafter | NgramDrafter, shape: TreeShape, verify: VerifyCosts | None = None):
         self.drafter = drafter
         self.shape = shape
-        self.pruning = TreePruning(verify) if verify is not None else None
+        costly = not isinstance(drafter, NgramDrafter)
+        self.pruning = TreePruning(verify, costly=costly) if verify is not None else None
 
     def propose_tree(self, state: RequestState) -> DraftTree | None:
         if not state.draft_budget(1) or self.pruning is not None and not self.pruning.wants_tree():

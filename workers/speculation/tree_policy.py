@@ -68,6 +68,7 @@ class TreePruning:
     predicted: float = 0.0  # expected accepted nodes of the tree being verified
     plain_rounds: int = 0  # plain steps to take before drafting the next tree
     backoff: int = 0  # plain steps after the last tree that paid for no node (doubles while trees keep failing)
+    costly: bool = True  # drafting a tree costs model work (a head's); prompt lookup's trees cost nothing
 
     def wants_tree(self) -> bool:
         """Whether to draft a tree this round: not for a few rounds after trees that paid for no node (drafting one
@@ -82,7 +83,8 @@ class TreePruning:
         scores = sorted(tree.scores, reverse=True)
         count = best_node_count(scores, self.verify, self.calibration.factor)
         self.predicted = sum(math.exp(s) for s in scores[:count])
-        self.backoff = 0 if count else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
+        # Backing off saves a head's levels; a lookup tree costs nothing to draft, and the next match may pay.
+        self.backoff = 0 if count or not self.costly else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
         self.plain_rounds = self.backoff
         return tree.best(count) if count else None
 
