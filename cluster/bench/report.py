@@ -10,6 +10,7 @@ from dataclasses import asdict
 import torch
 
 from specserve.cluster.bench.rows import Row
+from specserve.cluster.bench.spec_bench import format_categories
 
 
 def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
@@ -110,14 +111,17 @@ def format_table(rows: list[Row], meta: dict) -> str:
     if any(r.method == "ngram" for r in rows):
         out.append("n-gram rows: t_draft = 0; their bounds take the tokens drafted per round, which prompt lookup "
                    "cuts short when it finds no match")  # fmt: skip
-    kind = {"chat": "held-out chat questions", "text": "held-out prompts"}[meta.get("prompts_kind", "text")]
+    kind = {"chat": "held-out chat questions", "text": "held-out prompts",
+            "spec-bench": "Spec-Bench questions"}[meta.get("prompts_kind", "text")]  # fmt: skip
+    per = (" a turn", " a question") if kind == "Spec-Bench questions" else ("", "")
     out.append(
         f"c = t_draft/t_target = {meta['cost_ratio_c']:.3f} (t_draft {meta['t_draft_ms']:.2f} ms, t_target "
         f"{meta['t_target_ms']:.2f} ms); target greedy distinct 4-grams: {meta['distinct_4gram_target_greedy']:.0%}; "
-        f"{meta['prompts']} {kind} x up to {meta['max_new_tokens']} new tokens (mean {meta['mean_new_tokens']:.0f}, "
-        f"stopping at EOS); {meta['device']}, {meta['dtype']}"
+        f"{meta['prompts']} {kind} x up to {meta['max_new_tokens']} new tokens{per[0]} (mean "
+        f"{meta['mean_new_tokens']:.0f}{per[1]}, stopping at EOS); {meta['device']}, {meta['dtype']}"
     )
-    return "\n".join(out)
+    categories = format_categories(rows, meta)
+    return "\n".join(out + ([""] + categories if categories else []))
 
 
 def to_json(rows: list[Row], meta: dict, machine: dict) -> dict:
@@ -125,6 +129,7 @@ def to_json(rows: list[Row], meta: dict, machine: dict) -> dict:
     for r in rows:
         d = asdict(r)
         d.pop("outputs")
+        d.pop("seconds_by_prompt")
         out_rows.append(d)
     return {"machine": machine, "meta": meta, "rows": out_rows}
 

@@ -4,7 +4,8 @@ Two suites. `demo`: the demo family's rows (draft-model speculation at several k
 the same draft, one n-gram row). `target`: any target, with or without a draft model: prompt lookup on both sides
 (specserve's n-gram drafting at k = 1..8 and auto, Hugging Face's prompt-lookup decoding, its peer), an EAGLE-3 head's
 rows (eagle and eagle+ngram at k = 1..8 and auto) when a head is loaded, and the draft model's rows (and HF assisted
-generation) only when a draft model is loaded."""
+generation) only when a draft model is loaded. `--methods` and `--k` narrow the target suite's speculative rows
+(`selected_sweeps`); its target-only and HF rows always run."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config import MAX_K, SamplingParams, SpecMethod, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids, read_questions
 from specserve.workers.speculation.engine import EAGLE_METHODS, SpecEngine
+from specserve.workers.speculation.suffix import SuffixCache
 
 NGRAM_KS = tuple(range(1, 9))  # the target suite's n-gram sweep
 EAGLE_KS = tuple(range(1, 9))  # and its EAGLE-3 head's, alone and with n-gram (with a head)
@@ -39,6 +41,9 @@ class BenchConfig:
     seed: int = 1234
     hf_rows: bool = True
     suite: Literal["demo", "target"] = "demo"  # see the module docstring
+    sampled: bool = True  # the sampled section (at `temperature`) after the greedy rows
+    methods: tuple[str, ...] | None = None  # --methods: only these speculative methods' rows (None: all)
+    only_ks: tuple[int | str, ...] | None = None  # --k: only these k (None: all); target-only and HF rows stay
 
 
 QUICK = BenchConfig(prompts=2, prompt_tokens=64, max_new_tokens=48, ks=(2, 4))
@@ -71,7 +76,10 @@ class Row:
     identical: bool | None = None  # greedy rows: same tokens as target-only; sampling rows: None (compare laws)
     # Position j: the fraction of rounds drafting j+1 or more tokens whose first j+1 drafts were all accepted.
     acceptance_by_position: list[float] | None = None
+    # Spec-Bench runs: {category: {tokens_per_s, speedup, mean_accepted_length}} (cluster/bench/spec_bench.py)
+    categories: dict[str, dict] | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    seconds_by_prompt: list[float] = field(default_factory=list, repr=False)
 
 
 RowFn = Callable[[list[int], SamplingParams], tuple[list[int], object | None]]  # -> (tokens, RequestStats | None)
@@ -120,7 +128,13 @@ def bench_prompts(tokenizer, cfg: BenchConfig, questions: list[str] | None,
 
 
 def spec_fn(engine: SpecEngine, method: str, k) -> RowFn:
+    # A suffix row drafts from a cache of recent outputs of its own: the engine's, shared by the rows, would hold
+    # the earlier rows' answers to the same prompt (a second pass, which no first request sees).
+    cache = SuffixCache(engine.suffix_cache.config) if method == "suffix" else None
+
     def run(prompt, params):
+        if cache is not None:
+            engine.suffix_cache = cache
         r = engine.generate(prompt, params, SpecParams(method=method, k=k))
         return r.token_ids, r.stats
 
@@ -218,7 +232,7 @@ def plan_rows(engine: SpecEngine, cfg: BenchConfig) -> list[tuple[Row, RowFn]]:
 def _demo_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[tuple[Row, RowFn]]:
     plan: list[tuple[Row, RowFn]] = []
     best_k = best_draft_k(cfg)
-    for temp in (0.0, cfg.temperature):
+    for temp in _temperatures(cfg):
         tag = "greedy" if temp == 0 else f"T={temp}"
         plan.append((Row(f"target-only {tag}", "target-only", None, temp), spec_fn(engine, "none", 1)))
         if cfg.hf_rows:
@@ -238,29 +252,74 @@ def _demo_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[tup
 
 
 def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[tuple[Row, RowFn]]:
-    has_draft = "draft" in engine.drafters
+    has_draft, has_head = "draft" in engine.drafters, "eagle" in engine.drafters
     best_k = best_draft_k(cfg)
     plan: list[tuple[Row, RowFn]] = []
     add = lambda name, method, k, temp, fn: plan.append((Row(name, method, k, temp), fn))  # noqa: E731
-    for temp in (0.0, cfg.temperature):
-        tag = "greedy" if temp == 0 else f"T={temp}"
+    for temp in _temperatures(cfg):
+        tag, greedy = ("greedy" if temp == 0 else f"T={temp}"), temp == 0
         add(f"target-only {tag}", "target-only", None, temp, spec_fn(engine, "none", 1))
-        if temp == 0 and cfg.hf_rows:
+        if greedy and cfg.hf_rows:
             add("hf generate greedy", "hf-generate", None, temp, hf_fn(engine))
             plan.append(prompt_lookup_row(engine, PROMPT_LOOKUP_N))
-        for k in (*NGRAM_KS, "auto") if temp == 0 else (SAMPLED_NGRAM_K, "auto"):
-            add(f"specserve ngram k={k} {tag}", "ngram", k, temp, spec_fn(engine, "ngram", k))
-        for method in EAGLE_METHODS if "eagle" in engine.drafters else ():
-            for k in (*EAGLE_KS, "auto") if temp == 0 else (SAMPLED_NGRAM_K, "auto"):
-                add(f"specserve {method} k={k} {tag}", method, k, temp, spec_fn(engine, method, k))
-        for k in ((*TREE_KS, "auto") if temp == 0 else (8,)) if "eagle" in engine.drafters else ():
-            add(f"specserve eagle-tree k={k} {tag}", "eagle-tree", k, temp, spec_fn(engine, "eagle-tree", k))
-        for k in (*TREE_KS, "auto") if temp == 0 else ():
-            add(f"specserve ngram-tree k={k} {tag}", "ngram-tree", k, temp, spec_fn(engine, "ngram-tree", k))
+        chain = (*NGRAM_KS, "auto") if greedy else (SAMPLED_NGRAM_K, "auto")
+        sweeps: dict[str, tuple] = {"ngram": chain}
+        if has_head:
+            sweeps |= {m: chain for m in EAGLE_METHODS} | {"eagle-tree": (*TREE_KS, "auto") if greedy else (8,)}
+        sweeps["ngram-tree"] = (*TREE_KS, "auto") if greedy else ()
         if has_draft:
-            for k in (*cfg.ks, "auto") if temp == 0 else (best_k, "auto"):
-                add(f"specserve draft k={k} {tag}", "draft", k, temp, spec_fn(engine, "draft", k))
-            if temp == 0 and assisted:
-                add("hf assisted default greedy", "hf-assisted", "hf-default", temp, hf_fn(engine, assisted=True))
-                add(f"hf assisted k={best_k} greedy", "hf-assisted", best_k, temp, hf_fn(engine, best_k, True))
+            sweeps["draft"] = (*cfg.ks, "auto") if greedy else (best_k, "auto")
+        for method, ks in selected_sweeps(sweeps, cfg, greedy).items():
+            for k in ks:
+                add(f"specserve {method} k={k} {tag}", method, k, temp, spec_fn(engine, method, k))
+        if greedy and assisted:
+            add("hf assisted default greedy", "hf-assisted", "hf-default", temp, hf_fn(engine, assisted=True))
+            add(f"hf assisted k={best_k} greedy", "hf-assisted", best_k, temp, hf_fn(engine, best_k, True))
     return plan
+
+
+def _temperatures(cfg: BenchConfig) -> tuple[float, ...]:
+    return (0.0, cfg.temperature) if cfg.sampled else (0.0,)
+
+
+# The registry's drafting methods (workers/config.py's SpecMethod): what --methods may name
+SPEC_METHODS = tuple(m for m in get_args(SpecMethod) if m != "none")
+
+
+def selected_sweeps(sweeps: dict[str, tuple], cfg: BenchConfig, greedy: bool) -> dict[str, tuple]:
+    """The k values each speculative method's rows run at: the suite's sweeps, narrowed to --methods (a named
+    method the suite has no sweep for gets the chain sweep; one whose drafter is not loaded fails in the warm-up,
+    saying what it needs), and with --k the greedy rows at exactly those k (the sampled ones: those of their own k
+    that --k names)."""
+    chosen = {m: ks for m, ks in sweeps.items() if cfg.methods is None or m in cfg.methods}
+    for method in cfg.methods or ():
+        chosen.setdefault(method, (*NGRAM_KS, "auto") if greedy else (SAMPLED_NGRAM_K, "auto"))
+    if cfg.only_ks is not None:
+        chosen = {m: cfg.only_ks if greedy else tuple(k for k in ks if k in cfg.only_ks) for m, ks in chosen.items()}
+    return chosen
+
+
+def parse_methods(text: str | None) -> tuple[str, ...] | None:
+    """--methods: a comma list of the registry's methods (None: every row)."""
+    if text is None:
+        return None
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in SPEC_METHODS]
+    if not names or unknown:
+        what = f"unknown method {', '.join(map(repr, unknown))}" if unknown else "no method named"
+        raise InvalidRequestError("methods", f"{what} (a comma list of: {', '.join(SPEC_METHODS)})")
+    return names
+
+
+def parse_ks(text: str | None) -> tuple[int | str, ...] | None:
+    """--k: a comma list of k values (1..MAX_K) and 'auto' (None: each method's own sweep)."""
+    if text is None:
+        return None
+    ks: list[int | str] = []
+    for part in (p.strip() for p in text.split(",")):
+        k = "auto" if part == "auto" else int(part) if part.isdigit() else None
+        if k is None or (k != "auto" and not 1 <= k <= MAX_K):
+            raise InvalidRequestError("k", f"{part!r} is neither 'auto' nor a whole number 1..{MAX_K} (e.g. 4,auto)")
+        if k not in ks:
+            ks.append(k)
+    return tuple(ks)

@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -16,6 +17,7 @@ from specserve.cluster.bench.report import format_table, machine_info, plot, to_
 from specserve.cluster.bench.rows import (
     NGRAM_KS,
     QUICK,
+    SPEC_METHODS,
     TARGET_FULL,
     TARGET_QUICK,
     TREE_KS,
@@ -25,8 +27,21 @@ from specserve.cluster.bench.rows import (
     bench_prompts,
     bench_questions,
     best_draft_k,
+    parse_ks,
+    parse_methods,
     plan_rows,
     prompt_lookup_row,
+)
+from specserve.cluster.bench.spec_bench import (
+    SPEC_BENCH_FULL,
+    SPEC_BENCH_QUICK,
+    Conversation,
+    category_figures,
+    converse,
+    fill_categories,
+    questions_for,
+    spec_bench_meta,
+    spec_bench_prompts,
 )
 from specserve.cluster.bench.timing import Costs, CostSampler, distinct_ngram_fraction, fill_bounds, measure
 from specserve.workers.config import TREE_METHODS, ModelConfig, SamplingParams
@@ -36,15 +51,20 @@ from specserve.workers.speculation.engine import SpecEngine
 __all__ = ["BenchConfig", "Row", "format_table", "machine_info", "plot", "to_json", "main_bench", "run_bench"]
 
 
-def run_bench(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, progress: bool = True):
-    """Measure every row of `plan_rows(engine, cfg)` on `prompts`; returns (rows, meta)."""
+def run_bench(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, progress: bool = True,
+              conversations: list[Conversation] | None = None):  # fmt: skip
+    """Measure every row of `plan_rows(engine, cfg)` on `prompts`; returns (rows, meta). With `conversations`
+    (Spec-Bench's, whose first turns the prompts are) every row answers whole conversations and gets figures per
+    category."""
     plan = plan_rows(engine, cfg)
     # The target suite adds, after the others, HF prompt lookup at the best n-gram k beside a target-only rerun.
-    pl_best = cfg.suite == "target" and cfg.hf_rows
+    pl_best = cfg.suite == "target" and cfg.hf_rows and any(_fixed_ngram(r) for r, _ in plan)
     sampler = _warm_up(engine, plan, prompts, cfg)
     total = (len(plan) + (2 if pl_best else 0)) * len(prompts)
     bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress, file=sys.stderr)
-    counts = measure(plan, prompts, cfg, bar, sampler)
+    if conversations is not None:
+        plan = [(row, converse(engine.tokenizer, fn)) for row, fn in plan]
+    counts = measure(plan, prompts, cfg, bar, sampler, conversations)
     costs = sampler.costs()
     if "eagle" in engine.drafters:
         head = engine.planner_costs().head  # measured in the warm-up, by the first k='auto' row
@@ -52,8 +72,11 @@ def run_bench(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, pr
     rows = [r for r, _ in plan]
     _fill_speculation(rows, counts, costs)
     _fill_speedups(rows)
+    if conversations is not None:
+        rounds = {id(r): counts[id(r)].by_request for r in rows if r.method in SPECULATIVE}
+        fill_categories(rows, rounds, [c.question.category for c in conversations])
     greedy_base = rows[0]
-    meta = _best_prompt_lookup(engine, rows, plan[0][1], prompts, cfg, bar) if pl_best else {}
+    meta = _best_prompt_lookup(engine, rows, plan[0][1], prompts, cfg, bar, conversations) if pl_best else {}
     bar.close()
     meta.update(_run_meta(engine, prompts, cfg, costs, greedy_base))
     return rows, meta
@@ -93,7 +116,7 @@ def _fill_speculation(rows: list[Row], counts: dict, costs: Costs) -> None:
                         steps=depth if row.method in TREE_METHODS else None)  # fmt: skip
 
 
-SPECULATIVE = ("draft", "ngram", "eagle", "eagle+ngram", *TREE_METHODS)
+SPECULATIVE = SPEC_METHODS  # every drafting method the registry lists
 HEAD_K = 4  # a head's cost per drafted token is quoted at this k
 
 
@@ -111,18 +134,24 @@ def _fill_speedups(rows: list[Row]) -> None:
                 row.identical = row.outputs == base.outputs
 
 
+def _fixed_ngram(row: Row) -> bool:
+    return row.method == "ngram" and row.temperature == 0 and isinstance(row.k, int)
+
+
 def _best_prompt_lookup(engine: SpecEngine, rows: list[Row], target_only: RowFn, prompts: list[list[int]],
-                        cfg: BenchConfig, bar) -> dict:  # fmt: skip
+                        cfg: BenchConfig, bar, conversations: list[Conversation] | None) -> dict:  # fmt: skip
     """HF prompt lookup at the best n-gram k, measured beside a target-only rerun and inserted after the other
-    prompt-lookup row; returns its meta entry."""
+    prompt-lookup row (its figures per category, with conversations, against the rerun's); returns its meta entry."""
     greedy_base = rows[0]
-    ngram = [r for r in rows if r.method == "ngram" and r.temperature == 0 and isinstance(r.k, int)]
-    best = max(ngram, key=lambda r: r.speedup).k
+    best = max((r for r in rows if _fixed_ngram(r)), key=lambda r: r.speedup).k
     rerun = Row("target-only greedy (rerun)", "target-only", None, 0.0)
     row, fn = prompt_lookup_row(engine, best, " (best ngram k)")
-    measure([(rerun, target_only), (row, fn)], prompts, cfg, bar)
+    fn = fn if conversations is None else converse(engine.tokenizer, fn)
+    measure([(rerun, target_only), (row, fn)], prompts, cfg, bar, items=conversations)
     row.speedup = row.tokens_per_s / rerun.tokens_per_s
     row.identical = row.outputs == greedy_base.outputs
+    if conversations is not None:
+        row.categories = category_figures(row, rerun, [c.question.category for c in conversations])
     at = next(i for i, r in enumerate(rows) if r.method == "hf-prompt-lookup") + 1
     rows.insert(at, row)
     return {"prompt_lookup_best_k": {"n": best, "paired_target_only_tokens_per_s": rerun.tokens_per_s}}
@@ -172,7 +201,10 @@ def _models(args) -> tuple[str, str | None, BenchConfig, list[str]]:
         from specserve.workers.models.catalog import resolve_model
 
         draft_path = resolve_model(args.draft) if args.draft else None
-        cfg = TARGET_QUICK if args.quick else TARGET_FULL
+        if getattr(args, "spec_bench", None):
+            cfg = SPEC_BENCH_QUICK if args.quick else SPEC_BENCH_FULL
+        else:
+            cfg = TARGET_QUICK if args.quick else TARGET_FULL
         return resolve_model(args.target), draft_path, cfg, args.prompts_from or []
     from specserve.workers.models.demo import ensure_demo_family
 
@@ -182,6 +214,15 @@ def _models(args) -> tuple[str, str | None, BenchConfig, list[str]]:
     root = family.manifest["corpus_root"]
     held_out = args.prompts_from or [os.path.join(root, p) for p in family.manifest["held_out_files"]]
     return family.target, family.draft, QUICK if args.quick else BenchConfig(), held_out
+
+
+def _row_selection(args) -> tuple[tuple[str, ...] | None, tuple[int | str, ...] | None]:
+    """--methods and --k, parsed (None: not given); they select the rows of a --target run."""
+    methods, ks = parse_methods(getattr(args, "methods", None)), parse_ks(getattr(args, "k", None))
+    if not args.target and (methods or ks):
+        raise InvalidRequestError("methods" if methods else "k", "applies with --target (the demo family's rows are "
+                                  "fixed)")  # fmt: skip
+    return methods, ks
 
 
 def _extras(args, draft_path: str | None) -> int:
@@ -213,8 +254,11 @@ def main_bench(args) -> int:
     from specserve.workers.config import validate
     from specserve.workers.runtime.loading import load_model
 
-    questions = bench_questions(args)  # a bad file fails before any model loads
+    spec = questions_for(args)  # bad files and flags fail before any model loads
+    questions = None if spec else bench_questions(args)
+    methods, ks = _row_selection(args)
     target_path, draft_path, cfg, held_out = _models(args)
+    cfg = replace(cfg, methods=methods, only_ks=ks)
     tp_n = _extras(args, draft_path)
     target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device, "dtype": args.dtype})
     draft_cfg = None
@@ -223,9 +267,16 @@ def main_bench(args) -> int:
     target = load_model(target_cfg)
     head = _eagle_head(args, target_path)
     engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None, eagle_head=head)
-    prompts, kind = bench_prompts(target.tokenizer, cfg, questions, held_out)
-    rows, meta = run_bench(engine, prompts, cfg)
+    conversations = None
+    if spec:
+        prompts, conversations = spec_bench_prompts(target.tokenizer, spec[0], cfg.max_new_tokens, target.max_positions)
+        kind = "spec-bench"
+    else:
+        prompts, kind = bench_prompts(target.tokenizer, cfg, questions, held_out)
+    rows, meta = run_bench(engine, prompts, cfg, conversations=conversations)
     meta["prompts_kind"] = kind
+    if spec:
+        meta["spec_bench"] = spec_bench_meta(args.spec_bench, spec[1], conversations)
     if args.distributed:
         from specserve.cluster.bench.distributed import add_distributed, add_eagle_distributed
 

@@ -99,10 +99,12 @@ class RoundCounts:
     rounds: int = 0
     reached_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    by_request: list[tuple[int, int]] = field(default_factory=list)  # (accepted, rounds) of each add, in order
 
     def add(self, stats) -> None:
         self.drafted, self.accepted, self.rounds = (self.drafted + stats.drafted, self.accepted + stats.accepted,
                                                     self.rounds + stats.rounds)  # fmt: skip
+        self.by_request.append((stats.accepted, stats.rounds))
         for mine, theirs in ((self.reached_by_position, stats.reached_by_position),
                              (self.accepted_by_position, stats.accepted_by_position)):  # fmt: skip
             mine.extend([0] * (len(theirs) - len(mine)))
@@ -113,11 +115,13 @@ class RoundCounts:
         return [a / r for a, r in zip(self.accepted_by_position, self.reached_by_position, strict=True) if r]
 
 
-def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampler: CostSampler | None = None):
+def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampler: CostSampler | None = None,
+            items: list | None = None):  # fmt: skip
     """Prompt by prompt, every row in turn (forwards, then backwards for the next prompt): this VM's speed drifts by
     tens of percent over minutes, and row after row (each over all prompts) charged a slow spell to whichever rows
-    ran in it (one run measured T=0.8 speculation at 0.79x target-only, the next at 1.56x, same models).
-    Returns {id(row): RoundCounts}."""
+    ran in it (one run measured T=0.8 speculation at 0.79x target-only, the next at 1.56x, same models). `items`:
+    what the rows' functions take in place of the prompts (Spec-Bench's conversations, whose first turns the
+    prompts are; the cost sampler still reads the prompts). Returns {id(row): RoundCounts}."""
     greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
     sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
     counts = {id(row): RoundCounts() for row, _ in plan}
@@ -126,8 +130,9 @@ def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampl
             sampler.sample(prompt)
         for row, fn in plan if i % 2 == 0 else plan[::-1]:
             t0 = time.perf_counter()
-            tokens, stats = fn(prompt, params_for(row, greedy, sampled))
-            row.seconds += time.perf_counter() - t0
+            tokens, stats = fn(prompt if items is None else items[i], params_for(row, greedy, sampled))
+            row.seconds_by_prompt.append(time.perf_counter() - t0)
+            row.seconds += row.seconds_by_prompt[-1]
             row.tokens += len(tokens)
             row.outputs.append(tokens)
             if stats is not None:

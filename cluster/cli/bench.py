@@ -15,14 +15,18 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
         "target-only, HF generate, HF prompt-lookup decoding (N=10 and N = the best n-gram k), specserve's n-gram "
         "drafting at k=1..8 and auto, and a sampled (T=0.8) section; a draft model's rows and HF assisted "
         "generation only with --draft. On 2 CPU cores and a 135M target --quick took 6 min; the full run (12 "
-        "questions x 128 tokens, with the disaggregated and Serve rows) should take 35-40 min.",
+        "questions x 128 tokens, with the disaggregated and Serve rows) should take 35-40 min. With --spec-bench: "
+        "Spec-Bench's questions, every row per category as well as overall (docs/spec-bench.md).",
     )
     p.add_argument("--quick", action="store_true",
                    help="a shorter run: fewer prompts and tokens (demo 2 x 48, < 5 min; --target 4 x 64)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write {machine, meta, rows} as JSON")
     p.add_argument("--plot", metavar="FILE", help="draw speedup and acceptance vs k (PNG)")
-    p.add_argument("--target", metavar="NAME|PATH|ORG/NAME",
-                   help="target model: name, .gguf file, directory or Hugging Face repo id (default: the demo family)")
+    p.add_argument(
+        "--target",
+        metavar="NAME|PATH|ORG/NAME",
+        help="target model: name, .gguf file, directory or Hugging Face repo id (default: the demo family)",
+    )
     p.add_argument("--draft", metavar="NAME|PATH",
                    help="draft model (with --target): adds its rows and HF assisted generation; without it, "
                    "speculation is n-gram prompt lookup only")  # fmt: skip
@@ -35,6 +39,21 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
                          help="chat questions, one a line ('#' comments and blank lines skipped), sent through the "
                          "target's chat template; the first 4 with --quick, 12 otherwise for --target "
                          "(default with --target: the built-in held-out questions)")  # fmt: skip
+    prompts.add_argument("--spec-bench", metavar="FILE",
+                         help="with --target: Spec-Bench's question.jsonl as it is (not shipped; see "
+                         "docs/spec-bench.md): every turn of each question through the chat template, a later turn "
+                         "after the model's own answer; greedy; every row also per category (mt_bench, translation, "
+                         "summarization, qa, math_reasoning, rag); --distributed and --tensor-parallel do not "
+                         "apply, --load takes the first turns as its prompts")  # fmt: skip
+    p.add_argument("--per-category", type=int, metavar="N",
+                   help="with --spec-bench: the first N questions of each category in file order (default: 3 with "
+                   "--quick, 10 otherwise; 0: all)")  # fmt: skip
+    p.add_argument("--methods", metavar="M1,M2",
+                   help="with --target: only these speculative methods' rows (ngram, eagle, eagle+ngram, eagle-tree, "
+                   "ngram-tree, draft, ...); target-only and the HF rows always run")  # fmt: skip
+    p.add_argument("--k", metavar="K1,K2|auto",
+                   help="with --target: the speculative rows at exactly these k (whole numbers and/or auto), "
+                   "e.g. 4,auto")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     p.add_argument(
         "--dtype",
