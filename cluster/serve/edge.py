@@ -66,6 +66,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     stop_field: str = "stop"
+    ignore_eos: bool = False
 
 
 class EdgeModel(BaseModel):

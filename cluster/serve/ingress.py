@@ -24,6 +24,7 @@ from specserve.cluster.serve.choices import merged, per_choice
 from specserve.cluster.serve.edge import REQUEST_ID_HEADER, PayloadTooLargeError, client_message, request_id
 from specserve.cluster.serve.error_mapping import call_scheduler, http_error, scheduler_error, set_grpc_error
 from specserve.cluster.serve.health import Readiness
+from specserve.cluster.serve.openai_endpoints import parse_detokenize, parse_tokenize
 from specserve.cluster.serve.public_proto import http_status_for, refused_status, request_from_proto, response
 from specserve.cluster.serve.replica_env import resolve_paths, use_serve_log_files
 from specserve.workers.errors import SpecServeError, UnauthenticatedError
@@ -158,7 +159,7 @@ class SpecServeIngress:
     async def tokenize(self, request: Request) -> JSONResponse:
         try:
             self._check_key(request.headers.get("authorization"))
-            model, prompt = oai.parse_tokenize(await _json_body(request, self.config.limits.max_request_bytes))
+            model, prompt = parse_tokenize(await _json_body(request, self.config.limits.max_request_bytes))
             return JSONResponse(self.preparer.tokenize(model, prompt))
         except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
             return self._refuse("/tokenize", e)
@@ -167,7 +168,7 @@ class SpecServeIngress:
     async def detokenize(self, request: Request) -> JSONResponse:
         try:
             self._check_key(request.headers.get("authorization"))
-            model, ids = oai.parse_detokenize(await _json_body(request, self.config.limits.max_request_bytes))
+            model, ids = parse_detokenize(await _json_body(request, self.config.limits.max_request_bytes))
             return JSONResponse(self.preparer.detokenize(model, ids))
         except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
             return self._refuse("/detokenize", e)

@@ -197,6 +197,7 @@ class _Body(EdgeModel):
                  array=Annotated[list[StopText], Field(max_length=MAX_STOPS, fail_fast=True)]) = None  # fmt: skip
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS, fail_fast=True)] | None = None  # vLLM's
     include_stop_str_in_output: bool | None = None  # vLLM's
+    ignore_eos: bool | None = None  # vLLM's
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: one_of("must be a string or an object", string=Text, object=dict, null=None) = None
@@ -231,6 +232,7 @@ class _Body(EdgeModel):
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            ignore_eos=bool(self.ignore_eos),
         )
 
 
@@ -281,42 +283,6 @@ def parse_completion(body: Any) -> ParsedRequest:
     """A /v1/completions body (parsed JSON) -> the typed request; InvalidRequestError naming the bad field."""
     parsed: CompletionBody = parse(CompletionBody, body)
     return _parsed(parsed, parsed.prompt, "prompt")
-
-
-class TokenizeBody(EdgeModel):
-    """vLLM's POST /tokenize: a prompt, or chat messages rendered with the model's template (with its generation
-    prompt, as a chat completion renders them)."""
-
-    model: text(max_length=MAX_NAME_CHARS) | None = None
-    prompt: Text | None = None
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)] | None = None
-    add_generation_prompt: Literal[True] | None = None  # the chat completion's rendering, always
-
-
-class DetokenizeBody(EdgeModel):
-    """vLLM's POST /detokenize."""
-
-    model: text(max_length=MAX_NAME_CHARS) | None = None
-    tokens: Annotated[list[int], Field(fail_fast=True)]
-
-
-def parse_tokenize(body: Any) -> tuple[str, str | ChatPrompt]:
-    """(model, the prompt or conversation); exactly one of prompt and messages."""
-    parsed: TokenizeBody = parse(TokenizeBody, body)
-    if (parsed.prompt is None) == (parsed.messages is None):
-        raise InvalidRequestError("prompt", "send exactly one of prompt and messages")
-    if parsed.messages is not None:
-        return parsed.model or "", ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages))
-    return parsed.model or "", parsed.prompt
-
-
-def parse_detokenize(body: Any) -> tuple[str, list[int]]:
-    parsed: DetokenizeBody = parse(DetokenizeBody, body)
-    return parsed.model or "", parsed.tokens
-
-
-def model_card(name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "specserve"}
 
 
 def parse_chat(body: Any) -> ParsedRequest:
@@ -403,6 +369,10 @@ def sse(obj: dict | str) -> str:
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "specserve"}
 
 
 def models_list(names: list[str], created: int) -> dict:

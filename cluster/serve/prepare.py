@@ -61,6 +61,7 @@ class RequestPreparer:
             top_p=request.top_p,
             max_new_tokens=_max_new_tokens(model, request, len(ids), limits),
             seed=request.seed,
+            stop_at_eos=not request.ignore_eos,
         )
         return Prepared(cfg.name, ids, params, spec, request_id, _stops(request, limits, model.vocab_size))
 

@@ -142,6 +142,7 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
         stop=tuple(edge.stop),
         stop_token_ids=tuple(edge.stop_token_ids),
         include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=request.sampling.ignore_eos,
     )
 
 

@@ -96,10 +96,12 @@ class SpecServeClient:
         stop: list[str] | tuple[str, ...] = (),
         stop_token_ids: list[int] | tuple[int, ...] = (),
         include_stop_str_in_output: bool = False,
+        ignore_eos: bool = False,
     ) -> pb.GenerateRequest:
         """A GenerateRequest: a raw `prompt` (text or token ids), or chat `messages` ([{"role", "content"}, ...])
         that the server renders with the model's chat template; `stop` sequences and `stop_token_ids` end it."""
-        sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+        sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                                     ignore_eos=ignore_eos)  # fmt: skip
         if seed is not None:
             sampling.seed = seed
         req = pb.GenerateRequest(model=model, sampling=sampling, stop=list(stop), stop_token_ids=list(stop_token_ids),

@@ -1,0 +1,45 @@
+"""vLLM's small endpoints beside the OpenAI API: POST /tokenize and POST /detokenize (the bodies, validated at the
+edge like the rest)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from specserve.cluster.serve.edge import MAX_NAME_CHARS, EdgeModel, Text, parse, text
+from specserve.cluster.serve.openai_api import MAX_MESSAGES, Message
+from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models.chat import ChatMessage, ChatPrompt
+
+
+class TokenizeBody(EdgeModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered with the model's template (with its generation
+    prompt, as a chat completion renders them)."""
+
+    model: text(max_length=MAX_NAME_CHARS) | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)] | None = None
+    add_generation_prompt: Literal[True] | None = None  # the chat completion's rendering, always
+
+
+class DetokenizeBody(EdgeModel):
+    """vLLM's POST /detokenize."""
+
+    model: text(max_length=MAX_NAME_CHARS) | None = None
+    tokens: Annotated[list[int], Field(fail_fast=True)]
+
+
+def parse_tokenize(body: Any) -> tuple[str, str | ChatPrompt]:
+    """(model, the prompt or conversation); exactly one of prompt and messages."""
+    parsed: TokenizeBody = parse(TokenizeBody, body)
+    if (parsed.prompt is None) == (parsed.messages is None):
+        raise InvalidRequestError("prompt", "send exactly one of prompt and messages")
+    if parsed.messages is not None:
+        return parsed.model or "", ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages))
+    return parsed.model or "", parsed.prompt
+
+
+def parse_detokenize(body: Any) -> tuple[str, list[int]]:
+    parsed: DetokenizeBody = parse(DetokenizeBody, body)
+    return parsed.model or "", parsed.tokens
