@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.worker_helpers import save_tiny_llama
+from specserve.workers.models import packaged_heads
+from tests.helpers.workers import save_chatty_target, save_tiny_llama
 
 # Keep tests quiet and single-threaded per process: CI has 2 cores and Ray tests start several processes.
 torch.set_num_threads(1)
@@ -52,3 +53,19 @@ def tiny_vocab_target(models_dir) -> str:
 @pytest.fixture(scope="session")
 def tiny_vocab_draft(models_dir) -> str:
     return save_tiny_llama(models_dir / "tv_draft", seed=11, layers=1, hidden=16, tiny_vocab=True, init_range=0.5)
+
+
+@pytest.fixture(scope="module")
+def chatty_target(tmp_path_factory) -> str:
+    """A tiny target that chats (tests.helpers.workers.save_chatty_target), built once per module that asks."""
+    return save_chatty_target(tmp_path_factory.mktemp("eagle") / "target")
+
+
+@pytest.fixture
+def heads_dir(tmp_path, monkeypatch):
+    """An empty directory of packaged EAGLE-3 heads in place of the package's own."""
+    heads = tmp_path / "eagle_heads"
+    monkeypatch.setattr(packaged_heads, "HEADS_DIR", heads)
+    packaged_heads.packaged_heads.cache_clear()
+    yield heads
+    packaged_heads.packaged_heads.cache_clear()

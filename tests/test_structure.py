@@ -9,6 +9,10 @@ product never imports tests."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -176,3 +180,95 @@ def test_each_folder_says_its_job():
         if path.name == "__init__.py":
             doc = ast.get_docstring(ast.parse(path.read_text()))
             assert doc and len(doc) > 20, f"{path.relative_to(ROOT)} has no one-line docstring saying its job"
+
+
+# -- the tests' own house ---------------------------------------------------------------------------------------------
+
+TESTS = ROOT / "tests"
+HELPERS = "tests.helpers"
+
+
+def _test_tree_modules() -> dict[str, Path]:
+    """Every module under tests/ by its import name (tests/ and its folders are namespace packages but helpers/)."""
+    modules = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+TEST_TREE = _test_tree_modules()
+
+
+def _imported_names(module: str, path: Path) -> set[str]:
+    """The absolute names of what `module` imports (relative imports resolved), at any depth."""
+    found = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_every_shared_test_module_lives_in_tests_helpers():
+    """Under tests/ there are test modules (test_*.py), conftest.py files and tests/helpers/; nothing else."""
+    stray = [
+        str(path.relative_to(ROOT))
+        for module, path in TEST_TREE.items()
+        if not (path.name.startswith("test_") or path.name == "conftest.py" or module.startswith(HELPERS))
+    ]
+    assert not stray, f"shared test code belongs in tests/helpers/ (fixtures in a conftest.py): {stray}"
+
+
+@pytest.mark.parametrize("module", sorted(TEST_TREE))
+def test_no_test_module_imports_another(module):
+    """From tests/, a module imports only tests.helpers: never a test module (pytest would see its tests and fixtures
+    twice, and the two files could not move apart) and never a conftest.py (pytest loads those itself)."""
+    path = TEST_TREE[module]
+    wrong = sorted(
+        name
+        for name in _imported_names(module, path)
+        if (name == "tests" or name.startswith("tests.")) and name != HELPERS and not name.startswith(HELPERS + ".")
+    )
+    assert not wrong, f"{path.relative_to(ROOT)} imports {wrong}: move what it needs to tests/helpers/ or a conftest.py"
+
+
+def test_tests_take_free_ports_from_the_product():
+    """One free_port: specserve.workers.service.local_processes.free_port; the tests keep no copy of it."""
+    copies = [
+        f"{path.relative_to(ROOT)}:{node.name}"
+        for path in TEST_TREE.values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and "free_port" in node.name
+        and not node.name.startswith("test_")
+    ]
+    assert not copies, copies
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    return {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r).group(0)).lower() for r in requirements}
+
+
+def test_every_package_the_tests_import_is_a_dependency_or_in_the_dev_extras():
+    """`pip install -e '.[dev]'` is all the suite needs: every third-party module the tests import comes from a
+    distribution that pyproject.toml names (the runtime dependencies or the `dev` extras)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    named = _requirement_names(project["dependencies"] + project["optional-dependencies"]["dev"])
+    providers = importlib.metadata.packages_distributions()
+    tops = {
+        name.split(".")[0]
+        for module, path in TEST_TREE.items()
+        for name in _imported_names(module, path)
+        if name and not name.startswith(".")
+    }
+    third_party = sorted(t for t in tops if t not in sys.stdlib_module_names and t not in ("specserve", "tests"))
+    missing = {t: providers.get(t) for t in third_party if not _requirement_names(providers.get(t, [t])) & named}
+    assert not missing, f"imported by the tests, not in pyproject.toml (module: distributions): {missing}"

@@ -12,8 +12,7 @@ from ray import serve
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve.server import start, stop
-
-from .test_serve_app import free_port
+from specserve.workers.service.local_processes import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,8 @@ import pytest
 from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
-from tests.worker_helpers import LocalWorkers, save_perturbed_copy
-
-from .test_pipeline import run_pipeline
+from tests.helpers.pipelines import run_pipeline
+from tests.helpers.workers import LocalWorkers, save_perturbed_copy
 
 BASE = "def parse(line):\n    key, value = line.split('=')\n    return key.strip(), value.strip()\n"
 PROMPTS = [BASE[: 8 + 9 * i] for i in range(8)]  # 8 to 71 characters

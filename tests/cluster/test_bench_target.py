@@ -12,7 +12,7 @@ from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
-from tests.worker_helpers import save_tiny_llama
+from tests.helpers.workers import save_tiny_llama
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [20, 21, 22, 23, 20, 21, 22], [30, 31, 32, 30, 31]]
 CFG = BenchConfig(prompts=3, max_new_tokens=24, ks=(2, 4), suite="target")
@@ -69,7 +69,7 @@ def test_with_a_draft_the_draft_and_hf_assisted_rows_are_added(tiny_target, tmp_
 
 
 def test_with_a_head_the_eagle_rows_are_added_with_acceptance_by_position(tmp_path):
-    from tests.workers.test_eagle_engine import random_head
+    from tests.helpers.eagle_heads import random_head
 
     deep_enough = save_tiny_llama(tmp_path / "target", seed=4, layers=8, hidden=32)  # feature layers 2, 4, 5
     loaded = load_model(ModelConfig(path=deep_enough, device="cpu"))
@@ -176,7 +176,7 @@ def test_with_a_head_the_disaggregated_eagle_rows_are_identical_and_report_featu
     from specserve.cluster.bench.rows import spec_fn
     from specserve.cluster.bench.timing import measure
     from specserve.workers.speculation.eagle3_io import save_head
-    from tests.workers.test_eagle_engine import random_head
+    from tests.helpers.eagle_heads import random_head
 
     target_cfg = ModelConfig(path=save_tiny_llama(tmp_path / "target", seed=4, layers=8, hidden=32), device="cpu")
     loaded = load_model(target_cfg)

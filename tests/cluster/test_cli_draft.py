@@ -7,11 +7,10 @@ import pytest
 
 from specserve.cluster.cli.main import main
 from specserve.workers.speculation.eagle3_io import config_from_json
-from tests.workers.test_eagle_data import chatty_target  # noqa: F401  (a fixture: a tiny target that chats)
 
 
 @pytest.mark.slow
-def test_draft_train_then_eval_records_acceptance(chatty_target, tmp_path, capsys):  # noqa: F811
+def test_draft_train_then_eval_records_acceptance(chatty_target, tmp_path, capsys):
     head, data = tmp_path / "head", tmp_path / "data"
     args = ["draft", "train", "--target", chatty_target, "--out", str(head), "--data", str(data),
             "--answer-tokens", "50", "--steps", "6", "--ttt-steps", "2", "--draft-vocab-size", "64"]  # fmt: skip

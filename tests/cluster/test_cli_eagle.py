@@ -14,8 +14,8 @@ from specserve.workers.config import ModelConfig
 from specserve.workers.models import packaged_heads
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.eagle3_io import save_head
-from tests.worker_helpers import save_tiny_llama
-from tests.workers.test_eagle_engine import random_head
+from tests.helpers.eagle_heads import random_head
+from tests.helpers.workers import save_tiny_llama
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):"
 

@@ -1,10 +1,10 @@
 """dashboards/specserve.json without a server: Grafana's variables (`datasource`, `model_name`) as vLLM's dashboards
 have them, every query filtered by model and reading metrics that cluster/serve/metrics.py defines, the panels the
-issue asks for, a grid without overlaps. serve_dashboard_cases.py checks every query against a live scrape."""
+issue asks for, a grid without overlaps. test_serve_app.py checks every query against a live scrape."""
 
 import pytest
 
-from tests.cluster import dashboard_queries as dq
+from tests.helpers import dashboard_queries as dq
 
 SELECTOR = '{model_name=~"$model_name"'
 

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from specserve.cluster.scheduling.detokenize import IncrementalText, byte_pieces
-from tests.worker_helpers import byte_tokenizer
+from tests.helpers.workers import byte_tokenizer
 
 TEXTS = [
     "héllo wörld, naïve café",

@@ -23,7 +23,7 @@ from specserve.workers.models.gguf_store import MARKER
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
 from specserve.workers.speculation.codec import decode_features, feature_block
-from tests.cluster.test_eagle_disaggregated import (
+from tests.helpers.eagle_disaggregated import (
     BYTE_PROMPTS,
     build_pairs,
     generate_recording_features,
@@ -32,10 +32,9 @@ from tests.cluster.test_eagle_disaggregated import (
     run_the_serving_path,
     sample_disaggregated,
 )
-from tests.workers.test_eagle_engine import hf_features
-from tests.workers.test_engine_greedy import own_greedy_loop
-from tests.workers.test_engine_sampling import NEW, assert_target_distribution
-from tests.workers.test_packaged_heads import heads_dir  # noqa: F401  (a fixture)
+from tests.helpers.eagle_heads import hf_features
+from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.sampling_oracle import NEW, assert_target_distribution
 
 WIDTH = 6  # feature values per position in the scheduler's unit test
 
@@ -183,7 +182,7 @@ def _package(head_dir: str, heads, name: str, identity: str):
     return packaged
 
 
-def test_a_target_with_a_packaged_head_serves_with_it_and_eagle_ngram_by_default(pairs, heads_dir, tmp_path,  # noqa: F811
+def test_a_target_with_a_packaged_head_serves_with_it_and_eagle_ngram_by_default(pairs, heads_dir, tmp_path,
                                                                                monkeypatch):  # fmt: skip
     """`specserve serve --model DIR` for a converted target with a packaged head: the config's draft is 'eagle', the
     draft pool runs that head, and a request without a method drafts with "eagle+ngram", identical to target-only.

@@ -1,9 +1,6 @@
 """KubeRay manifests: rendered from the Serve config files (stale -> fail), valid against the KubeRay v1.7.0 CRDs with
 unknown fields rejected, KubeRay's own rules, and serveConfigV2 valid for Ray Serve with no unknown keys."""
 
-import copy
-from pathlib import Path
-
 import jsonschema
 import pytest
 import yaml
@@ -11,31 +8,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from specserve.cluster.app_config import IMPORT_PATH, app_config
 from specserve.cluster.serve.manifests import VARIANTS, output_path, render, unknown_keys
-
-CRDS = Path(__file__).resolve().parents[2].parent / "shared" / "k8s" / "crds"
-
-
-def strict(schema):
-    """additionalProperties: false on every object schema that lists properties (and allows nothing else)."""
-    schema = copy.deepcopy(schema)
-
-    def walk(node):
-        if isinstance(node, dict):
-            if (
-                node.get("type") == "object"
-                and "properties" in node
-                and "additionalProperties" not in node
-                and not (node.get("x-kubernetes-preserve-unknown-fields"))
-            ):
-                node["additionalProperties"] = False
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(schema)
-    return schema
+from tests.helpers.crds import CRDS, strict
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +136,10 @@ def test_probes_work_with_a_proxy_on_every_node_and_the_head_drains_before_it_st
     cluster = manifest["spec"]["rayClusterConfig"]
     serve = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     assert serve["proxy_location"] == "EveryNode"
-    assert "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server" in serve["grpc_options"][
-        "grpc_servicer_functions"
-    ]
+    assert (
+        "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
+        in serve["grpc_options"]["grpc_servicer_functions"]
+    )
     cfg = app_config(next(a for a in serve["applications"] if a["import_path"] == IMPORT_PATH)["args"])
     for group in cluster["workerGroupSpecs"]:
         worker = group["template"]["spec"]["containers"][0]

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from specserve.cluster.serve.manifests import VARIANTS, output_path
-from tests.cluster.test_manifests import CRDS, strict
+from tests.helpers.crds import CRDS, strict
 
 PODMONITOR = Path(__file__).resolve().parents[2] / "manifests" / "monitoring" / "podmonitor.yaml"
 

@@ -5,13 +5,11 @@ import asyncio
 
 import pytest
 
-from specserve.cluster.scheduling.pipeline import Pipeline
-from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
-from tests.worker_helpers import LocalWorkers, save_perturbed_copy
+from tests.helpers.pipelines import run_pipeline
+from tests.helpers.workers import LocalWorkers, save_perturbed_copy
 
 PROMPTS = [
     "def add(a, b):\n    return",
@@ -34,23 +32,6 @@ def reference(models):
     engine = SpecEngine(models[0])
     params, spec = SamplingParams(max_new_tokens=20), SpecParams(method="none")
     return {p: engine.generate(p, params, spec).token_ids for p in PROMPTS}
-
-
-async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, reconnect=None):
-    """Generate every (prompt, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers."""
-    drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
-    targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
-    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect)
-    tokenizer = next(iter(w.targets.values())).verifier.runner.loaded.tokenizer
-    eos = frozenset({tokenizer.eos_token_id})
-    jobs = [pipeline.generate(tokenizer(p)["input_ids"], params, spec, eos) for p, params, spec in requests]
-    if during is not None:
-        jobs.append(during(pipeline))
-    results = await asyncio.gather(*jobs)
-    await pipeline.drain_releases()  # releases leave after each reply: wait for them before looking at the workers
-    for client in (*drafts.values(), *targets.values()):
-        await client.close()
-    return results[: len(requests)], pipeline
 
 
 def greedy(method="draft", k=4):

@@ -15,9 +15,8 @@ import torch
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import DEFAULT_MODEL
-
-from .serve_process import wait_until_serving
-from .test_serve_app import free_port
+from specserve.workers.service.local_processes import free_port
+from tests.helpers.serve_process import wait_until_serving
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.errors import OverloadedError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
-from tests.worker_helpers import LocalWorkers
+from tests.helpers.workers import LocalWorkers
 
 PROMPT = "def add(a, b):\n    return"
 

@@ -1,10 +1,10 @@
 """The Serve application end to end on a local Ray: the public gRPC service through Serve's gRPC proxy (unary,
 streaming, reflection, errors), the OpenAI-compatible HTTP API through the real `openai` package, Prometheus
-metrics, and the CLI client. Greedy outputs must equal target-only decoding."""
+metrics and the Grafana dashboard's queries against them, and the CLI client. Greedy outputs must equal target-only
+decoding."""
 
 import json
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -21,18 +21,14 @@ from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.service.local_processes import free_port
 from specserve.workers.speculation.engine import SpecEngine
+from tests.helpers import dashboard_queries as dq
+from tests.helpers.serve_app import PROMPTS
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["def add(a, b):", "class Stack:", "for i in range(3):", "import json"]
 N = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -238,11 +234,30 @@ def test_cli_generate_against_the_server(server, reference, capsys):
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
 
 
-# The table-driven bad-input tests run against this module's Serve app (see serve_bad_input_cases.py).
-from .serve_bad_input_cases import *  # noqa: E402, F403
+# The table-driven bad-input tests run against this module's Serve app (see tests/helpers/serve_bad_input_cases.py).
+from tests.helpers.serve_bad_input_cases import *  # noqa: E402, F403
 
-# The dashboard's queries against this module's Serve app's /metrics (see serve_dashboard_cases.py).
-from .serve_dashboard_cases import *  # noqa: E402, F403
+# dashboards/specserve.json against a live scrape: every metric its queries read is on this app's `/metrics`, as Ray
+# exports it (`ray_specserve_*`), once a few requests ran. Prompt lookup finds a repeat in the first prompt and the
+# tiny target keeps one of its drafts: the per-position counter, which Ray exports from its first increment only,
+# gets one.
+DASHBOARD_REQUESTS = [("a b c a b c a b c a b c", {"method": "ngram", "k": 3}), ("def add(a, b):", {"k": 4}),
+                      ("import json", {"method": "ngram", "k": 2})]  # fmt: skip
+
+
+def test_every_dashboard_query_names_a_metric_the_app_exports(server, client):
+    dashboard = dq.load()
+    wanted = dq.metric_names(dq.panel_exprs(dashboard) + dq.variable_queries(dashboard))
+    assert len(wanted) > 15
+    for prompt, spec in DASHBOARD_REQUESTS:
+        client.generate(prompt, max_new_tokens=24, **spec)
+    deadline = time.time() + 120  # Ray exports every few seconds; workers report their KV cache at each heartbeat
+    while True:
+        missing = wanted - dq.scraped_names(server["metrics"])
+        if not missing or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, f"the dashboard reads metrics the app does not export: {sorted(missing)}"
 
 
 def _health(server) -> tuple[int, dict]:

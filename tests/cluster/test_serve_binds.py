@@ -16,11 +16,9 @@ import yaml
 from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve import serve_binds
 from specserve.cluster.serve.server import _warn_without_api_key, prepare_config
-
-from .serve_process import wait_until_serving
-from .test_serve_app import free_port
-from .test_serve_cli import _marked
-from .tls_certs import CertAuthority
+from specserve.workers.service.local_processes import free_port
+from tests.helpers.serve_process import marked_processes, wait_until_serving
+from tests.helpers.tls_certs import CertAuthority
 
 
 @pytest.mark.parametrize(
@@ -147,7 +145,7 @@ def test_default_serve_listens_on_loopback_only(tmp_path, tiny_target, tiny_draf
         with SpecServeClient(f"127.0.0.1:{ports['tls']}", timeout_s=120, ca_file=ca.cert_file) as client:
             assert client.generate("def add(a, b):", max_new_tokens=8, k=2)["token_ids"]
         tree = psutil.Process(proc.pid)
-        procs = list({p.pid: p for p in [tree, *tree.children(recursive=True), *_marked(marker)]}.values())
+        procs = list({p.pid: p for p in [tree, *tree.children(recursive=True), *marked_processes(marker)]}.values())
         names = {p.name() for p in procs}
         assert {"raylet", "gcs_server", "ray::ProxyActor"} <= names
         assert any(n.startswith("ray::ServeReplica:specserve:target-tiny") for n in names)
@@ -164,6 +162,6 @@ def test_default_serve_listens_on_loopback_only(tmp_path, tiny_target, tiny_draf
         finally:
             if proc.poll() is None:
                 proc.kill()
-            for p in _marked(marker):
+            for p in marked_processes(marker):
                 p.kill()
     assert "without an API key" not in log.read_text()

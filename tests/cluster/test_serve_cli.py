@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 
-import psutil
 import pytest
 import yaml
 
@@ -18,23 +17,11 @@ from specserve.cluster.app_config import AppConfig, load_serve_config, serve_con
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.service.local_processes import free_port
 from specserve.workers.speculation.engine import SpecEngine
-
-from .serve_process import wait_until_serving
-from .test_serve_app import free_port
+from tests.helpers.serve_process import marked_processes, wait_until_serving
 
 pytestmark = pytest.mark.slow
-
-
-def _marked(marker: str) -> list[psutil.Process]:
-    procs = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("SPECSERVE_TEST_MARKER") == marker:
-                procs.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return procs
 
 
 def test_serve_drains_its_streams_on_ctrl_c_then_stops_quietly_leaving_nothing(tmp_path, tiny_target, tiny_draft):
@@ -61,7 +48,7 @@ def test_serve_drains_its_streams_on_ctrl_c_then_stops_quietly_leaving_nothing(t
         engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
         refs = [engine.generate(p, SamplingParams(max_new_tokens=300), SpecParams(method="none")).token_ids
                 for p in prompts]  # fmt: skip
-        assert len(_marked(marker)) > 3  # the CLI, GCS, raylet, Serve's controller, proxy and replicas
+        assert len(marked_processes(marker)) > 3  # the CLI, GCS, raylet, Serve's controller, proxy and replicas
         started, outputs = threading.Barrier(len(prompts) + 1), {}
 
         def stream(i: int) -> None:
@@ -84,15 +71,15 @@ def test_serve_drains_its_streams_on_ctrl_c_then_stops_quietly_leaving_nothing(t
         assert [outputs.get(i) for i in range(len(prompts))] == refs  # none cut off
         assert proc.wait(timeout=180) == 0
         deadline = time.time() + 60
-        while _marked(marker) and time.time() < deadline:
+        while marked_processes(marker) and time.time() < deadline:
             time.sleep(1)
-        assert [p.name() for p in _marked(marker)] == []
+        assert [p.name() for p in marked_processes(marker)] == []
         log = stderr.read_text() + proc.stdout.read()
         assert "ray.kill" not in log and "listen_for_change" not in log and "Traceback" not in log, log[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-        for p in _marked(marker):
+        for p in marked_processes(marker):
             p.kill()
 
 

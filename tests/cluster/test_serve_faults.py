@@ -19,9 +19,8 @@ from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.service.local_processes import free_port
 from specserve.workers.speculation.engine import SpecEngine
-
-from .test_serve_app import free_port
 
 pytestmark = pytest.mark.slow
 

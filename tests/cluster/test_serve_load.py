@@ -17,8 +17,7 @@ from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
 from specserve.cluster.serve.server import start, stop
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-
-from .test_serve_app import free_port
+from specserve.workers.service.local_processes import free_port
 
 pytestmark = pytest.mark.slow
 

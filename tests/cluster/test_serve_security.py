@@ -20,9 +20,8 @@ from specserve.cluster.serve.server import start, stop
 from specserve.cluster.serve.tls_gateway import GatewayConfig, GatewayThread
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-
-from .test_serve_app import free_port
-from .tls_certs import CertAuthority
+from specserve.workers.service.local_processes import free_port
+from tests.helpers.tls_certs import CertAuthority
 
 pytestmark = pytest.mark.slow
 

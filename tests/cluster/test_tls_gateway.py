@@ -15,8 +15,7 @@ from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import validate
 from specserve.workers.errors import InvalidRequestError
-
-from .tls_certs import CertAuthority
+from tests.helpers.tls_certs import CertAuthority
 
 
 class Upstream(pb_grpc.SpecServeServicer):

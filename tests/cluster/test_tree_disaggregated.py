@@ -17,21 +17,21 @@ from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
-from tests.cluster.test_eagle_disaggregated import (
+from tests.helpers.eagle_disaggregated import (
     BYTE_PROMPTS,
-    _until,
     app_with,
     assert_all_released,
     build_pairs,
-    generate_all,
     greedy,
     prompts_of,
     run_the_serving_path,
     sample_disaggregated,
+    until,
 )
-from tests.worker_helpers import LocalWorkers
-from tests.workers.test_engine_greedy import own_greedy_loop
-from tests.workers.test_engine_sampling import NEW, assert_target_distribution
+from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.pipelines import generate_all
+from tests.helpers.sampling_oracle import NEW, assert_target_distribution
+from tests.helpers.workers import LocalWorkers
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_forgetful_and_dead_draft_workers_change_no_output(pairs):
 
     async def faults(w, pipeline):
         for _ in range(2):
-            await _until(lambda: pipeline.scheduler.feature_traffic.proposes >= 4, timeout_s=20)
+            await until(lambda: pipeline.scheduler.feature_traffic.proposes >= 4, timeout_s=20)
             for name in ("draft-0", "draft-1"):
                 for rid in w.drafts[name].committed.least_recent():
                     await pipeline.drafts[name].release(rid)

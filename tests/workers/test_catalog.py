@@ -20,8 +20,7 @@ from specserve.workers.errors import ModelLoadError
 from specserve.workers.models import catalog as model_names
 from specserve.workers.models import gguf_store
 from specserve.workers.models.catalog import gguf_path, known_models, list_models, pull, resolve_model
-
-from ..gguf_files import write_tiny_gguf
+from tests.helpers.gguf_files import write_tiny_gguf
 
 NAME = "fake-model"
 REQUIREMENT = "fake-model==0.0.1"

@@ -2,7 +2,7 @@ import pytest
 
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatMessage, chat_prompt_ids, conversation
-from tests.worker_helpers import byte_tokenizer
+from tests.helpers.workers import byte_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip

@@ -11,7 +11,7 @@ from specserve.workers.models.chat_questions import (
     chat_prompt_ids,
     read_questions,
 )
-from tests.worker_helpers import byte_tokenizer
+from tests.helpers.workers import byte_tokenizer
 
 # SmolLM2-Instruct's template (ChatML with a default system turn)
 CHATML = (

@@ -17,7 +17,7 @@ from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.identity import target_identity
 from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, ttt_forward, vocab_maps
 from specserve.workers.speculation.eagle3_io import load_head, save_head
-from tests.worker_helpers import save_tiny_llama
+from tests.helpers.workers import save_tiny_llama
 
 H, HEADS, KV, HD, INTER, V, VD, N = 32, 4, 2, 8, 64, 259, 40, 8  # a tiny target: 8 layers, byte vocabulary
 

@@ -20,36 +20,14 @@ from specserve.workers.training import eagle_prompts, eagle_target
 from specserve.workers.training.eagle_data import GenerationSettings, generate_data, read_manifest
 from specserve.workers.training.eagle_prompts import QuestionFilter, Topic
 from specserve.workers.training.eagle_target import EagleTarget, Sampling
-from tests.gguf_files import CHATML_TEMPLATE, write_tiny_gguf
-from tests.worker_helpers import save_tiny_llama
+from tests.helpers.gguf_files import write_tiny_gguf
+from tests.helpers.workers import CHATTY_LAYERS, save_tiny_llama
 
-LAYERS = 8  # feature layers 2, 4, 5
+LAYERS = CHATTY_LAYERS  # the `chatty_target` fixture's: feature layers 2, 4, 5
 SMALL = GenerationSettings(
     shard_sequences=6, batch=4, max_question_tokens=48, max_answer_tokens=10, train_question_fraction=0.3,
     gen_dtype="float32",
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def chatty_target(tmp_path_factory) -> str:
-    """A tiny random Llama with a ChatML template whose samples are mostly ASCII letters and end with EOS now and then
-    (a constant residual component, read by the head rows of letters and EOS): it writes short 'questions'."""
-    path = tmp_path_factory.mktemp("eagle") / "target"
-    save_tiny_llama(path, seed=3, layers=LAYERS, hidden=32)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    tokenizer.chat_template = CHATML_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    letters = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) in list("abcdefghijklmnopqrstuvwxyz ")]
-    broken = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 10.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[letters, 0] = 1.5
-        model.lm_head.weight[broken, 0] = -1.5
-        model.lm_head.weight[tokenizer.eos_token_id, 0] = 1.0
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -293,8 +271,9 @@ def test_passage_requests_follow_finished_answers_and_never_quote_a_held_out_que
 
 def test_shards_hold_requests_over_their_own_answers(chatty_target, tmp_path, monkeypatch):
     monkeypatch.setattr(eagle_prompts, "_MIN_PASSAGE_WORDS", 1)
-    settings = GenerationSettings(**{**SMALL.__dict__, "passage_fraction": 1.0, "train_question_fraction": 0.0,
-                                     "max_answer_tokens": 64})  # answers that end, so they can be passages
+    settings = GenerationSettings(
+        **{**SMALL.__dict__, "passage_fraction": 1.0, "train_question_fraction": 0.0, "max_answer_tokens": 64}
+    )  # answers that end, so they can be passages
     manifest = generate_data(chatty_target, tmp_path / "d", answer_tokens=1, settings=settings, progress=False)
     shard = load_file(str(tmp_path / "d" / manifest.shards[0].file))
     assert manifest.shards[0].sequences > settings.shard_sequences  # the questions, then requests over answers

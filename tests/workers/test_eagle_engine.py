@@ -16,16 +16,17 @@ from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.chain_planner import ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
-from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, vocab_maps
+from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers
 from specserve.workers.speculation.eagle3_io import save_head
 from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from specserve.workers.training.eagle_train import train_head
-from tests.eagle_data_helpers import FIRST_TOKEN, write_tiny_eagle_data
-from tests.worker_helpers import sample_in_processes, save_tiny_llama
-from tests.workers.test_engine_greedy import PROMPTS, own_greedy_loop
-from tests.workers.test_engine_sampling import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
+from tests.helpers.eagle_data import FIRST_TOKEN, write_tiny_eagle_data
+from tests.helpers.eagle_heads import hf_features, random_head
+from tests.helpers.greedy_oracle import PROMPTS, own_greedy_loop
+from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
+from tests.helpers.workers import sample_in_processes, save_tiny_llama
 
 LAYERS, HIDDEN = 8, 32  # feature layers (2, 4, 5)
 MAX_NEW = 24
@@ -46,24 +47,6 @@ def trained(tmp_path_factory):
     settings = {"epochs": 12, "ttt_steps": 3, "draft_vocab_size": 6, "lr": 3e-3, "batch_tokens": 512, "seed": 0}
     result = train_head(data, path, root / "head", progress=False, **settings)
     return load_model(ModelConfig(path=path, device="cpu")), result.head_dir
-
-
-def random_head(model_config, draft_vocab: int, seed: int, std: float | None = None) -> Eagle3Head:
-    """A random head; std: re-initialise every weight with it (peaked logits, so some proposals are accepted)."""
-    torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(model_config, draft_vocab))
-    if std is not None:
-        for p in head.parameters():
-            torch.nn.init.normal_(p, std=std)
-    head.set_vocab_maps(*vocab_maps(torch.randperm(model_config.vocab_size).float(), draft_vocab))
-    return head.eval()
-
-
-def hf_features(model, sequence: list[int]) -> torch.Tensor:
-    """The target's features [T, 3H] of every position, from Hugging Face's own forward without a cache."""
-    with torch.no_grad():
-        hidden = model(torch.tensor([sequence], device=model.device), output_hidden_states=True).hidden_states
-    return torch.cat([hidden[i][0] for i in default_feature_layers(model.config.num_hidden_layers)], dim=-1)
 
 
 @pytest.mark.parametrize(

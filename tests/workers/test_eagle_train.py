@@ -18,8 +18,8 @@ from specserve.workers.training import eagle_train
 from specserve.workers.training.eagle_manifest import read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import answer_token_counts, load_shard, make_batch
 from specserve.workers.training.eagle_train import chain_acceptance, target_weights, train_head, ttt_loss
-from tests.eagle_data_helpers import write_tiny_eagle_data
-from tests.worker_helpers import save_tiny_llama
+from tests.helpers.eagle_data import write_tiny_eagle_data
+from tests.helpers.workers import save_tiny_llama
 
 K = 3  # drafted tokens, and TTT steps
 

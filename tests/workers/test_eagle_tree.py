@@ -9,7 +9,7 @@ from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.eagle3_drafting import Eagle3Drafting
 from specserve.workers.speculation.eagle3_tree import draft_trees
-from tests.workers.test_eagle_engine import random_head
+from tests.helpers.eagle_heads import random_head
 
 H, FEATURES = 32, 96
 VOCAB = 259

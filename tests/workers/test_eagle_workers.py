@@ -30,8 +30,8 @@ from specserve.workers.speculation.eagle_loading import load_head_drafter, load_
 from specserve.workers.speculation.goodput import PROFILE_ROWS
 from specserve.workers.speculation.target import TargetVerifier
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
-from tests.worker_helpers import LocalWorkers, save_tiny_llama
-from tests.workers.test_eagle_engine import random_head
+from tests.helpers.eagle_heads import random_head
+from tests.helpers.workers import LocalWorkers, save_tiny_llama
 
 LAYERS, HIDDEN = 4, 32  # feature layers (2, 2, 1); 96 values per position
 F = 3 * HIDDEN

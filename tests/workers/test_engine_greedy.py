@@ -6,9 +6,9 @@ import torch
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
-from tests.worker_helpers import save_perturbed_copy, save_tiny_llama
+from tests.helpers.greedy_oracle import PROMPTS, own_greedy_loop
+from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
 
-PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\nclass Foo", "x = [i * i for i in range(10)]\nprint(x)"]
 MAX_NEW = 24
 
 
@@ -35,20 +35,6 @@ def pairs(models_dir, tiny_target, tiny_draft, device):
             cache[d] = load_model(ModelConfig(path=d, device=device))
         loaded[name] = SpecEngine(cache[t], cache[d])
     return loaded
-
-
-def own_greedy_loop(model, prompt_ids, max_new, eos_ids):
-    """Target-only greedy decoding with a full recompute each step: no cache, no specserve code."""
-    ids = list(prompt_ids)
-    out = []
-    with torch.no_grad():
-        for _ in range(max_new):
-            token = int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax())
-            ids.append(token)
-            out.append(token)
-            if token in eos_ids:
-                break
-    return out
 
 
 @pytest.fixture(scope="module")

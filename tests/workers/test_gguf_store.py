@@ -21,7 +21,7 @@ from specserve.workers.models import gguf_store
 from specserve.workers.models.gguf_store import MARKER, converted_dir, file_sha256, is_gguf_file
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
-from tests.gguf_files import CHATML_TEMPLATE, write_tiny_gguf
+from tests.helpers.gguf_files import CHATML_TEMPLATE, write_tiny_gguf
 
 PROMPTS = ["the cat sat on the mat", "Once upon a time, in a land far away", "def f(x):\n    return"]
 TEXTS = ["Hello, world!", " the quick brown fox\n\tjumps", "naïve café – 日本語 🙂", "<|im_start|>user\nhi<|im_end|>"]

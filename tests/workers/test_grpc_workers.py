@@ -11,7 +11,7 @@ from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.service.assembly import WorkerSpec, build_worker, start_worker_server
-from tests.worker_helpers import LocalWorkers
+from tests.helpers.workers import LocalWorkers
 
 
 @pytest.fixture(scope="module")

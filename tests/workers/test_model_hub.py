@@ -22,8 +22,7 @@ from specserve.workers.errors import ModelLoadError
 from specserve.workers.models import catalog, gguf_store, hub
 from specserve.workers.models.catalog import resolve_model
 from specserve.workers.runtime.loading import load_model
-
-from ..worker_helpers import save_tiny_llama
+from tests.helpers.workers import save_tiny_llama
 
 REPO = "tiny-org/Tiny-Llama.v1"
 MAIN = "a" * 40  # commit hashes

@@ -11,9 +11,9 @@ from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.ngram_tree import MAX_MATCHES, ngram_matches, ngram_tree
-from tests.worker_helpers import sample_in_processes, save_tiny_llama
-from tests.workers.test_engine_greedy import PROMPTS, own_greedy_loop
-from tests.workers.test_engine_sampling import NEW, PROMPT, assert_target_distribution
+from tests.helpers.greedy_oracle import PROMPTS, own_greedy_loop
+from tests.helpers.sampling_oracle import NEW, PROMPT, assert_target_distribution
+from tests.helpers.workers import sample_in_processes, save_tiny_llama
 
 
 def test_matches_are_the_most_recent_of_the_longest_suffixes_first():

@@ -9,15 +9,6 @@ from specserve.workers.models import packaged_heads
 from specserve.workers.models.gguf_store import MARKER
 
 
-@pytest.fixture
-def heads_dir(tmp_path, monkeypatch):
-    heads = tmp_path / "eagle_heads"
-    monkeypatch.setattr(packaged_heads, "HEADS_DIR", heads)
-    packaged_heads.packaged_heads.cache_clear()
-    yield heads
-    packaged_heads.packaged_heads.cache_clear()
-
-
 def _converted_target(path, digest: str):
     path.mkdir()
     (path / MARKER).write_text(json.dumps({"sha256": digest}))

@@ -11,8 +11,8 @@ from specserve.workers.config import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.packed_linear import PackedLinear, pack_linears, packing_works
 from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
-from tests.worker_helpers import save_tiny_llama
-from tests.workers.test_eagle_engine import random_head
+from tests.helpers.eagle_heads import random_head
+from tests.helpers.workers import save_tiny_llama
 
 pytestmark = pytest.mark.skipif(not packing_works(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN packed linear")  # fmt: skip

@@ -4,7 +4,6 @@ rank killed mid-request makes the replica unhealthy while its requests finish on
 
 import asyncio
 import multiprocessing as mp
-import socket
 
 import grpc
 import pytest
@@ -19,26 +18,21 @@ from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams,
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.service.local_processes import free_port
 from specserve.workers.service.tensor_parallel import LocalTensorParallelReplica, Rendezvous, check_shardable
 from specserve.workers.speculation.engine import SpecEngine
-from tests.worker_helpers import LocalWorkers, tensor_parallel_logits
+from tests.helpers.workers import LocalWorkers, tensor_parallel_logits
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["def add(a, b):\n    return", "for i in range(3):", "import json\n\ndata = json.loads("]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sharded_logits_equal_the_single_process_model(tiny_target):
     rows = [("a", list(range(3, 40)), 1), ("a", list(range(3, 30)) + [7, 8, 9], 4), ("b", [5, 6, 7, 8, 9], 2)]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    rendezvous = Rendezvous("127.0.0.1", _free_port(), 2, timeout_s=60)
+    rendezvous = Rendezvous("127.0.0.1", free_port(), 2, timeout_s=60)
     procs = [ctx.Process(target=tensor_parallel_logits, args=(r, rendezvous, tiny_target, rows, results))
              for r in range(2)]  # fmt: skip
     for p in procs:

@@ -4,7 +4,6 @@ keys/values next to the committed tokens, so decoding on from it equals target-o
 single process's."""
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import ROOT, TreeRow
+from specserve.workers.service.local_processes import free_port
 from specserve.workers.service.tensor_parallel import Rendezvous
-from tests.worker_helpers import save_tiny_llama
+from tests.helpers.workers import save_tiny_llama
 
 # node:     0   1   2   3   4   5   6
 PARENTS = [ROOT, ROOT, 0, 0, 2, 1, 4]  # depths 0 0 1 1 2 1 3
@@ -99,12 +99,6 @@ def test_malformed_trees_are_refused_before_the_cache_changes(model):
     assert runner.store.used_tokens == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tensor_parallel_trees(rank: int, rendezvous, path: str, results) -> None:
     """One rank: a tree, its path kept, one decoding step, through the mirrored runner; rank 0 reports logits."""
     import torch.distributed as dist
@@ -132,7 +126,7 @@ def tensor_parallel_trees(rank: int, rendezvous, path: str, results) -> None:
 def test_tensor_parallel_trees_equal_the_single_process(model):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    rendezvous = Rendezvous("127.0.0.1", _free_port(), 2, timeout_s=60)
+    rendezvous = Rendezvous("127.0.0.1", free_port(), 2, timeout_s=60)
     procs = [ctx.Process(target=tensor_parallel_trees, args=(r, rendezvous, model.path, results)) for r in range(2)]
     for p in procs:
         p.start()

@@ -13,7 +13,7 @@ from specserve.workers.speculation.tree_verification import (
     rejection_tree_verify,
 )
 from specserve.workers.speculation.verification import greedy_verify, rejection_verify
-from tests.workers.test_engine_sampling import chi2_pvalue
+from tests.helpers.sampling_oracle import chi2_pvalue
 
 
 def random_trees(batch: int, nodes: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:

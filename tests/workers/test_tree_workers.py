@@ -21,10 +21,10 @@ from specserve.workers.service.target_worker import TargetWorker, VerifyCall
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
 from specserve.workers.speculation.target import TargetVerifier
-from tests.worker_helpers import LocalWorkers, save_tiny_llama
-from tests.workers.test_eagle_engine import hf_features, random_head
-from tests.workers.test_engine_greedy import own_greedy_loop
-from tests.workers.test_tree_verifier import random_tree
+from tests.helpers.eagle_heads import hf_features, random_head
+from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.trees import random_tree
+from tests.helpers.workers import LocalWorkers, save_tiny_llama
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -1,7 +1,9 @@
-"""`specserve serve` as a subprocess in tests: wait for its ready line."""
+"""`specserve serve` as a subprocess in tests: wait for its ready line, find every process it started."""
 
 import subprocess
 import time
+
+import psutil
 
 READY = "specserve is serving"
 
@@ -14,3 +16,16 @@ def wait_until_serving(proc: subprocess.Popen, timeout_s: float = 400, log=None)
         line = proc.stdout.readline()
     assert READY in line, f"no ready line (exit code {proc.poll()})" + (f": {log.read_text()[-3000:]}" if log else "")
     return line
+
+
+def marked_processes(marker: str) -> list[psutil.Process]:
+    """The live processes whose environment has SPECSERVE_TEST_MARKER=`marker`: a server started with it and every
+    process that server started."""
+    procs = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("SPECSERVE_TEST_MARKER") == marker:
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return procs

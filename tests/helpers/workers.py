@@ -86,6 +86,33 @@ def save_perturbed_copy(source: str | Path, path: str | Path, noise: float, seed
     return str(path)
 
 
+CHATTY_LAYERS = 8  # the chatty target's layers: EAGLE-3 feature layers 2, 4, 5
+
+
+def save_chatty_target(path: str | Path) -> str:
+    """A tiny random Llama with a ChatML template whose samples are mostly ASCII letters and end with EOS now and then
+    (a constant residual component, read by the head rows of letters and EOS): it writes short 'questions'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers.gguf_files import CHATML_TEMPLATE
+
+    save_tiny_llama(path, seed=3, layers=CHATTY_LAYERS, hidden=32)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    letters = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) in list("abcdefghijklmnopqrstuvwxyz ")]
+    broken = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[letters, 0] = 1.5
+        model.lm_head.weight[broken, 0] = -1.5
+        model.lm_head.weight[tokenizer.eos_token_id, 0] = 1.0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 class LocalWorkers:
     """Draft and target workers for tests, each behind its own real gRPC server on a free localhost port.
 

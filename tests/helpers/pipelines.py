@@ -1,0 +1,42 @@
+"""Requests driven through a Scheduler + Pipeline on LocalWorkers' real gRPC workers, as the scheduler replica drives
+them: all concurrently, an optional job beside them, the releases drained and the clients closed before returning."""
+
+import asyncio
+
+from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
+from tests.helpers.workers import LocalWorkers
+
+
+async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, reconnect=None):
+    """Generate every (prompt, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers."""
+    drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
+    targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect)
+    tokenizer = next(iter(w.targets.values())).verifier.runner.loaded.tokenizer
+    eos = frozenset({tokenizer.eos_token_id})
+    jobs = [pipeline.generate(tokenizer(p)["input_ids"], params, spec, eos) for p, params, spec in requests]
+    if during is not None:
+        jobs.append(during(pipeline))
+    results = await asyncio.gather(*jobs)
+    await pipeline.drain_releases()  # releases leave after each reply: wait for them before looking at the workers
+    for client in (*drafts.values(), *targets.values()):
+        await client.close()
+    return results[: len(requests)], pipeline
+
+
+async def generate_all(w: LocalWorkers, requests, during=None, reconnect=None, predraft=True):
+    """Generate every (prompt ids, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers, with
+    no stop token (so every position the target commits is one the request keeps)."""
+    drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
+    targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect)
+    jobs = [pipeline.generate(ids, params, spec, frozenset()) for ids, params, spec in requests]
+    if during is not None:
+        jobs.append(during(pipeline))
+    results = await asyncio.gather(*jobs)
+    await pipeline.drain_releases()
+    for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
+        await client.close()
+    return results[: len(requests)], pipeline
