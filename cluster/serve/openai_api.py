@@ -193,7 +193,7 @@ class _Body(EdgeModel):
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
     logit_bias: dict | None = None
-    stop: one_of("must be a string or a list of strings", string=StopText, null=None,
+    stop: one_of("must be a string or a list of strings", string=text(max_length=MAX_STOP_CHARS), null=None,
                  array=Annotated[list[StopText], Field(max_length=MAX_STOPS, fail_fast=True)]) = None  # fmt: skip
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS, fail_fast=True)] | None = None  # vLLM's
     include_stop_str_in_output: bool | None = None  # vLLM's
@@ -229,7 +229,7 @@ class _Body(EdgeModel):
             k=spec.k,
             prompt_field=prompt_field,
             max_new_tokens_field="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
-            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop=((self.stop,) if self.stop else ()) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             ignore_eos=bool(self.ignore_eos),

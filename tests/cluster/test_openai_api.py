@@ -81,14 +81,14 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream_options": 5}, "stream_options", "must be an object"),
     ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "valid boolean"),
     ({"prompt": "x", "stream_options": {"bogus": True}}, "stream_options.bogus", "unknown field"),
-    ({"prompt": "x", "n": 2}, "n", "not supported by specserve"),
-    ({"prompt": "x", "n": 0}, "n", "not supported by specserve"),
-    ({"prompt": "x", "n": 2**64}, "n", "not supported by specserve"),
+    ({"prompt": "x", "n": 17}, "n", "less than or equal to 16"),
+    ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
+    ({"prompt": "x", "n": 2**64}, "n", "less than or equal to 16"),
     ({"prompt": "x", "best_of": 3}, "best_of", "not supported by specserve"),
     ({"prompt": "x", "echo": True}, "echo", "not supported by specserve"),
-    ({"prompt": "x", "stop": ["\n"]}, "stop", "not supported by specserve"),
-    ({"prompt": "x", "stop": "\n"}, "stop", "not supported by specserve"),
-    ({"prompt": "x", "stop": ["a"] * 100_000}, "stop", "at most 4 items"),
+    ({"prompt": "x", "stop": [""]}, "stop[0]", "at least 1 character"),
+    ({"prompt": "x", "stop": ["a"] * 100_000}, "stop", "at most 64 items"),
+    ({"prompt": "x", "stop_token_ids": [-1, "x"]}, "stop_token_ids[1]", "valid integer"),
     ({"prompt": "x", "stop": [5]}, "stop[0]", "valid string"),
     ({"prompt": "x", "stop": 5}, "stop", "a string or a list of strings"),
     ({"prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias", "not supported by specserve"),
@@ -107,7 +107,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", **{f"f{i}": 0 for i in range(100_000)}}, "body", "100000 unknown fields (f0, f1, f2, ...)"),
     ({"prompt": "x", "speculation": "fast"}, "speculation", "must be an object"),
     ({"prompt": "x", "speculation": {"method": "draft", "depth": 3}}, "speculation.depth", "unknown field"),
-    ({"prompt": "x", "speculation": {"method": "DRAFT"}}, "speculation.method", "'ngram-tree' or 'none'"),
+    ({"prompt": "x", "speculation": {"method": "DRAFT"}}, "speculation.method", "'ngram-tree', 'suffix' or 'none'"),
     ({"prompt": "x", "speculation": {"k": 0}}, "speculation.k", "greater than or equal to 1"),
     ({"prompt": "x", "speculation": {"k": 17}}, "speculation.k", "less than or equal to 16"),
     ({"prompt": "x", "speculation": {"k": "many"}}, "speculation.k", "'auto'"),
@@ -128,7 +128,7 @@ def test_bad_completion_requests_name_the_field_as_sent(body, field, message):
 
 def test_several_bad_fields_are_named_after_the_first():
     with pytest.raises(InvalidRequestError) as e:
-        oai.parse_completion({"prompt": "x", "top_p": 2, "top_k": -1, "seed": "s", "n": 3, "temperature": -1})
+        oai.parse_completion({"prompt": "x", "top_p": 2, "top_k": -1, "seed": "s", "n": 30, "temperature": -1})
     assert e.value.field == "temperature"
     assert "(also: top_p: " in e.value.message and "top_k: " in e.value.message and "and 1 more)" in e.value.message
 

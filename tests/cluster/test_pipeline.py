@@ -5,6 +5,9 @@ import asyncio
 
 import pytest
 
+from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
@@ -38,7 +41,7 @@ def greedy(method="draft", k=4):
     return SamplingParams(max_new_tokens=20), SpecParams(method=method, k=k)
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix"])
 def test_eight_concurrent_greedy_requests_identical_to_target_only(models, reference, method):
     async def main():
         async with LocalWorkers(models[0], [models[1]], n_targets=2) as w:
@@ -163,3 +166,26 @@ def test_restarted_workers_are_reconnected_with_identical_output(models, referen
     assert [r.state.generated for r in results] == list(reference.values())
     assert pipeline.restarts == 2 and not pipeline.scheduler.unhealthy
     assert served == {"draft-0": 0, "target-0": 0}  # the replacements served the rest, then released everything
+
+
+def test_suffix_drafting_reuses_a_finished_answer_for_the_next_request(models, reference):
+    """The scheduler's model cache holds each finished "suffix" request's output: asked again, the second pass drafts
+    the first answer and accepts it, identical to target-only either way."""
+
+    async def main():
+        async with LocalWorkers(models[0], [models[1]]) as w:
+            drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
+            targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
+            pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
+            tokenizer = next(iter(w.targets.values())).verifier.runner.loaded.tokenizer
+            eos, ids = frozenset({tokenizer.eos_token_id}), tokenizer(PROMPTS[0])["input_ids"]
+            passes = [await pipeline.generate(ids, *greedy("suffix", "auto"), eos) for _ in range(2)]
+            await pipeline.drain_releases()
+            for client in (*drafts.values(), *targets.values()):
+                await client.close()
+            return passes, len(pipeline.scheduler.suffix_cache)
+
+    (first, second), cached = asyncio.run(main())
+    assert first.state.generated == second.state.generated == reference[PROMPTS[0]]
+    assert cached == 2  # each finished request's output
+    assert second.state.stats.accepted >= len(reference[PROMPTS[0]]) - 4 > first.state.stats.accepted

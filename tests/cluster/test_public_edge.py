@@ -71,7 +71,7 @@ BAD_GRPC = [
     (g(seed=2**64 - 1), "sampling.seed", "less than"),
     (g(k=17), "speculation.k", "less than or equal to 16"),
     (g(k=2**32 - 1), "speculation.k", "less than or equal to 16"),
-    (g(method="magic"), "speculation.method", "'draft', 'ngram', 'ngram-tree' or 'none'"),
+    (g(method="magic"), "speculation.method", "'ngram', 'ngram-tree', 'suffix' or 'none'"),
     (g(method="DRAFT"), "speculation.method", "'draft'"),
     (pb.GenerateRequest(prompt="x", model="m" * 300), "model", "at most 256 characters"),
     (g(prompt="", messages=[("tool", "x")]), "messages[0].role", "'user'"),

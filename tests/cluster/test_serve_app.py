@@ -74,8 +74,12 @@ def test_grpc_generate_is_lossless_for_concurrent_requests(client, reference):
     with ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
         draft = list(pool.map(lambda p: client.generate(p, max_new_tokens=N, k=3), PROMPTS))
         ngram = list(pool.map(lambda p: client.generate(p, max_new_tokens=N, method="ngram", k=2), PROMPTS))
-    for p, d, g in zip(PROMPTS, draft, ngram, strict=True):
-        assert d["token_ids"] == reference[p][0] == g["token_ids"]
+    suffix = [client.generate(p, max_new_tokens=N, method="suffix") for p in PROMPTS * 2]  # again: from the cache
+    again = suffix[len(PROMPTS) :]
+    assert [s["token_ids"] for s in again] == [reference[p][0] for p in PROMPTS]
+    assert sum(s["stats"]["accepted"] for s in again) > sum(s["stats"]["accepted"] for s in suffix[: len(PROMPTS)])
+    for p, d, g, s in zip(PROMPTS, draft, ngram, suffix, strict=False):
+        assert d["token_ids"] == reference[p][0] == g["token_ids"] == s["token_ids"]
         assert d["text"] == reference[p][1]
         assert d["finish_reason"] in ("length", "stop")
         assert d["stats"]["drafted"] > 0 and d["stats"]["rounds"] < len(d["token_ids"]) + 1
@@ -354,3 +358,126 @@ def test_request_ids_are_taken_or_made_returned_everywhere_and_logged(server, cl
         time.sleep(1)
     else:
         pytest.fail("no log line names request grpc-10")
+
+
+def _plain(text: str) -> bool:
+    return text.isascii() and text.isprintable()
+
+
+def _cut_at(reference_ids, reference_text, stop, tokenizer):
+    """Target-only decoding with a stop sequence: the text before it, the ids through the token completing it."""
+    n = next(n for n in range(1, len(reference_ids) + 1) if stop in tokenizer.decode(reference_ids[:n]))
+    return reference_text[: reference_text.index(stop)], reference_ids[:n]
+
+
+def test_stop_sequences_and_stop_token_ids_cut_where_target_only_would_on_every_path(server, client, oai, reference,
+                                                                                    tiny_target):  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    ids, text = reference[PROMPTS[2]]
+    # three plain characters past the start (tokens are single bytes here: a stop straddles rounds)
+    at = next(i for i in range(len(text) // 3, len(text) - 3) if _plain(text[i : i + 3]))
+    stop = text[at : at + 3]
+    want_text, want_ids = _cut_at(ids, text, stop, tokenizer)
+    for method, k in (("draft", 4), ("ngram", 3), ("suffix", None), ("none", None)):
+        out = client.generate(PROMPTS[2], max_new_tokens=N, method=method, k=k, stop=[stop, "\x00never"])
+        assert (out["text"], out["token_ids"], out["finish_reason"]) == (want_text, want_ids, "stop"), method
+        chunks = list(client.generate_stream(PROMPTS[2], max_new_tokens=N, method=method, k=k, stop=[stop]))
+        assert "".join(c["text"] for c in chunks) == want_text and chunks[-1]["finish_reason"] == "stop"
+        assert [t for c in chunks for t in c["token_ids"]] == want_ids
+    kept = client.generate(PROMPTS[2], max_new_tokens=N, k=4, stop=[stop], include_stop_str_in_output=True)
+    assert kept["text"] == want_text + stop
+    by_id = client.generate(PROMPTS[2], max_new_tokens=N, k=4, stop_token_ids=[ids[5]])
+    first = ids.index(ids[5])
+    assert by_id["token_ids"] == ids[: first + 1] and by_id["finish_reason"] == "stop"
+
+    completion = oai.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=N, temperature=0, stop=stop)
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (want_text, "stop")
+    streamed = oai.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=N, temperature=0, stop=[stop],
+                                      stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == want_text
+    for bad, field in (({"stop": [""]}, "stop"), ({"stop": ["x"] * 17}, "stop"),
+                       ({"stop_token_ids": [10**6]}, "stop_token_ids")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=bad)
+        assert err.value.body["param"].startswith(field)
+
+
+def test_n_choices_each_equal_their_own_request_streamed_or_not(oai, reference):
+    greedy = oai.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.text for c in greedy.choices} == {reference[PROMPTS[0]][1]}
+    assert greedy.usage.completion_tokens == 3 * len(reference[PROMPTS[0]][0])
+
+    # a fixed k: with k='auto' the drafts (and so the tokens a seed draws) follow the batch's load
+    fixed = {"speculation": {"k": 3}}
+    sampled = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=40, n=3,
+                                     extra_body=fixed)  # fmt: skip
+    alone = [oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=40 + i,
+                                    extra_body=fixed) for i in range(3)]  # fmt: skip
+    assert [c.text for c in sampled.choices] == [a.choices[0].text for a in alone]  # choice i: seed + i
+    assert len({c.text for c in sampled.choices}) > 1
+
+    stream = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                         max_tokens=8, temperature=1.0, seed=40, n=2, stream=True,
+                                         extra_body=fixed)  # fmt: skip
+    texts, finished = {0: "", 1: ""}, set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                       max_tokens=8, temperature=1.0, seed=40, n=2, extra_body=fixed)  # fmt: skip
+    assert finished == {0, 1} and [texts[0], texts[1]] == [c.message.content for c in chat.choices]
+    for bad in (0, 17):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.completions.create(model="tiny", prompt="x", max_tokens=2, n=bad)
+        assert err.value.body["param"] == "n"
+
+
+def test_tokenize_detokenize_and_a_models_card_as_vllm_serves_them(server, oai, tiny_target):
+    from transformers import AutoTokenizer
+
+    from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+
+    def post(path, body):
+        request = urllib.request.Request(server["http"] + path, data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, out = post("/tokenize", {"model": "tiny", "prompt": PROMPTS[0]})
+    completion = oai.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=1, temperature=0)
+    assert status == 200 and out["count"] == len(out["tokens"]) == completion.usage.prompt_tokens
+    assert out["max_model_len"] == 512
+    status, chat = post("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat["tokens"] == chat_prompt_ids(tokenizer, (ChatMessage("user", "hi"),))
+    assert post("/detokenize", {"model": "tiny", "tokens": out["tokens"]}) == (200, {"prompt": PROMPTS[0]})
+    status, err = post("/detokenize", {"model": "tiny", "tokens": [10**6]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    status, err = post("/tokenize", {"model": "tiny", "prompt": "x", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and err["error"]["param"] == "prompt"
+    assert oai.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+
+
+def test_ignore_eos_runs_to_max_tokens_as_target_only_does(client, oai, tiny_target):
+    engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
+    eos = min(engine.target.eos_token_ids) if engine.target.eos_token_ids else None
+    prompt = [eos, eos, eos] if eos is not None else PROMPTS[0]  # EOS invites EOS
+    params = SamplingParams(max_new_tokens=N, stop_at_eos=False)
+    want = engine.generate(prompt, params, SpecParams(method="none")).token_ids
+    out = client.generate(list(prompt) if isinstance(prompt, list) else prompt, max_new_tokens=N, k=3,
+                          ignore_eos=True)  # fmt: skip
+    assert out["token_ids"] == want and len(want) == N and out["finish_reason"] == "length"
+    completion = oai.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+    assert completion.usage.completion_tokens == N

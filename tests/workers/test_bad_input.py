@@ -18,7 +18,7 @@ def engine(tiny_target, tiny_draft):
     [
         (SpecParams, {"k": 0}, "k", "greater than or equal to 1"),
         (SpecParams, {"k": 17}, "k", "less than or equal to 16"),
-        (SpecParams, {"method": "medusa"}, "method", "'draft', 'ngram', 'ngram-tree' or 'none'"),
+        (SpecParams, {"method": "medusa"}, "method", "'ngram', 'ngram-tree', 'suffix' or 'none'"),
         (SamplingParams, {"temperature": -0.5}, "temperature", "greater than or equal to 0"),
         (SamplingParams, {"temperature": float("nan")}, "temperature", "finite"),
         (SamplingParams, {"top_p": 0.0}, "top_p", "greater than 0"),

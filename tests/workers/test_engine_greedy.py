@@ -102,3 +102,13 @@ def test_caches_are_released_after_each_request(pairs):
     engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=8), SpecParams(method="draft", k=4))
     assert engine.verifier.runner.store.used_tokens == 0
     assert engine.drafters["draft"].runner.store.used_tokens == 0
+
+
+def test_suffix_greedy_is_identical_to_target_only_and_a_repeat_drafts_from_the_cache(pairs, references):
+    engine = pairs["random"]
+    for k in (3, "auto"):
+        for prompt in PROMPTS:
+            first = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="suffix", k=k))
+            again = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="suffix", k=k))
+            assert first.token_ids == again.token_ids == references[(engine.target.path, prompt)]
+            assert again.stats.accepted >= 0.9 * again.stats.drafted and again.stats.rounds < len(again.token_ids)

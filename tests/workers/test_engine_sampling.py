@@ -31,6 +31,8 @@ def engine(tiny_vocab_target, tiny_vocab_draft, device):
         ("draft", 2, 0.8, 5_000, 0.03, 0.1),
         # n-gram proposals are one-hot and mostly rejected here, which exercises the recovered-token path.
         ("ngram", 3, 1.0, 5_000, 0.03, 0.01),
+        # suffix drafting: one-hot proposals from the request and the engine's earlier samples
+        ("suffix", 3, 1.0, 5_000, 0.03, 0.01),
     ],
 )
 def test_speculative_sampling_matches_target_distribution(
