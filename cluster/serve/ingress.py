@@ -157,21 +157,20 @@ class SpecServeIngress:
 
     @http_app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
-        try:
-            self._check_key(request.headers.get("authorization"))
-            model, prompt = parse_tokenize(await _json_body(request, self.config.limits.max_request_bytes))
-            return JSONResponse(self.preparer.tokenize(model, prompt))
-        except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
-            return self._refuse("/tokenize", e)
+        return await self._json_call(request, "/tokenize", lambda body: self.preparer.tokenize(*parse_tokenize(body)))
 
     @http_app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
+        answer = lambda body: self.preparer.detokenize(*parse_detokenize(body))  # noqa: E731
+        return await self._json_call(request, "/detokenize", answer)
+
+    async def _json_call(self, request: Request, route: str, answer) -> JSONResponse:
+        """A small JSON endpoint: the key checked, the body read within the limit, `answer(body)` or an OpenAI error."""
         try:
             self._check_key(request.headers.get("authorization"))
-            model, ids = parse_detokenize(await _json_body(request, self.config.limits.max_request_bytes))
-            return JSONResponse(self.preparer.detokenize(model, ids))
+            return JSONResponse(answer(await _json_body(request, self.config.limits.max_request_bytes)))
         except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
-            return self._refuse("/detokenize", e)
+            return self._refuse(route, e)
 
     @http_app.get("/health")
     async def health(self) -> JSONResponse:
