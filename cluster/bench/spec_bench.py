@@ -10,6 +10,7 @@ own licences): docs/spec-bench.md says where to get it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+SECOND_PASS = "second_pass"  # --twice: every question asked again, after all of them
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")  # in speed.py's order
 QUICK_PER_CATEGORY, FULL_PER_CATEGORY = 3, 10  # --quick: 18 questions; otherwise 60 (--per-category 0: all 480)
 # Greedy only, as Spec-Bench's leaderboard; up to this many new tokens a turn
@@ -102,6 +104,8 @@ def questions_for(args) -> tuple[list[Question], int] | None:
     if getattr(args, "spec_bench", None) is None:
         if per_category is not None:
             raise InvalidRequestError("per_category", "applies with --spec-bench")
+        if getattr(args, "twice", False):
+            raise InvalidRequestError("twice", "applies with --spec-bench")
         return None
     if not args.target:
         raise InvalidRequestError("spec_bench", "applies with --target (its questions go through the target's chat "
@@ -113,7 +117,10 @@ def questions_for(args) -> tuple[list[Question], int] | None:
         raise InvalidRequestError("per_category", "must be 0 (all) or more")
     n = per_category if per_category is not None else QUICK_PER_CATEGORY if args.quick else FULL_PER_CATEGORY
     args.distributed = False
-    return select_per_category(read_spec_bench(args.spec_bench), n), n
+    chosen = select_per_category(read_spec_bench(args.spec_bench), n)
+    if getattr(args, "twice", False):  # the same questions again, after all of them: suffix drafting's second pass
+        chosen += [dataclasses.replace(q, category=SECOND_PASS) for q in chosen]
+    return chosen, n
 
 
 @dataclass

@@ -301,3 +301,20 @@ def test_cli_spec_bench_with_load_feeds_the_first_turns_to_the_load_bench(chat_t
                 for t in firsts]  # fmt: skip
     expected = [tok(text, add_special_tokens=False)["input_ids"] for text in rendered]
     assert seen["target"] == chat_target and seen["prompts"] == expected and seen["cfg"] == concurrency.QUICK_LOAD
+
+
+def test_twice_asks_every_selected_question_again_as_the_second_pass(tmp_path, capsys):
+    import argparse
+
+    from specserve.cluster.bench.spec_bench import SECOND_PASS, questions_for
+
+    path = _write(tmp_path / "question.jsonl")
+    args = argparse.Namespace(spec_bench=path, per_category=1, quick=True, target="t", distributed=False,
+                              tensor_parallel=None, twice=True)  # fmt: skip
+    chosen, n = questions_for(args)
+    first, again = chosen[:6], chosen[6:]
+    assert n == 1 and [q.question_id for q in again] == [q.question_id for q in first]
+    assert {q.category for q in again} == {SECOND_PASS} and SECOND_PASS not in {q.category for q in first}
+    assert [q.turns for q in again] == [q.turns for q in first]
+    assert main(["bench", "--target", str(tmp_path), "--twice"]) == 2
+    assert "applies with --spec-bench" in capsys.readouterr().err
