@@ -48,9 +48,8 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--per-category", type=int, metavar="N",
                    help="with --spec-bench: the first N questions of each category in file order (default: 3 with "
                    "--quick, 10 otherwise; 0: all)")  # fmt: skip
-    p.add_argument("--twice", action="store_true",
-                   help="with --spec-bench: ask every selected question again after all of them, reported as the "
-                   "category second_pass (suffix drafting's cache has seen the answers by then)")  # fmt: skip
+    p.add_argument("--twice", action="store_true", help="with --spec-bench: every question asked again after all of "
+                   "them, as category second_pass (suffix drafting's cache has seen the answers)")  # fmt: skip
     p.add_argument("--methods", metavar="M1,M2",
                    help="with --target: only these speculative methods' rows (ngram, eagle, eagle+ngram, eagle-tree, "
                    "ngram-tree, draft, ...); target-only and the HF rows always run")  # fmt: skip
