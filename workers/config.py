@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from specserve.workers.errors import InvalidRequestError
 
 MAX_K = 16
+MAX_LOGIT_BIAS = 1024  # entries of one logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's and vLLM's range: [-100, 100]
+MAX_REPETITION_PENALTY = 1e6
 
 
 class _Strict(BaseModel):
@@ -32,10 +35,74 @@ class SamplingParams(_Strict):
     max_new_tokens: int = Field(64, gt=0, le=1_000_000, description="Generate at most this many new tokens.")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling; None = random.")
     stop_at_eos: bool = Field(True, description="Stop when the tokenizer's EOS token is generated.")
+    # Controls applied to the target's logits at every verified position (workers/speculation/logits_controls.py),
+    # with vLLM's ranges and semantics.
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="Subtracted from the logit of every token generated so "
+        "far (OpenAI's presence penalty, counting generated tokens only); 0 disables it."
+    )  # fmt: skip
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="Subtracted once per earlier occurrence in the "
+        "generated tokens (OpenAI's frequency penalty); 0 disables it."
+    )  # fmt: skip
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False, description="Divides the positive logits (and "
+        "multiplies the negative ones) of every token in the prompt or generated so far (vLLM's and transformers' "
+        "repetition penalty); 1 disables it."
+    )  # fmt: skip
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="Sampling: drop tokens less likely than min_p times the "
+        "likeliest (after temperature); 0 disables it."
+    )  # fmt: skip
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, max_length=MAX_LOGIT_BIAS, description="Token id -> a bias in [-100, 100] added to "
+        "its logit (OpenAI's logit_bias)."
+    )  # fmt: skip
+    min_tokens: int = Field(0, ge=0, description="Mask the tokens that end the request (end_token_ids) until this "
+                            "many tokens are generated (vLLM's min_tokens).")  # fmt: skip
+    # Set by whoever starts the request (the engine, the scheduler: `for_request`), not by clients: where the
+    # generated tokens begin, and the tokens min_tokens masks (EOS unless ignore_eos, stop token ids).
+    prompt_len: int = Field(0, ge=0, description="Committed tokens before the generated ones (penalties, min_tokens).")
+    end_token_ids: tuple[int, ...] = Field((), description="Tokens that end the request: masked before min_tokens.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias: dict[int, float]) -> dict[int, float]:
+        for token, value in bias.items():
+            if token < 0:
+                raise ValueError(f"token id {token} is negative")
+            if not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE or value != value:
+                raise ValueError(f"the bias of token {token} is {value}, outside [-100, 100]")
+        return bias
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_fit(cls, min_tokens: int, info: ValidationInfo) -> int:
+        most = info.data.get("max_new_tokens")
+        if most is not None and min_tokens > most:
+            raise ValueError(f"{min_tokens} exceeds max_new_tokens ({most})")
+        return min_tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_logits_controls(self) -> bool:
+        """Whether any control reshapes the raw logits (penalties, bias, min_tokens): min_p is applied with
+        temperature (sampling.logits_to_probs)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.min_tokens
+        )  # fmt: skip
+
+    def for_request(self, prompt_len: int, eos_token_ids: frozenset[int] | set[int] = frozenset()) -> SamplingParams:
+        """These params for one request: the prompt's length, and EOS (unless ignore_eos) among the tokens min_tokens
+        masks. Unchanged where no logits control needs them."""
+        if not self.has_logits_controls:
+            return self
+        ends = set(self.end_token_ids) | (set(eos_token_ids) if self.stop_at_eos else set())
+        return self.model_copy(update={"prompt_len": prompt_len, "end_token_ids": tuple(sorted(ends))})
 
 
 SpecMethod = Literal["eagle", "eagle+ngram", "eagle-tree", "draft", "ngram", "ngram-tree", "suffix", "none"]

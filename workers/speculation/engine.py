@@ -218,6 +218,7 @@ class SpecEngine:
         drafter = rounds.drafter if rounds is not None else None
         prompt_ids = encode_prompt(self.tokenizer, prompt)
         check_request(prompt_ids, params, self.verifier.vocab_size, self.target.max_positions)
+        params = params.for_request(len(prompt_ids), frozenset(self.target.eos_token_ids))
         state = RequestState(
             request_id=request_id or uuid.uuid4().hex,
             tokens=list(prompt_ids),

@@ -11,18 +11,22 @@ from collections.abc import Sequence
 import torch
 
 from specserve.workers.config import SamplingParams
+from specserve.workers.speculation.logits_controls import min_p_filter
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits into the distribution a request samples from.
 
     logits: [..., V] -> probs: [..., V] (float32, rows sum to 1). Greedy (temperature 0) is a one-hot of the argmax,
-    so greedy and sampled requests flow through the same verification code.
+    so greedy and sampled requests flow through the same verification code. The request's penalties, logit_bias and
+    min_tokens are applied before this, to the logits of each position (logits_controls.controlled_logits).
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    if params.min_p > 0.0:  # before top-k and top-p, as vLLM's sampler
+        logits = min_p_filter(logits, params.min_p)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

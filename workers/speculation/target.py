@@ -11,6 +11,7 @@ from specserve.workers.config import SamplingParams
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.speculation.codec import normalise
+from specserve.workers.speculation.logits_controls import controlled_logits
 from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, uniform_noise
 from specserve.workers.speculation.tree_verification import greedy_tree_verify, rejection_tree_verify
 from specserve.workers.speculation.verification import greedy_verify, rejection_verify
@@ -78,8 +79,10 @@ class TargetVerifier:
             [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows]
         )
         return [
-            self._verify_row(list(drafted), probs, params, generator, row_logits)
-            for (_, _, drafted, probs, params, generator), row_logits in zip(rows, logits, strict=True)
+            self._verify_row(
+                list(drafted), probs, params, generator, controlled_logits(row_logits, params, tokens, drafted)
+            )
+            for (_, tokens, drafted, probs, params, generator), row_logits in zip(rows, logits, strict=True)
         ]
 
     def verify_with_features(
@@ -95,7 +98,8 @@ class TargetVerifier:
         )
         verdicts = []
         for (_, tokens, drafted, probs, params, generator), out in zip(rows, outputs, strict=True):
-            accepted, token = self._verify_row(list(drafted), probs, params, generator, out.logits)
+            logits = controlled_logits(out.logits, params, tokens, drafted)
+            accepted, token = self._verify_row(list(drafted), probs, params, generator, logits)
             committed = len(tokens) + accepted - out.start  # computed positions whose tokens are committed
             verdicts.append(Verdict(accepted, token, out.features[:committed], out.start))
         return verdicts
@@ -113,6 +117,7 @@ class TargetVerifier:
             parents = torch.tensor([list(tree.parents)], dtype=torch.long, device=logits.device)  # [1, N]
             tokens = torch.tensor([list(tree.tokens)], dtype=torch.long, device=logits.device)  # [1, N]
             valid = torch.ones_like(tokens, dtype=torch.bool)
+            logits = controlled_logits(logits, call.params, tree.sequence, tree.tokens, tree.parents)
             if call.params.greedy:
                 result = greedy_tree_verify(parents, tokens, valid, logits.argmax(-1).unsqueeze(0))
             else:
