@@ -159,8 +159,7 @@ class Scheduler:
         target = self._least_loaded(self.target_workers, "target_worker")
         if target is None:
             raise NoTargetWorker("no healthy target worker")
-        uses_draft = spec.method in DRAFT_WORKER_METHODS
-        draft = self._least_loaded(self.draft_workers, "draft_worker") if uses_draft else None
+        draft = self._least_loaded(self.draft_workers, "draft_worker") if spec.method in DRAFT_WORKER_METHODS else None
         state = RequestState(
             request_id=request_id or uuid.uuid4().hex,
             tokens=list(prompt_ids),
@@ -177,6 +176,7 @@ class Scheduler:
                                    ngram=self.ngram, suffix=suffix)  # fmt: skip
         elif spec.method == "none":
             choice = RowChoice(())  # a plain row of its target worker's batches
+        params = params.for_request(len(prompt_ids), eos_token_ids)  # what penalties and min_tokens count from
         req = SchedRequest(state, params, spec, draft, target, features=features, planner=planner, choice=choice)
         self.requests[state.request_id] = req
         return req

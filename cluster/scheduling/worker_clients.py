@@ -128,6 +128,8 @@ class TargetClient(_Client):
                 sampling=sampling_to_proto(params),
                 want_features=call.want_features,
                 parents=call.parents or [],
+                prompt_len=params.prompt_len,
+                end_token_ids=params.end_token_ids,
             ),
         )
         return VerifyReply(

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -26,7 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from specserve.workers.config import SpecMethod
+from specserve.workers.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY, SpecMethod
 from specserve.workers.errors import InvalidRequestError, SpecServeError
 from specserve.workers.models.chat import ChatPrompt
 
@@ -67,6 +68,44 @@ class Request:
     include_stop_str_in_output: bool = False
     stop_field: str = "stop"
     ignore_eos: bool = False
+    # logits controls (ranges checked: the types below; logit_bias's ids against the vocabulary by `prepare`)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    controls_prefix: str = ""  # how the client names the controls' fields: "sampling." on gRPC
+
+
+# The logits controls' ranges (vLLM's), for both edges.
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]  # presence_penalty, frequency_penalty
+RepetitionPenalty = Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)]
+MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE, allow_inf_nan=False)]
+MinTokens = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+
+
+def _few_biases(value: Any) -> Any:
+    # before pydantic makes an error per bad entry of a huge map
+    if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
+        raise PydanticCustomError("too_long", "at most {n} entries", {"n": MAX_LOGIT_BIAS})
+    return value
+
+
+def _token_keys(value: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise PydanticCustomError("token_id", "keys must be token ids (decimal integers), got {key!r}",
+                                      {"key": shown(key)})  # fmt: skip
+        out[int(key)] = bias
+    return out
+
+
+# OpenAI's logit_bias: a JSON object, token ids as its keys
+TextKeyedBias = Annotated[dict[str, Bias], BeforeValidator(_few_biases), AfterValidator(_token_keys)]
+IdKeyedBias = Annotated[dict[Annotated[int, Field(ge=0)], Bias], BeforeValidator(_few_biases)]  # gRPC's map
 
 
 class EdgeModel(BaseModel):

@@ -6,9 +6,10 @@ so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `R
 takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`). Extensions beyond OpenAI's
 fields: `top_k`, and `speculation: {"method": "draft"|"eagle"|"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|
 "none", "k": 1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the
-output in ways specserve does not implement (`n`, `stop`, `logit_bias`, penalties, logprobs, tools, ...) are accepted
-only at their neutral value. Every response carries `specserve` stats (rounds, drafted, accepted, acceptance_rate,
-mean_accepted_length).
+output in ways specserve does not implement (logprobs, tools, response_format, ...) are accepted only at their neutral
+value. The logits controls (`presence_penalty`, `frequency_penalty`, `logit_bias`, and vLLM's `repetition_penalty`,
+`min_p`, `min_tokens`) apply at every verified position (workers/speculation/logits_controls.py). Every response
+carries `specserve` stats (rounds, drafted, accepted, acceptance_rate, mean_accepted_length).
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ from specserve.cluster.serve.edge import (
     SEED_LIMIT,
     UINT32_MAX,
     EdgeModel,
+    MinP,
+    MinTokens,
     PayloadTooLargeError,
+    Penalty,
+    RepetitionPenalty,
     Request,
     Text,
+    TextKeyedBias,
     json_type,
     one_of,
     parse,
@@ -160,16 +166,12 @@ _NEUTRAL: dict[str, tuple[tuple, str]] = {
     "echo": ((False,), "false"),
     "logprobs": ((0, False), "null"),
     "top_logprobs": ((0,), "0"),
-    "frequency_penalty": ((0,), "0"),
-    "presence_penalty": ((0,), "0"),
-    "logit_bias": (({},), "{}"),
     "suffix": (("",), '""'),
     "response_format": (({"type": "text"},), '{"type": "text"}'),
     "tools": (([],), "[]"),
     "tool_choice": (("none",), '"none"'),
 }
 
-Number = Annotated[float, Field(allow_inf_nan=False)]
 StopText = text(min_length=1, max_length=MAX_STOP_CHARS)
 MAX_N = 16  # choices per request
 
@@ -188,11 +190,15 @@ class _Body(EdgeModel):
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     speculation: Speculation | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # choices, each its own request (seeded: seed + index)
+    # logits controls (OpenAI's, and vLLM's extras repetition_penalty, min_p, min_tokens)
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
+    min_tokens: MinTokens | None = None
+    logit_bias: TextKeyedBias | None = None
     # neutral only (_NEUTRAL)
     top_logprobs: int | None = None
-    frequency_penalty: Number | None = None
-    presence_penalty: Number | None = None
-    logit_bias: dict | None = None
     stop: one_of("must be a string or a list of strings", string=text(max_length=MAX_STOP_CHARS), null=None,
                  array=Annotated[list[StopText], Field(max_length=MAX_STOPS, fail_fast=True)]) = None  # fmt: skip
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS, fail_fast=True)] | None = None  # vLLM's
@@ -233,6 +239,12 @@ class _Body(EdgeModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             ignore_eos=bool(self.ignore_eos),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            min_p=self.min_p or 0.0,
+            logit_bias=self.logit_bias or {},
+            min_tokens=self.min_tokens or 0,
         )
 
 

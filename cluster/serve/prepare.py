@@ -55,13 +55,15 @@ class RequestPreparer:
                                       f"limit of {limits.max_new_tokens}")  # fmt: skip
         spec = _spec(cfg, request, cfg.name in self.heads)
         ids = _prompt_ids(model, request, limits.max_prompt_tokens)
+        max_new_tokens = _max_new_tokens(model, request, len(ids), limits)
         params = SamplingParams(
             temperature=request.temperature,
             top_k=0 if request.top_k >= model.vocab_size else request.top_k,  # the same distribution
             top_p=request.top_p,
-            max_new_tokens=_max_new_tokens(model, request, len(ids), limits),
+            max_new_tokens=max_new_tokens,
             seed=request.seed,
             stop_at_eos=not request.ignore_eos,
+            **_controls(request, max_new_tokens, model.vocab_size),
         )
         return Prepared(cfg.name, ids, params, spec, request_id, _stops(request, limits, model.vocab_size))
 
@@ -86,6 +88,28 @@ def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
             "speculation.method", f"model {cfg.name!r} has no draft model (use ngram/ngram-tree/none)"
         )
     return spec
+
+
+def _controls(request: Request, max_new_tokens: int, vocab_size: int) -> dict:
+    """The request's logits controls (SamplingParams' fields), their token ids and min_tokens checked against the
+    model and the request's max_new_tokens. The stop token ids are among what min_tokens holds back (vLLM's)."""
+    prefix = request.controls_prefix
+    bad = [t for t in request.logit_bias if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"{prefix}logit_bias", f"token id {bad[0]} is outside the vocabulary [0, "
+                                  f"{vocab_size})")  # fmt: skip
+    if request.min_tokens > max_new_tokens:
+        raise InvalidRequestError(f"{prefix}min_tokens", f"{request.min_tokens} exceeds the request's "
+                                  f"{max_new_tokens} new tokens at most")  # fmt: skip
+    return {
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "min_p": request.min_p,
+        "logit_bias": dict(request.logit_bias),
+        "min_tokens": request.min_tokens,
+        "end_token_ids": tuple(sorted(set(request.stop_token_ids))) if request.min_tokens else (),
+    }
 
 
 def _stops(request: Request, limits: LimitsConfig, vocab_size: int) -> StopSpec:

@@ -18,14 +18,18 @@ from specserve.cluster.serve.edge import (
     MAX_TEMPERATURE,
     SEED_LIMIT,
     EdgeModel,
+    IdKeyedBias,
+    MinP,
+    MinTokens,
     PayloadTooLargeError,
+    Penalty,
     Request,
     parse,
     text,
 )
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos.wire import SERVICE_NAME
-from specserve.workers.config import MAX_K
+from specserve.workers.config import MAX_K, MAX_REPETITION_PENALTY
 from specserve.workers.errors import (
     InvalidRequestError,
     KVCapacityError,
@@ -77,6 +81,12 @@ class GrpcSampling(EdgeModel):
     top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]  # 0 = unset
     max_new_tokens: int  # a uint32, 0 = unset
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None
+    presence_penalty: Penalty
+    frequency_penalty: Penalty
+    repetition_penalty: Annotated[float, Field(ge=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)]  # 0 = unset
+    min_p: MinP
+    logit_bias: IdKeyedBias
+    min_tokens: MinTokens
 
 
 class GrpcSpeculation(EdgeModel):
@@ -114,7 +124,10 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
     edge: GrpcRequest = parse(GrpcRequest, {
         "model": request.model,
         "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-                     "max_new_tokens": s.max_new_tokens, "seed": s.seed if s.HasField("seed") else None},
+                     "max_new_tokens": s.max_new_tokens, "seed": s.seed if s.HasField("seed") else None,
+                     "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+                     "repetition_penalty": s.repetition_penalty, "min_p": s.min_p, "min_tokens": s.min_tokens,
+                     "logit_bias": dict(s.logit_bias)},
         "speculation": {"method": spec.method, "k": spec.k} if request.HasField("speculation") else None,
         "messages": [{"role": m.role, "content": m.content} for m in request.messages],
         "stop": list(request.stop[: MAX_STOPS + 1]),
@@ -143,6 +156,13 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
         stop_token_ids=tuple(edge.stop_token_ids),
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty or 1.0,
+        min_p=sampling.min_p,
+        logit_bias=sampling.logit_bias,
+        min_tokens=sampling.min_tokens,
+        controls_prefix="sampling.",
     )
 
 

@@ -43,7 +43,8 @@ def g(prompt="hi", ids=None, messages=None, method=None, k=None, **sampling) -> 
 def test_a_generate_request_becomes_the_typed_request_with_zero_as_unset():
     assert request_from_proto(g()) == Request(model="", prompt="hi", temperature=0.0, top_p=1.0, top_k=0, seed=None,
                                               max_new_tokens=None, method=None, k=None, prompt_field="prompt",
-                                              max_new_tokens_field="sampling.max_new_tokens")  # fmt: skip
+                                              max_new_tokens_field="sampling.max_new_tokens",
+                                              controls_prefix="sampling.")  # fmt: skip
     r = request_from_proto(g(temperature=0.5, top_k=2**32 - 1, top_p=0.5, max_new_tokens=7, seed=2**63 - 1,
                              method="ngram"))  # fmt: skip
     assert (r.temperature, r.top_k, r.top_p, r.max_new_tokens, r.seed, r.method, r.k) == (

@@ -23,6 +23,7 @@ from specserve.protos.wire import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 
 from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams, validate
 from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError, UnavailableError
 from specserve.workers.runtime.tree_rows import ROOT
+from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.service.batcher import Batcher
 from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall, VerifyResult
@@ -49,7 +50,22 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         data["max_new_tokens"] = msg.max_new_tokens
     if msg.HasField("seed"):
         data["seed"] = msg.seed
+    data.update(_controls_from_proto(msg))
     return validate(SamplingParams, data)
+
+
+def _controls_from_proto(msg: pb.SamplingParams) -> dict:
+    """The logits controls a message sets (unset fields: the defaults; repetition_penalty 0 is unset)."""
+    data = {
+        "presence_penalty": msg.presence_penalty,
+        "frequency_penalty": msg.frequency_penalty,
+        "repetition_penalty": msg.repetition_penalty or 1.0,
+        "min_p": msg.min_p,
+        "min_tokens": msg.min_tokens,
+    }
+    if msg.logit_bias:
+        data["logit_bias"] = dict(msg.logit_bias)
+    return {name: value for name, value in data.items() if value}  # fmt: skip
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -58,6 +74,9 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    msg.presence_penalty, msg.frequency_penalty = params.presence_penalty, params.frequency_penalty
+    msg.repetition_penalty, msg.min_p, msg.min_tokens = params.repetition_penalty, params.min_p, params.min_tokens
+    msg.logit_bias.update(params.logit_bias)
     return msg
 
 
@@ -68,13 +87,13 @@ class SamplingCache:
 
     def __init__(self, max_requests: int = 4096):
         self.max_requests = max_requests
-        self._params: OrderedDict[str, tuple[tuple, SamplingParams]] = OrderedDict()
+        self._params: OrderedDict[str, tuple[bytes, SamplingParams]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._params)
 
     def get(self, request_id: str, msg: pb.SamplingParams) -> SamplingParams:
-        wire = (msg.temperature, msg.top_k, msg.top_p, msg.max_new_tokens, msg.seed if msg.HasField("seed") else None)
+        wire = msg.SerializeToString(deterministic=True)  # every field, the map's in key order
         known = self._params.get(request_id)
         if known is not None and known[0] == wire:
             self._params.move_to_end(request_id)
@@ -217,7 +236,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
                 list(request.new_tokens),
                 list(request.drafted),
                 probs,
-                self.sampling.get(request.request_id, request.sampling),
+                _with_history(self.sampling.get(request.request_id, request.sampling), request, self.worker.vocab_size),
                 request.want_features,
                 list(request.parents) if request.parents else None,
             )
@@ -234,6 +253,18 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             features=result.features,
             path=result.path or [],
         )
+
+
+def _with_history(params: SamplingParams, request: pb.VerifyRequest, vocab_size: int) -> SamplingParams:
+    """The request's params with what its penalties and min_tokens count from (VerifyRequest.prompt_len and
+    end_token_ids); unchanged for requests without such controls."""
+    if not params.has_logits_controls:
+        return params
+    check_token_ids("end_token_ids", request.end_token_ids, vocab_size)
+    check_token_ids("sampling.logit_bias", list(params.logit_bias), vocab_size)
+    if request.prompt_len > request.committed_len:
+        raise InvalidRequestError("prompt_len", f"{request.prompt_len} exceeds committed_len {request.committed_len}")
+    return params.model_copy(update={"prompt_len": request.prompt_len, "end_token_ids": tuple(request.end_token_ids)})
 
 
 def _bonus(call: VerifyCall, result: VerifyResult) -> bool:

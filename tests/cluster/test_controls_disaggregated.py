@@ -1,0 +1,142 @@
+"""Logits controls served: through the scheduler, its gRPC pipeline and real gRPC draft and target workers (the
+controls cross the internal SamplingParams, the prompt's length and the tokens min_tokens holds back cross the
+VerifyRequest), greedy output identical to transformers' `generate` with the same processors for each control, on the
+draft-model, prompt-lookup, suffix, tree and head paths; and both public edges turn the fields into the request's
+SamplingParams, refusing bad values naming the field as the client wrote it."""
+
+import asyncio
+
+import pytest
+import torch
+
+from specserve.cluster.app_config import AppConfig
+from specserve.cluster.serve import openai_api as oai
+from specserve.cluster.serve.prepare import RequestPreparer
+from specserve.cluster.serve.public_proto import request_from_proto
+from specserve.protos import specserve_pb2 as pb
+from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.errors import InvalidRequestError
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.eagle3_io import save_head
+from tests.helpers.controls_oracle import hf_controlled_greedy
+from tests.helpers.eagle_heads import random_head
+from tests.helpers.greedy_oracle import PROMPTS
+from tests.helpers.pipelines import run_pipeline
+from tests.helpers.workers import LocalWorkers, save_perturbed_copy, save_tiny_llama
+
+MAX_NEW = 16
+EOS = 2
+CONTROLS = {
+    "repetition_penalty": {"repetition_penalty": 1.8},
+    "presence_penalty": {"presence_penalty": 1.5},
+    "frequency_penalty": {"frequency_penalty": 1.2},
+    "logit_bias+min_tokens": {"logit_bias": {EOS: 100.0, 70: 4.0}, "min_tokens": 5},
+    "min_p": {"min_p": 0.5, "repetition_penalty": 1.2},
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("controls_served")
+    path = save_tiny_llama(root / "target", seed=4, layers=4, hidden=32)
+    target = load_model(ModelConfig(path=path, device="cpu"))
+    draft = load_model(ModelConfig(path=save_perturbed_copy(path, root / "draft", 0.05, seed=7), device="cpu"))
+    head = str(save_head(random_head(target.model.config, 64, seed=1, std=0.3), root / "head", torch.float32))
+    return target, draft, head
+
+
+def _served(target, drafts, head, methods) -> dict:
+    """(control, prompt, method) -> its SchedRequest, every request run concurrently through the pipeline."""
+    keys = [(name, prompt, method, k) for name in CONTROLS for prompt in PROMPTS for method, k in methods]
+    requests = [(prompt, SamplingParams(max_new_tokens=MAX_NEW, **CONTROLS[name]), SpecParams(method=method, k=k))
+                for name, prompt, method, k in keys]  # fmt: skip
+
+    async def main():
+        async with LocalWorkers(target, drafts, eagle_head=head, eagle_drafts=1 if head else 0) as w:
+            results, _ = await run_pipeline(w, requests)
+            return results
+
+    return {key[:3]: result for key, result in zip(keys, asyncio.run(main()), strict=True)}
+
+
+@pytest.mark.parametrize("kind", ["draft model", "eagle head"])
+def test_served_greedy_with_each_control_is_identical_to_transformers(models, kind):
+    target, draft, head = models
+    if kind == "draft model":
+        methods = [("draft", 3), ("ngram", 3), ("ngram-tree", 6), ("suffix", 3), ("none", 1)]
+        served = _served(target, [draft], None, methods)
+    else:
+        methods = [("eagle", 3), ("eagle+ngram", 3), ("eagle-tree", 6)]
+        served = _served(target, [], head, methods)
+    drafted = 0
+    for name, controls in CONTROLS.items():
+        for prompt in PROMPTS:
+            ids = target.tokenizer(prompt)["input_ids"]
+            expected = hf_controlled_greedy(target.model, ids, MAX_NEW, controls, [EOS])
+            for method, _ in methods:
+                req = served[name, prompt, method]
+                assert req.state.generated == expected, (name, prompt, method)
+                drafted += req.state.stats.drafted
+    assert drafted > 0
+
+
+@pytest.fixture(scope="module")
+def preparer(tiny_target):
+    app = AppConfig.model_validate({"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram"}]})
+    return RequestPreparer(app, {"tiny": (tiny_target, None)})
+
+
+CONTROL_FIELDS = {"presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.3, "min_p": 0.1,
+                  "min_tokens": 4}  # fmt: skip
+
+
+def test_both_edges_carry_every_control_into_the_sampling_params(preparer):
+    body = {"prompt": "x", "max_tokens": 8, "logit_bias": {"5": -100, "7": 2.5}, "stop_token_ids": [9],
+            **CONTROL_FIELDS}  # fmt: skip
+    http = preparer.prepare(oai.parse_completion(body).request).params
+    grpc_request = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_new_tokens=8, **CONTROL_FIELDS))
+    grpc_request.sampling.logit_bias.update({5: -100, 7: 2.5})
+    grpc_request.stop_token_ids.append(9)
+    grpc = preparer.prepare(request_from_proto(grpc_request)).params
+    for params in (http, grpc):
+        for name, value in CONTROL_FIELDS.items():
+            assert getattr(params, name) == pytest.approx(value), name
+        assert params.logit_bias == {5: -100.0, 7: 2.5} and params.end_token_ids == (9,)
+    plain = preparer.prepare(oai.parse_completion({"prompt": "x"}).request).params
+    assert not plain.has_logits_controls and plain.repetition_penalty == 1.0
+
+
+HTTP_BAD = [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": "0.1"}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"), ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"), ({"logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(2000)}}, "logit_bias"),
+]  # fmt: skip
+GRPC_BAD = [
+    ({"presence_penalty": 3.0}, "sampling.presence_penalty"),
+    ({"frequency_penalty": -3.0}, "sampling.frequency_penalty"),
+    ({"repetition_penalty": -0.5}, "sampling.repetition_penalty"), ({"min_p": 2.0}, "sampling.min_p"),
+    ({"min_tokens": 9, "max_new_tokens": 8}, "sampling.min_tokens"),
+    ({"logit_bias": {5: 150.0}}, "sampling.logit_bias[5]"),
+    ({"logit_bias": {-5: 1.0}}, "sampling.logit_bias"), ({"logit_bias": {100000: 1.0}}, "sampling.logit_bias"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "field"), HTTP_BAD)
+def test_bad_http_controls_are_refused_naming_the_field(preparer, extra, field):
+    with pytest.raises(InvalidRequestError) as e:
+        preparer.prepare(oai.parse_completion({"prompt": "x", **extra}).request)
+    assert e.value.field.startswith(field), e.value
+
+
+@pytest.mark.parametrize(("sampling", "field"), GRPC_BAD)
+def test_bad_grpc_controls_are_refused_naming_the_field(preparer, sampling, field):
+    sampling = dict(sampling)
+    bias = sampling.pop("logit_bias", {})
+    request = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(**sampling))
+    request.sampling.logit_bias.update(bias)
+    with pytest.raises(InvalidRequestError) as e:
+        preparer.prepare(request_from_proto(request))
+    assert e.value.field.startswith(field), e.value
