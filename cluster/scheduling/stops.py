@@ -5,6 +5,8 @@ commits several tokens is cut exactly where target-only decoding would have stop
 decoding's.
 
 Streamed text is held back only while it could still become a stop string (its longest suffix that begins one).
+Before `min_tokens` tokens no stop string is looked for (as vLLM; EOS and the stop token ids cannot come earlier:
+the target's logits mask them, workers/speculation/logits_controls.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class StopSpec:
     strings: tuple[str, ...] = ()
     token_ids: frozenset[int] = frozenset()
     include_in_output: bool = False  # vLLM's include_stop_str_in_output
+    min_tokens: int = 0  # stop strings end no output shorter than this (vLLM's min_tokens; the stop ids are masked)
 
     def __bool__(self) -> bool:
         return bool(self.strings or self.token_ids)
@@ -55,7 +58,7 @@ class StopMatcher:
                 self.held = ""
                 return StopCut("".join(emitted), i + 1 - start, True)
             self.held += self.text_of(generated[: i + 1], final and last)
-            at, stop = self._first_stop()
+            at, stop = self._first_stop() if i + 1 >= self.spec.min_tokens else (-1, None)
             if stop is not None:
                 end = at + len(stop) if self.spec.include_in_output else at
                 emitted.append(self.held[:end])

@@ -122,7 +122,8 @@ def _stops(request: Request, limits: LimitsConfig, vocab_size: int) -> StopSpec:
             raise InvalidRequestError(f"{request.stop_field}[{i}]", f"{len(stop)} characters, this server's limit is "
                                       f"{limits.max_stop_chars}")  # fmt: skip
     check_token_ids("stop_token_ids", list(request.stop_token_ids), vocab_size)
-    return StopSpec(tuple(request.stop), frozenset(request.stop_token_ids), request.include_stop_str_in_output)
+    return StopSpec(tuple(request.stop), frozenset(request.stop_token_ids), request.include_stop_str_in_output,
+                    request.min_tokens)  # fmt: skip
 
 
 def _max_new_tokens(model: ModelTokenizer, request: Request, prompt_tokens: int, limits: LimitsConfig) -> int:

@@ -54,3 +54,10 @@ def test_a_stop_token_id_ends_like_eos_even_as_a_rounds_bonus_token():
 def test_without_a_stop_nothing_is_held_or_cut():
     texts, kept, stopped = run(StopSpec(("xyz",)), [[1, 2], [3, 4]], finished_after=1)
     assert not stopped and texts == ["Hello", " world"] and kept == [1, 2, 3, 4]
+
+
+def test_no_stop_string_ends_an_output_shorter_than_min_tokens():
+    texts, kept, stopped = run(StopSpec(("lo",), min_tokens=3), [[1, 2, 3], [4, 1, 2]])
+    assert stopped and "".join(texts) == "Hello world" + "Hel" and kept == [1, 2, 3, 4, 1, 2]
+    texts, kept, stopped = run(StopSpec(("lo",), min_tokens=2), [[1, 2, 3]])
+    assert stopped and "".join(texts) == "Hel" and kept == [1, 2]  # the second token may end it
