@@ -97,11 +97,14 @@ class SpecServeClient:
         stop_token_ids: list[int] | tuple[int, ...] = (),
         include_stop_str_in_output: bool = False,
         ignore_eos: bool = False,
+        controls: dict | None = None,
     ) -> pb.GenerateRequest:
         """A GenerateRequest: a raw `prompt` (text or token ids), or chat `messages` ([{"role", "content"}, ...])
-        that the server renders with the model's chat template; `stop` sequences and `stop_token_ids` end it."""
+        that the server renders with the model's chat template; `stop` sequences and `stop_token_ids` end it.
+        `controls`: SamplingParams' logits controls by name (presence_penalty, frequency_penalty, repetition_penalty,
+        min_p, min_tokens, and logit_bias as {token id: bias})."""
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                                     ignore_eos=ignore_eos)  # fmt: skip
+                                     ignore_eos=ignore_eos, **(controls or {}))  # fmt: skip
         if seed is not None:
             sampling.seed = seed
         req = pb.GenerateRequest(model=model, sampling=sampling, stop=list(stop), stop_token_ids=list(stop_token_ids),

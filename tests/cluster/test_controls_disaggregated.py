@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 
+from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
@@ -104,6 +105,13 @@ def test_both_edges_carry_every_control_into_the_sampling_params(preparer):
         assert params.logit_bias == {5: -100.0, 7: 2.5} and params.end_token_ids == (9,)
     plain = preparer.prepare(oai.parse_completion({"prompt": "x"}).request).params
     assert not plain.has_logits_controls and plain.repetition_penalty == 1.0
+
+
+def test_the_grpc_client_sends_the_controls(preparer):
+    controls = {**CONTROL_FIELDS, "logit_bias": {5: -100.0}}
+    request = SpecServeClient.request("x", max_new_tokens=8, controls=controls)
+    params = preparer.prepare(request_from_proto(request)).params
+    assert params.logit_bias == {5: -100.0} and params.min_tokens == 4 and params.min_p == pytest.approx(0.1)
 
 
 HTTP_BAD = [
