@@ -34,13 +34,14 @@ METHODS = [("draft", 3), ("draft", "auto"), ("ngram", 3), ("eagle", 3), ("eagle+
 
 
 @pytest.fixture(scope="module")
-def engine(models_dir):
+def engine(models_dir, device):
     path = save_tiny_llama(models_dir / "controls_target", seed=4, layers=8, hidden=32)
     draft_path = save_perturbed_copy(path, models_dir / "controls_draft", 0.05, seed=7)
-    target = load_model(ModelConfig(path=path, device="cpu"))
+    target = load_model(ModelConfig(path=path, device=device))
     head = random_head(target.model.config, 64, seed=2, std=0.3)
     flat = VerifyCosts((1.0,) * (MAX_TREE_NODES + 1))  # k='auto' trees: every node pays
-    return SpecEngine(target, load_model(ModelConfig(path=draft_path, device="cpu")), eagle_head=head, tree_costs=flat)
+    draft = load_model(ModelConfig(path=draft_path, device=device))
+    return SpecEngine(target, draft, eagle_head=head, tree_costs=flat)
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +142,11 @@ def _controlled_joint(model, params: SamplingParams, controls: dict, V: int) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "k"), [("draft", 2), ("ngram", 3)])
+@pytest.mark.parametrize(("method", "k", "samples"), [("draft", 2, 5_000), ("ngram", 3, 3_000)])
 def test_sampling_with_penalties_draws_from_the_controlled_distribution(tiny_vocab_target, tiny_vocab_draft, method,
-                                                                        k):  # fmt: skip
+                                                                        k, samples):  # fmt: skip
     """Penalties that drafted tokens trigger (the prompt repeats, so prompt lookup drafts its tokens): a draft's
-    proposals are scored with the history up to them."""
+    proposals are scored with the history up to them. About 3 and 2 minutes on 2 busy cores."""
     controls = {"repetition_penalty": 1.6, "presence_penalty": 0.7, "frequency_penalty": 0.9, "min_p": 0.05}
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW, stop_at_eos=False, **controls)
     model = load_model(ModelConfig(path=tiny_vocab_target, device="cpu")).model
@@ -154,7 +155,6 @@ def test_sampling_with_penalties_draws_from_the_controlled_distribution(tiny_voc
     plain = _controlled_joint(model, params.model_copy(update={"repetition_penalty": 1.0, "presence_penalty": 0.0,
                                                                "frequency_penalty": 0.0}), {}, V)  # fmt: skip
     assert sum(abs(joint.get(c, 0.0) - plain.get(c, 0.0)) for c in set(joint) | set(plain)) > 0.2  # they matter
-    samples = 5_000
     outputs, accepted = sample_in_processes(tiny_vocab_target, tiny_vocab_draft, "cpu", PROMPT, params,
                                             SpecParams(method=method, k=k), list(range(samples)))  # fmt: skip
     assert accepted > 0.01 * samples
