@@ -71,6 +71,11 @@ GRPC_CASES = [
     ("too many messages", g(prompt="", messages=[("user", "")] * 5000), "messages"),
     ("more messages than the context", g(prompt="", messages=[("user", "")] * 600), "messages"),
     ("long conversation", g(prompt="", messages=[("user", "z" * 100_000)]), "messages"),
+    ("presence penalty over 2", g(presence_penalty=2.5), "sampling.presence_penalty"),
+    ("NaN min_p", g(min_p=math.nan), "sampling.min_p"),
+    ("logit bias over 100", g(logit_bias={5: 150.0}), "sampling.logit_bias[5]"),
+    ("logit bias outside the vocabulary", g(logit_bias={10**6: 1.0}), "sampling.logit_bias"),
+    ("min_tokens over max tokens", g(min_tokens=9, max_new_tokens=8), "sampling.min_tokens"),
 ]
 
 
@@ -299,6 +304,9 @@ HTTP_GOOD = [
     ("max_tokens unset after a long prompt", "/v1/completions", json.dumps({"prompt": [5] * 500}).encode()),
     ("stream_options without stream", "/v1/completions", c(stream_options={"include_usage": True})),
     ("unicode beyond the BMP", "/v1/completions", c(prompt="\U0001f600 \u00e9")),
+    ("every logits control", "/v1/completions", c(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.5,
+                                                   min_p=0.5, logit_bias={"5": -100, "6": 100}, min_tokens=3,
+                                                   max_tokens=8, temperature=0.7, seed=1)),
 ]  # fmt: skip
 
 
