@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "max_new_tokens", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens")
+    __slots__ = ("temperature", "top_k", "top_p", "max_new_tokens", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -39,7 +40,18 @@ class SamplingParams(_message.Message):
     min_p: float
     logit_bias: _containers.ScalarMap[int, float]
     min_tokens: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class Logprobs(_message.Message):
+    __slots__ = ("token_logprobs", "top_token_ids", "top_logprobs")
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length")
@@ -126,7 +138,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "bonus", "compute_seconds", "batch_rows", "batch_tokens", "features", "path")
+    __slots__ = ("accepted", "next_token", "bonus", "compute_seconds", "batch_rows", "batch_tokens", "features", "path", "logprobs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +147,7 @@ class VerifyResponse(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     bonus: bool
@@ -143,7 +156,8 @@ class VerifyResponse(_message.Message):
     batch_tokens: int
     features: bytes
     path: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., features: _Optional[bytes] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: Logprobs
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., features: _Optional[bytes] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("want_costs",)
@@ -214,13 +228,15 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stats: RequestStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+    logprobs: Logprobs
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...

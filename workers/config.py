@@ -35,6 +35,10 @@ class SamplingParams(_Strict):
     max_new_tokens: int = Field(64, gt=0, le=1_000_000, description="Generate at most this many new tokens.")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling; None = random.")
     stop_at_eos: bool = Field(True, description="Stop when the tokenizer's EOS token is generated.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Also return the target's log-probability of every generated token (raw: "
+        "before temperature and every other control) and this many most likely alternatives; None = none."
+    )  # fmt: skip
     # Controls applied to the target's logits at every verified position (workers/speculation/logits_controls.py),
     # with vLLM's ranges and semantics.
     presence_penalty: float = Field(

@@ -33,14 +33,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specserve.cluster.scheduling.costs import measured_costs
-from specserve.cluster.scheduling.scheduler import (
-    FALLBACK_K,
-    Call,
-    NoTargetWorker,
-    PreDraft,
-    SchedRequest,
-    Scheduler,
-)
+from specserve.cluster.scheduling.scheduler import FALLBACK_K, Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
 from specserve.cluster.scheduling.worker_clients import (
     DraftClient,
     TargetClient,
@@ -174,7 +167,8 @@ class Pipeline:
                 reply, pre_task = await self._verify_round(req, k, drafted, probs, clock)
                 if reply is None:
                     continue  # the round is re-planned on the restarted or another target: nothing was committed
-                committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token, reply.features)
+                committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token, reply.features,
+                                                        reply.logprobs)  # fmt: skip
                 pre = await self._next_predraft(req, pre_task, reply.accepted == len(drafted), clock)
                 self.times.add(clock.overhead())
                 yield committed
@@ -269,7 +263,8 @@ class Pipeline:
         reply, _ = await self._verify_round(req, 0, tokens, b"", clock, parents)
         if reply is None:
             return None
-        return self.scheduler.apply_tree_verify(req, tree, list(reply.path), reply.next_token, reply.features)
+        return self.scheduler.apply_tree_verify(req, tree, list(reply.path), reply.next_token, reply.features,
+                                                reply.logprobs)  # fmt: skip
 
     async def _verify_round(
         self,

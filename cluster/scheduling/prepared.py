@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from specserve.cluster.scheduling.stops import StopSpec
 from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.speculation.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,12 @@ class Prepared:
 @dataclass
 class Chunk:
     """What one round committed. text: the new text (incrementally detokenized, so chunks concatenate to the full
-    completion); stats: cumulative RequestStats so far."""
+    completion); stats: cumulative RequestStats so far; logprobs: one per token id, when the request asks
+    (params.logprobs), cut with them at a stop."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stats: dict
     first: bool = False
+    logprobs: list[TokenLogprob] | None = None

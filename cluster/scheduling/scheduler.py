@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import get_args
 
@@ -35,6 +36,7 @@ from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
+from specserve.workers.speculation.logprobs import TokenLogprob
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
@@ -153,9 +155,8 @@ class Scheduler:
         request_id: str | None = None,
     ) -> SchedRequest:
         if spec.method not in get_args(SpecMethod):
-            raise InvalidRequestError(
-                "method", f"{spec.method!r} is not served (only {', '.join(get_args(SpecMethod))})"
-            )
+            served = ", ".join(get_args(SpecMethod))
+            raise InvalidRequestError("method", f"{spec.method!r} is not served (only {served})")
         target = self._least_loaded(self.target_workers, "target_worker")
         if target is None:
             raise NoTargetWorker("no healthy target worker")
@@ -335,28 +336,27 @@ class Scheduler:
 
     # -- applying results -------------------------------------------------------------------------------------------
 
-    def apply_verify(
-        self, req: SchedRequest, drafted: list[int], accepted: int, next_token: int, features: bytes = b""
-    ) -> list[int]:
-        """Commit a verified round; `features`: the reply's (EAGLE-3), kept until the next draft call takes them."""
+    def apply_verify(self, req: SchedRequest, drafted: list[int], accepted: int, next_token: int,
+                     features: bytes = b"", logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:  # fmt: skip
+        """Commit a verified round; the reply's features (EAGLE-3) wait for the next draft call; logprobs: kept."""
         if req.planner is not None:
             self._observe_plan(req, drafted, accepted)
         if req.features is not None and features:
             req.features.received(features)
-        return req.state.commit_round(drafted, accepted, next_token)
+        return req.state.commit_round(drafted, accepted, next_token, logprobs=logprobs)
 
-    def apply_tree_verify(
-        self, req: SchedRequest, tree: DraftTree | None, path: list[int], next_token: int, features: bytes = b""
-    ) -> list[int]:
+    def apply_tree_verify(self, req: SchedRequest, tree: DraftTree | None, path: list[int], next_token: int,
+                          features: bytes = b"",
+                          logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:  # fmt: skip
         """Commit a verified tree round (tree None: a plain step): the accepted path's tokens and the next token."""
         if req.features is not None and features:
             req.features.received(features)
         if tree is None:
-            return req.state.commit_round([], 0, next_token)
+            return req.state.commit_round([], 0, next_token, logprobs=logprobs)
         if req.pruning is not None:
             req.pruning.observe(len(path))
-        accepted = [tree.tokens[node] for node in path]
-        return req.state.commit_round(accepted, len(accepted), next_token, tree=(len(tree.tokens), tree.depth))
+        accepted, shape = [tree.tokens[node] for node in path], (len(tree.tokens), tree.depth)
+        return req.state.commit_round(accepted, len(accepted), next_token, tree=shape, logprobs=logprobs)
 
     def wants_costs(self, req: SchedRequest) -> bool:
         """Whether the request's planning weighs the workers' costs, and they are not known yet."""

@@ -171,8 +171,10 @@ class SpecService:
                     finish = "stop" if cut.stopped else state.finish_reason
                     if track:
                         track.round(prev, stats, cut.tokens, finish)
+                    start = len(state.generated) - len(committed)  # the round's first token: its logprob's index
+                    logprobs = state.logprobs[start : start + cut.tokens] if req.params.logprobs is not None else None
                     yield Chunk(text=cut.text, token_ids=committed[: cut.tokens], finish_reason=finish, stats=stats,
-                                first=first)  # fmt: skip
+                                first=first, logprobs=logprobs)  # fmt: skip
                     if cut.stopped:
                         return  # a stop sequence ended it: the rest of the round is dropped, the workers released
                     prev, first = stats, False
@@ -180,12 +182,16 @@ class SpecService:
             raise UnavailableError(str(e)) from None
 
     async def generate(self, req: Prepared) -> dict:
-        """The whole completion: the CLI's JSON contract (text, token_ids, finish_reason, stats) plus usage."""
+        """The whole completion: the CLI's JSON contract (text, token_ids, finish_reason, stats) plus usage, and the
+        tokens' logprobs (TokenLogprobs) when the request asks."""
         text, tokens, chunk = [], [], None
+        logprobs = [] if req.params.logprobs is not None else None
         async for chunk in self.run(req):
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
-        return {
+            if logprobs is not None:
+                logprobs.extend(chunk.logprobs)
+        out = {
             "model": req.model,
             "text": "".join(text),
             "token_ids": tokens,
@@ -193,3 +199,6 @@ class SpecService:
             "stats": chunk.stats,
             "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(tokens)},
         }
+        if logprobs is not None:
+            out["logprobs"] = logprobs
+        return out

@@ -13,6 +13,7 @@ from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import SamplingParams
 from specserve.workers.service.grpc_service import GRPC_OPTIONS, SECRET_METADATA, sampling_to_proto
 from specserve.workers.speculation.draft_tree import DraftTree
+from specserve.workers.speculation.logprobs import TokenLogprob, from_proto
 
 COSTS_TIMEOUT_S = 120.0  # a first cost measurement: a few dozen forward passes, on a busy CPU worker too
 
@@ -109,6 +110,7 @@ class VerifyReply(NamedTuple):
     batch_seconds: float
     features: bytes = b""  # EAGLE-3: the committed positions' features, when the call asked (encoded)
     path: tuple[int, ...] = ()  # a tree's accepted nodes, root-down
+    logprobs: tuple[TokenLogprob, ...] | None = None  # the accepted tokens' and next_token's, when params ask
 
 
 class TargetClient(_Client):
@@ -140,4 +142,5 @@ class TargetClient(_Client):
             batch_seconds=response.compute_seconds,
             features=response.features,
             path=tuple(response.path),
+            logprobs=tuple(from_proto(response.logprobs)) if response.HasField("logprobs") else None,
         )

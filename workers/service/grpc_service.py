@@ -28,6 +28,7 @@ from specserve.workers.service.batcher import Batcher
 from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall, VerifyResult
 from specserve.workers.speculation.codec import decode_features, decode_probs
+from specserve.workers.speculation.logprobs import to_proto
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         data["max_new_tokens"] = msg.max_new_tokens
     if msg.HasField("seed"):
         data["seed"] = msg.seed
+    if msg.HasField("logprobs"):
+        data["logprobs"] = msg.logprobs
     data.update(_controls_from_proto(msg))
     return validate(SamplingParams, data)
 
@@ -74,6 +77,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     msg.presence_penalty, msg.frequency_penalty = params.presence_penalty, params.frequency_penalty
     msg.repetition_penalty, msg.min_p, msg.min_tokens = params.repetition_penalty, params.min_p, params.min_tokens
     msg.logit_bias.update(params.logit_bias)
@@ -252,6 +257,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             batch_tokens=result.batch_tokens,
             features=result.features,
             path=result.path or [],
+            logprobs=to_proto(result.logprobs) if result.logprobs is not None else None,
         )
 
 

@@ -20,6 +20,7 @@ from specserve.workers.runtime.worker_state import CommittedTokens, check_token_
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import encode_features
 from specserve.workers.speculation.goodput import PROFILE_ROWS
+from specserve.workers.speculation.logprobs import TokenLogprob
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier, TreeCall
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
@@ -34,6 +35,7 @@ class VerifyResult:
     batch_tokens: int  # positions the batch's forward pass fed
     features: bytes = b""  # the committed positions' features (codec.encode_features), when the call asked
     path: list[int] | None = None  # a tree's accepted nodes, root-down (accepted of them)
+    logprobs: list[TokenLogprob] | None = None  # the committed tokens', when params.logprobs asks
 
 
 @dataclass
@@ -63,6 +65,7 @@ class _Verified:
     next_token: int
     features: bytes = b""
     path: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class TargetWorker:
@@ -119,7 +122,7 @@ class TargetWorker:
         return [
             r
             if isinstance(r, Exception)
-            else VerifyResult(r.accepted, r.next_token, seconds, rows, tokens, r.features, r.path)
+            else VerifyResult(r.accepted, r.next_token, seconds, rows, tokens, r.features, r.path, r.logprobs)
             for r in results
         ]
 
@@ -136,19 +139,16 @@ class TargetWorker:
             verdicts = self.verifier.verify_trees([rows[i].tree for i in trees], capture=capture)
             for i, v in zip(trees, verdicts, strict=True):
                 features = encode_features(v.feature_start, v.features) if rows[i].want_features else b""
-                out[i] = _Verified(len(v.path), v.next_token, features, v.path)
+                out[i] = _Verified(len(v.path), v.next_token, features, v.path, v.logprobs)
         return out
 
     def _verify_chains(self, rows: list[_Row]) -> list[_Verified]:
         """One forward pass for the rows; with features captured only when a row asks for them."""
-        plain = [row.verify for row in rows]
-        if not any(row.want_features for row in rows):
-            return [_Verified(accepted, token) for accepted, token in self.verifier.verify_batch(plain)]
-        verdicts = self.verifier.verify_with_features(plain)
+        verdicts = self.verifier.verify_rows([row.verify for row in rows], capture=any(r.want_features for r in rows))
         out = []
         for v, row in zip(verdicts, rows, strict=True):
             features = encode_features(v.feature_start, v.features) if row.want_features else b""
-            out.append(_Verified(v.num_accepted, v.next_token, features))
+            out.append(_Verified(v.num_accepted, v.next_token, features, logprobs=v.logprobs))
         return out
 
     def release(self, request_id: str) -> bool:

@@ -25,11 +25,12 @@ from specserve.workers.speculation.drafter_costs import drafter_cost
 from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
 from specserve.workers.speculation.eagle3 import Eagle3Head
 from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle_drafter
+from specserve.workers.speculation.logprobs import TokenLogprob
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
 from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
-from specserve.workers.speculation.target import TargetVerifier, TreeCall
+from specserve.workers.speculation.target import TargetVerifier, TreeCall, Verdict
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
@@ -43,14 +44,18 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens only
     finish_reason: FinishReason
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when params.logprobs asked (logprobs.py)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [{"logprob": t.logprob, "top": [list(pair) for pair in t.top]} for t in self.logprobs]
+        return out
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
@@ -178,15 +183,15 @@ class SpecEngine:
         proposal: Proposal | None,
         params: SamplingParams,
         generator: torch.Generator,
-    ) -> tuple[int, int]:
+    ) -> Verdict:
         """Verify this round's proposal (None: target-only); an EagleDrafter gets the target's new features."""
         drafted, probs = (proposal.tokens, proposal.probs) if proposal else ([], None)
         row = (state.request_id, state.tokens, drafted, probs, params, generator)
-        if not isinstance(drafter, EagleDrafter):
-            return self.verifier.verify(*row)
-        verdict = self.verifier.verify_with_features([row])[0]
-        drafter.add_features(state.request_id, verdict.feature_start, verdict.features)
-        return verdict.num_accepted, verdict.next_token
+        head = drafter if isinstance(drafter, EagleDrafter) else None
+        verdict = self.verifier.verify_rows([row], capture=head is not None)[0]
+        if head is not None:
+            head.add_features(state.request_id, verdict.feature_start, verdict.features)
+        return verdict
 
     def _tree_round(
         self, state: RequestState, rounds: TreeRounds, params: SamplingParams, generator: torch.Generator
@@ -195,8 +200,8 @@ class SpecEngine:
         accepted path and the recovered or bonus token; a head gets the committed positions' features."""
         tree = rounds.propose_tree(state)
         if tree is None:
-            num_accepted, next_token = self._verify(state, rounds.drafter, None, params, generator)
-            state.commit_round([], num_accepted, next_token)
+            verdict = self._verify(state, rounds.drafter, None, params, generator)
+            state.commit_round([], verdict.num_accepted, verdict.next_token, logprobs=verdict.logprobs)
             return
         head = rounds.drafter if isinstance(rounds.drafter, EagleDrafter) else None
         call = TreeCall(TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents), params, generator)
@@ -205,7 +210,8 @@ class SpecEngine:
         if head is not None:
             head.add_features(state.request_id, verdict.feature_start, verdict.features)
         path = [tree.tokens[i] for i in verdict.path]
-        state.commit_round(path, len(path), verdict.next_token, tree=(len(tree.tokens), tree.depth))
+        shape = (len(tree.tokens), tree.depth)
+        state.commit_round(path, len(path), verdict.next_token, tree=shape, logprobs=verdict.logprobs)
 
     def generate(
         self,
@@ -235,10 +241,10 @@ class SpecEngine:
                 proposal = rounds.propose(state, params) if rounds is not None else None
                 drafted = proposal.tokens if proposal else []
                 generator = make_generator(params.seed, TARGET_SALT, position)
-                num_accepted, next_token = self._verify(state, drafter, proposal, params, generator)
+                verdict = self._verify(state, drafter, proposal, params, generator)
                 if rounds is not None:
-                    rounds.observe(len(drafted), num_accepted)
-                state.commit_round(drafted, num_accepted, next_token)
+                    rounds.observe(len(drafted), verdict.num_accepted)
+                state.commit_round(drafted, verdict.num_accepted, verdict.next_token, logprobs=verdict.logprobs)
         finally:
             self.verifier.release(state.request_id)
             if drafter is not None:
@@ -250,4 +256,5 @@ class SpecEngine:
             token_ids=state.generated,
             finish_reason=state.finish_reason,
             stats=state.stats,
+            logprobs=state.logprobs if params.logprobs is not None else None,
         )

@@ -5,8 +5,11 @@ Shared by the in-process engine and the distributed scheduler, so both stop, tru
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from specserve.workers.speculation.logprobs import TokenLogprob
 
 FinishReason = Literal["stop", "length"]
 
@@ -62,6 +65,7 @@ class RequestState:
     eos_token_ids: frozenset[int] = frozenset()
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when the request asks
 
     @property
     def generated(self) -> list[int]:
@@ -80,10 +84,16 @@ class RequestState:
         return max(0, min(k, self.remaining - 1))
 
     def commit_round(
-        self, drafted: list[int], num_accepted: int, next_token: int, tree: tuple[int, int] | None = None
+        self,
+        drafted: list[int],
+        num_accepted: int,
+        next_token: int,
+        tree: tuple[int, int] | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> list[int]:
         """Apply a verified round; returns the tokens actually committed (cut at EOS or the length limit). A tree
-        round passes its accepted path as `drafted` and tree = (nodes, depth) for the stats."""
+        round passes its accepted path as `drafted` and tree = (nodes, depth) for the stats. `logprobs`: the round's,
+        one per accepted token and the next token; those of the committed tokens are kept."""
         if tree is None:
             self.stats.add_round(len(drafted), num_accepted)
         else:
@@ -93,6 +103,8 @@ class RequestState:
         for token in new:
             if self.remaining <= 0:
                 break
+            if logprobs is not None:
+                self.logprobs.append(logprobs[len(committed)])
             self.tokens.append(token)
             committed.append(token)
             if token in self.eos_token_ids:

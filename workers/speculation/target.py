@@ -12,6 +12,7 @@ from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.speculation.codec import normalise
 from specserve.workers.speculation.logits_controls import controlled_logits
+from specserve.workers.speculation.logprobs import TokenLogprob, token_logprobs
 from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, uniform_noise
 from specserve.workers.speculation.tree_verification import greedy_tree_verify, rejection_tree_verify
 from specserve.workers.speculation.verification import greedy_verify, rejection_verify
@@ -21,8 +22,9 @@ from specserve.workers.speculation.verification import greedy_verify, rejection_
 class Verdict:
     num_accepted: int
     next_token: int
-    features: torch.Tensor  # [m, F]: the target's features of committed positions feature_start..feature_start+m-1
+    features: torch.Tensor | None  # [m, F]: the features of committed positions feature_start.. (when captured)
     feature_start: int
+    logprobs: list[TokenLogprob] | None = None  # of the accepted tokens and next_token, when params.logprobs is set
 
 
 @dataclass
@@ -31,6 +33,7 @@ class TreeVerdict:
     next_token: int  # recovered or bonus
     features: torch.Tensor | None  # [m, F]: the features of committed positions feature_start.. (when captured)
     feature_start: int
+    logprobs: list[TokenLogprob] | None = None  # of the path's tokens and next_token, when params.logprobs is set
 
 
 @dataclass(frozen=True)
@@ -75,15 +78,7 @@ class TargetVerifier:
     ) -> list[tuple[int, int]]:
         """Verify many requests' proposals in one forward pass; rows are (request_id, tokens, drafted, draft_probs,
         params, generator) as for `verify`, and each row is verified alone, with its own generator."""
-        logits = self.runner.logits_for_batch(
-            [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows]
-        )
-        return [
-            self._verify_row(
-                list(drafted), probs, params, generator, controlled_logits(row_logits, params, tokens, drafted)
-            )
-            for (_, tokens, drafted, probs, params, generator), row_logits in zip(rows, logits, strict=True)
-        ]
+        return [(v.num_accepted, v.next_token) for v in self.verify_rows(rows)]
 
     def verify_with_features(
         self,
@@ -92,16 +87,32 @@ class TargetVerifier:
         """`verify_batch`, also returning the target's features (the runner's `capture_features` layers) of the
         positions this pass computed whose tokens are now committed: all but the drafted tokens it rejected. The
         position of the bonus or recovered token is not among them: the next pass computes it."""
-        outputs = self.runner.forward_batch(
-            [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows],
-            capture=True,
-        )
+        return self.verify_rows(rows, capture=True)
+
+    def verify_rows(
+        self,
+        rows: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor | None, SamplingParams, torch.Generator]],
+        capture: bool = False,
+    ) -> list[Verdict]:
+        """`verify_batch` as Verdicts: with `capture` the features as `verify_with_features` (else None), and for rows
+        whose params ask (`params.logprobs`) the committed tokens' logprobs, from the same raw logits."""
+        sequences = [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows]
+        # Without capture through logits_for_batch: a tensor-parallel runner mirrors that one on its other ranks.
+        outputs = self.runner.forward_batch(sequences, capture=True) if capture else None
+        all_logits = [out.logits for out in outputs] if outputs else self.runner.logits_for_batch(sequences)
         verdicts = []
-        for (_, tokens, drafted, probs, params, generator), out in zip(rows, outputs, strict=True):
-            logits = controlled_logits(out.logits, params, tokens, drafted)
+        for i, (_, tokens, drafted, probs, params, generator) in enumerate(rows):
+            raw = all_logits[i]  # [k + 1, V]
+            logits = controlled_logits(raw, params, tokens, drafted)
             accepted, token = self._verify_row(list(drafted), probs, params, generator, logits)
-            committed = len(tokens) + accepted - out.start  # computed positions whose tokens are committed
-            verdicts.append(Verdict(accepted, token, out.features[:committed], out.start))
+            features, start = None, 0
+            if outputs:
+                start = outputs[i].start
+                features = outputs[i].features[: len(tokens) + accepted - start]  # computed and now committed
+            logprobs = None
+            if params.logprobs is not None:  # raw logits rows 0..accepted chose the accepted tokens and the next one
+                logprobs = token_logprobs(raw[: accepted + 1], list(drafted[:accepted]) + [token], params.logprobs)
+            verdicts.append(Verdict(accepted, token, features, start, logprobs))
         return verdicts
 
     def verify_trees(self, calls: Sequence[TreeCall], capture: bool = False) -> list[TreeVerdict]:
@@ -131,7 +142,12 @@ class TargetVerifier:
             if out.features is not None:
                 tail = len(tree.sequence) - out.start
                 features = torch.cat([out.features[:tail], out.features[[tail + node for node in path]]])
-            verdicts.append(TreeVerdict(path, int(result.next_token[0]), features, out.start))
+            next_token, logprobs = int(result.next_token[0]), None
+            if call.params.logprobs is not None:  # raw logits row 0: after the root; row i + 1: after node i
+                chosen = [tree.tokens[node] for node in path] + [next_token]
+                rows = [0] + [node + 1 for node in path]
+                logprobs = token_logprobs(out.logits[rows], chosen, call.params.logprobs)
+            verdicts.append(TreeVerdict(path, next_token, features, out.start, logprobs))
         return verdicts
 
     def _verify_row(
