@@ -76,6 +76,7 @@ class Request:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     controls_prefix: str = ""  # how the client names the controls' fields: "sampling." on gRPC
+    logprobs: int | None = None  # the target's logprobs of every token and this many alternatives; None: not asked
 
 
 # The logits controls' ranges (vLLM's), for both edges.

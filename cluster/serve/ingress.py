@@ -25,6 +25,7 @@ from specserve.cluster.serve.edge import REQUEST_ID_HEADER, PayloadTooLargeError
 from specserve.cluster.serve.error_mapping import call_scheduler, http_error, scheduler_error, set_grpc_error
 from specserve.cluster.serve.health import Readiness
 from specserve.cluster.serve.openai_endpoints import parse_detokenize, parse_tokenize
+from specserve.cluster.serve.openai_logprobs import LogprobsShaper, TokenTexts
 from specserve.cluster.serve.public_proto import http_status_for, refused_status, request_from_proto, response
 from specserve.cluster.serve.replica_env import resolve_paths, use_serve_log_files
 from specserve.workers.errors import SpecServeError, UnauthenticatedError
@@ -47,6 +48,7 @@ class SpecServeIngress:
         self.preparer = RequestPreparer(self.config, {m.name: resolve_paths(m) for m in self.config.models})
         self.scheduler = scheduler
         self.created = int(time.time())
+        self._token_texts: dict[str, TokenTexts] = {}  # model -> its tokens' texts, for OpenAI's logprobs
         env = self.config.auth.api_key_env
         self._api_key = (os.environ.get(env) or None) if env else None
         log.info("ingress started: models %s, API key %s", ", ".join(self.preparer.models),
@@ -102,7 +104,7 @@ class SpecServeIngress:
             self._check_grpc_key(grpc_context)
             prepared = self.preparer.prepare(request_from_proto(request), rid)
             out = await self._generate(prepared)
-            return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"])
+            return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"], out.get("logprobs"))
         except Exception as e:
             self._grpc_failed("Generate", grpc_context, e, rid)
             raise
@@ -115,7 +117,7 @@ class SpecServeIngress:
             prepared = self.preparer.prepare(request_from_proto(request), rid)
             async for chunk in self._run(prepared):
                 started = True
-                yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats)
+                yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats, chunk.logprobs)
         except Exception as e:
             self._grpc_failed("GenerateStream", grpc_context, e, rid, refused=not started)
             raise
@@ -226,41 +228,45 @@ class SpecServeIngress:
             parsed = oai.parse_chat(body) if chat else oai.parse_completion(body)
             prepared = self.preparer.prepare(parsed.request, prepared_id)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{prepared_id}"
+            shaper = self._logprobs_shaper(prepared, chat)
             if parsed.n > 1:
-                return await self._choices(rid, per_choice(prepared, parsed.n), parsed, chat)
+                return await self._choices(rid, per_choice(prepared, parsed.n), parsed, chat, shaper)
             if not parsed.stream:
-                out = await self._generate(prepared)
+                out = _shaped(await self._generate(prepared), shaper)
                 return JSONResponse(oai.completion_response(rid, prepared.model, out, chat))
             # The first round's chunk before the 200 and its headers are sent: a refusal (over capacity, no
             # workers) is still an HTTP status, with no round trip to ask for admission first.
             chunks = self._run(prepared)
             first = await anext(chunks, None)
-            return StreamingResponse(self._sse(rid, prepared, first, chunks, parsed.include_usage, chat),
+            return StreamingResponse(self._sse(rid, prepared, first, chunks, parsed.include_usage, chat, shaper),
                                      media_type="text/event-stream")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
             return self._refuse(route, e, sent)
 
-    async def _choices(self, rid: str, prepared: list[Prepared], parsed, chat: bool):
+    async def _choices(self, rid: str, prepared: list[Prepared], parsed, chat: bool, shaper: LogprobsShaper | None):
         """`n` choices: each its own request, answered together or streamed as their rounds come."""
         if not parsed.stream:
             outs = await asyncio.gather(*(self._generate(p) for p in prepared))
-            return JSONResponse(oai.completion_response(rid, prepared[0].model, list(outs), chat))
+            outs = [_shaped(out, shaper, i) for i, out in enumerate(outs)]
+            return JSONResponse(oai.completion_response(rid, prepared[0].model, outs, chat))
         streams = [self._run(p) for p in prepared]
         firsts = await asyncio.gather(*(anext(s, None) for s in streams))  # refusals before the 200, as for one
         chunks = merged([_after(f, s) for f, s in zip(firsts, streams, strict=True)])
-        return StreamingResponse(self._sse_choices(rid, prepared[0], chunks, parsed.include_usage, chat),
+        return StreamingResponse(self._sse_choices(rid, prepared[0], chunks, parsed.include_usage, chat, shaper),
                                  media_type="text/event-stream")  # fmt: skip
 
     async def _sse_choices(self, rid: str, prepared: Prepared, chunks: AsyncIterator[tuple[int, Chunk]],
-                           include_usage: bool, chat: bool) -> AsyncIterator[str]:  # fmt: skip
+                           include_usage: bool, chat: bool,
+                           shaper: LogprobsShaper | None) -> AsyncIterator[str]:  # fmt: skip
         generated = 0
         try:
             async with contextlib.aclosing(chunks):
                 async for i, chunk in chunks:
                     generated += len(chunk.token_ids)
-                    if chunk.text or chunk.finish_reason:
+                    if chunk.text or chunk.finish_reason or chunk.logprobs:
+                        logprobs = shaper.shape(chunk.token_ids, chunk.logprobs, i) if shaper else None
                         yield oai.stream_chunk(rid, prepared.model, chunk.text, chunk.finish_reason, chat, chunk.first,
-                                               index=i)  # fmt: skip
+                                               index=i, logprobs=logprobs)  # fmt: skip
             if include_usage:
                 yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, {}, chat)
             yield oai.sse("[DONE]")
@@ -269,21 +275,33 @@ class SpecServeIngress:
             _, kind = http_status_for(e)
             yield oai.sse(oai.error_body(client_message(e), kind, getattr(e, "field", None)))
 
+    def _logprobs_shaper(self, prepared: Prepared, chat: bool) -> LogprobsShaper | None:
+        """OpenAI's shapes of the logprobs of a request that asks for them (token texts by its model's tokenizer)."""
+        if prepared.params.logprobs is None:
+            return None
+        texts = self._token_texts.get(prepared.model)
+        if texts is None:
+            texts = self._token_texts[prepared.model] = TokenTexts(self.preparer.models[prepared.model].tokenizer)
+        return LogprobsShaper(texts, chat)
+
     def _refuse(self, route: str, error: BaseException, rid: str | None = None) -> JSONResponse:
         """The error response; counted when the client caused it (4xx)."""
         self._refused(route, error, refused_status(error, http=True), rid)
         return http_error(error)
 
     async def _sse(self, rid: str, prepared: Prepared, first: Chunk | None, chunks: AsyncIterator[Chunk],
-                   include_usage: bool, chat: bool) -> AsyncIterator[str]:  # fmt: skip
+                   include_usage: bool, chat: bool,
+                   shaper: LogprobsShaper | None = None) -> AsyncIterator[str]:  # fmt: skip
         generated, stats = 0, {}
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in _after(first, chunks):
                     generated += len(chunk.token_ids)
                     stats = chunk.stats
-                    if chunk.text or chunk.finish_reason:
-                        yield oai.stream_chunk(rid, prepared.model, chunk.text, chunk.finish_reason, chat, chunk.first)
+                    if chunk.text or chunk.finish_reason or chunk.logprobs:  # a chunk's text may be held back
+                        logprobs = shaper.shape(chunk.token_ids, chunk.logprobs) if shaper else None
+                        yield oai.stream_chunk(rid, prepared.model, chunk.text, chunk.finish_reason, chat, chunk.first,
+                                               logprobs=logprobs)  # fmt: skip
             if include_usage:
                 yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, stats, chat)
             yield oai.sse("[DONE]")
@@ -296,6 +314,13 @@ class SpecServeIngress:
 # Applied at import time in every process: Serve pickles the ingress class by reference to this module, and the
 # FastAPI routes must be rebound to the class in the replica's copy of `http_app` too.
 IngressDeployment = serve.ingress(http_app)(SpecServeIngress)
+
+
+def _shaped(out: dict, shaper: LogprobsShaper | None, index: int = 0) -> dict:
+    """A whole result with its logprobs (when asked) in OpenAI's shape."""
+    if shaper is None:
+        return out
+    return {**out, "logprobs": shaper.shape(out["token_ids"], out.get("logprobs"), index)}
 
 
 async def _after(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:

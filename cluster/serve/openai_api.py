@@ -6,10 +6,11 @@ so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `R
 takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`). Extensions beyond OpenAI's
 fields: `top_k`, and `speculation: {"method": "draft"|"eagle"|"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|
 "none", "k": 1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the
-output in ways specserve does not implement (logprobs, tools, response_format, ...) are accepted only at their neutral
-value. The logits controls (`presence_penalty`, `frequency_penalty`, `logit_bias`, and vLLM's `repetition_penalty`,
-`min_p`, `min_tokens`) apply at every verified position (workers/speculation/logits_controls.py). Every response
-carries `specserve` stats (rounds, drafted, accepted, acceptance_rate, mean_accepted_length).
+output in ways specserve does not implement (tools, response_format, ...) are accepted only at their neutral value;
+`logprobs` / `top_logprobs`: openai_logprobs.py. The logits controls (`presence_penalty`, `frequency_penalty`,
+`logit_bias`, and vLLM's `repetition_penalty`, `min_p`, `min_tokens`) apply at every verified position
+(workers/speculation/logits_controls.py). Every response carries `specserve` stats (rounds, drafted, accepted,
+acceptance_rate, mean_accepted_length).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from specserve.cluster.serve.edge import (
     text,
     unsupported,
 )
+from specserve.cluster.serve.openai_logprobs import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, requested
 from specserve.workers.config import MAX_K, SpecMethod
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
@@ -164,8 +166,6 @@ def _metadata(value: dict) -> dict:
 _NEUTRAL: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "1"),
     "echo": ((False,), "false"),
-    "logprobs": ((0, False), "null"),
-    "top_logprobs": ((0,), "0"),
     "suffix": (("",), '""'),
     "response_format": (({"type": "text"},), '{"type": "text"}'),
     "tools": (([],), "[]"),
@@ -197,8 +197,8 @@ class _Body(EdgeModel):
     min_p: MinP | None = None
     min_tokens: MinTokens | None = None
     logit_bias: TextKeyedBias | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # chat's, with logprobs: true
     # neutral only (_NEUTRAL)
-    top_logprobs: int | None = None
     stop: one_of("must be a string or a list of strings", string=text(max_length=MAX_STOP_CHARS), null=None,
                  array=Annotated[list[StopText], Field(max_length=MAX_STOPS, fail_fast=True)]) = None  # fmt: skip
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS, fail_fast=True)] | None = None  # vLLM's
@@ -245,6 +245,7 @@ class _Body(EdgeModel):
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias or {},
             min_tokens=self.min_tokens or 0,
+            logprobs=requested(self.logprobs, self.top_logprobs, chat=isinstance(self, ChatBody)),
         )
 
 
@@ -259,10 +260,10 @@ class CompletionBody(_Body):
     prompt: Prompt
     best_of: int | None = None
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: Text | None = None
 
-    @field_validator("best_of", "echo", "logprobs", "suffix")
+    @field_validator("best_of", "echo", "suffix")
     @classmethod
     def _neutral_here(cls, value: Any, info) -> Any:
         return _check_neutral(info.field_name, value)
@@ -271,11 +272,6 @@ class CompletionBody(_Body):
 class ChatBody(_Body):
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     logprobs: bool | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _neutral_here(cls, value: Any, info) -> Any:
-        return _check_neutral(info.field_name, value)
 
 
 @dataclass(frozen=True)
@@ -346,23 +342,25 @@ def completion_response(rid: str, model: str, result: dict | list[dict], chat: b
     for i, r in enumerate(results):
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]},
-                            "finish_reason": r["finish_reason"], "logprobs": None})  # fmt: skip
+                            "finish_reason": r["finish_reason"], "logprobs": r.get("logprobs")})  # fmt: skip
         else:
-            choices.append({"index": i, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None})
+            choices.append({"index": i, "text": r["text"], "finish_reason": r["finish_reason"],
+                            "logprobs": r.get("logprobs")})  # fmt: skip
     stats = result["stats"] if isinstance(result, dict) else [r["stats"] for r in results]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage, "specserve": stats}  # fmt: skip
 
 
 def stream_chunk(rid: str, model: str, text: str, finish_reason: str | None, chat: bool, first: bool,
-                 index: int = 0) -> str:  # fmt: skip
+                 index: int = 0, logprobs: dict | None = None) -> str:  # fmt: skip
+    """logprobs: the chunk's tokens' in OpenAI's shape (openai_logprobs.LogprobsShaper), or None."""
     if chat:
         delta = {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
     else:
-        choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
            "model": model, "choices": [choice]}  # fmt: skip
     return sse(obj)

@@ -63,6 +63,7 @@ class RequestPreparer:
             max_new_tokens=max_new_tokens,
             seed=request.seed,
             stop_at_eos=not request.ignore_eos,
+            logprobs=request.logprobs,
             **_controls(request, max_new_tokens, model.vocab_size),
         )
         return Prepared(cfg.name, ids, params, spec, request_id, _stops(request, limits, model.vocab_size))

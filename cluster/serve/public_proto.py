@@ -38,6 +38,7 @@ from specserve.workers.errors import (
     UnavailableError,
 )
 from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
+from specserve.workers.speculation.logprobs import MAX_LOGPROBS, TokenLogprob, to_proto
 
 SERVICE = SERVICE_NAME
 MAX_MESSAGES = 4096
@@ -87,6 +88,7 @@ class GrpcSampling(EdgeModel):
     min_p: MinP
     logit_bias: IdKeyedBias
     min_tokens: MinTokens
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None
 
 
 class GrpcSpeculation(EdgeModel):
@@ -127,7 +129,7 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
                      "max_new_tokens": s.max_new_tokens, "seed": s.seed if s.HasField("seed") else None,
                      "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
                      "repetition_penalty": s.repetition_penalty, "min_p": s.min_p, "min_tokens": s.min_tokens,
-                     "logit_bias": dict(s.logit_bias)},
+                     "logit_bias": dict(s.logit_bias), "logprobs": s.logprobs if s.HasField("logprobs") else None},
         "speculation": {"method": spec.method, "k": spec.k} if request.HasField("speculation") else None,
         "messages": [{"role": m.role, "content": m.content} for m in request.messages],
         "stop": list(request.stop[: MAX_STOPS + 1]),
@@ -163,6 +165,7 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
         logit_bias=sampling.logit_bias,
         min_tokens=sampling.min_tokens,
         controls_prefix="sampling.",
+        logprobs=sampling.logprobs,
     )
 
 
@@ -170,9 +173,12 @@ def stats_proto(stats: dict) -> pb.RequestStats:
     return pb.RequestStats(**stats)
 
 
-def response(text: str, token_ids: list[int], finish_reason: str | None, stats: dict) -> pb.GenerateResponse:
+def response(text: str, token_ids: list[int], finish_reason: str | None, stats: dict,
+             logprobs: list[TokenLogprob] | None = None) -> pb.GenerateResponse:  # fmt: skip
+    """logprobs: those of token_ids, when the request asked (sampling.logprobs)."""
     return pb.GenerateResponse(text=text, token_ids=token_ids, finish_reason=finish_reason or "",
-                               stats=stats_proto(stats))  # fmt: skip
+                               stats=stats_proto(stats),
+                               logprobs=to_proto(logprobs) if logprobs is not None else None)  # fmt: skip
 
 
 def status_for(error: BaseException) -> grpc.StatusCode:

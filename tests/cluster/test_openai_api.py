@@ -95,7 +95,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logit_bias": {"eos": 1}}, "logit_bias", "keys must be token ids"),
     ({"prompt": "x", "logit_bias": [1, 2]}, "logit_bias", "valid dictionary"),
     ({"prompt": "x", "logit_bias": "none"}, "logit_bias", "valid dictionary"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs", "not supported by specserve"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
+    ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "completions take logprobs"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ({"prompt": "x", "min_p": 1.01}, "min_p", "less than or equal to 1"),
@@ -181,8 +183,10 @@ BAD_CHATS = [
     (user(SURROGATE), "messages[0].content", "lone UTF-16 surrogate"),
     (user([{"type": "text", "text": SURROGATE}]), "messages[0].content[0].text", "lone UTF-16 surrogate"),
     ({"messages": [{"role": "user", "content": "x", "name": SURROGATE}]}, "messages[0].name", "lone UTF-16"),
-    ({**user("x"), "logprobs": True}, "logprobs", "not supported by specserve"),
-    ({**user("x"), "top_logprobs": 2}, "top_logprobs", "not supported by specserve"),
+    ({**user("x"), "logprobs": 1}, "logprobs", "valid boolean"),
+    ({**user("x"), "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({**user("x"), "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ({**user("x"), "logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
     ({**user("x"), "prompt": "x"}, "prompt", "unknown field"),
 ]  # fmt: skip
 

@@ -70,6 +70,7 @@ BAD_GRPC = [
     (g(top_p=float("nan")), "sampling.top_p", "finite number"),
     (g(seed=2**63), "sampling.seed", "less than 9223372036854775808"),
     (g(seed=2**64 - 1), "sampling.seed", "less than"),
+    (g(logprobs=21), "sampling.logprobs", "less than or equal to 20"),
     (g(k=17), "speculation.k", "less than or equal to 16"),
     (g(k=2**32 - 1), "speculation.k", "less than or equal to 16"),
     (g(method="magic"), "speculation.method", "'ngram', 'ngram-tree', 'suffix' or 'none'"),
