@@ -8,7 +8,7 @@ embedded as a RayService's `serveConfigV2`, so there is no second copy to drift.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -59,6 +59,11 @@ class WorkerPoolConfig(_Strict):
     autoscaling: AutoscalingConfig | None = Field(None, description="Scale the pool with load instead.")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per replica (0 on CPU machines).")
+    threads: Annotated[int, Field(gt=0, le=1024)] | Literal["auto"] = Field(
+        "auto", description="torch CPU threads per worker (per rank); auto: a CPU target pool's workers use every "
+        "CPU of their container but one (split between tensor-parallel ranks), since num_cpus only places them; draft "
+        "workers use their reserved CPUs (at least 1). Set it when several target replicas share one machine."
+    )  # fmt: skip
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources per replica, e.g. {target_gpu: 1} on KubeRay."
     )

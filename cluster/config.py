@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
@@ -21,6 +23,10 @@ class PoolConfig(BaseModel):
     max_restarts: int = Field(3, ge=-1, description="Times Ray restarts a dead worker (-1: always).")
     tensor_parallel_size: int = Field(1, gt=0, le=64, description="Ranks per worker (target pools).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per rank.")
+    threads: Annotated[int, Field(gt=0, le=1024)] | Literal["auto"] = Field(
+        "auto", description="torch CPU threads per rank (workers/runtime/threads.py); auto: a CPU target's ranks "
+        "share the container's CPUs but one, a draft worker keeps Ray's count (its reserved CPUs)."
+    )  # fmt: skip
 
 
 class DistributedConfig(BaseModel):

@@ -29,8 +29,12 @@ class _WorkerActor:
     """Hosts a worker built by `_build` (workers/service/assembly.py) behind its gRPC server."""
 
     def _build(self, role: str, pool: PoolConfig, vocab_size: int | None = None, eagle_head: str | None = None) -> None:
+        from specserve.workers.runtime.loading import resolve_device
+        from specserve.workers.runtime.threads import use_threads, worker_threads
         from specserve.workers.service.assembly import WorkerSpec, build_worker
 
+        device = resolve_device(pool.model.device).type
+        use_threads(worker_threads(pool.threads, role, device, pool.num_cpus, pool.tensor_parallel_size))
         # A draft's tensor-parallel degree is independent of the target's (a head's draft worker runs no model).
         tensor_parallel = pool.tensor_parallel_size > 1 and not (role == "draft" and eagle_head)
         runner = self._tensor_parallel_runner(pool, vocab_size) if tensor_parallel else None
@@ -70,6 +74,7 @@ class _WorkerActor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from specserve.workers.runtime.runner import ModelRunner
+        from specserve.workers.runtime.threads import worker_threads
         from specserve.workers.service.local_processes import free_port
         from specserve.workers.service.tensor_parallel import (
             Rendezvous,
@@ -82,6 +87,7 @@ class _WorkerActor:
 
         n = pool.tensor_parallel_size
         device = check_replica(pool.model, n)
+        torch_threads = worker_threads(pool.threads, "target", device, pool.num_cpus, n)
         rendezvous = Rendezvous(_host(), free_port(""), n, timeout_s=300)
         follower = ray.remote(max_restarts=0, max_concurrency=2)(TensorParallelFollower)  # node_id while it runs
         pg = get_current_placement_group()
@@ -91,7 +97,8 @@ class _WorkerActor:
             if pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             actor = follower.options(**options).remote()
-            self.followers.append((actor, actor.run.remote(run_follower, rank, rendezvous, pool.model, pool.kv_cache)))
+            call = actor.run.remote(run_follower, rank, rendezvous, pool.model, pool.kv_cache, threads=torch_threads)
+            self.followers.append((actor, call))
         init_rank(0, rendezvous, device)
         return TensorParallelRunner(ModelRunner(load_sharded(pool.model), pool.kv_cache, vocab_size=vocab_size))
 
@@ -114,7 +121,11 @@ class TargetWorkerActor(_WorkerActor):
 class TensorParallelFollower:
     """A rank > 0 of a tensor-parallel target replica: runs `run_follower` until rank 0 stops or dies."""
 
-    def run(self, fn, *args) -> None:
+    def run(self, fn, *args, threads: int | None = None) -> None:
+        if threads is not None:
+            from specserve.workers.runtime.threads import use_threads
+
+            use_threads(threads)
         fn(*args)
 
     def node_id(self) -> str:

@@ -95,7 +95,8 @@ def _worker_body(cfg: ModelPairConfig, kind: str):
     path = target_path if kind == "target" or head is not None else draft_path
     pool = PoolConfig(model=ModelConfig(path=path, dtype=cfg.dtype, device=cfg.device), resource=f"{kind}_gpu",
                       kv_cache=pool_cfg.kv_cache, batching=pool_cfg.batching, num_cpus=pool_cfg.num_cpus,
-                      num_gpus=pool_cfg.num_gpus, tensor_parallel_size=pool_cfg.tensor_parallel_size)  # fmt: skip
+                      num_gpus=pool_cfg.num_gpus, tensor_parallel_size=pool_cfg.tensor_parallel_size,
+                      threads=pool_cfg.threads)  # fmt: skip
     if kind == "target":
         return TargetWorkerActor(pool, eagle_head=head)
     from transformers import AutoConfig

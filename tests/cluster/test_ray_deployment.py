@@ -139,13 +139,23 @@ def test_a_tensor_parallel_target_replica_on_ray_is_lossless(cluster, config, ex
     pair shards the model over gloo and decodes exactly what the single-process target does."""
     _, _, target_node = cluster
     tp = config.model_copy(
-        update={"target": config.target.model_copy(update={"replicas": 1, "tensor_parallel_size": 2})}
+        update={"target": config.target.model_copy(update={"replicas": 1, "tensor_parallel_size": 2, "threads": 2})}
     )
     deployment = deploy(tp)
     try:
         outs = ray.get(generate_all(deployment), timeout=300)
         followers = ray.get(deployment.targets["target-0"].followers_nodes.remote(), timeout=60)
+        threads = {name: ray.get(h.__ray_call__.remote(_torch_threads), timeout=60)
+                   for name, h in {**deployment.drafts, **deployment.targets}.items()}  # fmt: skip
     finally:
         deployment.shutdown()
     assert [o["token_ids"] for o in outs] == expected
     assert followers == [target_node]  # rank 1 packed on rank 0's node
+    # The pool's threads, although Ray gives an actor reserving 1 CPU one OpenMP thread; the draft keeps Ray's.
+    assert threads == {"target-0": 2, "draft-0": 1}
+
+
+def _torch_threads(actor) -> int:
+    import torch
+
+    return torch.get_num_threads()
