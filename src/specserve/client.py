@@ -98,15 +98,19 @@ class SpecServeClient:
         include_stop_str_in_output: bool = False,
         ignore_eos: bool = False,
         controls: dict | None = None,
+        logprobs: int | None = None,
     ) -> pb.GenerateRequest:
         """A GenerateRequest: a raw `prompt` (text or token ids), or chat `messages` ([{"role", "content"}, ...])
         that the server renders with the model's chat template; `stop` sequences and `stop_token_ids` end it.
         `controls`: SamplingParams' logits controls by name (presence_penalty, frequency_penalty, repetition_penalty,
-        min_p, min_tokens, and logit_bias as {token id: bias})."""
+        min_p, min_tokens, and logit_bias as {token id: bias}). `logprobs`: also return the target's log-probability of
+        every token and this many alternatives (0..20; the dicts' "logprobs": [{"logprob", "top": [[id, logprob]]}])."""
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                      ignore_eos=ignore_eos, **(controls or {}))  # fmt: skip
         if seed is not None:
             sampling.seed = seed
+        if logprobs is not None:
+            sampling.logprobs = logprobs
         req = pb.GenerateRequest(model=model, sampling=sampling, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                  include_stop_str_in_output=include_stop_str_in_output)  # fmt: skip
         if messages is not None:
@@ -149,9 +153,18 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
+def _logprobs(msg: pb.Logprobs) -> list[dict]:
+    """GenerateResponse.logprobs' columns -> one {"logprob", "top": [[id, logprob], ...]} per token."""
+    n = len(msg.top_token_ids) // len(msg.token_logprobs) if msg.token_logprobs else 0
+    ids, values = list(msg.top_token_ids), list(msg.top_logprobs)
+    rows = [(ids[i * n : i * n + n], values[i * n : i * n + n]) for i in range(len(msg.token_logprobs))]
+    return [{"logprob": v, "top": [list(pair) for pair in zip(*row, strict=True)]}
+            for v, row in zip(msg.token_logprobs, rows, strict=True)]  # fmt: skip
+
+
 def _to_dict(msg: pb.GenerateResponse) -> dict:
     s = msg.stats
-    return {
+    out = {
         "text": msg.text,
         "token_ids": list(msg.token_ids),
         "finish_reason": msg.finish_reason or None,
@@ -163,3 +176,6 @@ def _to_dict(msg: pb.GenerateResponse) -> dict:
             "mean_accepted_length": s.mean_accepted_length,
         },
     }
+    if msg.HasField("logprobs"):
+        out["logprobs"] = _logprobs(msg.logprobs)
+    return out

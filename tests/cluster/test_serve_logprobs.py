@@ -1,0 +1,115 @@
+"""Logprobs through the real Serve application and the `openai` package (issue 43 item 2): chat logprobs and
+top_logprobs, completions logprobs, streamed and not, speculating with a draft model; every value equals what
+target-only decoding computes for the same tokens (a teacher-forced forward, ATOL in float32), and bad values are 400
+naming the field."""
+
+import grpc
+import openai
+import pytest
+import ray
+
+from specserve.client import SpecServeClient
+from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve.server import start, stop
+from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.service.local_processes import free_port
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.speculation.logprobs import TokenLogprob
+from tests.helpers.logprobs_oracle import ATOL, assert_logprobs_match, target_logprobs
+
+pytestmark = pytest.mark.slow
+
+N = 16
+PROMPT = "def add(a, b):"
+SPEC = {"speculation": {"method": "draft", "k": 4}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_draft):
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    pool = {"num_cpus": 0.5}
+    app = AppConfig.model_validate(
+        {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
+                     "target_pool": pool, "draft_pool": pool}],
+         "ingress": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
+    )  # fmt: skip
+    info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), metrics_port=free_port(),
+                 ready_timeout_s=300)  # fmt: skip
+    yield info
+    stop({**info, "started_ray": False})
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_model(ModelConfig(path=tiny_target, device="cpu"))
+
+
+def test_grpc_logprobs_through_serves_proxy_equal_target_only(server, target):
+    with SpecServeClient(server["grpc"], timeout_s=120) as client:
+        out = client.generate(PROMPT, max_new_tokens=N, method="draft", k=4, logprobs=2)
+        chunks = list(client.generate_stream(PROMPT, max_new_tokens=N, method="draft", k=4, logprobs=2))
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(PROMPT, max_new_tokens=2, logprobs=21)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.logprobs" in e.value.details()
+    expected = target_logprobs(target.model, target.tokenizer(PROMPT)["input_ids"], out["token_ids"])
+    logprobs = [TokenLogprob(t["logprob"], tuple(map(tuple, t["top"]))) for t in out["logprobs"]]
+    assert_logprobs_match(out["token_ids"], logprobs, expected, 2)
+    assert [t for c in chunks for t in c["logprobs"]] == out["logprobs"]
+
+
+def _close(values: list[float], expected: list[float]) -> bool:
+    return len(values) == len(expected) and all(abs(a - b) <= ATOL for a, b in zip(values, expected, strict=True))
+
+
+def test_completions_logprobs_equal_target_only_streamed_and_not(oai, target):
+    out = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, logprobs=3,
+                                 extra_body=SPEC)  # fmt: skip
+    logprobs = out.choices[0].logprobs
+    ids = SpecEngine(target).generate(PROMPT, SamplingParams(max_new_tokens=N), SpecParams(method="none")).token_ids
+    expected = target_logprobs(target.model, target.tokenizer(PROMPT)["input_ids"], ids)
+    assert len(logprobs.tokens) == out.usage.completion_tokens == len(ids)
+    assert _close(logprobs.token_logprobs, [float(expected[i, t]) for i, t in enumerate(ids)])
+    texts = [target.tokenizer.decode([t]) for t in ids]
+    assert logprobs.tokens == texts and logprobs.text_offset == [sum(map(len, texts[:i])) for i in range(len(ids))]
+    stream = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, logprobs=3, stream=True,
+                                    extra_body=SPEC)  # fmt: skip
+    streamed = [v for c in stream if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == logprobs.token_logprobs
+
+
+def test_chat_logprobs_and_top_logprobs_equal_target_only_streamed_and_not(oai, target):
+    messages = [{"role": "user", "content": PROMPT}]
+    out = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=N, temperature=0, logprobs=True,
+                                      top_logprobs=5, extra_body=SPEC)  # fmt: skip
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens and all(len(c.top_logprobs) == 5 for c in content)
+    for c in content:  # the chosen token is the greedy one: the best alternative's logprob is its own
+        assert abs(c.top_logprobs[0].logprob - c.logprob) <= ATOL and c.logprob <= 0
+    stream = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=N, temperature=0, logprobs=True,
+                                         top_logprobs=5, stream=True, extra_body=SPEC)  # fmt: skip
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]  # fmt: skip
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=N, temperature=0, extra_body=SPEC)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                                               ({"top_logprobs": 3}, "top_logprobs")])  # fmt: skip
+def test_bad_chat_values_are_400_naming_the_field(oai, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, **kwargs)
+    assert e.value.status_code == 400 and e.value.body["param"] == field
+
+
+def test_completions_logprobs_over_five_are_400_naming_the_field(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=6)
+    assert e.value.status_code == 400 and e.value.body["param"] == "logprobs"
