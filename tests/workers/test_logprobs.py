@@ -54,6 +54,17 @@ def test_logprobs_are_raw_so_a_sampled_run_reports_the_target_distribution_befor
     assert_logprobs_match(result.token_ids, result.logprobs, expected, 3)
 
 
+@pytest.mark.parametrize("method", ["draft", "eagle-tree"])
+def test_logprobs_stay_raw_under_penalties_and_logit_bias(engine, method):
+    """The controls change which tokens are chosen, never the reported distribution (vLLM's raw_logprobs)."""
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_at_eos=False, logprobs=4, presence_penalty=1.5,
+                            repetition_penalty=1.4, logit_bias={3: -5.0})  # fmt: skip
+    result = engine.generate(PROMPTS[0], params, SpecParams(method=method, k=3))
+    expected = target_logprobs(engine.target.model, PROMPTS[0], result.token_ids)
+    assert result.token_ids != expected.argmax(-1).tolist()  # the controls did choose otherwise
+    assert_logprobs_match(result.token_ids, result.logprobs, expected, 4)
+
+
 def test_a_request_cut_at_eos_or_its_length_has_a_logprob_per_emitted_token(engine):
     params = SamplingParams(max_new_tokens=7, logprobs=1)  # EOS stops it where target-only decoding stops
     for method in ("draft", "eagle"):
