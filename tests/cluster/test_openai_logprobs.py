@@ -111,6 +111,8 @@ def answers(tiny_target):
         "chat": ("/v1/chat/completions", chat(logprobs=True, top_logprobs=4, **spec)),
         "chat_stream": ("/v1/chat/completions", chat(logprobs=True, top_logprobs=4, stream=True, **spec)),
         "chat_plain": ("/v1/chat/completions", chat(**spec)),
+        "chat_n": ("/v1/chat/completions", chat(logprobs=True, top_logprobs=4, n=2, **spec)),
+        "completion_n_stream": ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "n": 2, "stream": True, **spec}),
     }  # fmt: skip
 
     async def main():
@@ -168,3 +170,18 @@ def test_openai_chat_and_completions_logprobs_streamed_and_not(answers):
     assert all(c["bytes"] == list(c["token"].encode()) for c in chat_whole)
     assert out["chat_plain"]["choices"][0]["logprobs"] is None
     assert out["chat_plain"]["choices"][0]["message"] == out["chat"]["choices"][0]["message"]
+
+
+def test_n_choices_each_carry_their_own_logprobs(answers):
+    out, _, _ = answers
+    whole = out["chat"]["choices"][0]["logprobs"]
+    assert [c["logprobs"] for c in out["chat_n"]["choices"]] == [whole, whole]  # greedy: each equals one alone
+    by_index = {0: [], 1: []}
+    for event in out["completion_n_stream"]:
+        for choice in event["choices"]:
+            if choice["logprobs"]:
+                by_index[choice["index"]].append(choice["logprobs"])
+    want = out["completion"]["choices"][0]["logprobs"]
+    for chunks in by_index.values():  # text offsets count per choice
+        assert sum((c["text_offset"] for c in chunks), []) == want["text_offset"]
+        assert sum((c["token_logprobs"] for c in chunks), []) == want["token_logprobs"]
