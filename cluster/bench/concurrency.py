@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -268,9 +269,10 @@ def load_rows(
     device: str = "auto",
     dtype: str = "float32",
     progress: bool = True,
+    then: Callable[..., None] | None = None,
 ) -> tuple[list[LevelRow], str]:
-    """Start the Serve application (and a Ray, unless one is connected), run every level, stop them; returns (rows,
-    the drafting the model was served with)."""
+    """Start the Serve application (and a Ray, unless one is connected), run every level (and `then`, with the
+    client, while the app still runs), stop them; returns (rows, the drafting the model was served with)."""
     from tqdm import tqdm
 
     from specserve.client import SpecServeClient
@@ -286,21 +288,22 @@ def load_rows(
             with tqdm(total=segment_count(cfg), desc="load bench", unit="segment", disable=not progress,
                       file=sys.stderr) as bar:  # fmt: skip
                 rows = [row for streams in cfg.levels for row in _level(client, prompts, streams, cfg, bar)]
+            if then is not None:
+                then(client)
     finally:
         stop(info)
     return rows, drafting
 
 
-def load_meta(rows: list[LevelRow], cfg: LoadConfig, drafting: str, in_process_tok_s: float) -> dict:
-    """The bench's JSON entry: the run's settings, the levels, and served speculation-off at one stream beside
-    in-process target-only decoding (the same prompts, the orchestration's cost)."""
+def load_meta(rows: list[LevelRow], cfg: LoadConfig, drafting: str, tax: dict | None = None) -> dict:
+    """The bench's JSON entry: the run's settings, the levels, and the orchestration tax (cluster/bench/
+    orchestration.py: served speculation-off at one stream beside in-process target-only decoding) when measured."""
     off_1 = next((r.tokens_per_s for r in rows if r.streams == 1 and r.speculation == OFF), None)
     return {
         "drafting": drafting,
         "config": asdict(cfg),
         "served_off_1_stream_tok_s": off_1,
-        "in_process_target_only_tok_s": in_process_tok_s,
-        "served_off_vs_in_process": off_1 / in_process_tok_s if off_1 else None,
+        "orchestration": tax,
         "levels": levels_json(rows),
     }
 

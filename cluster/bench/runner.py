@@ -290,21 +290,30 @@ def main_bench(args) -> int:
                                  best_draft_k(cfg), rows[0], tp_n)  # fmt: skip
         rows += extra
         meta["tensor_parallel"] = {"world_size": tp_n, **profile}
-    levels = _load(args, target_path, prompts, meta, rows[0].tokens_per_s) if args.load else []
+    levels = _load(args, target_path, prompts, meta, engine, cfg.max_new_tokens) if args.load else []
     _report(args, rows, meta, levels, machine_info(target.device, target.dtype))
     return 0
 
 
-def _load(args, target_path: str, prompts: list[list[int]], meta: dict, in_process_tok_s: float) -> list:
+def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: SpecEngine, max_new_tokens: int):
     """The served load bench (cluster/bench/concurrency.py) on the bench's target with its default drafting (the
-    demo family's: its draft model), on the same prompts; its JSON entry goes to meta['load']."""
+    demo family's: its draft model), on the same prompts, then the orchestration tax (cluster/bench/
+    orchestration.py) on the in-process rows' lengths; its JSON entry goes to meta['load']."""
     from specserve.cluster.app_config import DEMO
-    from specserve.cluster.bench.concurrency import QUICK_LOAD, LoadConfig, load_meta, load_rows
+    from specserve.cluster.bench.concurrency import QUICK_LOAD, LoadConfig, bench_app, load_meta, load_rows
+    from specserve.cluster.bench.orchestration import measure_tax
+    from specserve.workers.runtime.threads import worker_threads
 
     target, draft = (target_path, None) if args.target else (DEMO, DEMO)
     cfg = QUICK_LOAD if args.quick else LoadConfig()
-    levels, drafting = load_rows(target, draft, prompts, cfg, args.device, args.dtype)
-    meta["load"] = load_meta(levels, cfg, drafting, in_process_tok_s)
+    pool = bench_app(target, draft, args.device, args.dtype)["applications"][0]["args"]["models"][0]["target_pool"]
+    threads = worker_threads("auto", "target", engine.target.device.type, pool["num_cpus"], 1)
+    tax = []
+    levels, drafting = load_rows(target, draft, prompts, cfg, args.device, args.dtype,
+                                 then=lambda client: tax.append(measure_tax(client, engine, prompts, max_new_tokens,
+                                                                            threads)))  # fmt: skip
+    meta["load"] = load_meta(levels, cfg, drafting, tax[0].to_dict() if tax else None)
+    meta["load"]["orchestration_line"] = tax[0].line() if tax else None
     return levels
 
 
@@ -320,10 +329,8 @@ def _report(args, rows: list[Row], meta: dict, levels: list, machine: dict) -> N
               f"{lengths} new tokens per request, closed-loop streams; per level: the default settles, unmeasured, "
               "then off and each mode alternate in pairs; every ratio is to off at the same streams):")  # fmt: skip
         print(format_levels(levels))
-        if load["served_off_vs_in_process"] is not None:
-            print(f"served speculation off, 1 stream: {load['served_off_1_stream_tok_s']:.1f} tok/s, "
-                  f"{load['served_off_vs_in_process']:.2f}x in-process target-only greedy "
-                  f"({load['in_process_target_only_tok_s']:.1f} tok/s)")  # fmt: skip
+        if load["orchestration_line"]:
+            print(load["orchestration_line"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(to_json(rows, meta, machine), f, indent=2)

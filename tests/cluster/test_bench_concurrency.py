@@ -118,9 +118,9 @@ def test_the_report_table_json_and_plot(tmp_path):
     rows = _rows()
     table = format_levels(rows)
     assert table.count("\n") == 1 + len(rows) and "| 2       | default" in table and "1.00x" in table
-    meta = load_meta(rows, LoadConfig(), "ngram", in_process_tok_s=20.0)
+    meta = load_meta(rows, LoadConfig(), "ngram", tax={"vs_same_threads": 0.9})
     assert meta["served_off_1_stream_tok_s"] == pytest.approx(41 / 4.0)
-    assert meta["served_off_vs_in_process"] == pytest.approx(41 / 4.0 / 20.0)
+    assert meta["orchestration"] == {"vs_same_threads": 0.9}
     levels = json.loads(json.dumps(meta))["levels"]
     assert [(r["streams"], r["speculation"]) for r in levels] == [(1, OFF), (1, DEFAULT), (2, OFF), (2, DEFAULT)]
     assert "outputs" not in levels[0] and len(levels[1]["ratio_ci95"]) == 2
@@ -151,8 +151,12 @@ def test_the_bench_serves_the_model_as_specserve_serve_does():
 def test_load_bench_on_the_demo_family(tmp_path):
     from transformers import AutoTokenizer
 
+    from specserve.cluster.bench.orchestration import measure_tax
     from specserve.cluster.bench.rows import QUICK, bench_prompts
+    from specserve.workers.config import ModelConfig
     from specserve.workers.models.demo import ensure_demo_family
+    from specserve.workers.runtime.loading import load_model
+    from specserve.workers.speculation.engine import SpecEngine
 
     family = ensure_demo_family(progress=False)
     root = family.manifest["corpus_root"]
@@ -160,8 +164,18 @@ def test_load_bench_on_the_demo_family(tmp_path):
     prompts, _ = bench_prompts(AutoTokenizer.from_pretrained(family.target), QUICK, None, held_out)
     cfg = LoadConfig(levels=(1, 2), fixed_k_levels=(1,), fixed_ks=(1, 2), pairs=2, fixed_k_pairs=1, segment_s=1.5,
                      settle_s=0.5, new_tokens=8)  # fmt: skip
-    rows, drafting = load_rows("demo", "demo", prompts, cfg, device="cpu", progress=False)
+    engine = SpecEngine(load_model(ModelConfig(path=family.target, device="cpu")))
+    taxes = []
+
+    def tax_of(client):
+        taxes.append(measure_tax(client, engine, prompts, 8, 1))
+
+    rows, drafting = load_rows("demo", "demo", prompts, cfg, device="cpu", progress=False, then=tax_of)
     assert drafting == "demo"
+    (tax,) = taxes  # measured while the app ran: served off at one stream, greedy, gives in-process's tokens
+    assert tax.identical and tax.served_threads == 1 and tax.served_off_tok_s > 0
+    assert tax.vs_same_threads == pytest.approx(tax.served_off_tok_s / tax.in_process_same_threads_tok_s)
+    assert "served speculation off, 1 stream, 8 tokens" in tax.line() and "vs_all_cores" in tax.to_dict()
     by = {(r.streams, r.speculation): r for r in rows}
     assert list(by) == [(1, OFF), (1, DEFAULT), (1, "k=1"), (1, "k=2"), (2, OFF), (2, DEFAULT)]
     for (streams, mode), r in by.items():
@@ -176,7 +190,7 @@ def test_load_bench_on_the_demo_family(tmp_path):
             assert any(ratio == pytest.approx(tok_s / o) for o in off.segment_tokens_per_s)
         assert min(r.pair_ratios) <= r.vs_off <= max(r.pair_ratios)
         assert (r.ratio_ci95 is not None) == (len(r.pair_ratios) >= 2)  # 2 default pairs, 1 fixed-k pair
-    meta = load_meta(rows, cfg, drafting, in_process_tok_s=100.0)
+    meta = load_meta(rows, cfg, drafting)
     (tmp_path / "load.json").write_text(json.dumps(meta))
     assert json.loads((tmp_path / "load.json").read_text())["served_off_1_stream_tok_s"] == by[(1, OFF)].tokens_per_s
     plot_levels(rows, str(tmp_path / "load.png"))

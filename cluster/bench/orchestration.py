@@ -1,0 +1,83 @@
+"""The orchestration tax of `specserve bench --load`: served speculation-off decoding at one stream against in-process
+target-only decoding, on the same prompts and lengths, in the same run.
+
+In process, one forward runs on every core. Served, the target worker's forward runs on the threads its pool gives it
+(workers/runtime/threads.py: on a CPU, every core but one, left to the scheduler, the ingress and Serve's proxy, whose
+wake-ups otherwise stall a multi-threaded forward at each barrier). So the tax is reported twice: against in-process
+decoding at the served target's thread count (what the hops cost: gRPC, the scheduler, the batcher, Serve's
+streaming) and against in-process decoding on every core (what a user sees, the threads included)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from specserve.workers.config import SamplingParams, SpecParams
+
+
+@dataclass(frozen=True)
+class OrchestrationTax:
+    max_new_tokens: int
+    served_threads: int  # the served target worker's torch threads
+    served_off_tok_s: float  # served, speculation off, one stream, whole requests (prefill included)
+    in_process_same_threads_tok_s: float  # in-process target-only at served_threads
+    in_process_all_cores_tok_s: float  # in-process target-only at torch's default threads
+    identical: bool  # served tokens == in-process tokens, every prompt
+
+    @property
+    def vs_same_threads(self) -> float:
+        return self.served_off_tok_s / self.in_process_same_threads_tok_s
+
+    @property
+    def vs_all_cores(self) -> float:
+        return self.served_off_tok_s / self.in_process_all_cores_tok_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "vs_same_threads": self.vs_same_threads, "vs_all_cores": self.vs_all_cores}
+
+    def line(self) -> str:
+        return (f"served speculation off, 1 stream, {self.max_new_tokens} tokens: {self.served_off_tok_s:.1f} tok/s = "
+                f"{self.vs_same_threads:.2f}x in-process target-only at the served target's {self.served_threads} "
+                f"thread(s) ({self.in_process_same_threads_tok_s:.1f} tok/s), {self.vs_all_cores:.2f}x on every core "
+                f"({self.in_process_all_cores_tok_s:.1f} tok/s); outputs "
+                f"{'identical' if self.identical else 'DIFFERENT'}")  # fmt: skip
+
+
+def served_one_stream(client, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[list[int]]]:
+    """(tokens per second, outputs): each prompt in turn through the served app, speculation off, greedy, streamed;
+    timed from the call to the last token, as the in-process rows are."""
+    outputs, seconds = [], 0.0
+    for prompt in prompts:
+        start, tokens = time.perf_counter(), []
+        for chunk in client.generate_stream(prompt, max_new_tokens=max_new_tokens, temperature=0.0, method="none"):
+            tokens += chunk["token_ids"]
+        seconds += time.perf_counter() - start
+        outputs.append(tokens)
+    return sum(map(len, outputs)) / seconds, outputs
+
+
+def in_process(engine, prompts: list[list[int]], max_new_tokens: int, threads: int | None = None):
+    """(tokens per second, outputs) of in-process target-only decoding, on `threads` torch threads (None: as set)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        params, off = SamplingParams(max_new_tokens=max_new_tokens), SpecParams(method="none")
+        engine.generate(prompts[0][:8], SamplingParams(max_new_tokens=2), off)  # warm-up at this thread count
+        outputs, seconds = [], 0.0
+        for prompt in prompts:
+            start = time.perf_counter()
+            outputs.append(engine.generate(prompt, params, off).token_ids)
+            seconds += time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
+    return sum(map(len, outputs)) / seconds, outputs
+
+
+def measure_tax(client, engine, prompts: list[list[int]], max_new_tokens: int, served_threads: int) -> OrchestrationTax:
+    """Served first, then in process at the served threads, then on every core: back to back, one run."""
+    served, served_out = served_one_stream(client, prompts, max_new_tokens)
+    same, same_out = in_process(engine, prompts, max_new_tokens, served_threads)
+    every, _ = in_process(engine, prompts, max_new_tokens)
+    return OrchestrationTax(max_new_tokens, served_threads, served, same, every, served_out == same_out)
