@@ -80,7 +80,7 @@ def _eval(args: argparse.Namespace) -> int:
     from specserve.workers.models.catalog import resolve_model
     from specserve.workers.models.packaged_heads import resolve_head
     from specserve.workers.runtime.loading import load_model
-    from specserve.workers.speculation.eagle3_io import record_acceptance
+    from specserve.workers.speculation.eagle.checkpoint import record_acceptance
     from specserve.workers.speculation.engine import SpecEngine
 
     target_path = resolve_model(args.target)

@@ -59,7 +59,7 @@ def local_models(args: argparse.Namespace) -> LocalModels:
     drafting (no directory)."""
     from specserve.workers.models.catalog import resolve_model
     from specserve.workers.models.packaged_heads import default_head_for
-    from specserve.workers.speculation.eagle_loading import resolve_eagle_head
+    from specserve.workers.speculation.eagle.config import resolve_eagle_head
 
     target = _target(args)
     if target == DEMO:

@@ -44,7 +44,7 @@ from specserve.cluster.scheduling.worker_clients import (
 from specserve.workers.config import TREE_METHODS, NgramConfig, SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES
 from specserve.workers.speculation.draft_tree import TreeShape
-from specserve.workers.speculation.drafters import NgramDrafter
+from specserve.workers.speculation.ngram import NgramDrafter
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +389,7 @@ def build_pipeline(
     """A model's scheduler and pipelined driver over its workers' clients, for every caller (the Serve app's scheduler
     replica, the plain-actor path, the bench). head: the EAGLE-3 head directory the draft workers run, whose recorded
     acceptance is where the planner starts; max_k: the most k='auto' drafts a round; ngram: prompt lookup's sizes."""
-    from specserve.workers.speculation.eagle_loading import head_acceptance
+    from specserve.workers.speculation.eagle.config import head_acceptance
 
     prior = head_acceptance(head) if head is not None else None
     return Pipeline(Scheduler(list(drafts), list(targets), prior, max_k, ngram), drafts, targets, predraft, reconnect)

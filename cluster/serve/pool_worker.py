@@ -87,7 +87,7 @@ def _worker_body(cfg: ModelPairConfig, kind: str):
     from specserve.cluster.config import PoolConfig
     from specserve.cluster.pools.actors import DraftWorkerActor, TargetWorkerActor
     from specserve.workers.config import ModelConfig
-    from specserve.workers.speculation.eagle_loading import resolve_eagle_head
+    from specserve.workers.speculation.eagle.config import resolve_eagle_head
 
     target_path, draft_path = resolve_paths(cfg)
     head = resolve_eagle_head(draft_path)

@@ -16,7 +16,7 @@ from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids
 from specserve.workers.runtime.worker_state import check_token_ids
-from specserve.workers.speculation.eagle_loading import resolve_eagle_head
+from specserve.workers.speculation.eagle.config import resolve_eagle_head
 from specserve.workers.speculation.engine import encode_prompt
 
 

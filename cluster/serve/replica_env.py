@@ -34,7 +34,7 @@ def resolve_paths(model: ModelPairConfig) -> tuple[str, str | None]:
     (cached under $SPECSERVE_HOME). The draft directory of a model served with an EAGLE-3 head is the head's ('eagle':
     the head packaged for the target)."""
     from specserve.workers.models.catalog import resolve_model
-    from specserve.workers.speculation.eagle_loading import resolve_eagle_head
+    from specserve.workers.speculation.eagle.config import resolve_eagle_head
 
     if model.target == DEMO:
         from specserve.workers.models.demo import ensure_demo_family

@@ -175,7 +175,7 @@ def test_with_a_head_the_disaggregated_eagle_rows_are_identical_and_report_featu
     from specserve.cluster.bench.distributed import add_eagle_distributed
     from specserve.cluster.bench.rows import spec_fn
     from specserve.cluster.bench.timing import measure
-    from specserve.workers.speculation.eagle3_io import save_head
+    from specserve.workers.speculation.eagle.checkpoint import save_head
     from tests.helpers.eagle_heads import random_head
 
     target_cfg = ModelConfig(path=save_tiny_llama(tmp_path / "target", seed=4, layers=8, hidden=32), device="cpu")

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from specserve.cluster.cli.main import main
-from specserve.workers.speculation.eagle3_io import config_from_json
+from specserve.workers.speculation.eagle.config import config_from_json
 
 
 @pytest.mark.slow

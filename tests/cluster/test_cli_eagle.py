@@ -13,7 +13,7 @@ from specserve.cluster.pools import local
 from specserve.workers.config import ModelConfig
 from specserve.workers.models import packaged_heads
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.speculation.eagle3_io import save_head
+from specserve.workers.speculation.eagle.checkpoint import save_head
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.workers import save_tiny_llama
 

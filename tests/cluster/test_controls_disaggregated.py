@@ -18,7 +18,7 @@ from specserve.protos import specserve_pb2 as pb
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.speculation.eagle3_io import save_head
+from specserve.workers.speculation.eagle.checkpoint import save_head
 from tests.helpers.controls_oracle import hf_controlled_greedy
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.greedy_oracle import PROMPTS

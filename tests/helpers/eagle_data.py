@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from specserve.workers.models.identity import target_identity
-from specserve.workers.speculation.eagle3 import default_feature_layers
+from specserve.workers.speculation.eagle.config import default_feature_layers
 from specserve.workers.training.eagle_manifest import MANIFEST, DataManifest, GenerationSettings, ShardInfo, shard_name
 
 FIRST_TOKEN = 3  # after the byte tokenizer's specials

@@ -19,7 +19,7 @@ from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.speculation.eagle3_io import save_head
+from specserve.workers.speculation.eagle.checkpoint import save_head
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.pipelines import generate_all
 from tests.helpers.sampling_oracle import PROMPT

@@ -3,7 +3,8 @@ reference for every test of captured features)."""
 
 import torch
 
-from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, vocab_maps
+from specserve.workers.speculation.eagle.config import Eagle3Config, default_feature_layers
+from specserve.workers.speculation.eagle.head import Eagle3Head, vocab_maps
 
 
 def random_head(model_config, draft_vocab: int, seed: int, std: float | None = None) -> Eagle3Head:

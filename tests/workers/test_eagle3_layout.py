@@ -15,8 +15,9 @@ from safetensors.torch import save_file
 
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.identity import target_identity
-from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, ttt_forward, vocab_maps
-from specserve.workers.speculation.eagle3_io import load_head, save_head
+from specserve.workers.speculation.eagle.checkpoint import load_head, save_head
+from specserve.workers.speculation.eagle.config import Eagle3Config
+from specserve.workers.speculation.eagle.head import Eagle3Head, ttt_forward, vocab_maps
 from tests.helpers.workers import save_tiny_llama
 
 H, HEADS, KV, HD, INTER, V, VD, N = 32, 4, 2, 8, 64, 259, 40, 8  # a tiny target: 8 layers, byte vocabulary

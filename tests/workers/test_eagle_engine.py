@@ -16,9 +16,10 @@ from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.chain_planner import ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
-from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers
-from specserve.workers.speculation.eagle3_io import save_head
-from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
+from specserve.workers.speculation.eagle.checkpoint import save_head
+from specserve.workers.speculation.eagle.config import Eagle3Config, default_feature_layers
+from specserve.workers.speculation.eagle.head import Eagle3Head
+from specserve.workers.speculation.eagle.loading import load_eagle_drafter
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from specserve.workers.training.eagle_train import train_head

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
-from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, ttt_forward, vocab_maps
-from specserve.workers.speculation.eagle3_drafting import Eagle3Drafting
-from specserve.workers.speculation.eagle3_io import load_head
+from specserve.workers.speculation.eagle.checkpoint import load_head
+from specserve.workers.speculation.eagle.config import Eagle3Config
+from specserve.workers.speculation.eagle.drafting import Eagle3Drafting
+from specserve.workers.speculation.eagle.head import Eagle3Head, ttt_forward, vocab_maps
 from specserve.workers.training import eagle_train
 from specserve.workers.training.eagle_manifest import read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import answer_token_counts, load_shard, make_batch

@@ -7,8 +7,8 @@ import torch
 
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import TreeShape
-from specserve.workers.speculation.eagle3_drafting import Eagle3Drafting
-from specserve.workers.speculation.eagle3_tree import draft_trees
+from specserve.workers.speculation.eagle.drafting import Eagle3Drafting
+from specserve.workers.speculation.eagle.tree import draft_trees
 from tests.helpers.eagle_heads import random_head
 
 H, FEATURES = 32, 96

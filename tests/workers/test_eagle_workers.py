@@ -24,9 +24,10 @@ from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import FeatureBlock, decode_features, encode_features, feature_block
-from specserve.workers.speculation.eagle3_io import save_head
-from specserve.workers.speculation.eagle_drafter import EagleDrafter
-from specserve.workers.speculation.eagle_loading import load_head_drafter, load_target_embedding, resolve_eagle_head
+from specserve.workers.speculation.eagle.checkpoint import save_head
+from specserve.workers.speculation.eagle.config import resolve_eagle_head
+from specserve.workers.speculation.eagle.drafter import EagleDrafter
+from specserve.workers.speculation.eagle.loading import load_head_drafter, load_target_embedding
 from specserve.workers.speculation.goodput import PROFILE_ROWS
 from specserve.workers.speculation.target import TargetVerifier
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES

@@ -10,7 +10,7 @@ from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.engine import SpecEngine
-from specserve.workers.speculation.ngram_tree import MAX_MATCHES, ngram_matches, ngram_tree
+from specserve.workers.speculation.ngram import MAX_MATCHES, ngram_matches, ngram_tree
 from tests.helpers.greedy_oracle import PROMPTS, own_greedy_loop
 from tests.helpers.sampling_oracle import NEW, PROMPT, assert_target_distribution
 from tests.helpers.workers import sample_in_processes, save_tiny_llama

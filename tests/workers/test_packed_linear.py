@@ -10,7 +10,7 @@ from torch import nn
 from specserve.workers.config import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.packed_linear import PackedLinear, pack_linears, packing_works
-from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
+from specserve.workers.speculation.eagle.loading import load_eagle_drafter
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.workers import save_tiny_llama
 

@@ -19,7 +19,7 @@ from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
 from specserve.workers.speculation.codec import feature_block
-from specserve.workers.speculation.eagle_drafter import load_eagle_drafter
+from specserve.workers.speculation.eagle.loading import load_eagle_drafter
 from specserve.workers.speculation.target import TargetVerifier
 from tests.helpers.eagle_heads import hf_features, random_head
 from tests.helpers.greedy_oracle import own_greedy_loop

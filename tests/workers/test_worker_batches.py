@@ -11,7 +11,7 @@ from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
 from specserve.workers.speculation.codec import decode_probs
-from specserve.workers.speculation.drafters import ModelDrafter
+from specserve.workers.speculation.draft_model import ModelDrafter
 from specserve.workers.speculation.target import TargetVerifier
 
 GREEDY = SamplingParams(max_new_tokens=8)

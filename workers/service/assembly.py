@@ -23,8 +23,9 @@ from specserve.workers.service.grpc_service import (
     create_server,
 )
 from specserve.workers.service.target_worker import TargetWorker
-from specserve.workers.speculation.drafters import ModelDrafter
-from specserve.workers.speculation.eagle_loading import head_feature_layers, load_head_drafter
+from specserve.workers.speculation.draft_model import ModelDrafter
+from specserve.workers.speculation.eagle.config import head_feature_layers
+from specserve.workers.speculation.eagle.loading import load_head_drafter
 from specserve.workers.speculation.target import TargetVerifier
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ from specserve.workers.runtime.worker_state import CommittedTokens, check_token_
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import FeatureBlock, encode_probs
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
+from specserve.workers.speculation.drafter import Drafter
 from specserve.workers.speculation.drafter_costs import drafter_cost
-from specserve.workers.speculation.drafters import Drafter
-from specserve.workers.speculation.eagle_drafter import EagleDrafter
+from specserve.workers.speculation.eagle.drafter import EagleDrafter
 
 
 @dataclass

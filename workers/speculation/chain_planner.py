@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from specserve.workers.config import NgramConfig
 from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance, VerifyCosts
-from specserve.workers.speculation.drafters import ngram_match
 from specserve.workers.speculation.goodput import (
     NO_DRAFT,
     ChainPlan,
@@ -25,6 +24,7 @@ from specserve.workers.speculation.goodput import (
     VerifyTimings,
     plan_batch,
 )
+from specserve.workers.speculation.ngram import ngram_match
 from specserve.workers.speculation.suffix import SuffixLookup
 
 # Prior acceptance given the previous position accepted. The head's: a trained SmolLM2 head on held-out chat (its

@@ -20,12 +20,15 @@ from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
+from specserve.workers.speculation.draft_model import ModelDrafter
 from specserve.workers.speculation.draft_tree import TreeShape
+from specserve.workers.speculation.drafter import Drafter, Proposal
 from specserve.workers.speculation.drafter_costs import drafter_cost
-from specserve.workers.speculation.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal
-from specserve.workers.speculation.eagle3 import Eagle3Head
-from specserve.workers.speculation.eagle_drafter import EagleDrafter, load_eagle_drafter
+from specserve.workers.speculation.eagle.drafter import EagleDrafter
+from specserve.workers.speculation.eagle.head import Eagle3Head
+from specserve.workers.speculation.eagle.loading import load_eagle_drafter
 from specserve.workers.speculation.logprobs import TokenLogprob
+from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
 from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator

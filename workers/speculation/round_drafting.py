@@ -8,9 +8,10 @@ from specserve.workers.config import SamplingParams
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES, ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafters import Drafter, NgramDrafter, Proposal
-from specserve.workers.speculation.eagle_drafter import EagleDrafter
+from specserve.workers.speculation.drafter import Drafter, Proposal
+from specserve.workers.speculation.eagle.drafter import EagleDrafter
 from specserve.workers.speculation.goodput import ChainPlan
+from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.tree_policy import TreePruning
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.workers.config import SamplingParams
+from specserve.workers.speculation.codec import sparsify
 from specserve.workers.speculation.logits_controls import min_p_filter
 
 
@@ -90,3 +91,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token from probs [V] with a request's generator."""
     noise = exponential_noise(probs.shape[-1], [generator], device=probs.device)
     return int(sample_with_noise(probs.reshape(1, -1), noise)[0])
+
+
+def draw_token(
+    logits: torch.Tensor, params: SamplingParams, position: int, max_support: int
+) -> tuple[int, torch.Tensor | None]:
+    """logits: [V]. The drafted token at absolute `position`, and the draft probs it was drawn from (None: greedy):
+    `sparsify` of the request's sampling distribution, so the target sees exactly what was sampled from."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = sparsify(logits_to_probs(logits, params), max_support).cpu()  # [V]
+    # Noise keyed by the drafted token's absolute position: a token drafted early (pipelined) or again (after a
+    # restart) is drawn with the same noise, so seeded requests reproduce in every mode.
+    generator = make_generator(params.seed, DRAFT_SALT, position)
+    noise = exponential_noise(q.shape[-1], [generator])  # [1, V]
+    return int(sample_with_noise(q.unsqueeze(0), noise)[0]), q

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.identity import target_identity
-from specserve.workers.speculation.eagle3 import default_feature_layers
+from specserve.workers.speculation.eagle.config import default_feature_layers
 from specserve.workers.training.eagle_manifest import (
     FORMAT,
     MANIFEST,

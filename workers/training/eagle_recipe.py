@@ -72,8 +72,9 @@ def token_ids(data_dir: Path, out: Path) -> None:
 
 def pack(work: Path, out: Path) -> bool:
     """After a run cut short: the head from the newest training checkpoint, split into `out`. False when none."""
-    from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head
-    from specserve.workers.speculation.eagle3_io import save_head
+    from specserve.workers.speculation.eagle.checkpoint import save_head
+    from specserve.workers.speculation.eagle.config import Eagle3Config
+    from specserve.workers.speculation.eagle.head import Eagle3Head
     from specserve.workers.training.eagle_train import STATE_FILE
 
     out.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,9 @@ import torch
 
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.identity import target_identity
-from specserve.workers.speculation.eagle3 import Eagle3Config, Eagle3Head, ttt_forward, vocab_maps
-from specserve.workers.speculation.eagle3_io import save_head
+from specserve.workers.speculation.eagle.checkpoint import save_head
+from specserve.workers.speculation.eagle.config import Eagle3Config
+from specserve.workers.speculation.eagle.head import Eagle3Head, ttt_forward, vocab_maps
 from specserve.workers.training.eagle_manifest import DataManifest, read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import (
     Batch,

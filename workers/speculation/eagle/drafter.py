@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE-3 head in the in-process engine (workers/speculation/eagle3_drafting.py does the math).
+"""Drafting with an EAGLE-3 head in the in-process engine (drafting.py does the math; loading.py builds one).
 
 The head reads the target's own features: after each verify the engine hands over those of the positions the target
 just computed whose tokens are now committed (`add_features`); the next `propose` rolls the head's cache back to the
@@ -15,23 +15,19 @@ exactly what was sampled from, so the target's rejection sampler stays lossless.
 
 from __future__ import annotations
 
-import copy
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
 
 from specserve.workers.config import SamplingParams
-from specserve.workers.errors import InvalidRequestError, ModelLoadError
-from specserve.workers.runtime.loading import LoadedModel
-from specserve.workers.runtime.packed_linear import PackedLinear, pack_linears
+from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafters import Proposal, draw_token
-from specserve.workers.speculation.eagle3 import Eagle3Head, default_feature_layers
-from specserve.workers.speculation.eagle3_drafting import DraftStep, Eagle3Drafting
-from specserve.workers.speculation.eagle3_io import load_head
-from specserve.workers.speculation.eagle3_tree import draft_trees
+from specserve.workers.speculation.drafter import Proposal
+from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting
+from specserve.workers.speculation.eagle.head import Eagle3Head
+from specserve.workers.speculation.eagle.tree import draft_trees
+from specserve.workers.speculation.sampling import draw_token
 
 log = logging.getLogger(__name__)
 
@@ -175,38 +171,3 @@ class EagleDrafter:
     def release(self, request_id: str) -> None:
         self.drafting.release(request_id)
         self._pending.pop(request_id, None)
-
-
-def load_eagle_drafter(
-    target: LoadedModel, head: str | os.PathLike | Eagle3Head, max_support: int = 256
-) -> EagleDrafter:
-    """An EagleDrafter for `target` from a head directory (checked against the target: its identity when the head
-    records one, hidden size, vocabulary, feature layers) or an Eagle3Head in memory (checked for shapes)."""
-    config = target.model.config.get_text_config()
-    hidden, num_layers, vocab = config.hidden_size, config.num_hidden_layers, target.vocab_size
-    given = isinstance(head, Eagle3Head)
-    if given:
-        _check_fits(head, hidden, vocab, num_layers)
-    else:
-        head = load_head(head, target.path, hidden, vocab, target_num_layers=num_layers, dtype=target.dtype)
-    head = head.to(device=target.device, dtype=target.dtype).eval()
-    if isinstance(target.model.get_output_embeddings(), PackedLinear):  # the target runs packed: so does its head
-        head = copy.deepcopy(head) if given else head  # the caller's head stays trainable
-        pack_linears(head)
-    layers = tuple(head.config.feature_layers or default_feature_layers(num_layers))
-    embed = target.model.get_input_embeddings().weight
-    log.info("EAGLE-3 head for %s: draft vocabulary %d, features of layers %s", target.path,
-             head.config.draft_vocab_size, list(layers))  # fmt: skip
-    return EagleDrafter(head, embed, layers, max_support)
-
-
-def _check_fits(head: Eagle3Head, hidden: int, vocab: int, num_layers: int) -> None:
-    cfg = head.config
-    layers = cfg.feature_layers or default_feature_layers(num_layers)
-    fits = (cfg.hidden_size, cfg.target_hidden_size, cfg.vocab_size) == (hidden, hidden, vocab)
-    if not fits or max(layers) >= num_layers:
-        raise ModelLoadError(
-            f"the EAGLE-3 head (hidden {cfg.hidden_size}, target hidden {cfg.target_hidden_size}, vocabulary "
-            f"{cfg.vocab_size}, feature layers {list(layers)}) does not fit this target (hidden {hidden}, vocabulary "
-            f"{vocab}, {num_layers} layers)"
-        )

@@ -24,13 +24,20 @@ from safetensors.torch import save_file
 
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.identity import target_identity
-from specserve.workers.speculation.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, default_feature_layers
+from specserve.workers.speculation.eagle.config import (
+    ARCHITECTURE,
+    CONFIG_FILE,
+    SPECSERVE_KEY,
+    Eagle3Config,
+    config_from_json,
+    default_feature_layers,
+    parse_acceptance,
+)
+from specserve.workers.speculation.eagle.head import Eagle3Head
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-SPECSERVE_KEY = "specserve"
 _IGNORED = {"embed_tokens.weight"}  # SpecForge trains with the target's embedding frozen: a shipped copy is the same
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -73,68 +80,6 @@ def config_to_json(config: Eagle3Config, dtype: torch.dtype) -> dict:
         sglang = [i - 1 for i in layers]
         data["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": sglang, "use_aux_hidden_state": True}
     return data
-
-
-def config_from_json(data: dict, source: Path) -> Eagle3Config:
-    """The head's config from a community config.json; errors name `source`."""
-    if ARCHITECTURE not in (data.get("architectures") or []):
-        raise ModelLoadError(
-            f"{source}: architectures {data.get('architectures')!r} is not [{ARCHITECTURE!r}]; only EAGLE-3 heads are "
-            "supported (EAGLE-1/2 heads, with `layers.0.*` and no lm_head, are not)"
-        )
-    if data.get("num_hidden_layers", 1) != 1 or data.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: only one-layer SiLU heads are supported (num_hidden_layers, hidden_act)")
-    scaling = data.get("rope_scaling") or {}
-    if (scaling.get("rope_type") or scaling.get("type") or "default") != "default":
-        raise ModelLoadError(f"{source}: rope_scaling {scaling!r} is not supported (plain RoPE only)")
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-        if not isinstance(data.get(key), int):
-            raise ModelLoadError(f"{source}: missing or non-integer {key!r}")
-    ours = data.get(SPECSERVE_KEY) or {}
-    hidden, heads = data["hidden_size"], data["num_attention_heads"]
-    rope = data.get("rope_parameters") or {}
-    return Eagle3Config(
-        hidden_size=hidden,
-        intermediate_size=data["intermediate_size"],
-        num_attention_heads=heads,
-        num_key_value_heads=data.get("num_key_value_heads") or heads,
-        head_dim=data.get("head_dim") or hidden // heads,
-        vocab_size=data["vocab_size"],
-        draft_vocab_size=data.get("draft_vocab_size") or data["vocab_size"],
-        target_hidden_size=data.get("target_hidden_size") or hidden,
-        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(data.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        max_position_embeddings=data.get("max_position_embeddings", 2048),
-        feature_layers=_feature_layers(data, source),
-        target_identity=ours.get("target_identity"),
-        acceptance=_acceptance(ours.get("acceptance"), source),
-        norm_before_residual=bool(data.get("norm_before_residual", False)),
-    )
-
-
-def _acceptance(value, source: Path) -> tuple[float, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(a, int | float) and 0.0 <= a <= 1.0 for a in value):
-        raise ModelLoadError(f"{source}: specserve.acceptance must be a list of rates in [0, 1], got {value!r}")
-    return tuple(float(a) for a in value) or None
-
-
-def _feature_layers(data: dict, source: Path) -> tuple[int, ...] | None:
-    """The layers whose inputs the head reads (vLLM's convention), from whichever keys the file has; they must agree."""
-    found = {}
-    if (ours := (data.get(SPECSERVE_KEY) or {}).get("feature_layers")) is not None:
-        found["specserve.feature_layers"] = tuple(ours)
-    if (top := data.get("eagle_aux_hidden_state_layer_ids")) is not None:
-        found["eagle_aux_hidden_state_layer_ids"] = tuple(top)
-    if (nested := (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")) is not None:
-        found["eagle_config.eagle_aux_hidden_state_layer_ids (+1)"] = tuple(i + 1 for i in nested)
-    if len(set(found.values())) > 1:
-        raise ModelLoadError(f"{source}: the feature layer keys disagree: {found}")
-    layers = next(iter(found.values()), None)
-    if layers is not None and (len(layers) != 3 or not all(isinstance(i, int) and i >= 0 for i in layers)):
-        raise ModelLoadError(f"{source}: feature layers {list(layers)} must be three layer ids >= 0")
-    return layers
 
 
 def save_head(head: Eagle3Head, directory: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -263,5 +208,5 @@ def record_acceptance(head_dir: str | os.PathLike, acceptance: Sequence[float]) 
     data = json.loads(path.read_text())
     ours = data.setdefault(SPECSERVE_KEY, {"format": 1})
     ours["acceptance"] = [round(float(a), 4) for a in acceptance]
-    _acceptance(ours["acceptance"], path)
+    parse_acceptance(ours["acceptance"], path)
     path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,11 +1,12 @@
-"""EAGLE-3 heads in the disaggregated path: where a `draft` name becomes a head directory, the feature layers a target
-worker captures for a head, and a draft worker's EagleDrafter, built without the target model: the head plus the
-one tensor of the target it needs, the input embedding, read alone from the target's safetensors (SmolLM2-135M's is
-28 MB of its 270 MB)."""
+"""The one place an EAGLE-3 head becomes an EagleDrafter: `load_eagle_drafter` for a loaded target (the in-process
+engine: the head shares the target's embedding and packing), `load_head_drafter` for a draft worker, built without the
+target model: the head plus the one tensor of the target it needs, the input embedding, read alone from the target's
+safetensors (SmolLM2-135M's is 28 MB of its 270 MB). Both read the head with checkpoint.load_head; where a name finds
+a head directory, and the layers a target worker captures for it, is config.py's (torch-free)."""
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
 import os
 from pathlib import Path
@@ -14,12 +15,12 @@ import torch
 from safetensors import safe_open
 
 from specserve.workers.errors import ModelLoadError
-from specserve.workers.models.packaged_heads import PACKAGED, resolve_head
-from specserve.workers.runtime.loading import resolve_device, resolve_dtype
-from specserve.workers.runtime.packed_linear import pack_linears
-from specserve.workers.speculation.eagle3 import ARCHITECTURE, default_feature_layers
-from specserve.workers.speculation.eagle3_io import CONFIG_FILE, config_from_json, load_head
-from specserve.workers.speculation.eagle_drafter import EagleDrafter
+from specserve.workers.runtime.loading import LoadedModel, resolve_device, resolve_dtype
+from specserve.workers.runtime.packed_linear import PackedLinear, pack_linears
+from specserve.workers.speculation.eagle.checkpoint import load_head
+from specserve.workers.speculation.eagle.config import default_feature_layers, read_json
+from specserve.workers.speculation.eagle.drafter import EagleDrafter
+from specserve.workers.speculation.eagle.head import Eagle3Head
 
 log = logging.getLogger(__name__)
 
@@ -27,51 +28,10 @@ EMBEDDING = "model.embed_tokens.weight"  # Llama-style targets, tied (SmolLM2) o
 _INDEX = "model.safetensors.index.json"
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"{path} is unreadable: {err}") from err
-
-
-def resolve_eagle_head(name: str | os.PathLike | None, target: str | os.PathLike | None = None) -> str | None:
-    """The EAGLE-3 head directory a model's `draft` names, or None when it names none (a draft model, 'ngram',
-    'none'): the word 'eagle', the head packaged for the model at `target` (ModelLoadError when none is), or a
-    directory whose config.json has architectures ["LlamaForCausalLMEagle3"]. The one place a name becomes a head
-    directory."""
-    if not name:
-        return None
-    if str(name) == PACKAGED:
-        if target is None:
-            raise ModelLoadError("'eagle' names the EAGLE-3 head packaged for a target: resolve it with the target")
-        return str(resolve_head(name, target))
-    directory = Path(name).expanduser()
-    config = directory / CONFIG_FILE
-    if not config.is_file():
-        return None
-    return str(directory) if ARCHITECTURE in (_read_json(config).get("architectures") or []) else None
-
-
-def head_acceptance(head_dir: str | os.PathLike) -> tuple[float, ...] | None:
-    """The head's measured acceptance by position (`specserve draft eval --record`), the k policy's prior; None when
-    it has none."""
-    path = Path(head_dir).expanduser() / CONFIG_FILE
-    return config_from_json(_read_json(path), path).acceptance
-
-
-def head_feature_layers(head_dir: str | os.PathLike, target_num_layers: int) -> tuple[int, ...]:
-    """The target layers whose inputs the head reads (its config's, else the default for the target's depth)."""
-    path = Path(head_dir).expanduser() / CONFIG_FILE
-    layers = config_from_json(_read_json(path), path).feature_layers or default_feature_layers(target_num_layers)
-    if max(layers) >= target_num_layers:
-        raise ModelLoadError(f"{path}: feature layers {list(layers)} beyond the target's {target_num_layers} layers")
-    return tuple(layers)
-
-
 def _tensor_files(directory: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it (the index of a sharded checkpoint, else every file)."""
     if (directory / _INDEX).is_file():
-        weight_map = _read_json(directory / _INDEX).get("weight_map") or {}
+        weight_map = read_json(directory / _INDEX).get("weight_map") or {}
         return {name: directory / file for name, file in weight_map.items()}
     names = {}
     for file in sorted(directory.glob("*.safetensors")):
@@ -131,3 +91,38 @@ def load_head_drafter(
     if packed_linears:
         pack_linears(head)  # float32 on a CPU only
     return EagleDrafter(head, embed, layers, max_support)
+
+
+def load_eagle_drafter(
+    target: LoadedModel, head: str | os.PathLike | Eagle3Head, max_support: int = 256
+) -> EagleDrafter:
+    """An EagleDrafter for `target` from a head directory (checked against the target: its identity when the head
+    records one, hidden size, vocabulary, feature layers) or an Eagle3Head in memory (checked for shapes)."""
+    config = target.model.config.get_text_config()
+    hidden, num_layers, vocab = config.hidden_size, config.num_hidden_layers, target.vocab_size
+    given = isinstance(head, Eagle3Head)
+    if given:
+        _check_fits(head, hidden, vocab, num_layers)
+    else:
+        head = load_head(head, target.path, hidden, vocab, target_num_layers=num_layers, dtype=target.dtype)
+    head = head.to(device=target.device, dtype=target.dtype).eval()
+    if isinstance(target.model.get_output_embeddings(), PackedLinear):  # the target runs packed: so does its head
+        head = copy.deepcopy(head) if given else head  # the caller's head stays trainable
+        pack_linears(head)
+    layers = tuple(head.config.feature_layers or default_feature_layers(num_layers))
+    embed = target.model.get_input_embeddings().weight
+    log.info("EAGLE-3 head for %s: draft vocabulary %d, features of layers %s", target.path,
+             head.config.draft_vocab_size, list(layers))  # fmt: skip
+    return EagleDrafter(head, embed, layers, max_support)
+
+
+def _check_fits(head: Eagle3Head, hidden: int, vocab: int, num_layers: int) -> None:
+    cfg = head.config
+    layers = cfg.feature_layers or default_feature_layers(num_layers)
+    fits = (cfg.hidden_size, cfg.target_hidden_size, cfg.vocab_size) == (hidden, hidden, vocab)
+    if not fits or max(layers) >= num_layers:
+        raise ModelLoadError(
+            f"the EAGLE-3 head (hidden {cfg.hidden_size}, target hidden {cfg.target_hidden_size}, vocabulary "
+            f"{cfg.vocab_size}, feature layers {list(layers)}) does not fit this target (hidden {hidden}, vocabulary "
+            f"{vocab}, {num_layers} layers)"
+        )

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.eagle3_drafting import DraftStep, Eagle3Drafting, attend, padded_kv
+from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting, attend, padded_kv
 
 
 @dataclass

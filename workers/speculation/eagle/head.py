@@ -19,67 +19,15 @@ the drafter (cached, per request) share: `qkv`, an attention of their own, `fini
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.workers.errors import InvalidRequestError, ModelLoadError
+from specserve.workers.errors import InvalidRequestError
+from specserve.workers.speculation.eagle.config import Eagle3Config
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 INIT_STD = 0.02  # LlamaConfig's initializer_range, which SpecForge's heads start from
-
-
-def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """The target layers whose inputs an EAGLE-3 head reads, as vLLM, SGLang and SpecForge default them."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
-@dataclass(frozen=True)
-class Eagle3Config:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    # Target layers whose *inputs* the head reads (hidden_states[i]); None: the default for the target's depth.
-    feature_layers: tuple[int, ...] | None = None
-    target_identity: str | None = None  # workers/models/identity.py's sha256 of the target it was trained for
-    norm_before_residual: bool = False  # a vLLM option: the residual is the normed feature
-    # Acceptance at each chain position given the previous one accepted, measured on held-out chat (`specserve draft
-    # eval` records it): the k policy's prior for this head. None: unmeasured.
-    acceptance: tuple[float, ...] | None = None
-
-    @classmethod
-    def for_target(cls, target_config, draft_vocab_size: int, target_identity: str | None = None) -> Eagle3Config:
-        """A head shaped like the target's own layers (a Hugging Face Llama-style config)."""
-        rope = dict(getattr(target_config, "rope_parameters", None) or {})
-        if rope.get("rope_type", "default") != "default":
-            raise ModelLoadError(f"EAGLE-3 heads here support plain RoPE only, the target has {rope!r}")
-        heads = target_config.num_attention_heads
-        hidden = target_config.hidden_size
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=target_config.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
-            vocab_size=target_config.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=hidden,
-            rms_norm_eps=target_config.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
-            max_position_embeddings=target_config.max_position_embeddings,
-            feature_layers=default_feature_layers(target_config.num_hidden_layers),
-            target_identity=target_identity,
-        )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

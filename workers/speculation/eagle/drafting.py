@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.speculation.eagle3 import Eagle3Head
+from specserve.workers.speculation.eagle.head import Eagle3Head
 
 
 @dataclass
