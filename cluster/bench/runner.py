@@ -290,12 +290,13 @@ def main_bench(args) -> int:
                                  best_draft_k(cfg), rows[0], tp_n)  # fmt: skip
         rows += extra
         meta["tensor_parallel"] = {"world_size": tp_n, **profile}
-    levels = _load(args, target_path, prompts, meta, engine, cfg.max_new_tokens) if args.load else []
+    levels = _load(args, target_path, prompts, meta, engine, cfg.max_new_tokens, rows[0]) if args.load else []
     _report(args, rows, meta, levels, machine_info(target.device, target.dtype))
     return 0
 
 
-def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: SpecEngine, max_new_tokens: int):
+def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: SpecEngine, max_new_tokens: int,
+          target_only: Row):  # fmt: skip
     """The served load bench (cluster/bench/concurrency.py) on the bench's target with its default drafting (the
     demo family's: its draft model), on the same prompts, then the orchestration tax (cluster/bench/
     orchestration.py) on the in-process rows' lengths; its JSON entry goes to meta['load']."""
@@ -309,9 +310,11 @@ def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: 
     pool = bench_app(target, draft, args.device, args.dtype)["applications"][0]["args"]["models"][0]["target_pool"]
     threads = worker_threads("auto", "target", engine.target.device.type, pool["num_cpus"], 1)
     tax = []
-    levels, drafting = load_rows(target, draft, prompts, cfg, args.device, args.dtype,
-                                 then=lambda client: tax.append(measure_tax(client, engine, prompts, max_new_tokens,
-                                                                            threads)))  # fmt: skip
+
+    def tax_of(client) -> None:
+        tax.append(measure_tax(client, engine, prompts, max_new_tokens, threads, target_only.tokens_per_s))
+
+    levels, drafting = load_rows(target, draft, prompts, cfg, args.device, args.dtype, then=tax_of)
     meta["load"] = load_meta(levels, cfg, drafting, tax[0].to_dict() if tax else None)
     meta["load"]["orchestration_line"] = tax[0].line() if tax else None
     return levels

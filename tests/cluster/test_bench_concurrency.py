@@ -168,13 +168,14 @@ def test_load_bench_on_the_demo_family(tmp_path):
     taxes = []
 
     def tax_of(client):
-        taxes.append(measure_tax(client, engine, prompts, 8, 1))
+        taxes.append(measure_tax(client, engine, prompts, 8, 1, all_cores_tok_s=50.0))
 
     rows, drafting = load_rows("demo", "demo", prompts, cfg, device="cpu", progress=False, then=tax_of)
     assert drafting == "demo"
     (tax,) = taxes  # measured while the app ran: served off at one stream, greedy, gives in-process's tokens
     assert tax.identical and tax.served_threads == 1 and tax.served_off_tok_s > 0
     assert tax.vs_same_threads == pytest.approx(tax.served_off_tok_s / tax.in_process_same_threads_tok_s)
+    assert tax.vs_all_cores == pytest.approx(tax.served_off_tok_s / 50.0)
     assert "served speculation off, 1 stream, 8 tokens" in tax.line() and "vs_all_cores" in tax.to_dict()
     by = {(r.streams, r.speculation): r for r in rows}
     assert list(by) == [(1, OFF), (1, DEFAULT), (1, "k=1"), (1, "k=2"), (2, OFF), (2, DEFAULT)]
