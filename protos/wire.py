@@ -16,3 +16,5 @@ GRPC_OPTIONS = [
 # fields it fits a worker server's default 4 MiB limit. Beyond it the oldest positions are left out and the head
 # starts its cache later (SmolLM2-135M: 3,456 bytes per position, so the newest 910 positions of a long prompt).
 MAX_FEATURE_BYTES = 3 * 1024 * 1024
+# The gRPC metadata key that carries the cluster's shared secret to the worker servers.
+SECRET_METADATA = "x-specserve-secret"

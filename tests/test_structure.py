@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -27,7 +28,7 @@ SOURCES = {
 FLOORS = [  # lowest first; a module's room is the longest of these its name starts with
     ("specserve", "specserve.protos"),
     ("specserve.client",),
-    ("specserve.workers",),  # config, errors: the workers' floor
+    ("specserve.workers", "specserve.workers.speculation.methods"),  # config, errors, the methods registry
     ("specserve.workers.models",),
     ("specserve.workers.runtime",),
     ("specserve.workers.speculation",),
@@ -272,3 +273,107 @@ def test_every_package_the_tests_import_is_a_dependency_or_in_the_dev_extras():
     third_party = sorted(t for t in tops if t not in sys.stdlib_module_names and t not in ("specserve", "tests"))
     missing = {t: providers.get(t) for t in third_party if not _requirement_names(providers.get(t, [t])) & named}
     assert not missing, f"imported by the tests, not in pyproject.toml (module: distributions): {missing}"
+
+
+# -- the methods registry and the proposers ---------------------------------------------------------------------------
+
+REGISTRY = "specserve.workers.speculation.methods"
+# Where a method's name may still be written: the registry; the commands (bench rows, CLI options); the config keys
+# users write (`draft: ngram`, vLLM's speculative_config, the word 'eagle' for a packaged head, `--draft ngram`); the
+# OpenAI API's own `suffix` field.
+NAMES_MAY_APPEAR = (
+    REGISTRY,
+    "specserve.cluster.bench",
+    "specserve.cluster.cli",
+    "specserve.cluster.app_config",
+    "specserve.cluster.speculative_config",
+    "specserve.workers.models.packaged_heads",
+    "specserve.cluster.pools.local",
+    "specserve.cluster.serve.openai_api",
+)
+PROPOSER_FOLDER = "specserve.workers.speculation"
+
+
+def _method_names() -> tuple[str, ...]:
+    from specserve.workers.speculation.methods import NAMES
+
+    return NAMES
+
+
+def _strings(path: Path) -> list[ast.Constant]:
+    """The module's string constants but its docstrings."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_method_names_are_written_only_in_the_registry():
+    """Adding a method touches the registry (workers/speculation/methods.py) and its proposer: every other reader asks
+    the registry what a method does. 'draft' and 'none' also name a worker role and a plain step, so they are checked
+    where they are compared with a method (`x.method == "draft"`, `spec.method in (...)`)."""
+    names = set(_method_names())
+    unambiguous = names - {"draft", "none"}
+    found = []
+    for module, path in MODULES.items():
+        if any(module == m or module.startswith(m + ".") for m in NAMES_MAY_APPEAR):
+            continue
+        found += [f"{module}:{n.lineno} {n.value!r}" for n in _strings(path) if n.value in unambiguous]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(side, ast.Attribute) and side.attr == "method" for side in (node.left, *node.comparators)
+            ):
+                named = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
+                found += [f"{module}:{node.lineno} compares a method with {v!r}" for v in named]
+    assert not found, f"method names outside the registry (ask workers/speculation/methods.py instead): {found}"
+
+
+def test_each_proposer_module_holds_one_proposer():
+    """Under workers/speculation/, one proposer a file: at most one class implementing the Drafter interface
+    (`propose_batch` and `release`) per module."""
+    crowded = {}
+    for module, path in MODULES.items():
+        if not module.startswith(PROPOSER_FOLDER + "."):
+            continue
+        proposers = [
+            node.name
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)
+            and {"propose_batch", "release"} <= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+        ]
+        if len(proposers) > 1:
+            crowded[module] = proposers
+    assert not crowded, crowded
+
+
+TORCH_FREE = (  # imported without torch: the CPU-only scheduler, the edges' last step, what they read of the workers
+    *(m for m in MODULES if m.startswith("specserve.cluster.scheduling")),
+    "specserve.cluster.serve.prepare",
+    "specserve.workers.config",
+    "specserve.workers.speculation.methods",
+    "specserve.workers.speculation.drafter",
+    "specserve.workers.speculation.ngram",
+    "specserve.workers.speculation.suffix",
+    "specserve.workers.speculation.eagle.config",
+    "specserve.workers.speculation.wire_format",
+    "specserve.workers.service.sampling_wire",
+)
+
+
+def test_the_scheduler_and_the_edges_import_no_torch():
+    """In a fresh interpreter, each in turn: importing it (and everything it imports) leaves torch unloaded, so the
+    first that loads it is named."""
+    code = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    importlib.import_module(name)\n"
+        "    assert 'torch' not in sys.modules, f'{name} imports torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, *TORCH_FREE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

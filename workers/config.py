@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.speculation.methods import DEFAULT_METHOD, NAMES, described
 
 MAX_K = 16
 MAX_LOGIT_BIAS = 1024  # entries of one logit_bias
@@ -109,22 +110,13 @@ class SamplingParams(_Strict):
         return self.model_copy(update={"prompt_len": prompt_len, "end_token_ids": tuple(sorted(ends))})
 
 
-SpecMethod = Literal["eagle", "eagle+ngram", "eagle-tree", "draft", "ngram", "ngram-tree", "suffix", "none"]
-TREE_METHODS = ("eagle-tree", "ngram-tree")  # drafted as trees
-HEAD_METHODS = ("eagle", "eagle+ngram", "eagle-tree")  # the methods an EAGLE-3 head drafts for (chains or trees)
+SpecMethod = Literal[NAMES]  # the registry's (workers/speculation/methods.py)
 
 
 class SpecParams(_Strict):
     """Speculation options for one request."""
 
-    method: SpecMethod = Field(
-        "draft",
-        description="draft: a draft model proposes; ngram: prompt lookup; eagle: an EAGLE-3 head; eagle+ngram: the "
-        "head's chain or the prompt lookup's continuation, whichever is expected to accept more; eagle-tree: a "
-        "tree of the head's likeliest continuations, k nodes, verified at once; ngram-tree: prompt lookup's "
-        "continuations of every recent match as a tree of k nodes; suffix: the continuation of the longest earlier "
-        "match in the request or in the model's recent outputs (suffix decoding); none: off.",
-    )
+    method: SpecMethod = Field(DEFAULT_METHOD, description=described())
     k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] = Field(
         "auto", description=f"Tokens drafted per round, 1..{MAX_K}, or 'auto': the goodput planner's per round."
     )

@@ -13,8 +13,8 @@ from specserve.cluster.bench.rows import SAMPLED_NGRAM_K, BenchConfig, Row, best
 from specserve.cluster.bench.serve import serve_rows
 from specserve.cluster.bench.timing import RoundCounts, finish_stream_rows
 from specserve.cluster.scheduling.features import FeatureTraffic
-from specserve.workers.config import TREE_METHODS, BatchingConfig, ModelConfig, SamplingParams, SpecParams
-from specserve.workers.speculation.engine import EAGLE_METHODS
+from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
+from specserve.workers.speculation.methods import HEAD_CHAIN_METHODS, TREE_METHODS
 
 EAGLE_STREAMS = 6  # a head's disaggregated rows: 1 stream, and this many at once (issue 36's comparison)
 
@@ -129,7 +129,7 @@ async def _head_streams(w, target_path: str, head: str, prompts: list[list[int]]
 
     from specserve.cluster.scheduling.pipeline import build_pipeline
     from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
-    from specserve.workers.runtime.loading import directory_eos_ids
+    from specserve.workers.runtime.eos import directory_eos_ids
 
     eos = directory_eos_ids(target_path, AutoTokenizer.from_pretrained(target_path, local_files_only=True))
     drafts = {n: DraftClient(a, timeout_s=600) for n, a in w.draft_addresses.items()}
@@ -199,7 +199,7 @@ def add_eagle_distributed(rows: list[Row], meta: dict, target: ModelConfig, head
     which they compare with as the draft model's disaggregated rows do with theirs: the in-process engine runs one
     request at a time, so its rate is the same for 1 stream and for the streams' requests one after another."""
     in_process = {}
-    for method in (*EAGLE_METHODS, *TREE_METHODS):
+    for method in (*HEAD_CHAIN_METHODS, *TREE_METHODS):
         greedy = [r for r in rows if r.method == method and r.temperature == 0 and isinstance(r.k, int)]
         if greedy:
             in_process[method] = max(greedy, key=lambda r: r.tokens_per_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.workers.config import SamplingParams, SpecParams
-from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids
+from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, question_prompt_ids
 from specserve.workers.speculation.engine import SpecEngine
 
 MIN_ROUNDS = 30  # rounds reaching a position before its acceptance counts as measured
@@ -60,7 +60,8 @@ def held_out_acceptance(
     rounds = drafted = accepted = 0
     reached, hits = [0] * k, [0] * k
     for question in HELD_OUT_QUESTIONS[:questions]:
-        result = engine.generate(chat_prompt_ids(engine.tokenizer, question), params, SpecParams(method=method, k=k))
+        prompt = question_prompt_ids(engine.tokenizer, question)
+        result = engine.generate(prompt, params, SpecParams(method=method, k=k))
         stats = result.stats
         rounds, drafted, accepted = rounds + stats.rounds, drafted + stats.drafted, accepted + stats.accepted
         for j, (r, a) in enumerate(zip(stats.reached_by_position, stats.accepted_by_position, strict=True)):

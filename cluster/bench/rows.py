@@ -20,8 +20,9 @@ import torch
 
 from specserve.workers.config import MAX_K, SamplingParams, SpecMethod, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids, read_questions
-from specserve.workers.speculation.engine import EAGLE_METHODS, SpecEngine
+from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, question_prompt_ids, read_questions
+from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.speculation.methods import HEAD_CHAIN_METHODS, NONE
 from specserve.workers.speculation.suffix import SuffixCache
 
 NGRAM_KS = tuple(range(1, 9))  # the target suite's n-gram sweep
@@ -124,7 +125,7 @@ def bench_prompts(tokenizer, cfg: BenchConfig, questions: list[str] | None,
     if not getattr(tokenizer, "chat_template", None):
         print("specserve bench: the target's tokenizer has no chat template: questions are sent as plain "
               "'user: ...' transcripts, as the OpenAI chat endpoint does", file=sys.stderr)  # fmt: skip
-    return [chat_prompt_ids(tokenizer, q) for q in questions[: cfg.prompts]], "chat"
+    return [question_prompt_ids(tokenizer, q) for q in questions[: cfg.prompts]], "chat"
 
 
 def spec_fn(engine: SpecEngine, method: str, k) -> RowFn:
@@ -231,7 +232,7 @@ def plan_rows(engine: SpecEngine, cfg: BenchConfig) -> list[tuple[Row, RowFn]]:
 
 def _demo_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[tuple[Row, RowFn]]:
     plan: list[tuple[Row, RowFn]] = []
-    best_k = best_draft_k(cfg)
+    draft_k = best_draft_k(cfg)
     for temp in _temperatures(cfg):
         tag = "greedy" if temp == 0 else f"T={temp}"
         plan.append((Row(f"target-only {tag}", "target-only", None, temp), spec_fn(engine, "none", 1)))
@@ -240,20 +241,20 @@ def _demo_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[tup
         if assisted:
             plan.append((Row(f"hf assisted default {tag}", "hf-assisted", "hf-default", temp),
                          hf_fn(engine, assisted=True)))  # fmt: skip
-            plan.append((Row(f"hf assisted k={best_k} {tag}", "hf-assisted", best_k, temp),
-                         hf_fn(engine, best_k, assisted=True)))  # fmt: skip
-        for k in cfg.ks if temp == 0 else (best_k,):
+            plan.append((Row(f"hf assisted k={draft_k} {tag}", "hf-assisted", draft_k, temp),
+                         hf_fn(engine, draft_k, assisted=True)))  # fmt: skip
+        for k in cfg.ks if temp == 0 else (draft_k,):
             plan.append((Row(f"specserve k={k} {tag}", "draft", k, temp), spec_fn(engine, "draft", k)))
         plan.append((Row(f"specserve k=auto {tag}", "draft", "auto", temp), spec_fn(engine, "draft", "auto")))
         if temp == 0:
-            plan.append((Row(f"specserve ngram k={best_k} {tag}", "ngram", best_k, temp),
-                         spec_fn(engine, "ngram", best_k)))  # fmt: skip
+            plan.append((Row(f"specserve ngram k={draft_k} {tag}", "ngram", draft_k, temp),
+                         spec_fn(engine, "ngram", draft_k)))  # fmt: skip
     return plan
 
 
 def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[tuple[Row, RowFn]]:
     has_draft, has_head = "draft" in engine.drafters, "eagle" in engine.drafters
-    best_k = best_draft_k(cfg)
+    draft_k = best_draft_k(cfg)
     plan: list[tuple[Row, RowFn]] = []
     add = lambda name, method, k, temp, fn: plan.append((Row(name, method, k, temp), fn))  # noqa: E731
     for temp in _temperatures(cfg):
@@ -265,16 +266,16 @@ def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[t
         chain = (*NGRAM_KS, "auto") if greedy else (SAMPLED_NGRAM_K, "auto")
         sweeps: dict[str, tuple] = {"ngram": chain}
         if has_head:
-            sweeps |= {m: chain for m in EAGLE_METHODS} | {"eagle-tree": (*TREE_KS, "auto") if greedy else (8,)}
+            sweeps |= {m: chain for m in HEAD_CHAIN_METHODS} | {"eagle-tree": (*TREE_KS, "auto") if greedy else (8,)}
         sweeps["ngram-tree"] = (*TREE_KS, "auto") if greedy else ()
         if has_draft:
-            sweeps["draft"] = (*cfg.ks, "auto") if greedy else (best_k, "auto")
+            sweeps["draft"] = (*cfg.ks, "auto") if greedy else (draft_k, "auto")
         for method, ks in selected_sweeps(sweeps, cfg, greedy).items():
             for k in ks:
                 add(f"specserve {method} k={k} {tag}", method, k, temp, spec_fn(engine, method, k))
         if greedy and assisted:
             add("hf assisted default greedy", "hf-assisted", "hf-default", temp, hf_fn(engine, assisted=True))
-            add(f"hf assisted k={best_k} greedy", "hf-assisted", best_k, temp, hf_fn(engine, best_k, True))
+            add(f"hf assisted k={draft_k} greedy", "hf-assisted", draft_k, temp, hf_fn(engine, draft_k, True))
     return plan
 
 
@@ -282,8 +283,8 @@ def _temperatures(cfg: BenchConfig) -> tuple[float, ...]:
     return (0.0, cfg.temperature) if cfg.sampled else (0.0,)
 
 
-# The registry's drafting methods (workers/config.py's SpecMethod): what --methods may name
-SPEC_METHODS = tuple(m for m in get_args(SpecMethod) if m != "none")
+# The registry's drafting methods (workers/speculation/methods.py): what --methods may name
+SPEC_METHODS = tuple(m for m in get_args(SpecMethod) if m != NONE)
 
 
 def selected_sweeps(sweeps: dict[str, tuple], cfg: BenchConfig, greedy: bool) -> dict[str, tuple]:

@@ -44,9 +44,10 @@ from specserve.cluster.bench.spec_bench import (
     spec_bench_prompts,
 )
 from specserve.cluster.bench.timing import Costs, CostSampler, distinct_ngram_fraction, fill_bounds, measure
-from specserve.workers.config import TREE_METHODS, ModelConfig, SamplingParams
+from specserve.workers.config import ModelConfig, SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.engine import SpecEngine
+from specserve.workers.speculation.methods import TREE_METHODS
 
 __all__ = ["BenchConfig", "Row", "format_table", "machine_info", "plot", "to_json", "main_bench", "run_bench"]
 

@@ -151,7 +151,7 @@ class SchedulerActor:
         self.secret = secret
         from transformers import AutoConfig, AutoTokenizer
 
-        from specserve.workers.runtime.loading import directory_eos_ids
+        from specserve.workers.runtime.eos import directory_eos_ids
 
         self.config = config
         self.draft_addresses = draft_addresses
@@ -201,7 +201,7 @@ class SchedulerActor:
 
     async def generate(self, prompt: str | list[int], sampling: dict, speculation: dict) -> dict:
         """One request; returns the CLI's JSON contract plus scheduling stats."""
-        from specserve.workers.speculation.engine import check_request, encode_prompt
+        from specserve.workers.speculation.request import check_request, encode_prompt
 
         params = validate(SamplingParams, sampling)
         spec = validate(SpecParams, speculation)

@@ -12,10 +12,7 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import chat_prompt_ids, conversation
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import GenerationResult, SpecEngine
-
-# How an EAGLE-3 head drafts, in process and across workers alike: its chain or prompt lookup's continuation,
-# whichever is expected to accept more (as serving does by default)
-HEAD_METHOD = "eagle+ngram"
+from specserve.workers.speculation.methods import HEAD_DEFAULT, LOOKUP_DEFAULT, MODEL_DEFAULT, NONE
 
 
 @dataclass(frozen=True)
@@ -40,11 +37,11 @@ def request_params(args: argparse.Namespace, models: LocalModels) -> tuple[Sampl
         },
     )
     if args.no_spec:
-        method = "none"
-    elif models.eagle_head is not None:
-        method = HEAD_METHOD
+        method = NONE
+    elif models.eagle_head is not None:  # as serving does by default: the head's chain or prompt lookup's
+        method = HEAD_DEFAULT
     else:
-        method = "draft" if models.draft is not None else "ngram"
+        method = MODEL_DEFAULT if models.draft is not None else LOOKUP_DEFAULT
     return sampling, validate(SpecParams, {"method": method, "k": args.k})
 
 

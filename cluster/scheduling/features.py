@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.protos.wire import MAX_FEATURE_BYTES
-from specserve.workers.speculation.codec import FeatureBlock, decode_features
+from specserve.workers.speculation.wire_format import FeatureBlock, decode_features
 
 
 @dataclass

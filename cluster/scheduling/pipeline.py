@@ -41,7 +41,7 @@ from specserve.cluster.scheduling.worker_clients import (
     WorkerLostRequest,
     WorkerUnavailable,
 )
-from specserve.workers.config import TREE_METHODS, NgramConfig, SamplingParams, SpecParams
+from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.ngram import NgramDrafter
@@ -156,7 +156,7 @@ class Pipeline:
                 await self._fetch_costs(req)
             while not req.state.finished:
                 clock = _RoundClock()
-                if req.spec.method in TREE_METHODS:
+                if req.method.tree:
                     committed = await self._tree_round(req, clock)
                     if committed is not None:  # None: the target failed, the round is re-planned
                         self.times.add(clock.overhead())
@@ -244,7 +244,7 @@ class Pipeline:
         no nodes, nothing matches or the worker failed: a plain step), verify it on the target worker, commit the
         accepted path. None when the target failed."""
         nodes, tree = self.scheduler.k_for(req), None
-        if nodes and req.spec.method == "ngram-tree":  # no model: here, next to the committed tokens
+        if nodes and not req.method.draft_worker:  # prompt lookup's tree: here, next to the committed tokens
             drafted = self.ngram.propose_tree(req.request_id, req.state.tokens, TreeShape.for_budget(nodes))
             tree = self.scheduler.prune_tree(req, drafted) if drafted is not None else None
         elif nodes:

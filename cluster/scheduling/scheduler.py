@@ -25,32 +25,24 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import get_args
 
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
-from specserve.workers.config import HEAD_METHODS, TREE_METHODS, NgramConfig, SamplingParams, SpecMethod, SpecParams
+from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.runtime.kv_cache import common_prefix_length
+from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, BatchWidth, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
-from specserve.workers.speculation.codec import slice_rows
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
 from specserve.workers.speculation.logprobs import TokenLogprob
+from specserve.workers.speculation.methods import METHODS, Method
 from specserve.workers.speculation.request import RequestState
-from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
+from specserve.workers.speculation.suffix import SuffixCache
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
+from specserve.workers.speculation.wire_format import slice_rows
 
 log = logging.getLogger(__name__)
 
-DRAFT_WORKER_METHODS = ("draft", *HEAD_METHODS)  # methods whose proposals come from a draft worker
-CHAIN_SOURCES = {  # method -> the chain drafters its planner may choose from (head, prompt lookup, draft model)
-    "eagle": (True, False, False),
-    "eagle+ngram": (True, True, False),
-    "ngram": (False, True, False),
-    "draft": (False, False, True),
-    "suffix": (False, False, False),  # its own drafter: the request's and the model's earlier text (suffix.py)
-}
 FALLBACK_K = 3  # k='auto' when the workers could not report their costs: a chain length that pays on most hardware
 
 
@@ -103,6 +95,10 @@ class SchedRequest:
     def request_id(self) -> str:
         return self.state.request_id
 
+    @property
+    def method(self) -> Method:
+        return METHODS[self.spec.method]  # what it drafts with and can do (workers/speculation/methods.py)
+
 
 class NoTargetWorker(RuntimeError):
     """No healthy target worker is left to run a request on."""
@@ -154,13 +150,13 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         request_id: str | None = None,
     ) -> SchedRequest:
-        if spec.method not in get_args(SpecMethod):
-            served = ", ".join(get_args(SpecMethod))
-            raise InvalidRequestError("method", f"{spec.method!r} is not served (only {served})")
+        if spec.method not in METHODS:
+            raise InvalidRequestError("method", f"{spec.method!r} is not served (only {', '.join(METHODS)})")
+        method = METHODS[spec.method]
         target = self._least_loaded(self.target_workers, "target_worker")
         if target is None:
             raise NoTargetWorker("no healthy target worker")
-        draft = self._least_loaded(self.draft_workers, "draft_worker") if spec.method in DRAFT_WORKER_METHODS else None
+        draft = self._least_loaded(self.draft_workers, "draft_worker") if method.draft_worker else None
         state = RequestState(
             request_id=request_id or uuid.uuid4().hex,
             tokens=list(prompt_ids),
@@ -168,14 +164,11 @@ class Scheduler:
             max_new_tokens=params.max_new_tokens,
             eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset(),
         )
-        features = FeatureRelay(self.feature_traffic) if spec.method in HEAD_METHODS else None
+        features = FeatureRelay(self.feature_traffic) if method.needs_head else None
         planner, choice = None, None
-        if spec.method in CHAIN_SOURCES:
-            head, ngram, model = CHAIN_SOURCES[spec.method]
-            suffix = SuffixLookup(self.suffix_cache) if spec.method == "suffix" else None
-            planner = ChainPlanner(use_head=head, use_ngram=ngram, use_draft=model, head_prior=self.head_prior,
-                                   ngram=self.ngram, suffix=suffix)  # fmt: skip
-        elif spec.method == "none":
+        if method.chain_sources:
+            planner = ChainPlanner.for_method(method, self.suffix_cache, head_prior=self.head_prior, ngram=self.ngram)
+        elif not method.drafts:
             choice = RowChoice(())  # a plain row of its target worker's batches
         params = params.for_request(len(prompt_ids), eos_token_ids)  # what penalties and min_tokens count from
         req = SchedRequest(state, params, spec, draft, target, features=features, planner=planner, choice=choice)
@@ -238,12 +231,11 @@ class Scheduler:
     def k_for(self, req: SchedRequest) -> int:
         """Tokens to draft this round (0: a plain step). For chains it also plans whose chain drafts them
         (`req.plan`, applied by `apply_verify`)."""
-        uses_draft = req.spec.method in DRAFT_WORKER_METHODS
-        if uses_draft and req.draft_worker is None:  # re-attach once a draft worker is back
+        if req.method.draft_worker and req.draft_worker is None:  # re-attach once a draft worker is back
             req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
-        if req.spec.method == "none":
+        if not req.method.drafts:
             return 0
-        if req.spec.method in TREE_METHODS:
+        if req.method.tree:
             return self._tree_nodes(req)
         req.plan = self._plan_chain(req)
         return req.plan.k
@@ -273,12 +265,12 @@ class Scheduler:
         return len(peers), width
 
     def _tree_rows(self, worker: str) -> int:
-        return sum(r.target_worker == worker and r.spec.method in TREE_METHODS for r in self.requests.values())
+        return sum(r.target_worker == worker and r.method.tree for r in self.requests.values())
 
     def _tree_nodes(self, req: SchedRequest) -> int:
         """Nodes to draft this round: k, or for 'auto' max_tree_nodes (pruned once drafted); none when the round can
         commit one token only, for a head without a draft worker or new features, or in 'auto''s plain rounds."""
-        head = req.spec.method in HEAD_METHODS
+        head = req.method.needs_head
         if head and (req.draft_worker is None or req.features.pending is None) or not req.state.draft_budget(1):
             return 0
         if req.spec.k != "auto":
@@ -315,8 +307,7 @@ class Scheduler:
 
     def plan_draft(self, req: SchedRequest, k: int) -> Call:
         features = req.features.to_send() if req.features is not None else b""
-        tree = req.spec.method == "eagle-tree"
-        return self._call(req, req.draft_worker, req.state.tokens, k=k, features=features, tree=tree)
+        return self._call(req, req.draft_worker, req.state.tokens, k=k, features=features, tree=req.method.tree)
 
     def plan_predraft(self, req: SchedRequest, drafted: list[int], k: int) -> Call | None:
         """Round r + 1's draft, assuming all of round r's drafted tokens are accepted (None when pointless, and for a
@@ -360,13 +351,13 @@ class Scheduler:
 
     def wants_costs(self, req: SchedRequest) -> bool:
         """Whether the request's planning weighs the workers' costs, and they are not known yet."""
-        return self.planner_costs is None and req.spec.k == "auto" and req.spec.method != "none"
+        return self.planner_costs is None and req.spec.k == "auto" and req.method.drafts
 
     @staticmethod
     def _observe_plan(req: SchedRequest, drafted: list[int], accepted: int) -> None:
         """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""
         plan, req.plan = req.plan, None
-        if plan is None or not drafted or plan.source == "none":
+        if plan is None or not drafted or plan.source == NO_DRAFT.source:
             return
         req.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
 
@@ -395,6 +386,6 @@ class Scheduler:
         """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for
         the caller to release it there."""
         self.requests.pop(req.request_id, None)
-        if req.spec.method == "suffix" and req.state.finished:
+        if req.method.suffix and req.state.finished:
             self.suffix_cache.remember_request(req.request_id, req.state.tokens, req.state.prompt_len)
         return list(req.told)

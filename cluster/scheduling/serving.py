@@ -17,7 +17,7 @@ from specserve.cluster.scheduling.pipeline import Pipeline, build_pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
-from specserve.workers.runtime.loading import directory_eos_ids
+from specserve.workers.runtime.eos import directory_eos_ids
 from specserve.workers.speculation.eagle.config import resolve_eagle_head
 
 log = logging.getLogger(__name__)

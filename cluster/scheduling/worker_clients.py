@@ -10,8 +10,9 @@ import grpc
 from specserve.cluster.scheduling.scheduler import Call
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
+from specserve.protos.wire import GRPC_OPTIONS, SECRET_METADATA
 from specserve.workers.config import SamplingParams
-from specserve.workers.service.grpc_service import GRPC_OPTIONS, SECRET_METADATA, sampling_to_proto
+from specserve.workers.service.sampling_wire import sampling_to_proto
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.logprobs import TokenLogprob, from_proto
 

@@ -12,12 +12,13 @@ from specserve.cluster.scheduling.prepared import Prepared
 from specserve.cluster.scheduling.stops import StopSpec
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.serve.edge import Request
-from specserve.workers.config import HEAD_METHODS, SamplingParams, SpecParams
+from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.eagle.config import resolve_eagle_head
-from specserve.workers.speculation.engine import encode_prompt
+from specserve.workers.speculation.methods import HEAD_DEFAULT, LOOKUP_DEFAULT, METHODS, MODEL_DEFAULT, NONE, servable
+from specserve.workers.speculation.request import encode_prompt
 
 
 class RequestPreparer:
@@ -70,24 +71,25 @@ class RequestPreparer:
 
 
 def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
-    """The request's speculation: "draft" needs a draft model on the draft pool, "eagle", "eagle+ngram" and
-    "eagle-tree" an EAGLE-3 head there. A model served with a head drafts with "eagle+ngram" unless the request says
-    otherwise: the head's chain or prompt lookup's (free) continuation, whichever is expected to accept more each
-    round."""
-    pool_method = "eagle+ngram" if has_head else "draft"
-    default_method = pool_method if cfg.drafts_with_model else ("ngram" if cfg.draft == "ngram" else "none")
+    """The request's speculation, as the methods registry says (workers/speculation/methods.py): a head's methods need
+    the model served with an EAGLE-3 head, a draft model's a draft model on the draft pool. A model served with a head
+    drafts with "eagle+ngram" unless the request says otherwise: the head's chain or prompt lookup's (free)
+    continuation, whichever is expected to accept more each round."""
+    pool_method = HEAD_DEFAULT if has_head else MODEL_DEFAULT
+    default_method = pool_method if cfg.drafts_with_model else (LOOKUP_DEFAULT if cfg.draft == LOOKUP_DEFAULT else NONE)
     spec = SpecParams(method=request.method or default_method, k=cfg.k if request.k is None else request.k)
-    if spec.method in HEAD_METHODS and not has_head:
-        use = "draft/ngram/ngram-tree/none" if cfg.drafts_with_model else "ngram/ngram-tree/none"
+    method = METHODS[spec.method]
+    use = "/".join(servable(has_head, cfg.drafts_with_model and not has_head))
+    if method.needs_head and not has_head:
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} is served without an EAGLE-3 head "
                                   f"(use {use})")  # fmt: skip
-    if spec.method == "draft" and has_head:
+    if method.needs_draft_model and has_head:
         raise InvalidRequestError("speculation.method", f"model {cfg.name!r} drafts with an EAGLE-3 head, not a draft "
-                                  "model (use eagle+ngram/eagle/eagle-tree/ngram/ngram-tree/none)")  # fmt: skip
-    if spec.method == "draft" and not cfg.drafts_with_model:
-        raise InvalidRequestError(
-            "speculation.method", f"model {cfg.name!r} has no draft model (use ngram/ngram-tree/none)"
-        )
+                                  f"model (use {use})")  # fmt: skip
+    if method.needs_draft_model and not cfg.drafts_with_model:
+        raise InvalidRequestError("speculation.method", f"model {cfg.name!r} has no draft model (use {use})")
+    if not method.disaggregated or (request.temperature > 0 and not method.sampling):
+        raise InvalidRequestError("speculation.method", f"{spec.method!r} is not served here (use {use})")
     return spec
 
 

@@ -39,6 +39,7 @@ from specserve.workers.errors import (
 )
 from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
 from specserve.workers.speculation.logprobs import MAX_LOGPROBS, TokenLogprob, to_proto
+from specserve.workers.speculation.methods import NAMES
 
 SERVICE = SERVICE_NAME
 MAX_MESSAGES = 4096
@@ -92,7 +93,7 @@ class GrpcSampling(EdgeModel):
 
 
 class GrpcSpeculation(EdgeModel):
-    method: Literal["", "eagle", "eagle+ngram", "eagle-tree", "draft", "ngram", "ngram-tree", "suffix", "none"]
+    method: Literal[("", *NAMES)]  # "": the model's default
     k: Annotated[int, Field(ge=0, le=MAX_K)]  # 0 = auto
 
 

@@ -22,7 +22,8 @@ from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
-from specserve.workers.speculation.codec import decode_features, feature_block
+from specserve.workers.speculation.codec import feature_block
+from specserve.workers.speculation.wire_format import decode_features
 from tests.helpers.eagle_disaggregated import (
     BYTE_PROMPTS,
     build_pairs,

@@ -8,7 +8,7 @@ from specserve.cluster.app_config import DEFAULT_MODEL
 from specserve.cluster.bench.head_eval import held_out_acceptance
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.models.catalog import resolve_model
-from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, chat_prompt_ids
+from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, question_prompt_ids
 from specserve.workers.models.packaged_heads import packaged_head_for
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
@@ -29,7 +29,7 @@ def engine():
 def test_the_packaged_head_is_identical_and_drafts_what_the_target_writes(engine):
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     for question in HELD_OUT_QUESTIONS[:QUESTIONS]:
-        prompt = chat_prompt_ids(engine.tokenizer, question)
+        prompt = question_prompt_ids(engine.tokenizer, question)
         expected = engine.generate(prompt, params, SpecParams(method="none")).token_ids
         for method in ("eagle", "eagle+ngram"):
             assert engine.generate(prompt, params, SpecParams(method=method, k=K)).token_ids == expected, method

@@ -8,7 +8,7 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat_questions import (
     HELD_OUT_QUESTIONS,
     TRAIN_QUESTIONS,
-    chat_prompt_ids,
+    question_prompt_ids,
     read_questions,
 )
 from tests.helpers.workers import byte_tokenizer
@@ -30,7 +30,7 @@ def test_question_halves_are_large_disjoint_and_without_duplicates():
     assert all(q.strip() == q and len(q) > 10 for q in normalised)
 
 
-def test_chat_prompt_ids_equal_the_templates_own_tokenization():
+def test_question_prompt_ids_equal_the_templates_own_tokenization():
     tok = byte_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHATML
@@ -40,7 +40,7 @@ def test_chat_prompt_ids_equal_the_templates_own_tokenization():
         ]
         expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         expected = expected["input_ids"] if isinstance(expected, Mapping) else expected
-        ids = chat_prompt_ids(tok, HELD_OUT_QUESTIONS[0], system=system)
+        ids = question_prompt_ids(tok, HELD_OUT_QUESTIONS[0], system=system)
         assert ids == list(expected)
         assert tok.decode(ids).endswith("assistant\n")  # ready for the reply
     assert tok.convert_tokens_to_ids("<|im_start|>") in ids  # special tokens are single ids, not spelled out
@@ -49,10 +49,10 @@ def test_chat_prompt_ids_equal_the_templates_own_tokenization():
 def test_without_a_chat_template_the_prompt_is_a_plain_transcript():
     tok = byte_tokenizer()
     assert not tok.chat_template
-    ids = chat_prompt_ids(tok, "Why is the sky blue?", system="Be brief.")
+    ids = question_prompt_ids(tok, "Why is the sky blue?", system="Be brief.")
     assert ids == tok("system: Be brief.\nuser: Why is the sky blue?\nassistant:")["input_ids"]
     with pytest.raises(InvalidRequestError, match="question"):
-        chat_prompt_ids(tok, "  ")
+        question_prompt_ids(tok, "  ")
 
 
 def test_read_questions_skips_blank_lines_and_comments(tmp_path):

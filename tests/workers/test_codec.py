@@ -2,7 +2,8 @@ import msgpack
 import pytest
 import torch
 
-from specserve.workers.speculation.codec import decode_probs, encode_probs, normalise, slice_rows, sparsify
+from specserve.workers.speculation.codec import decode_probs, encode_probs, normalise, sparsify
+from specserve.workers.speculation.wire_format import slice_rows
 
 
 def _dist(V, seed, temperature=1.0):

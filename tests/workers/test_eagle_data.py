@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models import gguf_store
-from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, TRAIN_QUESTIONS, chat_prompt_ids
+from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, TRAIN_QUESTIONS, question_prompt_ids
 from specserve.workers.models.identity import target_identity
 from specserve.workers.training import eagle_prompts, eagle_target
 from specserve.workers.training.eagle_data import GenerationSettings, generate_data, read_manifest
@@ -78,7 +78,7 @@ def test_loss_mask_marks_exactly_the_answer_after_the_bench_prompt(one_run, chat
             prompt_len = mask.index(1)
             assert mask == [0] * prompt_len + [1] * (b - a - prompt_len)  # one prompt, then only answer
             prompt, answer = ids[:prompt_len], ids[prompt_len:]
-            assert prompt == chat_prompt_ids(tokenizer, _user_question(tokenizer, prompt))
+            assert prompt == question_prompt_ids(tokenizer, _user_question(tokenizer, prompt))
             assert 1 <= len(answer) <= SMALL.max_answer_tokens
             eos = [i for i, t in enumerate(answer) if t == tokenizer.eos_token_id]
             assert eos in ([], [len(answer) - 1])  # an answer ends at its first EOS, kept as its last token

@@ -3,9 +3,9 @@ import torch
 
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
-from specserve.workers.runtime.kv_cache import common_prefix_length
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.worker_state import common_prefix_length
 
 
 @pytest.fixture(scope="module")

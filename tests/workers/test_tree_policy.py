@@ -7,7 +7,7 @@ import pytest
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.tree_policy import TreeCalibration, best_node_count, expected_accepted
+from specserve.workers.speculation.tree_policy import TreeCalibration, best_node_count, expected_accepted_by_size
 
 FLAT = VerifyCosts((0.1,) * 17)  # every width costs a step: more nodes never cost more
 CPU = VerifyCosts(
@@ -15,11 +15,11 @@ CPU = VerifyCosts(
 )  # fmt: skip  the measured widths 1..17 of SmolLM2 on 2 cores, filled in between
 
 
-def test_expected_accepted_sums_the_calibrated_path_probabilities_and_never_exceeds_the_nodes():
+def test_expected_accepted_by_size_sums_the_calibrated_path_probabilities_and_never_exceeds_the_nodes():
     scores = [math.log(p) for p in (0.9, 0.8, 0.5, 0.1)]
-    assert expected_accepted(scores, 1.0) == pytest.approx([0.9, 1.7, 2.2, 2.3])
-    assert expected_accepted(scores, 0.5) == pytest.approx([0.45, 0.85, 1.1, 1.15])
-    assert expected_accepted([0.0, 0.0], 3.0) == [1.0, 2.0]
+    assert expected_accepted_by_size(scores, 1.0) == pytest.approx([0.9, 1.7, 2.2, 2.3])
+    assert expected_accepted_by_size(scores, 0.5) == pytest.approx([0.45, 0.85, 1.1, 1.15])
+    assert expected_accepted_by_size([0.0, 0.0], 3.0) == [1.0, 2.0]
 
 
 def test_the_node_count_weighs_expected_tokens_against_the_verify_cost_per_width():

@@ -86,7 +86,7 @@ HELD_OUT_QUESTIONS: tuple[str, ...] = (
 )
 
 
-def chat_prompt_ids(tokenizer, question: str, system: str | None = None) -> list[int]:
+def question_prompt_ids(tokenizer, question: str, system: str | None = None) -> list[int]:
     """Token ids of `question` as a user turn (after an optional system turn), ready for the assistant's reply: the
     same rendering as every serving path (workers/models/chat.py)."""
     if not question.strip():

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from specserve.workers.config import KVCacheConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
 from specserve.workers.runtime.slot_cache import SlotKVCache
+from specserve.workers.runtime.worker_state import common_prefix_length
 
 
 @dataclass
@@ -27,16 +28,6 @@ class CacheEntry:
     @property
     def length(self) -> int:
         return len(self.tokens)
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):  # fast path: C-speed comparison, the usual case
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
 
 
 class KVCacheStore:

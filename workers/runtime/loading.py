@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -14,6 +13,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from specserve.workers.config import ModelConfig
 from specserve.workers.errors import ModelLoadError
+from specserve.workers.runtime.eos import eos_ids
 from specserve.workers.runtime.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
@@ -53,28 +53,6 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> set[int]:
         return set(eos_ids(self.tokenizer, getattr(self.model.generation_config, "eos_token_id", None)))
-
-
-def eos_ids(tokenizer, generation_eos: int | list[int] | None) -> frozenset[int]:
-    """Where generation stops: the tokenizer's EOS and the generation config's (a chat model's end-of-turn token,
-    e.g. `<|im_end|>` or Llama 3's `<|eot_id|>`, is one of them)."""
-    ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, generation_eos):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list | tuple):
-            ids.update(int(t) for t in source)
-    return frozenset(ids)
-
-
-def directory_eos_ids(path: str, tokenizer) -> frozenset[int]:
-    """eos_ids for a model directory, without loading the model (its generation_config.json, when it has one)."""
-    file = os.path.join(path, "generation_config.json")
-    generation_eos = None
-    if os.path.isfile(file):
-        with open(file) as f:
-            generation_eos = json.load(f).get("eos_token_id")
-    return eos_ids(tokenizer, generation_eos)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -142,3 +142,14 @@ def run_calls(
         for i, outcome in zip(ready, outcomes, strict=True):
             results[i] = outcome
     return results, len(rows)
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens the two sequences share."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # fast path: C-speed comparison, the usual case
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i

@@ -14,11 +14,12 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
-from specserve.workers.speculation.codec import FeatureBlock, encode_probs
+from specserve.workers.speculation.codec import encode_probs
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafter import Drafter
 from specserve.workers.speculation.drafter_costs import drafter_cost
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
+from specserve.workers.speculation.wire_format import FeatureBlock
 
 
 @dataclass

@@ -19,16 +19,18 @@ import grpc
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.protos.wire import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 (importable from here too)
-from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams, validate
+from specserve.protos.wire import GRPC_OPTIONS, MAX_MESSAGE_BYTES, SECRET_METADATA  # noqa: F401 (importable from here too)
+from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams
 from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError, UnavailableError
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.service.batcher import Batcher
 from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
+from specserve.workers.service.sampling_wire import sampling_from_proto
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall, VerifyResult
-from specserve.workers.speculation.codec import decode_features, decode_probs
+from specserve.workers.speculation.codec import decode_probs
 from specserve.workers.speculation.logprobs import to_proto
+from specserve.workers.speculation.wire_format import decode_features
 
 log = logging.getLogger(__name__)
 
@@ -43,46 +45,6 @@ def server_options(max_message_bytes: int = DEFAULT_SERVER_MESSAGE_BYTES) -> lis
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
-
-
-def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    data = {"temperature": msg.temperature, "top_k": msg.top_k, "top_p": msg.top_p or 1.0}
-    if msg.max_new_tokens:
-        data["max_new_tokens"] = msg.max_new_tokens
-    if msg.HasField("seed"):
-        data["seed"] = msg.seed
-    if msg.HasField("logprobs"):
-        data["logprobs"] = msg.logprobs
-    data.update(_controls_from_proto(msg))
-    return validate(SamplingParams, data)
-
-
-def _controls_from_proto(msg: pb.SamplingParams) -> dict:
-    """The logits controls a message sets (unset fields: the defaults; repetition_penalty 0 is unset)."""
-    data = {
-        "presence_penalty": msg.presence_penalty,
-        "frequency_penalty": msg.frequency_penalty,
-        "repetition_penalty": msg.repetition_penalty or 1.0,
-        "min_p": msg.min_p,
-        "min_tokens": msg.min_tokens,
-    }
-    if msg.logit_bias:
-        data["logit_bias"] = dict(msg.logit_bias)
-    return {name: value for name, value in data.items() if value}  # fmt: skip
-
-
-def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, max_new_tokens=params.max_new_tokens
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
-    msg.presence_penalty, msg.frequency_penalty = params.presence_penalty, params.frequency_penalty
-    msg.repetition_penalty, msg.min_p, msg.min_tokens = params.repetition_penalty, params.min_p, params.min_tokens
-    msg.logit_bias.update(params.logit_bias)
-    return msg
 
 
 class SamplingCache:
@@ -280,9 +242,6 @@ def _bonus(call: VerifyCall, result: VerifyResult) -> bool:
         return result.accepted == len(call.drafted)
     deepest = result.path[-1] if result.path else ROOT
     return deepest not in call.parents
-
-
-SECRET_METADATA = "x-specserve-secret"
 
 
 class SecretInterceptor(grpc.aio.ServerInterceptor):

@@ -24,8 +24,9 @@ from specserve.workers.speculation.goodput import (
     VerifyTimings,
     plan_batch,
 )
+from specserve.workers.speculation.methods import HEAD_CHAIN, LOOKUP_CHAIN, MODEL_CHAIN, SUFFIX_CHAIN, Method
 from specserve.workers.speculation.ngram import ngram_match
-from specserve.workers.speculation.suffix import SuffixLookup
+from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
 
 # Prior acceptance given the previous position accepted. The head's: a trained SmolLM2 head on held-out chat (its
 # config may carry measured ones); the n-gram's by matched suffix length 1, 2, 3+ (held-out chat, k = 4); a draft
@@ -36,7 +37,7 @@ DRAFT_PRIOR = (0.6,)
 # Suffix drafting's, by matched suffix length 2-3, 4-7, 8-15, 16+: a long match repeats (an earlier answer, a quoted
 # passage) and keeps repeating.
 SUFFIX_PRIOR = {2: 0.35, 4: 0.5, 8: 0.65, 16: 0.8}
-LOOKUP_SOURCES = ("ngram", "suffix")  # drafters whose plan carries its tokens: no model to call
+LOOKUP_SOURCES = (LOOKUP_CHAIN, SUFFIX_CHAIN)  # drafters whose plan carries its tokens: no model to call
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class PlannerCosts:
 
     @property
     def drafters(self) -> dict[str, DraftCost]:
-        return {"head": self.head, "draft": self.draft}
+        return {HEAD_CHAIN: self.head, MODEL_CHAIN: self.draft}
 
     def observe_batch(self, rows: int, tokens: int, seconds: float) -> None:
         """A verify batch the target worker reported: corrects the measured surface (fixed costs learn nothing)."""
@@ -75,7 +76,8 @@ class ChainPlanner:
         use_draft: bool = False,
         suffix: SuffixLookup | None = None,
     ):
-        """suffix: the request's suffix drafting (method "suffix"), None for the other methods."""
+        """suffix: the request's suffix drafting (method "suffix"), None for the other methods; `for_method` builds
+        the planner a method's registry entry names."""
         self.use_head, self.use_ngram, self.use_draft = use_head, use_ngram, use_draft
         self.suffix = suffix
         self.by_suffix_match = {n: PositionAcceptance((a,)) for n, a in SUFFIX_PRIOR.items()}
@@ -84,6 +86,15 @@ class ChainPlanner:
         self.head = PositionAcceptance(tuple(head_prior))
         self.draft = PositionAcceptance(DRAFT_PRIOR)
         self.by_match = {n: PositionAcceptance((a,)) for n, a in NGRAM_PRIOR.items()}
+
+    @classmethod
+    def for_method(cls, entry: Method, suffix_cache: SuffixCache | None = None, **kw) -> ChainPlanner:
+        """The planner of a chain method: the drafters its registry entry names (methods.py); kw: the rest."""
+        sources = entry.chain_sources
+        cache = SuffixCache() if suffix_cache is None else suffix_cache
+        suffix = SuffixLookup(cache) if entry.suffix else None
+        return cls(use_head=HEAD_CHAIN in sources, use_ngram=LOOKUP_CHAIN in sources,
+                   use_draft=MODEL_CHAIN in sources, suffix=suffix, **kw)  # fmt: skip
 
     def _ngram_stats(self, match: int) -> PositionAcceptance:
         return self.by_match[min(match, max(self.by_match))]
@@ -102,16 +113,16 @@ class ChainPlanner:
             match, follow = ngram_match(tokens, limit, self.ngram.max_ngram, self.ngram.min_ngram)
             if follow:
                 rates = tuple(self._ngram_stats(match).rates(len(follow)))
-                out.append(Option("ngram", rates, tuple(follow), match))
+                out.append(Option(LOOKUP_CHAIN, rates, tuple(follow), match))
         if self.suffix is not None:
             draft = self.suffix.draft(tokens, limit)
             if draft.tokens:
                 rates = tuple(self._suffix_stats(draft.match).rates(len(draft.tokens)))
-                out.append(Option("suffix", rates, draft.tokens, draft.match))
+                out.append(Option(SUFFIX_CHAIN, rates, draft.tokens, draft.match))
         if self.use_head and model:
-            out.append(Option("head", tuple(self.head.rates(limit))))
+            out.append(Option(HEAD_CHAIN, tuple(self.head.rates(limit))))
         if self.use_draft and model:
-            out.append(Option("draft", tuple(self.draft.rates(limit))))
+            out.append(Option(MODEL_CHAIN, tuple(self.draft.rates(limit))))
         return tuple(out)
 
     def choice(self, tokens: Sequence[int], k: int | None, budget: int, model: bool = True) -> RowChoice:
@@ -132,13 +143,13 @@ class ChainPlanner:
         return plan_batch([row], costs.surface, costs.drafters, row.budget, batched_drafts).rows[0]
 
     def observe(self, plan: ChainPlan, accepted: int) -> None:
-        if plan.source == "head":
+        if plan.source == HEAD_CHAIN:
             self.head.observe(plan.k, accepted)
-        elif plan.source == "draft":
+        elif plan.source == MODEL_CHAIN:
             self.draft.observe(plan.k, accepted)
-        elif plan.source == "ngram":
+        elif plan.source == LOOKUP_CHAIN:
             self._ngram_stats(plan.match).observe(plan.k, accepted)
-        elif plan.source == "suffix":
+        elif plan.source == SUFFIX_CHAIN:
             self._suffix_stats(plan.match).observe(plan.k, accepted)
 
 

@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.workers.config import TREE_METHODS, KVCacheConfig, NgramConfig, SamplingParams, SpecParams
+from specserve.workers.config import KVCacheConfig, NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
 from specserve.workers.runtime.loading import LoadedModel, check_compatible
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import TreeRow
-from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
 from specserve.workers.speculation.draft_model import ModelDrafter
@@ -28,17 +27,21 @@ from specserve.workers.speculation.eagle.drafter import EagleDrafter
 from specserve.workers.speculation.eagle.head import Eagle3Head
 from specserve.workers.speculation.eagle.loading import load_eagle_drafter
 from specserve.workers.speculation.logprobs import TokenLogprob
+from specserve.workers.speculation.methods import (
+    DRAFT_MODEL,
+    EAGLE,
+    NGRAM,
+    method,
+)
 from specserve.workers.speculation.ngram import NgramDrafter
-from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats
+from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats, check_request, encode_prompt
 from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
-from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
+from specserve.workers.speculation.suffix import SuffixCache
 from specserve.workers.speculation.target import TargetVerifier, TreeCall, Verdict
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
-
-EAGLE_METHODS = ("eagle", "eagle+ngram")  # a head's chains (TREE_METHODS: its trees)
 
 
 @dataclass
@@ -59,29 +62,6 @@ class GenerationResult:
         if self.logprobs is not None:
             out["logprobs"] = [{"logprob": t.logprob, "top": [list(pair) for pair in t.top]} for t in self.logprobs]
         return out
-
-
-def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        ids = list(tokenizer(prompt)["input_ids"])
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise InvalidRequestError("prompt", "encodes to no tokens")
-    return ids
-
-
-def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int | None) -> None:
-    check_token_ids("prompt", prompt_ids, vocab_size)
-    if max_positions is not None and len(prompt_ids) + params.max_new_tokens > max_positions:
-        room = max_positions - len(prompt_ids)
-        raise InvalidRequestError(
-            "max_new_tokens",
-            f"{params.max_new_tokens} new tokens after a {len(prompt_ids)}-token prompt exceed the model's context "
-            f"of {max_positions} positions" + (f" (at most {room})" if room > 0 else " (the prompt alone fills it)"),
-        )
 
 
 class SpecEngine:
@@ -105,16 +85,17 @@ class SpecEngine:
         kv_config = kv_config or KVCacheConfig()
         self.target = target
         self.verifier = TargetVerifier(ModelRunner(target, kv_config))
-        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram_config)}
+        self.drafters: dict[str, Drafter] = {NGRAM: NgramDrafter(ngram_config)}  # by proposer (methods.py)
         self.suffix_cache = SuffixCache()  # method "suffix": this engine's recent outputs
         if draft is not None:
             check_compatible(target, draft)
-            self.drafters["draft"] = ModelDrafter(ModelRunner(draft, kv_config, vocab_size=self.verifier.vocab_size))
+            runner = ModelRunner(draft, kv_config, vocab_size=self.verifier.vocab_size)
+            self.drafters[DRAFT_MODEL] = ModelDrafter(runner)
         self.head_prior = HEAD_PRIOR
         if eagle_head is not None:
             eagle = load_eagle_drafter(target, eagle_head)
             self.verifier.runner.capture_features(eagle.feature_layers)
-            self.drafters["eagle"] = eagle
+            self.drafters[EAGLE] = eagle
             self.head_prior = eagle.head.config.acceptance or HEAD_PRIOR
             self.eagle_source = "(in memory)" if isinstance(eagle_head, Eagle3Head) else str(eagle_head)
         self.max_auto_k = MAX_AUTO_K
@@ -127,33 +108,28 @@ class SpecEngine:
         return self.target.tokenizer
 
     def _drafter(self, spec: SpecParams) -> Drafter | None:
-        if spec.method == "none":
+        """The method's proposer (None: target-only, or suffix drafting, which the planner runs itself)."""
+        proposer = method(spec.method).proposer
+        if proposer is None or method(spec.method).suffix:
             return None
-        name = {"eagle+ngram": "eagle", "eagle-tree": "eagle", "ngram-tree": "ngram"}.get(spec.method, spec.method)
-        if name not in self.drafters:
-            needs = "an EAGLE-3 head (eagle_head)" if name == "eagle" else "a draft model"
+        if proposer not in self.drafters:
+            needs = "an EAGLE-3 head (eagle_head)" if proposer == EAGLE else "a draft model"
             raise InvalidRequestError("method", f"{spec.method!r} drafting needs {needs}, and none is loaded")
-        return self.drafters[name]
+        return self.drafters[proposer]
 
     def _rounds(self, spec: SpecParams) -> ChainRounds | TreeRounds | None:
-        if spec.method == "suffix":  # no model: the request's own tokens and the engine's recent outputs
-            auto = spec.k == "auto"
-            planner = ChainPlanner(suffix=SuffixLookup(self.suffix_cache),
-                                   costs=self.planner_costs("suffix") if auto else None)  # fmt: skip
-            return ChainRounds(None, planner, None if auto else spec.k, self.max_auto_k)
+        m, auto = method(spec.method), spec.k == "auto"
         drafter = self._drafter(spec)
-        if drafter is None:
+        if not m.drafts:
             return None
-        if spec.method in TREE_METHODS and spec.k == "auto":  # the best nodes of a big tree, each round
+        if m.tree and auto:  # the best nodes of a big tree, each round
             return TreeRounds(drafter, TreeShape.for_budget(MAX_TREE_NODES), self.tree_verify_costs())
-        if spec.method in TREE_METHODS:
+        if m.tree:
             return TreeRounds(drafter, TreeShape.for_budget(spec.k))
-        auto, method = spec.k == "auto", spec.method
-        planner = ChainPlanner(use_head=method in EAGLE_METHODS, use_ngram=method in ("ngram", "eagle+ngram"),
-                               use_draft=method == "draft", ngram=self.drafters["ngram"].config,
-                               head_prior=self.head_prior,
-                               costs=self.planner_costs(method) if auto else None)  # fmt: skip
-        model = None if method == "ngram" else drafter
+        costs = self.planner_costs(spec.method) if auto else None  # suffix: the engine's recent outputs too
+        planner = ChainPlanner.for_method(m, self.suffix_cache, ngram=self.drafters[NGRAM].config,
+                                          head_prior=self.head_prior, costs=costs)  # fmt: skip
+        model = drafter if m.needs_model else None  # lookups carry their tokens in the plan
         return ChainRounds(model, planner, None if auto else spec.k, self.max_auto_k)
 
     def tree_verify_costs(self) -> VerifyCosts:
@@ -167,16 +143,16 @@ class SpecEngine:
             )
         return self._tree_costs
 
-    def planner_costs(self, method: str = "eagle") -> PlannerCosts:
+    def planner_costs(self, method_name: str = EAGLE) -> PlannerCosts:
         """The target's verify cost per width (the trees' measurement, up to a chain's width) and the method's
         drafter's cost, each measured once on first use (k='auto' weighs them; prompt lookup costs nothing)."""
         if self._planner_costs is not None:
             return self._planner_costs
         verify = VerifyCosts(self.tree_verify_costs().verify_s[: self.max_auto_k + 1])
-        name = "eagle" if method in EAGLE_METHODS else method
-        if name in ("eagle", "draft") and name not in self._drafter_costs:
-            self._drafter_costs[name] = drafter_cost(self.drafters[name], self.max_auto_k)
-        cost = self._drafter_costs.get(name, DraftCost())
+        m = method(method_name)
+        if m.needs_model and m.proposer not in self._drafter_costs:
+            self._drafter_costs[m.proposer] = drafter_cost(self.drafters[m.proposer], self.max_auto_k)
+        cost = self._drafter_costs.get(m.proposer, DraftCost())
         return PlannerCosts(verify, head=cost, draft=cost)  # a method drafts with one of them
 
     def _verify(
@@ -252,7 +228,7 @@ class SpecEngine:
             self.verifier.release(state.request_id)
             if drafter is not None:
                 drafter.release(state.request_id)
-        if spec.method == "suffix":
+        if method(spec.method).suffix:
             self.suffix_cache.remember_request(state.request_id, state.tokens, state.prompt_len)
         return GenerationResult(
             text=self.tokenizer.decode(state.generated, skip_special_tokens=True),

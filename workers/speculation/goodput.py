@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts, expected_accepted
+from specserve.workers.speculation.methods import LOOKUP_CHAIN
 
 PROFILE_ROWS = (1, 2, 4, 8)  # batch sizes a target worker profiles at start (others are interpolated)
 
@@ -152,7 +153,7 @@ class ChainPlan:
         return cls(option.source, k, option.tokens[:k], option.match) if k else NO_DRAFT
 
 
-NO_DRAFT = ChainPlan("none", 0)
+NO_DRAFT = ChainPlan("none", 0)  # a plain step
 
 
 @dataclass(frozen=True)
@@ -179,14 +180,14 @@ def choose_row(row: RowChoice, width: int, share_s: float, costs: Mapping[str, D
     if limit <= 0 or not row.options:
         return NO_DRAFT
     if row.fixed_k is not None:  # a fixed k: the option expected to accept the most (ties: prompt lookup)
-        best = max(row.options, key=lambda o: (_value(o, limit), o.source == "ngram"))
+        best = max(row.options, key=lambda o: (_value(o, limit), o.source == LOOKUP_CHAIN))
         return ChainPlan.of(best, min(limit, len(best.rates)))
 
     def rate(o: Option) -> float:
         k = min(limit, len(o.rates))
         return (1.0 + _value(o, k)) / (share_s + costs.get(o.source, DraftCost()).of(k))
 
-    best = max(row.options, key=lambda o: (rate(o), o.source == "ngram"))
+    best = max(row.options, key=lambda o: (rate(o), o.source == LOOKUP_CHAIN))
     return ChainPlan.of(best, min(limit, len(best.rates)))
 
 

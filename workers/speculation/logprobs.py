@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from specserve.protos import specserve_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 
@@ -35,7 +37,10 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
     """logits [m, V]: the target's logits at the positions the m committed `tokens` were chosen at -> their
-    TokenLogprobs with the `top` most likely alternatives each."""
+    TokenLogprobs with the `top` most likely alternatives each. (The target's: torch is imported here, so the
+    scheduler and the edges, which carry TokenLogprobs, never load it.)"""
+    import torch
+
     logp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
     index = torch.tensor(list(tokens), dtype=torch.long, device=logp.device).unsqueeze(1)  # [m, 1]
     own = logp.gather(1, index).squeeze(1).tolist()  # [m]

@@ -68,14 +68,14 @@ REGISTRY: tuple[Method, ...] = (  # the order the edges list them in
         chain_sources=(HEAD_CHAIN, LOOKUP_CHAIN),
         draft_worker=True,
         lookup=True,
-    ),  # fmt: skip
+    ),
     Method(
         "eagle-tree",
         "a tree of the head's likeliest continuations, k nodes, verified at once",
         EAGLE,
         tree=True,
         draft_worker=True,
-    ),  # fmt: skip
+    ),
     Method("draft", "a draft model proposes", DRAFT_MODEL, chain_sources=(MODEL_CHAIN,), draft_worker=True),
     Method("ngram", "prompt lookup", NGRAM, chain_sources=(LOOKUP_CHAIN,), lookup=True),
     Method(
@@ -84,7 +84,7 @@ REGISTRY: tuple[Method, ...] = (  # the order the edges list them in
         NGRAM,
         tree=True,
         lookup=True,
-    ),  # fmt: skip
+    ),
     Method(
         "suffix",
         "the continuation of the longest earlier match in the request or in the model's recent outputs "
@@ -92,15 +92,19 @@ REGISTRY: tuple[Method, ...] = (  # the order the edges list them in
         SUFFIX,
         chain_sources=(SUFFIX_CHAIN,),
         lookup=True,
-    ),  # fmt: skip
+    ),
     Method("none", "off", None),
 )
 METHODS: dict[str, Method] = {m.name: m for m in REGISTRY}
-NAMES: tuple[str, ...] = tuple(METHODS)
-NONE = METHODS["none"].name  # target-only
-DEFAULT = METHODS["draft"].name  # SpecParams' default
-HEAD_DEFAULT = METHODS["eagle+ngram"].name  # a model served with an EAGLE-3 head, unless the request says otherwise
-LOOKUP_DEFAULT = METHODS["ngram"].name  # a model served with `draft: ngram`
+NAMES: tuple[str, ...] = tuple(METHODS)  # SpecMethod's values, in this order
+NONE = "none"  # target-only
+DEFAULT_METHOD = "draft"  # SpecParams' default
+MODEL_DEFAULT = "draft"  # a model served with a draft model, unless the request says otherwise
+HEAD_DEFAULT = "eagle+ngram"  # a model served with an EAGLE-3 head, unless the request says otherwise
+LOOKUP_DEFAULT = "ngram"  # a model served with `draft: ngram`
+TREE_METHODS = tuple(m.name for m in REGISTRY if m.tree)  # drafted as trees
+HEAD_METHODS = tuple(m.name for m in REGISTRY if m.needs_head)  # an EAGLE-3 head drafts for them (chains or trees)
+HEAD_CHAIN_METHODS = tuple(m for m in HEAD_METHODS if not METHODS[m].tree)  # a head's chains
 
 
 def method(name: str) -> Method:

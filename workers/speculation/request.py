@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from specserve.workers.config import SamplingParams
+from specserve.workers.errors import InvalidRequestError
+from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.logprobs import TokenLogprob
 
 FinishReason = Literal["stop", "length"]
@@ -113,3 +116,26 @@ class RequestState:
         if self.remaining <= 0:
             self.finish_reason = "length"
         return committed
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        ids = list(tokenizer(prompt)["input_ids"])
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidRequestError("prompt", "encodes to no tokens")
+    return ids
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int | None) -> None:
+    check_token_ids("prompt", prompt_ids, vocab_size)
+    if max_positions is not None and len(prompt_ids) + params.max_new_tokens > max_positions:
+        room = max_positions - len(prompt_ids)
+        raise InvalidRequestError(
+            "max_new_tokens",
+            f"{params.max_new_tokens} new tokens after a {len(prompt_ids)}-token prompt exceed the model's context "
+            f"of {max_positions} positions" + (f" (at most {room})" if room > 0 else " (the prompt alone fills it)"),
+        )

@@ -38,7 +38,7 @@ class TreeCalibration:
         self.accepted += accepted
 
 
-def expected_accepted(scores: Sequence[float], factor: float) -> list[float]:
+def expected_accepted_by_size(scores: Sequence[float], factor: float) -> list[float]:
     """scores: the nodes' path log-probabilities, best first -> per b = 1.., the expected accepted nodes of the b
     best (never more than b)."""
     out, total = [], 0.0
@@ -51,7 +51,7 @@ def expected_accepted(scores: Sequence[float], factor: float) -> list[float]:
 def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float) -> int:
     """The b (0: none) whose round commits the most tokens per second: (1 + E(b)) / t_verify[b + 1]."""
     best, best_rate = 0, 1.0 / verify.verify(0)
-    for b, expected in enumerate(expected_accepted(scores[: verify.max_k], factor), start=1):
+    for b, expected in enumerate(expected_accepted_by_size(scores[: verify.max_k], factor), start=1):
         rate = (1.0 + expected) / verify.verify(b)
         if rate > best_rate:
             best, best_rate = b, rate

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from specserve.workers.errors import ModelLoadError
-from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, TRAIN_QUESTIONS, chat_prompt_ids
+from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, TRAIN_QUESTIONS, question_prompt_ids
 from specserve.workers.training.eagle_prompts import (
     LANGUAGES,
     PASSAGE_TASKS,
@@ -181,7 +181,7 @@ class EagleTarget:
 
     def chat_prompt(self, question: str) -> list[int]:
         """The bench's rendering of `question` (the template's default system prompt)."""
-        return chat_prompt_ids(self.tokenizer, question)
+        return question_prompt_ids(self.tokenizer, question)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=not self.templated)["input_ids"])
