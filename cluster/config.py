@@ -29,7 +29,7 @@ class PoolConfig(BaseModel):
     )  # fmt: skip
 
 
-class DistributedConfig(BaseModel):
+class DisaggregatedConfig(BaseModel):
     """Disaggregated speculative decoding: separate draft and target pools driven by one scheduler."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -51,7 +51,7 @@ def local_config(
     device: str = "auto",
     dtype: str = "float32",
     eagle_head: str | None = None,
-) -> DistributedConfig:
+) -> DisaggregatedConfig:
     """One draft and one target worker on this machine, asking for the default custom resources. With `eagle_head`
     (and no draft_path) the draft worker drafts with that head."""
     target = PoolConfig(model=ModelConfig(path=target_path, device=device, dtype=dtype), resource="target_gpu")
@@ -59,4 +59,4 @@ def local_config(
     draft = None
     if draft_model:
         draft = PoolConfig(model=ModelConfig(path=draft_model, device=device, dtype=dtype), resource="draft_gpu")
-    return DistributedConfig(target=target, draft=draft, eagle_head=eagle_head)
+    return DisaggregatedConfig(target=target, draft=draft, eagle_head=eagle_head)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from specserve.cluster.config import DistributedConfig, PoolConfig
+from specserve.cluster.config import DisaggregatedConfig, PoolConfig
 from specserve.workers.config import SamplingParams, SpecParams, validate
 
 
@@ -140,7 +140,7 @@ class SchedulerActor:
 
     def __init__(
         self,
-        config: DistributedConfig,
+        config: DisaggregatedConfig,
         draft_addresses: dict[str, str],
         target_addresses: dict[str, str],
         workers: dict | None = None,

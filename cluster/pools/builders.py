@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import ray
 
-from specserve.cluster.config import DistributedConfig, PoolConfig
+from specserve.cluster.config import DisaggregatedConfig, PoolConfig
 from specserve.cluster.pools.actors import DraftWorkerActor, SchedulerActor, TargetWorkerActor
 
 
@@ -55,7 +55,7 @@ class Deployment:
             ray.kill(handle, no_restart=True)
 
 
-def target_vocab_size(config: DistributedConfig) -> int:
+def target_vocab_size(config: DisaggregatedConfig) -> int:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(config.target.model.path, local_files_only=True).get_text_config().vocab_size
@@ -66,7 +66,7 @@ def _start(handles: dict[str, ray.actor.ActorHandle], timeout_s: float, secret: 
     return dict(zip(handles, addresses, strict=True))
 
 
-def deploy(config: DistributedConfig, timeout_s: float = 300.0) -> Deployment:
+def deploy(config: DisaggregatedConfig, timeout_s: float = 300.0) -> Deployment:
     """Start the target pool, the draft pool and the scheduler; returns once every gRPC server is up."""
     target_cls = ray.remote(TargetWorkerActor)
     draft_cls = ray.remote(DraftWorkerActor)

@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from specserve.cluster.config import DistributedConfig, PoolConfig
+from specserve.cluster.config import DisaggregatedConfig, PoolConfig
 from specserve.cluster.pools.builders import deploy
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
@@ -51,7 +51,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def config(tiny_target, tiny_draft):
-    return DistributedConfig(
+    return DisaggregatedConfig(
         target=PoolConfig(model=ModelConfig(path=tiny_target, device="cpu"), resource="target_gpu", replicas=2),
         draft=PoolConfig(model=ModelConfig(path=tiny_draft, device="cpu"), resource="draft_gpu"),
         call_timeout_s=20,

@@ -36,7 +36,7 @@ class ProposeCall:
 
 
 @dataclass
-class Proposed:
+class ProposeResult:
     """One call's proposal: a chain, or with `parents` a tree (DraftTree's fields)."""
 
     tokens: list[int]
@@ -79,7 +79,7 @@ class DraftWorker:
         params: SamplingParams,
         features: FeatureBlock | None = None,
         tree: bool = False,
-    ) -> Proposed:
+    ) -> ProposeResult:
         """Raises RequestNotFoundError (re-send)."""
         call = ProposeCall(request_id, committed_len, list(new_tokens), k, params, features, tree)
         result = self.propose_batch([call])[0]
@@ -87,7 +87,7 @@ class DraftWorker:
             raise result
         return result
 
-    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposed | Exception]:
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[ProposeResult | Exception]:
         """Draft for many requests at once (one draft forward pass per step, chains and trees apart); each call gets
         its own result or its own error. Request ids must be distinct."""
         t0 = time.perf_counter()
@@ -107,20 +107,20 @@ class DraftWorker:
         seconds = time.perf_counter() - t0
         return [r if isinstance(r, Exception) else dataclasses.replace(r, seconds=seconds) for r in results]
 
-    def _draft_rows(self, rows: list[_Row]) -> list[Proposed]:
-        out: list[Proposed | None] = [None] * len(rows)
+    def _draft_rows(self, rows: list[_Row]) -> list[ProposeResult]:
+        out: list[ProposeResult | None] = [None] * len(rows)
         chains = [i for i, row in enumerate(rows) if not row.tree]
         trees = [i for i, row in enumerate(rows) if row.tree]
         if chains:
             proposals = self.drafter.propose_batch([rows[i].chain() for i in chains])
             for i, proposal in zip(chains, proposals, strict=True):
-                out[i] = Proposed(proposal.tokens, encode_probs(proposal.probs), 0.0)
+                out[i] = ProposeResult(proposal.tokens, encode_probs(proposal.probs), 0.0)
         if trees:
             drafted = self.drafter.propose_trees([(rows[i].request_id, rows[i].tokens,
                                                    TreeShape.for_budget(rows[i].k)) for i in trees])  # fmt: skip
             for i, tree in zip(trees, drafted, strict=True):  # None: no features yet, nothing drafted
                 tree = tree or DraftTree([], [], [])
-                out[i] = Proposed(tree.tokens, b"", 0.0, tree.parents, tree.scores)
+                out[i] = ProposeResult(tree.tokens, b"", 0.0, tree.parents, tree.scores)
         return out
 
     def _check_features(self, call: ProposeCall) -> None:
