@@ -23,6 +23,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+MAX_SCHEMA_CHARS = 1 << 20  # a response_format's JSON schema, as text
+
+
+class ResponseFormat(_Strict):
+    """Structured output (workers/speculation/grammar.py): the output is a JSON object (json_object), or JSON valid
+    against a schema (json_schema), enforced on the target's distribution at every verified position."""
+
+    type: Literal["json_object", "json_schema"] = Field(..., description="json_object: any JSON object; json_schema: "
+                                                        "JSON valid against json_schema.")  # fmt: skip
+    json_schema: str = Field("", max_length=MAX_SCHEMA_CHARS, description="The JSON schema as JSON text (json_schema "
+                             "only).")  # fmt: skip
+
+
 class SamplingParams(_Strict):
     """How the target's distribution is turned into tokens. temperature == 0 means greedy."""
 
@@ -69,6 +82,8 @@ class SamplingParams(_Strict):
     # generated tokens begin, and the tokens min_tokens masks (EOS unless ignore_eos, stop token ids).
     prompt_len: int = Field(0, ge=0, description="Committed tokens before the generated ones (penalties, min_tokens).")
     end_token_ids: tuple[int, ...] = Field((), description="Tokens that end the request: masked before min_tokens.")
+    response_format: ResponseFormat | None = Field(None, description="Structured output: the grammar masks the "
+                                                   "target's distribution at every verified position.")  # fmt: skip
 
     @field_validator("logit_bias")
     @classmethod
@@ -101,10 +116,16 @@ class SamplingParams(_Strict):
             or self.min_tokens
         )  # fmt: skip
 
+    @property
+    def counts_prompt(self) -> bool:
+        """Whether verification needs to know where the generated tokens begin (prompt_len): the logits controls count
+        from there, a response_format's grammar starts there."""
+        return self.has_logits_controls or self.response_format is not None
+
     def for_request(self, prompt_len: int, eos_token_ids: frozenset[int] | set[int] = frozenset()) -> SamplingParams:
         """These params for one request: the prompt's length, and EOS (unless ignore_eos) among the tokens min_tokens
-        masks. Unchanged where no logits control needs them."""
-        if not self.has_logits_controls:
+        masks. Unchanged where nothing needs them."""
+        if not self.counts_prompt:
             return self
         ends = set(self.end_token_ids) | (set(eos_token_ids) if self.stop_at_eos else set())
         return self.model_copy(update={"prompt_len": prompt_len, "end_token_ids": tuple(sorted(ends))})

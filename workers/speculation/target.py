@@ -11,6 +11,8 @@ from specserve.workers.config import SamplingParams
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.speculation.codec import normalise
+from specserve.workers.speculation.grammar import Grammars, apply_mask
+from specserve.workers.speculation.grammar_rows import constrain_chain, constrain_tree
 from specserve.workers.speculation.logits_controls import controlled_logits
 from specserve.workers.speculation.logprobs import TokenLogprob, token_logprobs
 from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, uniform_noise
@@ -50,6 +52,8 @@ class TargetVerifier:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        # Each structured-output request's grammar matcher, next to its KV cache (grammar.py)
+        self.grammars = Grammars(runner.loaded.tokenizer, runner.vocab_size, runner.loaded.eos_token_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -95,7 +99,11 @@ class TargetVerifier:
         capture: bool = False,
     ) -> list[Verdict]:
         """`verify_batch` as Verdicts: with `capture` the features as `verify_with_features` (else None), and for rows
-        whose params ask (`params.logprobs`) the committed tokens' logprobs, from the same raw logits."""
+        whose params ask (`params.logprobs`) the committed tokens' logprobs, from the same raw logits. A row with a
+        response_format verifies its drafted tokens up to the grammar's first forbidden one, under the grammar's mask
+        (num_accepted counts within them)."""
+        constrained = [constrain_chain(self.grammars, row) for row in rows]
+        rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
         sequences = [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows]
         # Without capture through logits_for_batch: a tensor-parallel runner mirrors that one on its other ranks.
         outputs = self.runner.forward_batch(sequences, capture=True) if capture else None
@@ -103,7 +111,7 @@ class TargetVerifier:
         verdicts = []
         for i, (_, tokens, drafted, probs, params, generator) in enumerate(rows):
             raw = all_logits[i]  # [k + 1, V]
-            logits = controlled_logits(raw, params, tokens, drafted)
+            logits = apply_mask(controlled_logits(raw, params, tokens, drafted), raw, masks[i])
             accepted, token = self._verify_row(list(drafted), probs, params, generator, logits)
             features, start = None, 0
             if outputs:
@@ -120,15 +128,23 @@ class TargetVerifier:
         Greedy: the path of argmax matches; sampled: recursive rejection sampling over each node's children (for
         candidates chosen deterministically, as a head's top children and prompt lookup's are). With `capture`, the
         features of the positions computed whose tokens are now committed (the uncached committed ones, then the
-        path's), as `verify_with_features`."""
+        path's), as `verify_with_features`. A tree with a response_format loses its forbidden nodes (with their
+        subtrees) before the forward pass and is verified under the grammar's mask; its path names the caller's
+        nodes."""
+        pruned = [constrain_tree(self.grammars, call.tree, call.params) for call in calls]
+        calls = [
+            call if p is None else TreeCall(p.tree, call.params, call.generator)
+            for call, p in zip(calls, pruned, strict=True)
+        ]
         outputs = self.runner.forward_tree([call.tree for call in calls], capture=capture)
         verdicts = []
-        for call, out in zip(calls, outputs, strict=True):
+        for call, out, cut in zip(calls, outputs, pruned, strict=True):
             tree, logits = call.tree, out.logits  # [N + 1, V]
             parents = torch.tensor([list(tree.parents)], dtype=torch.long, device=logits.device)  # [1, N]
             tokens = torch.tensor([list(tree.tokens)], dtype=torch.long, device=logits.device)  # [1, N]
             valid = torch.ones_like(tokens, dtype=torch.bool)
             logits = controlled_logits(logits, call.params, tree.sequence, tree.tokens, tree.parents)
+            logits = apply_mask(logits, out.logits, None if cut is None else cut.allowed)
             if call.params.greedy:
                 result = greedy_tree_verify(parents, tokens, valid, logits.argmax(-1).unsqueeze(0))
             else:
@@ -147,6 +163,7 @@ class TargetVerifier:
                 chosen = [tree.tokens[node] for node in path] + [next_token]
                 rows = [0] + [node + 1 for node in path]
                 logprobs = token_logprobs(out.logits[rows], chosen, call.params.logprobs)
+            path = path if cut is None else [cut.kept[node] for node in path]  # the caller's node numbers
             verdicts.append(TreeVerdict(path, next_token, features, out.start, logprobs))
         return verdicts
 
@@ -175,4 +192,5 @@ class TargetVerifier:
         return int(out.num_accepted[0]), int(out.next_token[0])
 
     def release(self, request_id: str) -> bool:
+        self.grammars.release(request_id)
         return self.runner.release(request_id)

@@ -124,7 +124,9 @@ def rejection_tree_verify(
 
 
 def _deepest(out: TreeVerifyOutput) -> torch.Tensor:
-    """[B] the deepest accepted node, ROOT where none."""
+    """[B] the deepest accepted node, ROOT where none (a tree of no nodes: every one pruned by a grammar)."""
+    if out.path.shape[1] == 0:
+        return torch.full_like(out.num_accepted, ROOT)
     last = (out.num_accepted - 1).clamp_min(0).unsqueeze(1)  # [B, 1]
     node = out.path.gather(1, last).squeeze(1)  # [B]
     return torch.where(out.num_accepted > 0, node, torch.full_like(node, ROOT))
