@@ -27,7 +27,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from specserve.workers.config import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY, SpecMethod
+from specserve.workers.config import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_REPETITION_PENALTY,
+    ResponseFormat,
+    SpecMethod,
+)
 from specserve.workers.errors import InvalidRequestError, SpecServeError
 from specserve.workers.models.chat import ChatPrompt
 
@@ -77,6 +83,7 @@ class Request:
     min_tokens: int = 0
     controls_prefix: str = ""  # how the client names the controls' fields: "sampling." on gRPC
     logprobs: int | None = None  # the target's logprobs of every token and this many alternatives; None: not asked
+    response_format: ResponseFormat | None = None  # structured output, its schema checked by the grammar engine
 
 
 # The logits controls' ranges (vLLM's), for both edges.

@@ -6,11 +6,12 @@ so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `R
 takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`). Extensions beyond OpenAI's
 fields: `top_k`, and `speculation: {"method": "draft"|"eagle"|"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|
 "none", "k": 1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the
-output in ways specserve does not implement (tools, response_format, ...) are accepted only at their neutral value;
+output in ways specserve does not implement (tools, best_of, ...) are accepted only at their neutral value;
 `logprobs` / `top_logprobs`: openai_logprobs.py. The logits controls (`presence_penalty`, `frequency_penalty`,
 `logit_bias`, and vLLM's `repetition_penalty`, `min_p`, `min_tokens`) apply at every verified position
-(workers/speculation/logits_controls.py). Every response carries `specserve` stats (rounds, drafted, accepted,
-acceptance_rate, mean_accepted_length).
+(workers/speculation/logits_controls.py); `response_format` (json_object, json_schema) through the grammar engine
+(response_formats.py, workers/speculation/grammar.py). Every response carries `specserve` stats (rounds, drafted,
+accepted, acceptance_rate, mean_accepted_length).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from specserve.cluster.serve.edge import (
     unsupported,
 )
 from specserve.cluster.serve.openai_logprobs import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, requested
+from specserve.cluster.serve.response_formats import OpenAIResponseFormat, from_openai
 from specserve.workers.config import MAX_K, SpecMethod
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
@@ -167,7 +169,6 @@ _NEUTRAL: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "1"),
     "echo": ((False,), "false"),
     "suffix": (("",), '""'),
-    "response_format": (({"type": "text"},), '{"type": "text"}'),
     "tools": (([],), "[]"),
     "tool_choice": (("none",), '"none"'),
 }
@@ -204,7 +205,7 @@ class _Body(EdgeModel):
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS, fail_fast=True)] | None = None  # vLLM's
     include_stop_str_in_output: bool | None = None  # vLLM's
     ignore_eos: bool | None = None  # vLLM's
-    response_format: dict | None = None
+    response_format: OpenAIResponseFormat | None = None  # structured output (response_formats.py)
     tools: list | None = None
     tool_choice: one_of("must be a string or an object", string=Text, object=dict, null=None) = None
     # accepted and ignored
@@ -246,6 +247,7 @@ class _Body(EdgeModel):
             logit_bias=self.logit_bias or {},
             min_tokens=self.min_tokens or 0,
             logprobs=requested(self.logprobs, self.top_logprobs, chat=isinstance(self, ChatBody)),
+            response_format=from_openai(self.response_format),
         )
 
 

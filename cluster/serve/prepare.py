@@ -65,6 +65,7 @@ class RequestPreparer:
             seed=request.seed,
             stop_at_eos=not request.ignore_eos,
             logprobs=request.logprobs,
+            response_format=request.response_format,
             **_controls(request, max_new_tokens, model.vocab_size),
         )
         return Prepared(cfg.name, ids, params, spec, request_id, _stops(request, limits, model.vocab_size))

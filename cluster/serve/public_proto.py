@@ -27,6 +27,7 @@ from specserve.cluster.serve.edge import (
     parse,
     text,
 )
+from specserve.cluster.serve.response_formats import GrpcResponseFormat
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos.wire import SERVICE_NAME
 from specserve.workers.config import MAX_K, MAX_REPETITION_PENALTY
@@ -90,6 +91,7 @@ class GrpcSampling(EdgeModel):
     logit_bias: IdKeyedBias
     min_tokens: MinTokens
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None
+    response_format: GrpcResponseFormat | None
 
 
 class GrpcSpeculation(EdgeModel):
@@ -130,7 +132,9 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
                      "max_new_tokens": s.max_new_tokens, "seed": s.seed if s.HasField("seed") else None,
                      "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
                      "repetition_penalty": s.repetition_penalty, "min_p": s.min_p, "min_tokens": s.min_tokens,
-                     "logit_bias": dict(s.logit_bias), "logprobs": s.logprobs if s.HasField("logprobs") else None},
+                     "logit_bias": dict(s.logit_bias), "logprobs": s.logprobs if s.HasField("logprobs") else None,
+                     "response_format": {"type": s.response_format.type, "json_schema": s.response_format.json_schema}
+                     if s.HasField("response_format") else None},
         "speculation": {"method": spec.method, "k": spec.k} if request.HasField("speculation") else None,
         "messages": [{"role": m.role, "content": m.content} for m in request.messages],
         "stop": list(request.stop[: MAX_STOPS + 1]),
@@ -167,6 +171,7 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
         min_tokens=sampling.min_tokens,
         controls_prefix="sampling.",
         logprobs=sampling.logprobs,
+        response_format=sampling.response_format.internal() if sampling.response_format else None,
     )
 
 

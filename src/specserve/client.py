@@ -19,6 +19,7 @@ loads in a fraction of a second.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -99,18 +100,25 @@ class SpecServeClient:
         ignore_eos: bool = False,
         controls: dict | None = None,
         logprobs: int | None = None,
+        response_format: dict | None = None,
     ) -> pb.GenerateRequest:
         """A GenerateRequest: a raw `prompt` (text or token ids), or chat `messages` ([{"role", "content"}, ...])
         that the server renders with the model's chat template; `stop` sequences and `stop_token_ids` end it.
         `controls`: SamplingParams' logits controls by name (presence_penalty, frequency_penalty, repetition_penalty,
         min_p, min_tokens, and logit_bias as {token id: bias}). `logprobs`: also return the target's log-probability of
-        every token and this many alternatives (0..20; the dicts' "logprobs": [{"logprob", "top": [[id, logprob]]}])."""
+        every token and this many alternatives (0..20; the dicts' "logprobs": [{"logprob", "top": [[id, logprob]]}]).
+        `response_format`: OpenAI's ({"type": "json_object"}, or {"type": "json_schema", "json_schema": {"schema":
+        {...}}}): the output is JSON, valid against the schema."""
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                      ignore_eos=ignore_eos, **(controls or {}))  # fmt: skip
         if seed is not None:
             sampling.seed = seed
         if logprobs is not None:
             sampling.logprobs = logprobs
+        if response_format is not None:
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            text = "" if schema is None else json.dumps(schema)
+            sampling.response_format.CopyFrom(pb.ResponseFormat(type=response_format["type"], json_schema=text))
         req = pb.GenerateRequest(model=model, sampling=sampling, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                  include_stop_str_in_output=include_stop_str_in_output)  # fmt: skip
         if messages is not None:

@@ -104,7 +104,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
     ({"prompt": "x", "frequency_penalty": float("nan")}, "frequency_penalty", "finite number"),
     ({"prompt": "x", "suffix": "end"}, "suffix", "not supported by specserve"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not supported by specserve"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", '{"type": "json_object"}'),
     ({"prompt": "x", "tools": [{"type": "function"}]}, "tools", "not supported by specserve"),
     ({"prompt": "x", "tool_choice": "auto"}, "tool_choice", "not supported by specserve"),
     ({"prompt": "x", "metadata": {"a": 1}}, "metadata", "string keys"),

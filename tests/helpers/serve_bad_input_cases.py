@@ -265,7 +265,9 @@ HTTP_CASES = [
     ("chat top_logprobs over 20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("chat top_logprobs without logprobs", CHAT, chat(top_logprobs=3), 400, "top_logprobs"),
     ("chat tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("chat response format", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat response format of no type", CHAT, chat(response_format={"type": "xml"}), 400, "response_format"),
+    ("chat response format's bad schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "no such type"}}}), 400, "response_format.json_schema.schema"),
     ("chat NaN top_p", CHAT,
      b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, "top_p"),
     ("streamed chat with a bad part", CHAT, chat(stream=True, messages=[{"role": "user", "content": [{"type": "x"}]}]),

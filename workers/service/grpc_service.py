@@ -225,8 +225,8 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
 
 def _with_history(params: SamplingParams, request: pb.VerifyRequest, vocab_size: int) -> SamplingParams:
     """The request's params with what its penalties and min_tokens count from (VerifyRequest.prompt_len and
-    end_token_ids); unchanged for requests without such controls."""
-    if not params.has_logits_controls:
+    end_token_ids; a response_format's grammar starts at prompt_len); unchanged for requests without either."""
+    if not params.counts_prompt:
         return params
     check_token_ids("end_token_ids", request.end_token_ids, vocab_size)
     check_token_ids("sampling.logit_bias", list(params.logit_bias), vocab_size)

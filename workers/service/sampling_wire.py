@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.workers.config import SamplingParams, validate
+from specserve.workers.service.format_wire import format_from_proto, format_to_proto
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -17,6 +18,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     if msg.HasField("logprobs"):
         data["logprobs"] = msg.logprobs
     data.update(_controls_from_proto(msg))
+    data.update(format_from_proto(msg))
     return validate(SamplingParams, data)
 
 
@@ -45,4 +47,5 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     msg.presence_penalty, msg.frequency_penalty = params.presence_penalty, params.frequency_penalty
     msg.repetition_penalty, msg.min_p, msg.min_tokens = params.repetition_penalty, params.min_p, params.min_tokens
     msg.logit_bias.update(params.logit_bias)
+    format_to_proto(params.response_format, msg)
     return msg
