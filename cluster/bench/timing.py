@@ -14,6 +14,7 @@ from specserve.workers.runtime.cost_probe import time_forward
 from specserve.workers.runtime.loading import LoadedModel
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.leviathan import fit_acceptance, leviathan_speedup
+from specserve.workers.speculation.methods import METHODS
 
 
 @dataclass
@@ -78,8 +79,8 @@ def fill_bounds(row: Row, costs: Costs, k: float, steps: float | None = None) ->
     E = row.mean_accepted_length
     t_verify = verify_cost(costs, k)
     # eagle+ngram: as if the head drafted every round (prompt lookup's rounds cost less: the bound is conservative)
-    heads = {"eagle": costs.t_head, "eagle+ngram": costs.t_head, "eagle-tree": costs.t_head}
-    t_draft = {"draft": costs.t_draft, **heads}.get(row.method, 0.0)
+    entry = METHODS.get(row.method)  # None: target-only and the HF rows
+    t_draft = 0.0 if entry is None or not entry.needs_model else costs.t_head if entry.needs_head else costs.t_draft
     c = t_draft / costs.t_target
     row.t_draft_ms, row.t_target_ms, row.t_verify_ms = t_draft * 1e3, costs.t_target * 1e3, t_verify * 1e3
     row.leviathan_bound = leviathan_speedup(fit_acceptance(E, k), k, c)
