@@ -1,0 +1,113 @@
+"""Structured output through the real Serve application and the `openai` package (issue 43 item 5): chat
+response_format json_schema and completions json_object, streamed and not, speculating with a draft model, equal
+grammar-constrained target-only decoding (tests/helpers/grammar_oracle.py); gRPC's sampling.response_format through
+Serve's proxy; bad values 400 / INVALID_ARGUMENT naming the field."""
+
+import json
+import urllib.request
+
+import grpc
+import openai
+import pytest
+import ray
+
+from specserve.client import SpecServeClient
+from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve.server import start, stop
+from specserve.workers.config import ModelConfig
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.service.local_processes import free_port
+from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
+
+pytestmark = pytest.mark.slow
+
+N = 48
+PROMPT = "def add(a, b):"
+SPEC = {"speculation": {"method": "draft", "k": 4}}
+SCHEMA = SCHEMAS["record"]
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_draft):
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    pool = {"num_cpus": 0.5}
+    app = AppConfig.model_validate(
+        {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
+                     "target_pool": pool, "draft_pool": pool}],
+         "ingress": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
+    )  # fmt: skip
+    info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), metrics_port=free_port(),
+                 ready_timeout_s=300)  # fmt: skip
+    yield info
+    stop({**info, "started_ray": False})
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_model(ModelConfig(path=tiny_target, device="cpu"))
+
+
+def _expected(target, ids: list[int], schema: dict) -> list[int]:
+    return grammar_greedy(target, ids, N, schema)
+
+
+def _prompt_ids(server, messages: list[dict]) -> list[int]:
+    """The chat prompt as the app renders it (vLLM's /tokenize)."""
+    body = json.dumps({"model": "tiny", "messages": messages}).encode()
+    request = urllib.request.Request(
+        server["http"] + "/tokenize", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())["tokens"]
+
+
+def test_chat_json_schema_streamed_and_not_equals_constrained_target_only(server, client, target):
+    messages = [{"role": "user", "content": "Give me a record."}]
+    ids = _prompt_ids(server, messages)
+    expected = target.tokenizer.decode(_expected(target, list(ids), SCHEMA), skip_special_tokens=True)
+    kw = {"model": "tiny", "messages": messages, "max_tokens": N, "temperature": 0, "response_format": JSON_SCHEMA,
+          "extra_body": SPEC}  # fmt: skip
+    out = client.chat.completions.create(**kw)
+    assert out.choices[0].message.content == expected and out.specserve["drafted"] > 0
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)  # fmt: skip
+    assert streamed == expected
+    if out.choices[0].finish_reason == "stop":
+        json.loads(expected)
+
+
+def test_completions_json_object_equals_constrained_target_only(client, target):
+    ids = target.tokenizer(PROMPT)["input_ids"]
+    expected = target.tokenizer.decode(_expected(target, ids, ANY_OBJECT), skip_special_tokens=True)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}, **SPEC})  # fmt: skip
+    assert out.choices[0].text == expected
+
+
+def test_grpc_response_format_through_serves_proxy(server, target):
+    ids = target.tokenizer(PROMPT)["input_ids"]
+    with SpecServeClient(server["grpc"], timeout_s=120) as grpc_client:
+        out = grpc_client.generate(PROMPT, max_new_tokens=N, method="draft", k=4, response_format=JSON_SCHEMA)
+        with pytest.raises(grpc.RpcError) as e:
+            grpc_client.generate(PROMPT, max_new_tokens=2, response_format={"type": "xml"})
+    assert out["token_ids"] == _expected(target, ids, SCHEMA)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.response_format" in e.value.details()
+
+
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "no such type"}}}
+
+
+@pytest.mark.parametrize(("value", "param"), [({"type": "xml"}, "response_format"),
+                                              (BAD_SCHEMA, "response_format.json_schema.schema")])  # fmt: skip
+def test_bad_response_formats_are_400_naming_the_field(client, value, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       response_format=value)  # fmt: skip
+    assert e.value.status_code == 400 and e.value.body["param"] == param
