@@ -20,8 +20,9 @@ from specserve.workers.speculation.grammar import Grammars, check_format
 from specserve.workers.speculation.grammar_rows import constrain_tree
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from tests.helpers.eagle_heads import random_head
-from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
+from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, compiled_grammar, grammar_greedy
 from tests.helpers.greedy_oracle import PROMPTS
+from tests.helpers.sampling_oracle import chi2_pvalue
 from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
 
 MAX_NEW = 64
@@ -132,3 +133,49 @@ def test_schemas_the_engine_cannot_enforce_are_refused_naming_response_format(en
     params = SamplingParams(max_new_tokens=4, response_format=ResponseFormat(type="json_schema", json_schema="{no"))
     with pytest.raises(InvalidRequestError, match="response_format"):
         engine.generate(PROMPTS[0], params, SpecParams(method="none"))
+
+
+ENUM = {"enum": ["ab", "ac", "b", "cab"]}  # every output whole: a few tokens each, EOS after the closing quote
+
+
+def _exact_outputs(target, prompt_ids: list[int], schema: dict) -> dict[tuple[int, ...], float]:
+    """Each output the grammar allows (EOS included) -> its probability under target-only sampling at temperature 1
+    with the grammar's mask, enumerated with xgrammar's own matcher and a cache-free forward."""
+    import xgrammar as xgr
+
+    matcher, vocab = xgr.GrammarMatcher(compiled_grammar(target, schema)), target.vocab_size
+    bitmask, joint = xgr.allocate_token_bitmask(1, vocab), {}
+
+    def walk(prefix: list[int], prob: float) -> None:
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed = [t for t in range(vocab) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+        with torch.no_grad():
+            logits = target.model(torch.tensor([prompt_ids + prefix])).logits[0, -1].float()
+        p = torch.softmax(logits[allowed], -1)
+        for token, q in zip(allowed, p.tolist(), strict=True):
+            if token in target.eos_token_ids:
+                joint[(*prefix, token)] = prob * q
+            elif q * prob > 1e-12:
+                assert matcher.accept_token(token)
+                walk([*prefix, token], prob * q)
+                matcher.rollback(1)
+
+    walk([], 1.0)
+    return joint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "k"), [("draft", 4), ("ngram-tree", 6)])
+def test_sampling_under_a_grammar_draws_from_the_constrained_distribution(engine, method, k):
+    prompt = PROMPTS[0]
+    ids = engine.tokenizer(prompt)["input_ids"]
+    joint = _exact_outputs(engine.target, ids, ENUM)
+    assert len(joint) == 4 and max(joint.values()) < 0.97  # four outputs, none (nearly) certain
+    fmt = ResponseFormat(type="json_schema", json_schema=json.dumps(ENUM))
+    samples, drafted = [], 0
+    for seed in range(300):
+        params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed, response_format=fmt)
+        result = engine.generate(prompt, params, SpecParams(method=method, k=k))
+        samples.append(tuple(result.token_ids))
+        drafted += result.stats.drafted
+    assert drafted > 0 and chi2_pvalue(samples, joint) > 1e-3
