@@ -112,7 +112,9 @@ def format_table(rows: list[Row], meta: dict) -> str:
         out.append("n-gram rows: t_draft = 0; their bounds take the tokens drafted per round, which prompt lookup "
                    "cuts short when it finds no match")  # fmt: skip
     kind = {"chat": "held-out chat questions", "text": "held-out prompts",
-            "spec-bench": "Spec-Bench questions"}[meta.get("prompts_kind", "text")]  # fmt: skip
+            "spec-bench": "Spec-Bench questions",
+            "json-schema": "chat questions asking for JSON, each under its response_format"}[
+        meta.get("prompts_kind", "text")]  # fmt: skip
     per = (" a turn", " a question") if kind == "Spec-Bench questions" else ("", "")
     out.append(
         f"c = t_draft/t_target = {meta['cost_ratio_c']:.3f} (t_draft {meta['t_draft_ms']:.2f} ms, t_target "

@@ -43,8 +43,9 @@ from specserve.cluster.bench.spec_bench import (
     spec_bench_meta,
     spec_bench_prompts,
 )
+from specserve.cluster.bench.structured import json_prompts, valid_outputs, warm_formats, with_formats
 from specserve.cluster.bench.timing import Costs, CostSampler, distinct_ngram_fraction, fill_bounds, measure
-from specserve.workers.config import ModelConfig, SamplingParams
+from specserve.workers.config import ModelConfig, ResponseFormat, SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.methods import TREE_METHODS
@@ -53,11 +54,15 @@ __all__ = ["BenchConfig", "Row", "format_table", "machine_info", "plot", "to_jso
 
 
 def run_bench(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, progress: bool = True,
-              conversations: list[Conversation] | None = None):  # fmt: skip
+              conversations: list[Conversation] | None = None,
+              formats: list[ResponseFormat] | None = None):  # fmt: skip
     """Measure every row of `plan_rows(engine, cfg)` on `prompts`; returns (rows, meta). With `conversations`
     (Spec-Bench's, whose first turns the prompts are) every row answers whole conversations and gets figures per
-    category."""
+    category; with `formats`, each prompt under its response_format (structured.py)."""
     plan = plan_rows(engine, cfg)
+    if formats is not None:
+        plan = [(row, with_formats(fn, prompts, formats)) for row, fn in plan]
+        warm_formats(plan[0][1], prompts, formats)
     # The target suite adds, after the others, HF prompt lookup at the best n-gram k beside a target-only rerun.
     pl_best = cfg.suite == "target" and cfg.hf_rows and any(_fixed_ngram(r) for r, _ in plan)
     sampler = _warm_up(engine, plan, prompts, cfg)
@@ -241,6 +246,21 @@ def _extras(args, draft_path: str | None) -> int:
     return tp_n
 
 
+def _structured(args, spec_bench: bool) -> bool:
+    """--json-schema: the structured-output rows, in process only (refused beside the sections that take none)."""
+    if not getattr(args, "json_schema", False):
+        return False
+    if not args.target:
+        raise InvalidRequestError("json_schema", "applies with --target")
+    sections = {"--spec-bench": spec_bench, "--distributed": args.distributed, "--load": args.load,
+                "--tensor-parallel": args.tensor_parallel}  # fmt: skip
+    clash = [flag for flag, on in sections.items() if on]
+    if clash:
+        raise InvalidRequestError("json_schema", f"runs in-process rows only: not with {clash[0]}")
+    args.distributed, args.load, args.tensor_parallel = False, False, 0
+    return True
+
+
 def _eagle_head(args, target_path: str):
     """The head for the eagle rows: --eagle-head's directory, none for 'none', else the one packaged for the target."""
     from specserve.workers.models.packaged_heads import packaged_head_for, resolve_head
@@ -260,6 +280,8 @@ def main_bench(args) -> int:
     methods, ks = _row_selection(args)
     target_path, draft_path, cfg, held_out = _models(args)
     cfg = replace(cfg, methods=methods, only_ks=ks)
+    structured = _structured(args, bool(spec))
+    cfg = replace(cfg, hf_rows=False) if structured else cfg  # transformers' generate takes no response_format
     tp_n = _extras(args, draft_path)
     target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device, "dtype": args.dtype})
     draft_cfg = None
@@ -268,14 +290,22 @@ def main_bench(args) -> int:
     target = load_model(target_cfg)
     head = _eagle_head(args, target_path)
     engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None, eagle_head=head)
-    conversations = None
-    if spec:
+    conversations = formats = None
+    if structured:
+        prompts, formats = json_prompts(target.tokenizer, cfg.prompts)
+        kind = "json-schema"
+    elif spec:
         prompts, conversations = spec_bench_prompts(target.tokenizer, spec[0], cfg.max_new_tokens, target.max_positions)
         kind = "spec-bench"
     else:
         prompts, kind = bench_prompts(target.tokenizer, cfg, questions, held_out)
-    rows, meta = run_bench(engine, prompts, cfg, conversations=conversations)
+    rows, meta = run_bench(engine, prompts, cfg, conversations=conversations, formats=formats)
     meta["prompts_kind"] = kind
+    if formats is not None:
+        eos = set(target.eos_token_ids)
+        meta["json_schema_valid"] = {r.name: valid_outputs(target.tokenizer, engine.verifier.vocab_size, eos,
+                                                           r.outputs, formats) for r in rows}  # fmt: skip
+        print(f"specserve bench: whole valid JSON outputs (of {len(prompts)} a row): {meta['json_schema_valid']}")
     if spec:
         meta["spec_bench"] = spec_bench_meta(args.spec_bench, spec[1], conversations)
     if args.distributed:

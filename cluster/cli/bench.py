@@ -69,6 +69,11 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
 
 def _add_extras(p: argparse.ArgumentParser) -> None:
     """The bench's optional sections beside the in-process rows."""
+    p.add_argument("--json-schema", action="store_true",
+                   help="with --target: structured-output rows: chat questions asking for JSON, each answered under "
+                   "its response_format (three schemas in turn, cluster/bench/structured.py), speculation on vs off "
+                   "in process, every output checked (whole and parsing as JSON); no HF rows, no --spec-bench, "
+                   "--distributed, --load or --tensor-parallel")  # fmt: skip
     p.add_argument(
         "--distributed",
         action=argparse.BooleanOptionalAction,
