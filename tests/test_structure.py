@@ -4,7 +4,8 @@ floor).
 
 Floors, lowest first: a module may import from its own floor and lower ones, never from a higher one; no module
 circles; training is reached only from the commands that train or build (bench, CLI), never from a serving path; the
-product never imports tests."""
+product never imports tests. A method's name is written only in the methods registry, one proposer a file, and the
+scheduler and the ingress's prepare step never load torch."""
 
 from __future__ import annotations
 
