@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 from specserve.cluster.serve.edge import EdgeModel, Text, text
 from specserve.workers.config import MAX_SCHEMA_CHARS, ResponseFormat
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.speculation.grammar import check_format
+from specserve.workers.speculation.grammar_formats import check_format
 
 TYPES = (
     '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}'

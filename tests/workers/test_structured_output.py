@@ -16,7 +16,8 @@ from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.tree_rows import ROOT, TreeRow
 from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.engine import SpecEngine
-from specserve.workers.speculation.grammar import Grammars, check_format
+from specserve.workers.speculation.grammar import Grammars
+from specserve.workers.speculation.grammar_formats import check_format
 from specserve.workers.speculation.grammar_rows import constrain_tree
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from tests.helpers.eagle_heads import random_head

@@ -28,43 +28,18 @@ Semantics, the same in process and served:
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 
 from specserve.workers.config import ResponseFormat
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.speculation.grammar_formats import FIELD, MAX_WHITESPACE, not_enforceable, schema_text, xgrammar
 
-FIELD = "response_format"
-MAX_WHITESPACE = 16  # whitespace characters between two JSON tokens: stops a model from spacing forever
 _BITS = 32  # xgrammar's bitmask words are int32
-
-
-def _xgr():
-    import xgrammar  # imported where a request asks for a grammar: a worker without such requests never loads it
-
-    return xgrammar
-
-
-def _schema_text(fmt: ResponseFormat) -> str:
-    if fmt.type == "json_object":  # any JSON object (extra properties allowed: xgrammar's strict mode refuses them)
-        return json.dumps({"type": "object", "additionalProperties": True})
-    return fmt.json_schema
-
-
-@lru_cache(maxsize=256)
-def check_format(fmt: ResponseFormat) -> None:
-    """Raise InvalidRequestError naming response_format when the grammar engine cannot take `fmt` (an invalid or
-    unsupported schema). Needs no tokenizer: the edges call it once per request."""
-    try:
-        json.loads(_schema_text(fmt))
-        _xgr().Grammar.from_json_schema(_schema_text(fmt), any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise InvalidRequestError(f"{FIELD}.json_schema", f"is not a JSON schema specserve can enforce: {e}") from None
+_xgr = xgrammar
 
 
 def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -107,12 +82,10 @@ class Grammars:
                                                           stop_token_ids=self.stop_token_ids)  # fmt: skip
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=64 << 20)
         try:
-            return self._compiler.compile_json_schema(_schema_text(fmt), any_whitespace=True,
+            return self._compiler.compile_json_schema(schema_text(fmt), any_whitespace=True,
                                                       max_whitespace_cnt=MAX_WHITESPACE)  # fmt: skip
         except (ValueError, RuntimeError, TypeError) as e:
-            raise InvalidRequestError(
-                f"{FIELD}.json_schema", f"is not a JSON schema specserve can enforce: {e}"
-            ) from None
+            raise not_enforceable(e) from None
 
     def for_request(self, request_id: str, fmt: ResponseFormat) -> RequestGrammar:
         state = self._requests.get(request_id)
