@@ -84,6 +84,7 @@ class Request:
     controls_prefix: str = ""  # how the client names the controls' fields: "sampling." on gRPC
     logprobs: int | None = None  # the target's logprobs of every token and this many alternatives; None: not asked
     response_format: ResponseFormat | None = None  # structured output, its schema checked by the grammar engine
+    tool_calls: Any = None  # a chat request's forced tool call (openai_tools.ForcedCalls): its output parsed into calls
 
 
 # The logits controls' ranges (vLLM's), for both edges.

@@ -26,6 +26,7 @@ from specserve.cluster.serve.error_mapping import call_scheduler, http_error, sc
 from specserve.cluster.serve.health import Readiness
 from specserve.cluster.serve.openai_endpoints import parse_detokenize, parse_tokenize
 from specserve.cluster.serve.openai_logprobs import LogprobsShaper, TokenTexts
+from specserve.cluster.serve.openai_tools import with_tool_calls
 from specserve.cluster.serve.public_proto import http_status_for, refused_status, request_from_proto, response
 from specserve.cluster.serve.replica_env import resolve_paths, use_serve_log_files
 from specserve.workers.errors import SpecServeError, UnauthenticatedError
@@ -233,7 +234,7 @@ class SpecServeIngress:
                 return await self._choices(rid, per_choice(prepared, parsed.n), parsed, chat, shaper)
             if not parsed.stream:
                 out = _shaped(await self._generate(prepared), shaper)
-                return JSONResponse(oai.completion_response(rid, prepared.model, out, chat))
+                return JSONResponse(_answer(parsed, oai.completion_response(rid, prepared.model, out, chat)))
             # The first round's chunk before the 200 and its headers are sent: a refusal (over capacity, no
             # workers) is still an HTTP status, with no round trip to ask for admission first.
             chunks = self._run(prepared)
@@ -248,7 +249,7 @@ class SpecServeIngress:
         if not parsed.stream:
             outs = await asyncio.gather(*(self._generate(p) for p in prepared))
             outs = [_shaped(out, shaper, i) for i, out in enumerate(outs)]
-            return JSONResponse(oai.completion_response(rid, prepared[0].model, outs, chat))
+            return JSONResponse(_answer(parsed, oai.completion_response(rid, prepared[0].model, outs, chat)))
         streams = [self._run(p) for p in prepared]
         firsts = await asyncio.gather(*(anext(s, None) for s in streams))  # refusals before the 200, as for one
         chunks = merged([_after(f, s) for f, s in zip(firsts, streams, strict=True)])
@@ -314,6 +315,11 @@ class SpecServeIngress:
 # Applied at import time in every process: Serve pickles the ingress class by reference to this module, and the
 # FastAPI routes must be rebound to the class in the replica's copy of `http_app` too.
 IngressDeployment = serve.ingress(http_app)(SpecServeIngress)
+
+
+def _answer(parsed, response: dict) -> dict:
+    """A chat answer whose forced tool call becomes `tool_calls` (openai_tools.py)."""
+    return response if parsed.request.tool_calls is None else with_tool_calls(response, parsed.request.tool_calls)
 
 
 def _shaped(out: dict, shaper: LogprobsShaper | None, index: int = 0) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
@@ -49,6 +49,7 @@ from specserve.cluster.serve.edge import (
     unsupported,
 )
 from specserve.cluster.serve.openai_logprobs import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, requested
+from specserve.cluster.serve.openai_tools import ToolChoice, Tools, forced, with_forced_call
 from specserve.cluster.serve.response_formats import OpenAIResponseFormat, from_openai
 from specserve.workers.config import MAX_K, SpecMethod
 from specserve.workers.errors import InvalidRequestError
@@ -206,19 +207,12 @@ class _Body(EdgeModel):
     include_stop_str_in_output: bool | None = None  # vLLM's
     ignore_eos: bool | None = None  # vLLM's
     response_format: OpenAIResponseFormat | None = None  # structured output (response_formats.py)
-    tools: list | None = None
-    tool_choice: one_of("must be a string or an object", string=Text, object=dict, null=None) = None
     # accepted and ignored
     user: text(max_length=SHORT) | None = None
     metadata: Annotated[dict, AfterValidator(_metadata)] | None = None
     store: bool | None = None
     service_tier: text(max_length=64) | None = None
     parallel_tool_calls: bool | None = None
-
-    @field_validator(*(f for f in _NEUTRAL if f not in ("best_of", "echo", "suffix", "logprobs")))
-    @classmethod
-    def _neutral(cls, value: Any, info) -> Any:
-        return _check_neutral(info.field_name, value)
 
     def request(self, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str) -> Request:
         spec = self.speculation or Speculation()
@@ -264,8 +258,10 @@ class CompletionBody(_Body):
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: Text | None = None
+    tools: list | None = None  # chat's only
+    tool_choice: one_of("must be a string or an object", string=Text, object=dict, null=None) = None
 
-    @field_validator("best_of", "echo", "suffix")
+    @field_validator("best_of", "echo", "suffix", "tools", "tool_choice")
     @classmethod
     def _neutral_here(cls, value: Any, info) -> Any:
         return _check_neutral(info.field_name, value)
@@ -274,6 +270,8 @@ class CompletionBody(_Body):
 class ChatBody(_Body):
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     logprobs: bool | None = None
+    tools: Tools | None = None  # forced calls: openai_tools.py
+    tool_choice: ToolChoice = None
 
 
 @dataclass(frozen=True)
@@ -299,8 +297,12 @@ def parse_chat(body: Any) -> ParsedRequest:
     """A /v1/chat/completions body -> the typed request; the messages become a ChatPrompt, rendered with the served
     model's own chat template by `RequestPreparer.prepare` (workers/models/chat.py)."""
     parsed: ChatBody = parse(ChatBody, body)
-    prompt = ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages))
-    return _parsed(parsed, prompt, "messages")
+    tools, calls, forced_format = forced(parsed.tools, parsed.tool_choice)
+    prompt = ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages), tools)
+    out = _parsed(parsed, prompt, "messages")
+    if calls is not None:
+        out = replace(out, request=with_forced_call(out.request, calls, forced_format, out.stream))
+    return out
 
 
 async def read_json(chunks: AsyncIterator[bytes], declared_length: str | None, max_bytes: int) -> Any:

@@ -12,9 +12,10 @@ from specserve.cluster.scheduling.prepared import Prepared
 from specserve.cluster.scheduling.stops import StopSpec
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.serve.edge import Request
+from specserve.cluster.serve.openai_tools import check_auto
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids
+from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids, takes_tools
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.eagle.config import resolve_eagle_head
 from specserve.workers.speculation.methods import HEAD_DEFAULT, LOOKUP_DEFAULT, METHODS, MODEL_DEFAULT, NONE, servable
@@ -56,6 +57,7 @@ class RequestPreparer:
                                       f"limit of {limits.max_new_tokens}")  # fmt: skip
         spec = _spec(cfg, request, cfg.name in self.heads)
         ids = _prompt_ids(model, request, limits.max_prompt_tokens)
+        check_auto(request)
         max_new_tokens = _max_new_tokens(model, request, len(ids), limits)
         params = SamplingParams(
             temperature=request.temperature,
@@ -160,7 +162,10 @@ def _prompt_ids(model: ModelTokenizer, request: Request, max_prompt_tokens: int)
         if isinstance(prompt, ChatPrompt):
             if len(prompt.messages) > limit:  # each message renders to a token at least
                 raise InvalidRequestError(field, f"{len(prompt.messages)} messages cannot fit in {why}")
-            ids = chat_prompt_ids(model.tokenizer, prompt.messages)
+            if prompt.tools and not takes_tools(model.tokenizer):
+                raise InvalidRequestError("tools", "this model's chat template takes no tools (omit them, or serve a "
+                                          "model whose template renders tools)")  # fmt: skip
+            ids = chat_prompt_ids(model.tokenizer, prompt.messages, prompt.tools)
         else:
             ids = encode_prompt(model.tokenizer, prompt)
     if len(ids) > limit:

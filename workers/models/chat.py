@@ -27,6 +27,12 @@ class ChatPrompt:
     service's `prepare`), so every edge hands over the same typed value."""
 
     messages: tuple[ChatMessage, ...]
+    tools: tuple[dict, ...] = ()  # OpenAI's tool definitions, for a template that takes them (takes_tools)
+
+
+def takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders tool definitions (it reads the `tools` variable)."""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
 def check_messages(messages: Sequence[ChatMessage], field: str = "messages") -> None:
@@ -46,19 +52,21 @@ def conversation(question: str, system: str | None = None) -> list[ChatMessage]:
     return [*head, ChatMessage("user", question)]
 
 
-def chat_text(tokenizer, messages: Sequence[ChatMessage]) -> str:
-    """The conversation rendered by the tokenizer's chat template, ending with the assistant's generation prompt.
-    A tokenizer without a template (the demo family's, tiny test models) gets a plain 'role: content' transcript."""
+def chat_text(tokenizer, messages: Sequence[ChatMessage], tools: Sequence[dict] = ()) -> str:
+    """The conversation rendered by the tokenizer's chat template, ending with the assistant's generation prompt (with
+    `tools`, their definitions as the template writes them). A tokenizer without a template (the demo family's, tiny
+    test models) gets a plain 'role: content' transcript."""
     rows = [{"role": m.role, "content": m.content} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": list(tools)} if tools else {}
+        return tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=True, **extra)
     return "\n".join(f"{r['role']}: {r['content']}" for r in rows) + "\nassistant:"
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], tools: Sequence[dict] = ()) -> list[int]:
     """Token ids of the rendered conversation. A template writes any special tokens itself (`<|im_start|>`, a BOS),
     so encoding adds none, as `apply_chat_template(tokenize=True)` does; a plain transcript is encoded like any text
     prompt."""
     check_messages(messages)
     templated = bool(getattr(tokenizer, "chat_template", None))
-    return list(tokenizer(chat_text(tokenizer, messages), add_special_tokens=not templated)["input_ids"])
+    return list(tokenizer(chat_text(tokenizer, messages, tools), add_special_tokens=not templated)["input_ids"])

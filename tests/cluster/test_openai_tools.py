@@ -1,0 +1,126 @@
+"""Tools on chat completions (issue 43 item 6): on a tiny model whose chat template renders tools, a named
+`tool_choice` and `"required"` forced through the grammar (the function's parameters as the response_format) and the
+output parsed into `tool_calls` whose arguments validate against the parameters; a template without tools (plain
+ChatML, as SmolLM2's) refuses `tools` naming it; `"auto"` and the other bad values are 400 naming the field."""
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from specserve.cluster.app_config import AppConfig
+from specserve.cluster.serve import openai_api as oai
+from specserve.cluster.serve.openai_tools import ForcedCalls, with_tool_calls
+from specserve.cluster.serve.prepare import RequestPreparer
+from specserve.workers.config import ModelConfig
+from specserve.workers.errors import InvalidRequestError
+from specserve.workers.runtime.loading import load_model
+from specserve.workers.speculation.engine import SpecEngine
+from tests.helpers.gguf_files import CHATML_TEMPLATE
+from tests.helpers.workers import save_tiny_llama
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}{% for m in messages %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
+          "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": PARAMS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+             "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}]  # fmt: skip
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _with_template(root, name: str, template: str) -> str:
+    path = save_tiny_llama(root / name, seed=4, layers=2, hidden=32, max_positions=2048)  # tools take ~500 bytes
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools")
+    return {
+        "tools": _with_template(root, "tools", TOOLS_TEMPLATE),
+        "chatml": _with_template(root, "chatml", CHATML_TEMPLATE),
+    }
+
+
+@pytest.fixture(scope="module")
+def preparer(paths):
+    app = AppConfig.model_validate({"models": [{"name": n, "target": p, "draft": "ngram"} for n, p in paths.items()]})
+    return RequestPreparer(app, {n: (p, None) for n, p in paths.items()})
+
+
+def _chat(**fields) -> dict:
+    return {"model": "tools", "messages": MESSAGES, "max_tokens": 64, "temperature": 0, **fields}
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_a_forced_call_is_decoded_under_its_grammar_and_parsed_into_tool_calls(paths, preparer, choice):
+    most = 400 if choice == NAMED else 1200  # a random model spaces a lot (and may call several times)
+    parsed = oai.parse_chat(_chat(tools=TOOLS, tool_choice=choice, max_tokens=most))
+    prepared = preparer.prepare(parsed.request)
+    tokenizer = preparer.models["tools"].tokenizer
+    assert "get_weather" in tokenizer.decode(prepared.prompt_ids)  # the template rendered the tools
+    assert prepared.params.response_format is not None
+    engine = SpecEngine(load_model(ModelConfig(path=paths["tools"], device="cpu")))
+    result = engine.generate(prepared.prompt_ids, prepared.params, prepared.spec).to_dict()
+    response = with_tool_calls(oai.completion_response("r", "tools", {**result, "usage": {
+        "prompt_tokens": 1, "completion_tokens": 1}}, chat=True), parsed.request.tool_calls)  # fmt: skip
+    choice_out = response["choices"][0]
+    assert result["finish_reason"] == "stop" and choice_out["finish_reason"] == "tool_calls"
+    calls = choice_out["message"]["tool_calls"]
+    assert choice_out["message"]["content"] is None and calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+    if choice == NAMED:
+        assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_an_output_cut_short_stays_text():
+    response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": '{"city": "Pa'},
+                             "finish_reason": "length"}]}  # fmt: skip
+    out = with_tool_calls(response, ForcedCalls("get_weather"))
+    assert (
+        out["choices"][0]["message"]["content"] == '{"city": "Pa' and "tool_calls" not in out["choices"][0]["message"]
+    )
+
+
+BAD = [
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"), ({"tools": TOOLS}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "stream": True}, "stream"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0].type"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "field"), BAD)
+def test_bad_tool_requests_are_refused_naming_the_field(preparer, fields, field):
+    with pytest.raises(InvalidRequestError) as e:
+        preparer.prepare(oai.parse_chat(_chat(**fields)).request)
+    assert e.value.field == field, e.value
+
+
+def test_a_template_without_tools_refuses_them_naming_tools(preparer):
+    with pytest.raises(InvalidRequestError) as e:
+        preparer.prepare(oai.parse_chat(_chat(model="chatml", tools=TOOLS, tool_choice=NAMED)).request)
+    assert e.value.field == "tools" and "template takes no tools" in e.value.message
+    with pytest.raises(InvalidRequestError) as e:  # tool_choice "auto", the default: the template is said first
+        preparer.prepare(oai.parse_chat(_chat(model="chatml", tools=TOOLS)).request)
+    assert e.value.field == "tools"
+    plain = preparer.prepare(oai.parse_chat(_chat(model="chatml", tools=TOOLS, tool_choice="none")).request)
+    assert plain.params.response_format is None  # "none": the tools are dropped, free text
+    with pytest.raises(InvalidRequestError) as e:
+        oai.parse_completion({"prompt": "x", "tools": TOOLS})
+    assert e.value.field == "tools"
