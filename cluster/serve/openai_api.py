@@ -6,12 +6,12 @@ so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `R
 takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`). Extensions beyond OpenAI's
 fields: `top_k`, and `speculation: {"method": "draft"|"eagle"|"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|
 "none", "k": 1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the
-output in ways specserve does not implement (tools, best_of, ...) are accepted only at their neutral value;
-`logprobs` / `top_logprobs`: openai_logprobs.py. The logits controls (`presence_penalty`, `frequency_penalty`,
-`logit_bias`, and vLLM's `repetition_penalty`, `min_p`, `min_tokens`) apply at every verified position
-(workers/speculation/logits_controls.py); `response_format` (json_object, json_schema) through the grammar engine
-(response_formats.py, workers/speculation/grammar.py). Every response carries `specserve` stats (rounds, drafted,
-accepted, acceptance_rate, mean_accepted_length).
+output in ways specserve does not implement (best_of, echo, suffix, tools on completions) are accepted only at their
+neutral value (chat's tools: openai_tools.py); `logprobs` / `top_logprobs`: openai_logprobs.py. The logits controls
+(`presence_penalty`, `frequency_penalty`, `logit_bias`, and vLLM's `repetition_penalty`, `min_p`, `min_tokens`) apply
+at every verified position (workers/speculation/logits_controls.py); `response_format` (json_object, json_schema)
+through the grammar engine (response_formats.py, workers/speculation/grammar.py). Every response carries `specserve`
+stats (rounds, drafted, accepted, acceptance_rate, mean_accepted_length).
 """
 
 from __future__ import annotations
