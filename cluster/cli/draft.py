@@ -21,8 +21,12 @@ def _add_train(commands, common) -> None:
                             "half of the built-in chat questions (never the held-out half); its features are recorded. "
                             "Training: SpecForge's recipe (training-time test, loss against the target's distribution "
                             "on the draft vocabulary). Both stop and resume: run the same command again.")  # fmt: skip
-    p.add_argument("--target", required=True, metavar="NAME|PATH|ORG/NAME",
-                   help="known model name, .gguf file, directory or Hugging Face repo id org/name[@revision]")
+    p.add_argument(
+        "--target",
+        required=True,
+        metavar="NAME|PATH|ORG/NAME",
+        help="known model name, .gguf file, directory or Hugging Face repo id org/name[@revision]",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="the head's directory (checkpoints live there too)")
     p.add_argument("--data", metavar="DIR", help="training data directory (default $SPECSERVE_HOME/eagle-data/<id>)")
     p.add_argument("--answer-tokens", type=int, default=300_000, help="answer tokens of data to generate first")

@@ -166,8 +166,11 @@ class SpecService:
                 async for committed in rounds:
                     state = sched_req.state
                     stats = state.stats.to_dict()
-                    cut = (stops.feed(state.generated, len(committed), state.finished) if stops
-                           else StopCut(text.delta(state.generated, final=state.finished), len(committed), False))
+                    cut = (
+                        stops.feed(state.generated, len(committed), state.finished)
+                        if stops
+                        else StopCut(text.delta(state.generated, final=state.finished), len(committed), False)
+                    )
                     finish = "stop" if cut.stopped else state.finish_reason
                     if track:
                         track.round(prev, stats, cut.tokens, finish)

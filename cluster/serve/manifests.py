@@ -191,8 +191,9 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
     proxy_vars = [{"name": k, "value": v} for k, v in limits.items()]
     groups = []
     for g in _GROUPS[variant]:
+        # the metrics port is scraped (manifests/monitoring/)
         container = _container("ray-worker", g["cpu"], g["memory"], g["gpus"], env=key_env + proxy_vars,
-                               ports=[{"containerPort": 8080, "name": "metrics"}])  # scraped (manifests/monitoring/)
+                               ports=[{"containerPort": 8080, "name": "metrics"}])  # fmt: skip
         container |= _worker_probes()
         groups.append({
             "groupName": g["name"],

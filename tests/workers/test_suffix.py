@@ -54,4 +54,3 @@ def test_the_cache_is_bounded_by_count_and_tokens_oldest_first_and_remembers_the
     assert all(i.tokens != [4, 4, 20, 21] for i in cache.indexes())
     with pytest.raises(InvalidRequestError, match="max_depth"):
         SuffixConfig(max_depth=0)
-

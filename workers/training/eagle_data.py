@@ -307,8 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-dtype", default=defaults.gen_dtype, choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--feature-batch-tokens", type=int, default=8192, help="padded tokens per fp32 forward")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--passage-fraction", type=float, default=defaults.passage_fraction,
-                        help="per question, the chance of one more request over its answer (summary, QA, translation)")
+    parser.add_argument(
+        "--passage-fraction",
+        type=float,
+        default=defaults.passage_fraction,
+        help="per question, the chance of one more request over its answer (summary, QA, translation)",
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="cpu", help="where the target generates: cpu or cuda")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -42,8 +42,19 @@ TOPICS: tuple[Topic, ...] = (
         "math",
         "You are a helpful assistant. Users ask you math questions and word problems: percentages, arithmetic, "
         "geometry, prices, speeds and simple algebra.",
-        (*_COMMON, "If", "A", "What is", "Calculate", "Solve", "How much", "Is", "Solve step by step:", "A store",
-         "Tom has"),
+        (
+            *_COMMON,
+            "If",
+            "A",
+            "What is",
+            "Calculate",
+            "Solve",
+            "How much",
+            "Is",
+            "Solve step by step:",
+            "A store",
+            "Tom has",
+        ),
     ),
     Topic(
         "how-to",
@@ -82,6 +93,7 @@ TOPICS: tuple[Topic, ...] = (
         (*_COMMON, "Compare", "What are the pros and cons of", "Which is better", "Summarize", "Is it"),
     ),
 )
+
 
 @dataclass(frozen=True)
 class PassageTask:
