@@ -9,15 +9,12 @@ import urllib.request
 import grpc
 import openai
 import pytest
-import ray
 
 from specserve.client import SpecServeClient
-from specserve.cluster.app_config import AppConfig, serve_config
-from specserve.cluster.serve.server import start, stop
 from specserve.workers.config import ModelConfig
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.service.local_processes import free_port
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
+from tests.helpers.serve_app import tiny_app_info
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +27,7 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "record", "schema"
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_draft):
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    pool = {"num_cpus": 0.5}
-    app = AppConfig.model_validate(
-        {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
-                     "target_pool": pool, "draft_pool": pool}],
-         "ingress": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
-    )  # fmt: skip
-    info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), metrics_port=free_port(),
-                 ready_timeout_s=300)  # fmt: skip
-    yield info
-    stop({**info, "started_ray": False})
-    ray.shutdown()
+    yield from tiny_app_info(tiny_target, tiny_draft)
 
 
 @pytest.fixture(scope="module")
