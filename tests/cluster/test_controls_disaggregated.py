@@ -4,8 +4,6 @@ VerifyRequest), greedy output identical to transformers' `generate` with the sam
 draft-model, prompt-lookup, suffix, tree and head paths; and both public edges turn the fields into the request's
 SamplingParams, refusing bad values naming the field as the client wrote it."""
 
-import asyncio
-
 import pytest
 import torch
 
@@ -22,8 +20,8 @@ from specserve.workers.speculation.eagle.checkpoint import save_head
 from tests.helpers.controls_oracle import hf_controlled_greedy
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.greedy_oracle import PROMPTS
-from tests.helpers.pipelines import run_pipeline
-from tests.helpers.workers import LocalWorkers, save_perturbed_copy, save_tiny_llama
+from tests.helpers.pipelines import SERVED_METHODS, run_keyed
+from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
 
 MAX_NEW = 16
 EOS = 2
@@ -46,29 +44,19 @@ def models(tmp_path_factory):
     return target, draft, head
 
 
-def _served(target, drafts, head, methods) -> dict:
+def _served(target, draft, head, kind) -> dict:
     """(control, prompt, method) -> its SchedRequest, every request run concurrently through the pipeline."""
-    keys = [(name, prompt, method, k) for name in CONTROLS for prompt in PROMPTS for method, k in methods]
-    requests = [(prompt, SamplingParams(max_new_tokens=MAX_NEW, **CONTROLS[name]), SpecParams(method=method, k=k))
-                for name, prompt, method, k in keys]  # fmt: skip
-
-    async def main():
-        async with LocalWorkers(target, drafts, eagle_head=head, eagle_drafts=1 if head else 0) as w:
-            results, _ = await run_pipeline(w, requests)
-            return results
-
-    return {key[:3]: result for key, result in zip(keys, asyncio.run(main()), strict=True)}
+    keyed = {(name, prompt, method): (prompt, SamplingParams(max_new_tokens=MAX_NEW, **CONTROLS[name]),
+                                      SpecParams(method=method, k=k))
+             for name in CONTROLS for prompt in PROMPTS for method, k in SERVED_METHODS[kind]}  # fmt: skip
+    return run_keyed(target, draft, head, kind, keyed)
 
 
 @pytest.mark.parametrize("kind", ["draft model", "eagle head"])
 def test_served_greedy_with_each_control_is_identical_to_transformers(models, kind):
     target, draft, head = models
-    if kind == "draft model":
-        methods = [("draft", 3), ("ngram", 3), ("ngram-tree", 6), ("suffix", 3), ("none", 1)]
-        served = _served(target, [draft], None, methods)
-    else:
-        methods = [("eagle", 3), ("eagle+ngram", 3), ("eagle-tree", 6)]
-        served = _served(target, [], head, methods)
+    methods = SERVED_METHODS[kind]
+    served = _served(target, draft, head, kind)
     drafted = 0
     for name, controls in CONTROLS.items():
         for prompt in PROMPTS:

@@ -4,7 +4,6 @@ cache), greedy output identical to grammar-constrained target-only decoding on t
 suffix, tree and head paths; and both public edges turn response_format into the request's SamplingParams, refusing
 bad values with 400 / INVALID_ARGUMENT naming the field as the client wrote it."""
 
-import asyncio
 import json
 
 import pytest
@@ -23,8 +22,8 @@ from specserve.workers.speculation.eagle.checkpoint import save_head
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
 from tests.helpers.greedy_oracle import PROMPTS
-from tests.helpers.pipelines import run_pipeline
-from tests.helpers.workers import LocalWorkers, save_perturbed_copy, save_tiny_llama
+from tests.helpers.pipelines import SERVED_METHODS, run_keyed
+from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
 
 MAX_NEW = 48
 FORMATS = {"record": ResponseFormat(type="json_schema", json_schema=json.dumps(SCHEMAS["record"])),
@@ -42,29 +41,19 @@ def models(tmp_path_factory):
     return target, draft, head
 
 
-def _served(target, drafts, head, methods) -> dict:
+def _served(target, draft, head, kind) -> dict:
     """(format, prompt, method) -> its SchedRequest, every request run concurrently through the pipeline."""
-    keys = [(name, prompt, method, k) for name in FORMATS for prompt in PROMPTS[:2] for method, k in methods]
-    requests = [(prompt, SamplingParams(max_new_tokens=MAX_NEW, response_format=FORMATS[name]),
-                 SpecParams(method=method, k=k)) for name, prompt, method, k in keys]  # fmt: skip
-
-    async def main():
-        async with LocalWorkers(target, drafts, eagle_head=head, eagle_drafts=1 if head else 0) as w:
-            results, _ = await run_pipeline(w, requests)
-            return results
-
-    return {key[:3]: result for key, result in zip(keys, asyncio.run(main()), strict=True)}
+    keyed = {(name, prompt, method): (prompt, SamplingParams(max_new_tokens=MAX_NEW, response_format=FORMATS[name]),
+                                      SpecParams(method=method, k=k))
+             for name in FORMATS for prompt in PROMPTS[:2] for method, k in SERVED_METHODS[kind]}  # fmt: skip
+    return run_keyed(target, draft, head, kind, keyed)
 
 
 @pytest.mark.parametrize("kind", ["draft model", "eagle head"])
 def test_served_greedy_under_a_grammar_is_identical_to_constrained_target_only(models, kind):
     target, draft, head = models
-    if kind == "draft model":
-        methods = [("draft", 3), ("ngram", 3), ("ngram-tree", 6), ("suffix", 3), ("none", 1)]
-        served = _served(target, [draft], None, methods)
-    else:
-        methods = [("eagle", 3), ("eagle+ngram", 3), ("eagle-tree", 6)]
-        served = _served(target, [], head, methods)
+    methods = SERVED_METHODS[kind]
+    served = _served(target, draft, head, kind)
     drafted = accepted = 0
     for name in FORMATS:
         for prompt in PROMPTS[:2]:

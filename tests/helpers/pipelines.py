@@ -40,3 +40,24 @@ async def generate_all(w: LocalWorkers, requests, during=None, reconnect=None, p
     for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
         await client.close()
     return results[: len(requests)], pipeline
+
+
+# The chain and tree methods a served identity test runs, by what drafts: a draft model (beside prompt lookup and
+# suffix drafting, which need no worker) or an EAGLE-3 head.
+SERVED_METHODS = {
+    "draft model": [("draft", 3), ("ngram", 3), ("ngram-tree", 6), ("suffix", 3), ("none", 1)],
+    "eagle head": [("eagle", 3), ("eagle+ngram", 3), ("eagle-tree", 6)],
+}
+
+
+def run_keyed(target, draft, head, kind: str, keyed: dict) -> dict:
+    """{key: (prompt, SamplingParams, SpecParams)} -> {key: SchedRequest}, every request run concurrently through the
+    pipeline over real gRPC workers: `draft` (a loaded draft model) for kind "draft model", else the `head`."""
+    drafts, head = ([draft], None) if kind == "draft model" else ([], head)
+
+    async def main():
+        async with LocalWorkers(target, drafts, eagle_head=head, eagle_drafts=1 if head else 0) as w:
+            results, _ = await run_pipeline(w, list(keyed.values()))
+            return results
+
+    return dict(zip(keyed, asyncio.run(main()), strict=True))
