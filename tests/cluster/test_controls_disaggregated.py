@@ -5,7 +5,6 @@ draft-model, prompt-lookup, suffix, tree and head paths; and both public edges t
 SamplingParams, refusing bad values naming the field as the client wrote it."""
 
 import pytest
-import torch
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig
@@ -13,15 +12,11 @@ from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.runtime.loading import load_model
-from specserve.workers.speculation.eagle.checkpoint import save_head
 from tests.helpers.controls_oracle import hf_controlled_greedy
-from tests.helpers.eagle_heads import random_head
 from tests.helpers.greedy_oracle import PROMPTS
-from tests.helpers.pipelines import SERVED_METHODS, run_keyed
-from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
+from tests.helpers.pipelines import SERVED_METHODS, run_keyed, served_models
 
 MAX_NEW = 16
 EOS = 2
@@ -36,12 +31,7 @@ CONTROLS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("controls_served")
-    path = save_tiny_llama(root / "target", seed=4, layers=4, hidden=32)
-    target = load_model(ModelConfig(path=path, device="cpu"))
-    draft = load_model(ModelConfig(path=save_perturbed_copy(path, root / "draft", 0.05, seed=7), device="cpu"))
-    head = str(save_head(random_head(target.model.config, 64, seed=1, std=0.3), root / "head", torch.float32))
-    return target, draft, head
+    return served_models(tmp_path_factory.mktemp("controls_served"))
 
 
 def _served(target, draft, head, kind) -> dict:

@@ -7,7 +7,6 @@ bad values with 400 / INVALID_ARGUMENT naming the field as the client wrote it."
 import json
 
 import pytest
-import torch
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig
@@ -15,15 +14,11 @@ from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.config import ModelConfig, ResponseFormat, SamplingParams, SpecParams
+from specserve.workers.config import ResponseFormat, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.runtime.loading import load_model
-from specserve.workers.speculation.eagle.checkpoint import save_head
-from tests.helpers.eagle_heads import random_head
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
 from tests.helpers.greedy_oracle import PROMPTS
-from tests.helpers.pipelines import SERVED_METHODS, run_keyed
-from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
+from tests.helpers.pipelines import SERVED_METHODS, run_keyed, served_models
 
 MAX_NEW = 48
 FORMATS = {"record": ResponseFormat(type="json_schema", json_schema=json.dumps(SCHEMAS["record"])),
@@ -33,12 +28,7 @@ SCHEMA_OF = {"record": SCHEMAS["record"], "json_object": ANY_OBJECT}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grammar_served")
-    path = save_tiny_llama(root / "target", seed=4, layers=4, hidden=32)
-    target = load_model(ModelConfig(path=path, device="cpu"))
-    draft = load_model(ModelConfig(path=save_perturbed_copy(path, root / "draft", 0.05, seed=7), device="cpu"))
-    head = str(save_head(random_head(target.model.config, 64, seed=1, std=0.3), root / "head", torch.float32))
-    return target, draft, head
+    return served_models(tmp_path_factory.mktemp("grammar_served"))
 
 
 def _served(target, draft, head, kind) -> dict:

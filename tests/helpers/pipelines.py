@@ -61,3 +61,21 @@ def run_keyed(target, draft, head, kind: str, keyed: dict) -> dict:
             return results
 
     return dict(zip(keyed, asyncio.run(main()), strict=True))
+
+
+def served_models(root):
+    """(target, draft model, EAGLE-3 head directory) under `root`: a tiny Llama, a perturbed copy that drafts for it,
+    and a random head, for run_keyed."""
+    import torch
+
+    from specserve.workers.config import ModelConfig
+    from specserve.workers.runtime.loading import load_model
+    from specserve.workers.speculation.eagle.checkpoint import save_head
+    from tests.helpers.eagle_heads import random_head
+    from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
+
+    path = save_tiny_llama(root / "target", seed=4, layers=4, hidden=32)
+    target = load_model(ModelConfig(path=path, device="cpu"))
+    draft = load_model(ModelConfig(path=save_perturbed_copy(path, root / "draft", 0.05, seed=7), device="cpu"))
+    head = str(save_head(random_head(target.model.config, 64, seed=1, std=0.3), root / "head", torch.float32))
+    return target, draft, head
