@@ -23,9 +23,9 @@ def serve_worker(spec: WorkerSpec, ready, threads: int | None = None) -> None:
     # weight loading's) are written from one thread: a thread lock is enough.
     tqdm.tqdm.set_lock(threading.RLock())
     if threads is not None:
-        import torch
+        from specserve.workers.runtime.threads import use_threads
 
-        torch.set_num_threads(threads)
+        use_threads(threads)
     serve_in_process(spec, ready)
 
 
