@@ -192,7 +192,9 @@ class LimitsConfig(_Strict):
     )  # fmt: skip
 
 
-class IngressConfig(_Strict):
+class SchedulerDeploymentConfig(_Strict):
+    """The scheduler deployment (and the ingress deployment in front of it, which has as many replicas)."""
+
     replicas: int = Field(1, gt=0, le=64, description="Scheduler replicas (and as many ingress replicas, which "
                           "hold no state and reserve no CPU).")  # fmt: skip
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per scheduler replica.")
@@ -222,15 +224,26 @@ class AuthConfig(_Strict):
 
 
 class AppConfig(_Strict):
-    """Everything `build_app` needs: the served models, their pools, limits and the ingress."""
+    """Everything `build_app` needs: the served models, their pools, limits and the scheduler deployment."""
 
     models: list[ModelPairConfig] = Field(default_factory=lambda: [ModelPairConfig()], min_length=1)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    scheduler: SchedulerDeploymentConfig = Field(default_factory=SchedulerDeploymentConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     autoscaling_goal_busy_fraction: float = Field(
         0.7, gt=0, le=1, description="Busy fraction the pool autoscaling policy sizes each pool's replicas for."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_key(cls, data: Any) -> Any:
+        """`ingress:`, the scheduler deployment's key before it was named for what it configures, still read (config
+        files and RayServices in the wild carry it); never written."""
+        if isinstance(data, dict) and "ingress" in data:
+            if "scheduler" in data:
+                raise ValueError("give 'scheduler' only ('ingress' is its old name)")
+            data = {("scheduler" if key == "ingress" else key): value for key, value in data.items()}
+        return data
 
     @model_validator(mode="after")
     def _unique(self):

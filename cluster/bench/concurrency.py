@@ -257,7 +257,7 @@ def bench_app(target: str, draft: str | None, device: str, dtype: str) -> dict:
 
     model = {"name": "bench", "target": target, "device": device, "dtype": dtype, "target_pool": {"num_cpus": 0.5},
              "draft_pool": {"num_cpus": 0.5}, **({"draft": draft} if draft else {})}  # fmt: skip
-    app = AppConfig.model_validate({"models": [model], "ingress": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
+    app = AppConfig.model_validate({"models": [model], "scheduler": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
     return serve_config(app, grpc_port=free_port(), http_port=free_port())
 
 

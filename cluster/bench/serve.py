@@ -22,7 +22,7 @@ def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg:
     app = AppConfig.model_validate(
         {"models": [{"name": "bench", "target": target_path, "draft": draft_path, "device": device, "k": k,
                      "target_pool": {"num_cpus": 0.5}, "draft_pool": {"num_cpus": 0.5}}],
-         "ingress": {"num_cpus": 0.5}}
+         "scheduler": {"num_cpus": 0.5}}
     )  # fmt: skip
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())
     started = not ray.is_initialized()

@@ -53,7 +53,7 @@ class SpecService:
         """Make each model's workers match the registry's members (rows of model, kind, worker_id, address)."""
         for name, serving in self.models.items():
             rows = {r["worker_id"]: r for r in members if r["model"] == name}
-            serving.sync(rows, self.app.ingress.call_timeout_s, self.secret)
+            serving.sync(rows, self.app.scheduler.call_timeout_s, self.secret)
 
     def _reconnect_for(self, model: str) -> Callable:
         async def reconnect(worker: str) -> str | None:
@@ -63,7 +63,7 @@ class SpecService:
             log.warning("model %r: worker %s failed a call", model, worker)
             if worker in serving.pipeline.drafts:
                 return None
-            deadline = time.monotonic() + self.app.ingress.worker_wait_s
+            deadline = time.monotonic() + self.app.scheduler.worker_wait_s
             while time.monotonic() < deadline:
                 if [w for w in serving.scheduler.healthy("target") if w != worker]:
                     return None
@@ -77,7 +77,7 @@ class SpecService:
         also until its workers' costs are measured (a server's start: its first request is then planned at once,
         not after seconds of profiling)."""
         serving = self.models[model]
-        deadline = time.monotonic() + (self.app.ingress.worker_wait_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + (self.app.scheduler.worker_wait_s if timeout_s is None else timeout_s)
         while not serving.ready:
             if time.monotonic() >= deadline:
                 raise UnavailableError(f"model {model!r} has no healthy target worker yet; retry later")
@@ -107,7 +107,7 @@ class SpecService:
         if self.draining:
             log.info("model %r: refused request %s: the server is draining", model, request_id)
             raise DrainingError()
-        limit = self.app.ingress.max_active_requests
+        limit = self.app.scheduler.max_active_requests
         if self.active >= limit:
             if self.metrics:
                 self.metrics.request_rejected(model)

@@ -211,7 +211,7 @@ def rayservice(serve_config: dict, variant: Variant) -> dict:
     # A stopping head (an upgrade's old cluster, a deleted RayService) first drains the app: no new requests, the
     # running ones finish; KubeRay's own head probes stay (a failing head readiness probe would take the head out of
     # the head Service the workers reach it through).
-    drain_s = app.ingress.drain_timeout_s
+    drain_s = app.scheduler.drain_timeout_s
     head["lifecycle"] = {"preStop": {"exec": {"command": ["specserve", "drain", "--timeout", f"{drain_s:g}"]}}}
     head_pod = _pod(head, {}, 0, pulls)
     head_pod["spec"]["terminationGracePeriodSeconds"] = int(drain_s) + _STOP_MARGIN_S

@@ -64,19 +64,19 @@ def build_app(args: dict | AppConfig | None = None):
     args = app.model_dump(mode="json")
     scheduler = serve.deployment(SchedulerReplica).options(
         name="scheduler",
-        num_replicas=app.ingress.replicas,
-        max_ongoing_requests=app.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": app.ingress.num_cpus},
-        graceful_shutdown_timeout_s=app.ingress.drain_timeout_s,  # a stopping replica finishes its streams
+        num_replicas=app.scheduler.replicas,
+        max_ongoing_requests=app.scheduler.max_ongoing_requests,
+        ray_actor_options={"num_cpus": app.scheduler.num_cpus},
+        graceful_shutdown_timeout_s=app.scheduler.drain_timeout_s,  # a stopping replica finishes its streams
         graceful_shutdown_wait_loop_s=1.0,
     )
     # The front holds no request state and does little work per request: no CPU reserved (like Serve's proxies).
     ingress = serve.deployment(IngressDeployment).options(
         name="ingress",
-        num_replicas=app.ingress.replicas,
-        max_ongoing_requests=app.ingress.max_ongoing_requests,
+        num_replicas=app.scheduler.replicas,
+        max_ongoing_requests=app.scheduler.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=app.ingress.drain_timeout_s,
+        graceful_shutdown_timeout_s=app.scheduler.drain_timeout_s,
         graceful_shutdown_wait_loop_s=1.0,
     )
     return ingress.bind(args, scheduler.bind(args, *pools))

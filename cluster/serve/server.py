@@ -283,7 +283,7 @@ def serve_forever(config_path: str | None, grpc_port: int | None, http_port: int
         log.info("Ctrl-C (SIGINT) or SIGTERM stops it, after the requests running finish")
         while not stop_event.wait(0.5):
             pass
-        _drain(info["app"], app_config(_specserve_app(config).get("args") or {}).ingress.drain_timeout_s)
+        _drain(info["app"], app_config(_specserve_app(config).get("args") or {}).scheduler.drain_timeout_s)
         log.info("shutting down ...")
     finally:
         if gateway is not None:

@@ -1,5 +1,5 @@
-"""Pool configuration for tensor-parallel target replicas: validated degrees and the Serve deployment options they
-become (one STRICT_PACK bundle per rank)."""
+"""The Serve application's config: pools of tensor-parallel target replicas (validated degrees and the Serve deployment
+options they become, one STRICT_PACK bundle per rank) and the scheduler deployment's key."""
 
 import pytest
 
@@ -34,3 +34,11 @@ def test_the_draft_pools_degree_is_its_own():
     assert model.target_pool.tensor_parallel_size == 1
     assert "placement_group_bundles" not in _pool_options("target-m", model.target_pool)
     assert len(_pool_options("draft-m", model.draft_pool)["placement_group_bundles"]) == 2
+
+
+def test_the_scheduler_deployments_old_key_ingress_is_still_read():
+    new = app_config({"models": [{"name": "m"}], "scheduler": {"replicas": 2, "call_timeout_s": 5}})
+    old = app_config({"models": [{"name": "m"}], "ingress": {"replicas": 2, "call_timeout_s": 5}})
+    assert old == new and new.scheduler.replicas == 2 and "ingress" not in new.model_dump()
+    with pytest.raises(InvalidRequestError, match="old name"):
+        app_config({"models": [{"name": "m"}], "scheduler": {}, "ingress": {}})

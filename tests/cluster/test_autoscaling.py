@@ -28,7 +28,7 @@ def test_rising_load_adds_a_draft_replica(tiny_target, tiny_draft):
         {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
                      "target_pool": {"num_cpus": 0.5, "autoscaling": {"min_replicas": 1, "max_replicas": 1, **fast}},
                      "draft_pool": {"num_cpus": 0.25, "autoscaling": {"min_replicas": 1, "max_replicas": 2, **fast}}}],
-         "ingress": {"num_cpus": 0.25},
+         "scheduler": {"num_cpus": 0.25},
          # a low goal, so that the load a 2-core CI machine can produce asks for a second draft replica
          "autoscaling_goal_busy_fraction": 0.05}
     )  # fmt: skip

@@ -375,7 +375,7 @@ def test_the_serve_app_serves_a_model_with_a_head(byte_pair):
     app = AppConfig.model_validate(
         {"models": [{"name": "tiny", "target": target.path, "draft": head_dir, "device": "cpu", "target_pool": pool,
                      "draft_pool": pool}],
-         "ingress": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}, "auth": {"api_key_env": None}}
+         "scheduler": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}, "auth": {"api_key_env": None}}
     )  # fmt: skip
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)

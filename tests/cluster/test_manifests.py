@@ -152,6 +152,6 @@ def test_probes_work_with_a_proxy_on_every_node_and_the_head_drains_before_it_st
     head_pod = cluster["headGroupSpec"]["template"]["spec"]
     head = head_pod["containers"][0]
     assert "readinessProbe" not in head and "livenessProbe" not in head  # KubeRay's own
-    timeout = cfg.ingress.drain_timeout_s
+    timeout = cfg.scheduler.drain_timeout_s
     assert head["lifecycle"]["preStop"]["exec"]["command"] == ["specserve", "drain", "--timeout", f"{timeout:g}"]
     assert head_pod["terminationGracePeriodSeconds"] >= timeout + 10

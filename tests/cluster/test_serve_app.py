@@ -40,7 +40,7 @@ def server(tiny_target, tiny_draft):
     app = AppConfig.model_validate(
         {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
                      "target_pool": pool, "draft_pool": pool}],
-         "ingress": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
+         "scheduler": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
     )  # fmt: skip
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())
     info = start(config, metrics_port=metrics_port, ready_timeout_s=300)

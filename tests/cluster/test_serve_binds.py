@@ -122,7 +122,7 @@ def test_default_serve_listens_on_loopback_only(tmp_path, tiny_target, tiny_draf
     pool = {"num_cpus": 0.5}
     app = AppConfig.model_validate(
         {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
-                     "target_pool": pool, "draft_pool": pool}], "ingress": {"num_cpus": 0.5}}
+                     "target_pool": pool, "draft_pool": pool}], "scheduler": {"num_cpus": 0.5}}
     )  # fmt: skip
     config_file = tmp_path / "serve.yaml"
     config_file.write_text(yaml.safe_dump(serve_config(app)))  # the default host: no --host, none in the file

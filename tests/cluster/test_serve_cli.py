@@ -29,7 +29,7 @@ def test_serve_drains_its_streams_on_ctrl_c_then_stops_quietly_leaving_nothing(t
     target-only decoding), then everything the CLI started stops, with no raylet task-failure lines on the way."""
     app = AppConfig.model_validate(
         {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu",
-                     "target_pool": {"num_cpus": 0.5}}], "ingress": {"num_cpus": 0.5, "drain_timeout_s": 120}}
+                     "target_pool": {"num_cpus": 0.5}}], "scheduler": {"num_cpus": 0.5, "drain_timeout_s": 120}}
     )  # fmt: skip
     config_file = tmp_path / "serve.yaml"
     config_file.write_text(yaml.safe_dump(serve_config(app)))

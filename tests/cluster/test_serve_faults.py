@@ -40,7 +40,7 @@ def server(tiny_target, tiny_draft):
         {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu", "predraft": False,
                      "target_pool": {"num_cpus": 0.25, "replicas": 2},
                      "draft_pool": {"num_cpus": 0.25, "replicas": 2}}],
-         "ingress": {"num_cpus": 0.25, "worker_wait_s": 120}}
+         "scheduler": {"num_cpus": 0.25, "worker_wait_s": 120}}
     )  # fmt: skip
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)

@@ -30,7 +30,7 @@ def test_load_within_capacity_then_a_burst_above_it(tiny_target, tiny_draft):
         {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
                      "target_pool": {"num_cpus": 0.25, "kv_cache": {"capacity_tokens": CAPACITY_TOKENS}},
                      "draft_pool": {"num_cpus": 0.25, "kv_cache": {"capacity_tokens": CAPACITY_TOKENS}}}],
-         "ingress": {"num_cpus": 0.25, "max_active_requests": STREAMS}}
+         "scheduler": {"num_cpus": 0.25, "max_active_requests": STREAMS}}
     )  # fmt: skip
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)

@@ -33,7 +33,7 @@ def server(tiny_target, tmp_path_factory):
     app = AppConfig.model_validate(
         {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu",
                      "target_pool": {"num_cpus": 0.5}}],
-         "ingress": {"num_cpus": 0.5, "max_active_requests": 2}, "auth": {"api_key_env": "SPECSERVE_TEST_API_KEY"}}
+         "scheduler": {"num_cpus": 0.5, "max_active_requests": 2}, "auth": {"api_key_env": "SPECSERVE_TEST_API_KEY"}}
     )  # fmt: skip
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())
     ca = CertAuthority(tmp_path_factory.mktemp("tls"))

@@ -18,7 +18,7 @@ def tiny_app_info(tiny_target: str, tiny_draft: str, metrics_port: int | None = 
     app = AppConfig.model_validate(
         {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
                      "target_pool": pool, "draft_pool": pool}],
-         "ingress": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
+         "scheduler": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
     )  # fmt: skip
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()),
                  metrics_port=metrics_port or free_port(), ready_timeout_s=300)  # fmt: skip
