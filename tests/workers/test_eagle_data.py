@@ -296,3 +296,31 @@ def test_a_deadline_ends_the_data_after_a_whole_shard_and_old_manifests_had_no_p
     del data["generation"]["passage_fraction"]
     path.write_text(json.dumps(data))
     assert read_manifest(tmp_path / "d").settings.passage_fraction == 0.0
+
+
+def test_token_ids_restore_to_the_same_shards_and_refuse_another_target(one_run, chatty_target, tmp_path, models_dir):
+    """A lent GPU sends back token ids only; re-featured, they make the shards the run made (features included)."""
+    from specserve.workers.training.eagle_tokens import RESTORED_SEED, restore_data, save_token_ids
+
+    saved = save_token_ids([one_run], tmp_path / "tokens.npz")
+    assert saved == read_manifest(one_run).answer_tokens
+    target = EagleTarget(chatty_target)
+    manifest = restore_data(tmp_path / "tokens.npz", target, tmp_path / "restored", SMALL.shard_sequences, 8192)
+    assert manifest.seed == RESTORED_SEED and read_manifest(tmp_path / "restored").shards == manifest.shards
+    originals = [s for shard in _shards(one_run) for s in _split(shard)]
+    restored = [s for shard in _shards(tmp_path / "restored") for s in _split(shard)]
+    assert len(originals) == len(restored)
+    for mine, theirs in zip(restored, originals, strict=True):
+        for key in theirs:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=2e-3, msg=key)
+    with pytest.raises(InvalidRequestError, match="seed"):  # generation cannot resume into restored data
+        generate_data(chatty_target, tmp_path / "restored", answer_tokens=10**6, settings=SMALL, progress=False)
+    other = EagleTarget(save_tiny_llama(models_dir / "not-chatty", seed=5, layers=LAYERS, hidden=32))
+    with pytest.raises(ModelLoadError, match="token ids of target"):
+        restore_data(tmp_path / "tokens.npz", other, tmp_path / "other", 4, 8192)
+
+
+def _split(shard: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A shard's sequences one by one (restored shards may cut the sequences at other places)."""
+    return [{k: shard[k][a:b] for k in ("input_ids", "loss_mask", "features", "last_hidden")}
+            for a, b in _sequences(shard)]  # fmt: skip

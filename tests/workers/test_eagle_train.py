@@ -5,6 +5,7 @@ training on tiny data lowers the loss and raises held-out acceptance; an interru
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,9 +17,10 @@ from specserve.workers.speculation.eagle.config import Eagle3Config
 from specserve.workers.speculation.eagle.drafting import Eagle3Drafting
 from specserve.workers.speculation.eagle.head import Eagle3Head, ttt_forward, vocab_maps
 from specserve.workers.training import eagle_train
+from specserve.workers.training.eagle_acceptance import chain_acceptance
 from specserve.workers.training.eagle_manifest import read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import answer_token_counts, load_shard, make_batch
-from specserve.workers.training.eagle_train import chain_acceptance, target_weights, train_head, ttt_loss
+from specserve.workers.training.eagle_train import target_weights, train_head, ttt_loss
 from tests.helpers.eagle_data import write_tiny_eagle_data
 from tests.helpers.workers import save_tiny_llama
 
@@ -166,6 +168,22 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(data, tmp_path)
         loss_before = ttt_loss(untrained_head(target, train, 6), weights, batch, K, 0.8, bf16=False).loss
         loss_after = ttt_loss(trained, weights, batch, K, 0.8, bf16=False).loss
     assert loss_after < loss_before - 0.3
+
+
+def test_training_reads_several_data_directories_and_measures_acceptance_as_it_goes(data, tmp_path):
+    """Data restored from an earlier run beside new data: one run over both, held-out acceptance every few steps."""
+    target, train, held_out = data
+    shutil.copytree(train, tmp_path / "again")
+    settings = dict(steps=8, ttt_steps=2, draft_vocab_size=6, lr=3e-3, batch_tokens=256, progress=False)
+    one = train_head(train, target, tmp_path / "one", **settings)
+    both = train_head([train, tmp_path / "again"], target, tmp_path / "both", eval_data_dir=held_out,
+                      eval_every_steps=3, **settings)  # fmt: skip
+    assert [step for step, _ in both.acceptance_by_step] == [3, 6, 8]
+    assert both.acceptance == both.acceptance_by_step[-1][1] and len(both.acceptance) == 2
+    assert one.acceptance is None and one.acceptance_by_step == []
+    a = load_head(one.head_dir, target, 32, 8).state_dict()
+    b = load_head(both.head_dir, target, 32, 8).state_dict()
+    assert any(not torch.equal(a[name], b[name]) for name in a)  # twice the shards: another batch order
 
 
 def test_an_interrupted_run_resumes_to_the_same_head(data, tmp_path, monkeypatch):

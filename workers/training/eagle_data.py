@@ -99,7 +99,7 @@ def generate_data(
             return done
         target = EagleTarget(target_path, settings.gen_dtype, device)
         manifest = _resume(out, identity, target, seed, settings)
-        _write_manifest(out, manifest)
+        write_manifest(out, manifest)
         done = manifest.answer_tokens
         log.info(
             "EAGLE-3 data for %s in %s: %d shards, %d answer tokens of %d",
@@ -122,7 +122,7 @@ def generate_data(
             while manifest.answer_tokens < answer_tokens:
                 manifest.shards.append(_make_shard(target, out, manifest, feature_batch_tokens, bar.update))
                 bar.total = max(bar.total, bar.n)  # the last shard is whole: it may pass the goal
-                _write_manifest(out, manifest)
+                write_manifest(out, manifest)
                 if deadline is not None and time.monotonic() >= deadline:
                     log.info("stopping at the deadline with %d answer tokens", manifest.answer_tokens)
                     break
@@ -232,28 +232,8 @@ def _make_shard(target: EagleTarget, out: Path, manifest: DataManifest, batch_to
     prompts, answers = _answer(target, settings, questions, from_train, rng, on_tokens)
     answered = time.perf_counter()
     sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
-    features, last = target.features(sequences, manifest.feature_layers, batch_tokens)
-    tensors = {
-        "input_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int32),
-        "seq_starts": torch.tensor(np.concatenate([[0], np.cumsum([len(s) for s in sequences])]), dtype=torch.int64),
-        "loss_mask": torch.tensor(
-            [m for p, a in zip(prompts, answers, strict=True) for m in [0] * len(p) + [1] * len(a)], dtype=torch.uint8
-        ),
-        "features": features,
-        "last_hidden": last,
-    }
-    info = ShardInfo(shard_name(index), len(sequences), len(tensors["input_ids"]), sum(len(a) for a in answers))
-    meta = {
-        "format": str(FORMAT),
-        "shard": str(index),
-        "sequences": str(info.sequences),
-        "tokens": str(info.tokens),
-        "answer_tokens": str(info.answer_tokens),
-    }
-    partial = out / f".{info.file}.tmp"
-    save_file(tensors, str(partial), metadata=meta)
-    partial.chmod(0o644)  # safetensors creates it owner-only; the trainer may run as another user
-    os.replace(partial, out / info.file)
+    masks = [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers, strict=True)]
+    info = write_shard(target, out, index, sequences, masks, manifest.feature_layers, batch_tokens)
     took = time.perf_counter() - started
     log.info(
         "%s: %d sequences, %d answer tokens in %.0f s (%.1f answer tok/s; questions %.0f s, answers %.0f s, "
@@ -267,6 +247,29 @@ def _make_shard(target: EagleTarget, out: Path, manifest: DataManifest, batch_to
         answered - asked,
         took - (answered - started),
     )
+    return info
+
+
+def write_shard(target: EagleTarget, out: Path, index: int, sequences: list[list[int]], masks: list[list[int]],
+                layers: list[int], batch_tokens: int) -> ShardInfo:  # fmt: skip
+    """Shard `index` of `out` from whole sequences and their answer masks, with the target's features; written to a
+    temporary file and renamed, so a shard file is always whole."""
+    features, last = target.features(sequences, layers, batch_tokens)
+    tensors = {
+        "input_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int32),
+        "seq_starts": torch.tensor(np.concatenate([[0], np.cumsum([len(s) for s in sequences])]), dtype=torch.int64),
+        "loss_mask": torch.tensor([m for mask in masks for m in mask], dtype=torch.uint8),
+        "features": features,
+        "last_hidden": last,
+    }
+    answer_tokens = int(tensors["loss_mask"].sum())
+    info = ShardInfo(shard_name(index), len(sequences), len(tensors["input_ids"]), answer_tokens)
+    meta = {"format": str(FORMAT), "shard": str(index), "sequences": str(info.sequences), "tokens": str(info.tokens),
+            "answer_tokens": str(info.answer_tokens)}  # fmt: skip
+    partial = out / f".{info.file}.tmp"
+    save_file(tensors, str(partial), metadata=meta)
+    partial.chmod(0o644)  # safetensors creates it owner-only; the trainer may run as another user
+    os.replace(partial, out / info.file)
     return info
 
 
@@ -289,7 +292,7 @@ def _answer(target: EagleTarget, settings: GenerationSettings, questions: list[s
     return prompts, answers
 
 
-def _write_manifest(out: Path, manifest: DataManifest) -> None:
+def write_manifest(out: Path, manifest: DataManifest) -> None:
     partial = out / f".{MANIFEST}.tmp"
     partial.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
     os.replace(partial, out / MANIFEST)

@@ -22,13 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specserve.workers.training.eagle_data import generate_data
-from specserve.workers.training.eagle_manifest import GenerationSettings, read_manifest, shard_paths
+from specserve.workers.training.eagle_manifest import GenerationSettings, read_manifest
+from specserve.workers.training.eagle_tokens import restore_data, save_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +53,6 @@ def join_weights(parts_dir: Path, head_dir: Path) -> Path:
     head_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(head_dir / "model.safetensors"), metadata={"format": "pt"})
     return head_dir / "model.safetensors"
-
-
-def token_ids(data_dir: Path, out: Path) -> None:
-    """Every shard's token ids, sequence starts and answer mask in one compressed file (no features)."""
-    manifest = read_manifest(data_dir)
-    ids, starts, masks, offset = [], [np.zeros(1, np.int64)], [], 0
-    for path in shard_paths(data_dir, manifest):
-        with safe_open(str(path), "pt") as f:
-            ids.append(f.get_tensor("input_ids").numpy().astype(np.uint16))
-            starts.append(f.get_tensor("seq_starts").numpy()[1:] + offset)
-            masks.append(f.get_tensor("loss_mask").numpy())
-        offset += len(ids[-1])
-    np.savez_compressed(out, input_ids=np.concatenate(ids), seq_starts=np.concatenate(starts),
-                        loss_mask=np.concatenate(masks))  # fmt: skip
 
 
 def pack(work: Path, out: Path) -> bool:
@@ -117,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=8e-4)
     p.add_argument("--ttt-steps", type=int, default=4)
     p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0, help="the new data's seed (another seed, other questions)")
+    p.add_argument("--restore", action="append", default=[], metavar="TOKENS_NPZ",
+                   help="an earlier run's tokens.npz: re-featured and trained on beside the new data")  # fmt: skip
+    p.add_argument(
+        "--eval-every", type=int, default=0, help="held-out acceptance every this many steps (0: at the end)"
+    )
     p.add_argument("--pack-only", action="store_true", help="only pack the newest checkpoint in --work into --out")
     return p
 
@@ -125,13 +116,13 @@ def _parser() -> argparse.ArgumentParser:
 _STEP_MARGIN = 1.8
 
 
-def _steps(args: argparse.Namespace, target: str, work: Path, tokens: int, seconds_left: float, common: dict):
+def _steps(args: argparse.Namespace, target: str, dirs: list[Path], tokens: int, seconds_left: float, common: dict):
     """How many steps fit in `seconds_left`, from two short timed runs, capped at --max-epochs passes."""
     from specserve.workers.training.eagle_train import train_head
 
-    calib = work / "calibration"
-    first = _timed(train_head, work / "data", target, calib, steps=5, **common)
-    second = _timed(train_head, work / "data", target, calib, steps=25, **common)  # resumes: 20 more steps
+    calib = dirs[-1].parent / "calibration"
+    first = _timed(train_head, dirs, target, calib, steps=5, **common)
+    second = _timed(train_head, dirs, target, calib, steps=25, **common)  # resumes: 20 more steps
     per_step = max((second - first) / 20 * _STEP_MARGIN, 1e-3)
     overhead = max(first - 5 * per_step, 0.0)
     epoch_steps = max(1, math.ceil(tokens / args.batch_tokens))
@@ -154,34 +145,53 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     target = resolve_model(args.target, progress=False)
-    data = generate_data(target, work / "data", args.answer_tokens, 0, _settings(args, args.shard_sequences),
+    restored = _restore(args, target, work)
+    data = generate_data(target, work / "data", args.answer_tokens, args.seed, _settings(args, args.shard_sequences),
                          args.feature_batch_tokens, progress=False, device=args.device,
                          deadline=started + args.data_seconds)  # fmt: skip
     held_out = generate_data(target, work / "eval", args.eval_answer_tokens, 1,
                              _settings(args, min(128, args.shard_sequences)), args.feature_batch_tokens,
                              progress=False, device=args.device)  # fmt: skip
     data_s = time.monotonic() - started
-    token_ids(work / "data", out / "tokens.npz")
+    dirs = [*restored, work / "data"]
+    answer_tokens = save_token_ids(dirs, out / "tokens.npz")
     common = dict(ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, lr=args.lr,
                   batch_tokens=args.batch_tokens, device=args.device, bf16=args.device == "cuda",
                   progress=False)  # fmt: skip
-    tokens = sum(s.tokens for s in data.shards)
-    steps, per_step, passes = _steps(args, target, work, tokens, args.train_seconds, common)
-    result = train_head(work / "data", target, work / "head", steps=steps, eval_data_dir=work / "eval",
-                        checkpoint_every_s=30.0, **common)  # fmt: skip
+    shards = [s for d in dirs for s in read_manifest(d).shards]
+    tokens = sum(s.tokens for s in shards)
+    steps, per_step, passes = _steps(args, target, dirs, tokens, args.train_seconds, common)
+    result = train_head(dirs, target, work / "head", steps=steps, eval_data_dir=work / "eval",
+                        eval_every_steps=args.eval_every, checkpoint_every_s=30.0, **common)  # fmt: skip
     split_weights(result.head_dir, out)
     (out / "config.json").write_text((result.head_dir / "config.json").read_text())
     summary = {
-        "answer_tokens": data.answer_tokens, "tokens": tokens, "sequences": sum(s.sequences for s in data.shards),
-        "shards": len(data.shards), "eval_answer_tokens": held_out.answer_tokens, "data_seconds": round(data_s, 1),
+        "answer_tokens": answer_tokens, "new_answer_tokens": data.answer_tokens, "tokens": tokens,
+        "sequences": sum(s.sequences for s in shards), "shards": len(shards),
+        "eval_answer_tokens": held_out.answer_tokens, "data_seconds": round(data_s, 1),
         "steps": result.steps, "passes": round(passes, 2), "seconds_per_step": round(per_step, 4),
         "train_seconds": round(time.monotonic() - started - data_s, 1), "accuracy_by_step": result.accuracy,
-        "losses_by_step": result.losses, "held_out_acceptance": result.acceptance, "settings": vars(args),
+        "losses_by_step": result.losses, "held_out_acceptance": result.acceptance,
+        "held_out_acceptance_by_step": result.acceptance_by_step, "settings": vars(args),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
     }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: summary[k] for k in ("answer_tokens", "steps", "held_out_acceptance")}))
     return 0
+
+
+def _restore(args: argparse.Namespace, target: str, work: Path) -> list[Path]:
+    """Each --restore file re-featured into a data directory of its own (work/restored-i)."""
+    if not args.restore:
+        return []
+    from specserve.workers.training.eagle_target import EagleTarget
+
+    featurer = EagleTarget(target, device=args.device)
+    dirs = [work / f"restored-{i}" for i in range(len(args.restore))]
+    for path, data_dir in zip(args.restore, dirs, strict=True):
+        restore_data(Path(path), featurer, data_dir, args.shard_sequences, args.feature_batch_tokens)
+    del featurer
+    return dirs
 
 
 def _settings(args: argparse.Namespace, shard_sequences: int) -> GenerationSettings:

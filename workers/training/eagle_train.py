@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from specserve.workers.models.identity import target_identity
 from specserve.workers.speculation.eagle.checkpoint import save_head
 from specserve.workers.speculation.eagle.config import Eagle3Config
 from specserve.workers.speculation.eagle.head import Eagle3Head, ttt_forward, vocab_maps
+from specserve.workers.training.eagle_acceptance import chain_acceptance
 from specserve.workers.training.eagle_manifest import DataManifest, read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import (
     Batch,
@@ -93,40 +95,6 @@ def ttt_loss(
     return stats
 
 
-@torch.no_grad()
-def chain_acceptance(
-    head: Eagle3Head, target: TargetWeights, data_dir: str | Path, k: int, batch_tokens: int = 4096, max_len: int = 2048
-) -> list[float]:
-    """Per-position acceptance of greedy chains of k drafted tokens, teacher-forced on the data: from every answer
-    position whose next k tokens are all answer tokens, the head drafts k tokens greedily (its chain fed the target's
-    greedy tokens, which its drafts equal as long as they are accepted); entry i is the fraction of chains whose first
-    i+1 drafts all equal the target's greedy tokens (computed from last_hidden)."""
-    manifest = read_manifest(data_dir)
-    if head.config.target_identity not in (None, manifest.target):
-        raise ModelLoadError(f"{Path(data_dir) / 'manifest.json'} was generated for another target than the head's")
-    accepted = torch.zeros(k, dtype=torch.int64)
-    starts = 0
-    for path in shard_paths(data_dir, manifest):
-        shard = load_shard(path, target.lm_head, manifest.hidden_size)
-        lengths = shard.seq_starts[1:] - shard.seq_starts[:-1]
-        for sequences in plan_batches(lengths, batch_tokens, max_len, torch.Generator().manual_seed(0)):
-            batch = make_batch(shard, sequences, k, max_len).to(target.embed.device)
-            tokens = [batch.at_step(batch.tokens, 0)] + [batch.greedy[:, j : j + batch.entries] for j in range(1, k)]
-            hiddens = ttt_forward(head, target.embed, batch.features, tokens)
-            valid = torch.stack([batch.at_step(batch.answer, j) for j in range(k)]).all(0)  # [B, T]
-            hits = torch.stack(
-                [
-                    head.draft_to_target(head.logits(h[valid]).argmax(-1)) == batch.at_step(batch.greedy, j)[valid]
-                    for j, h in enumerate(hiddens)
-                ]
-            )  # [k, n]
-            accepted += hits.cumprod(0).sum(1).cpu()
-            starts += int(valid.sum())
-    if not starts:
-        raise ModelLoadError(f"{data_dir}: no answer has {k} tokens to draft")
-    return (accepted.double() / starts).tolist()
-
-
 @dataclass(frozen=True)
 class TrainSettings:
     ttt_steps: int
@@ -144,10 +112,11 @@ class TrainResult:
     losses: list[float]  # per TTT step, over the last logging window
     accuracy: list[float]  # per TTT step, likewise
     acceptance: list[float] | None  # chain_acceptance on eval_data_dir, when given
+    acceptance_by_step: list[tuple[int, list[float]]] = dataclasses.field(default_factory=list)
 
 
 def train_head(
-    data_dir: str | Path,
+    data_dir: str | Path | Sequence[str | Path],
     target_path: str | Path,
     out_dir: str | Path,
     *,
@@ -166,46 +135,68 @@ def train_head(
     checkpoint_every_s: float = 300.0,
     log_every_s: float = 30.0,
     eval_data_dir: str | Path | None = None,
+    eval_every_steps: int = 0,
     device: str = "cpu",
 ) -> TrainResult:
     """Train (or resume training) a head for the target at `target_path` on `data_dir`; save it to `out_dir`.
 
-    Runs `steps` optimizer steps if given, else `epochs` passes over the data. bf16: autocast the head's matmuls
+    Runs `steps` optimizer steps if given, else `epochs` passes over the data (the shards of every directory in
+    `data_dir`, one target's). With `eval_data_dir`, held-out acceptance after training and, with
+    `eval_every_steps`, every that many steps too (`TrainResult.acceptance_by_step`). bf16: autocast the head's matmuls
     (fast on GPUs and CPUs with bf16 units; on a CPU with only AVX2 it was over 10x slower than float32)."""
     say = log.info if progress else log.debug
-    manifest = read_manifest(data_dir)
     identity = target_identity(target_path)
-    if manifest.target != identity:
-        raise ModelLoadError(f"{Path(data_dir) / 'manifest.json'} was generated for another target than {target_path}")
+    manifest, paths = _data(data_dir, identity, target_path)
     settings = TrainSettings(ttt_steps, draft_vocab_size, batch_tokens, seed, max_len, identity)
     target = target_weights(target_path, device)
-    paths = shard_paths(data_dir, manifest)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run = _Run.start(out_dir / STATE_FILE, settings, manifest, target, paths, lr, resume)
     data = _Batches(paths, manifest.hidden_size, target, settings)
     total = steps if steps is not None else sum(len(data.plans.epoch(e)) for e in range(epochs))
-    say(
-        "training EAGLE-3 head: %d steps of TTT %d, draft vocabulary %d, from step %d",
-        total,
-        ttt_steps,
-        draft_vocab_size,
-        run.step,
-    )
-    window = _train_loop(run, data, total, lr, step_weight, bf16, (checkpoint_every_s, log_every_s), say)
+    say("training EAGLE-3 head: %d steps of TTT %d, draft vocabulary %d, from step %d", total, ttt_steps,
+        draft_vocab_size, run.step)  # fmt: skip
+    history: list[tuple[int, list[float]]] = []
+
+    def evaluate() -> None:
+        history.append((run.step, chain_acceptance(run.head.eval(), target, eval_data_dir, ttt_steps, batch_tokens,
+                                                   max_len)))  # fmt: skip
+        run.head.train()
+        log.info("step %d: held-out acceptance per position %s", run.step, " ".join(f"{a:.3f}" for a in history[-1][1]))
+
+    every = eval_every_steps if eval_data_dir is not None else 0
+    window = _train_loop(run, data, total, lr, step_weight, bf16, (checkpoint_every_s, log_every_s), say,
+                         (every, evaluate))  # fmt: skip
     losses, accuracy = window.last
     head_dir = save_head(run.head, out_dir)
-    acceptance = None
     if eval_data_dir is not None:
-        acceptance = chain_acceptance(run.head.eval(), target, eval_data_dir, ttt_steps, batch_tokens, max_len)
-        say("acceptance per position on %s: %s", eval_data_dir, " ".join(f"{a:.3f}" for a in acceptance))
-    return TrainResult(head_dir, run.step, losses, accuracy, acceptance)
+        evaluate()
+    return TrainResult(head_dir, run.step, losses, accuracy, history[-1][1] if history else None, history)
+
+
+def _data(data_dir, identity: str, target_path) -> tuple[DataManifest, list[Path]]:
+    """The first directory's manifest and the shards of every directory, all of the target `identity`."""
+    dirs = [Path(data_dir)] if isinstance(data_dir, (str, Path)) else [Path(d) for d in data_dir]
+    manifests = [read_manifest(d) for d in dirs]
+    for d, m in zip(dirs, manifests, strict=True):
+        if m.target != identity or m.feature_layers != manifests[0].feature_layers:
+            raise ModelLoadError(f"{d / 'manifest.json'} was generated for another target than {target_path}")
+    return manifests[0], [p for d, m in zip(dirs, manifests, strict=True) for p in shard_paths(d, m)]
 
 
 def _train_loop(
-    run: _Run, data: _Batches, total: int, lr: float, step_weight: float, bf16: bool, every_s: tuple[float, float], say
+    run: _Run,
+    data: _Batches,
+    total: int,
+    lr: float,
+    step_weight: float,
+    bf16: bool,
+    every_s: tuple[float, float],
+    say,
+    evaluation: tuple[int, Callable[[], None]] = (0, lambda: None),
 ) -> _Window:
-    """Optimizer steps up to `total`, logging per-step loss and accuracy and checkpointing every `every_s` seconds."""
+    """Optimizer steps up to `total`, logging per-step loss and accuracy and checkpointing every `every_s` seconds
+    (and calling `evaluation[1]` every `evaluation[0]` steps before the last)."""
     checkpoint_every_s, log_every_s = every_s
     window = _Window(run.settings.ttt_steps)
     last_log = last_save = time.monotonic()
@@ -218,6 +209,8 @@ def _train_loop(
         if now - last_save >= checkpoint_every_s:
             run.save()
             last_save = now
+        if evaluation[0] and run.step % evaluation[0] == 0 and run.step < total:
+            evaluation[1]()
     run.save()
     return window
 
