@@ -31,7 +31,7 @@ from specserve.workers.errors import (
 log = logging.getLogger(__name__)
 
 
-class SpecService:
+class SchedulerService:
     """The served models of one scheduler replica: their workers (as the registry lists them), readiness, admission
     control and the requests running here."""
 

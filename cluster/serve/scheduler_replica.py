@@ -25,20 +25,22 @@ REJOIN_S = 2 * HEARTBEAT_S + POLL_S
 
 
 class SchedulerReplica:
-    """A replica of the Serve deployment "scheduler": hosts the app's `SpecService` (cluster/scheduling/service.py),
-    which holds one `Scheduler` state machine and its `Pipeline` per served model; not a scheduler itself.
+    """A replica of the Serve deployment "scheduler": hosts the app's `SchedulerService`
+    (cluster/scheduling/service.py), which holds one `Scheduler` state machine and its `Pipeline` per served model.
     The ingress calls it through a deployment handle, so when a scheduler replica dies the ingress sees it and
     answers UNAVAILABLE (Serve's proxy would report a dead replica as INTERNAL). Pool handles are passed in only so
     Serve deploys the pools with the app; requests go to the workers over their own gRPC servers."""
 
     def __init__(self, app_args: dict, *pools: Any):
-        from specserve.cluster.scheduling.service import SpecService
+        from specserve.cluster.scheduling.service import SchedulerService
         from specserve.cluster.serve.metrics import ServiceMetrics
 
         use_serve_log_files()
         self.config: AppConfig = app_config(app_args)
         paths = {m.name: resolve_paths(m) for m in self.config.models}
-        self.service = SpecService(self.config, paths, metrics=ServiceMetrics([m.name for m in self.config.models]))
+        self.service = SchedulerService(
+            self.config, paths, metrics=ServiceMetrics([m.name for m in self.config.models])
+        )
         self._poller: asyncio.Task | None = None
         self._seen: tuple[str, int] | None = None  # (registry incarnation, version) last applied
         self._rows: list[dict] = []

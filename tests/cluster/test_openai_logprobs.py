@@ -9,7 +9,7 @@ import pytest
 from starlette.requests import Request as HttpRequest
 
 from specserve.cluster.app_config import AppConfig
-from specserve.cluster.scheduling.service import SpecService
+from specserve.cluster.scheduling.service import SchedulerService
 from specserve.cluster.serve import ingress as ingress_module
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.openai_logprobs import FLOOR, LogprobsShaper, TokenTexts
@@ -68,9 +68,9 @@ class _Call:
 
 
 class ServiceHandle:
-    """The scheduler deployment's handle, calling a SpecService in this process."""
+    """The scheduler deployment's handle, calling a SchedulerService in this process."""
 
-    def __init__(self, service: SpecService):
+    def __init__(self, service: SchedulerService):
         self.generate, self.run = _Call(service.generate), _Call(service.run)
 
     def options(self, stream: bool = False):
@@ -117,7 +117,7 @@ def answers(tiny_target):
 
     async def main():
         async with LocalWorkers(target, [target]) as w:
-            service = SpecService(AppConfig.model_validate(args), {"tiny": (tiny_target, tiny_target)})
+            service = SchedulerService(AppConfig.model_validate(args), {"tiny": (tiny_target, tiny_target)})
             service.sync_workers([{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
                                   for n, a in w.addresses.items()])  # fmt: skip
             ingress = ingress_module.SpecServeIngress(args, ServiceHandle(service))

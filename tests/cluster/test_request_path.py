@@ -1,6 +1,6 @@
-"""One request path without Ray: the ingress tokenizes with a RequestPreparer (no SpecService) and hands the scheduler
-one typed `Prepared` per request in one call, with no admission round trip before a stream; the scheduler's
-SpecService runs it against real gRPC workers, its streamed text adding up to the decode of its tokens."""
+"""One request path without Ray: the ingress tokenizes with a RequestPreparer (no SchedulerService) and hands the
+scheduler one typed `Prepared` per request in one call, with no admission round trip before a stream; the scheduler's
+SchedulerService runs it against real gRPC workers, its streamed text adding up to the decode of its tokens."""
 
 import asyncio
 import json
@@ -10,7 +10,7 @@ from starlette.requests import Request as HttpRequest
 
 from specserve.cluster.app_config import AppConfig
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
-from specserve.cluster.scheduling.service import SpecService
+from specserve.cluster.scheduling.service import SchedulerService
 from specserve.cluster.serve import ingress as ingress_module
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
@@ -160,7 +160,7 @@ def test_the_service_runs_a_prepared_request_losslessly_and_its_text_adds_up(tin
 
     async def main():
         async with LocalWorkers(target, [target] if method == "draft" else []) as w:
-            service = SpecService(app, {"tiny": (tiny_target, tiny_target)})
+            service = SchedulerService(app, {"tiny": (tiny_target, tiny_target)})
             rows = [{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
                     for n, a in w.addresses.items()]  # fmt: skip
             service.sync_workers(rows)

@@ -13,7 +13,7 @@ from specserve.cluster.app_config import AppConfig
 from specserve.cluster.scheduling.pipeline import Pipeline
 from specserve.cluster.scheduling.prepared import Prepared
 from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.cluster.scheduling.service import SpecService
+from specserve.cluster.scheduling.service import SchedulerService
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
@@ -117,7 +117,7 @@ class ServedRun:
 def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int, speculation: dict | None = None) -> ServedRun:
     """What the Serve app runs for the first model of `app`, without Ray: the pool replicas' worker bodies (the draft
     pool runs the head, the target pool captures its features), the ingress's RequestPreparer (a greedy request,
-    without a method unless `speculation` says) and the scheduler replica's SpecService."""
+    without a method unless `speculation` says) and the scheduler replica's SchedulerService."""
     from specserve.cluster.serve.pool_worker import _worker_body
     from specserve.cluster.serve.replica_env import resolve_paths
 
@@ -132,7 +132,7 @@ def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int, speculati
     async def main():
         rows = [{"model": name, "kind": kind, "worker_id": f"{kind}-0", "address": await body.start()}
                 for kind, body in bodies.items()]  # fmt: skip
-        service = SpecService(app, paths)
+        service = SchedulerService(app, paths)
         service.sync_workers(rows)
         out = await service.generate(prepared)
         pipeline = service.models[name].pipeline
