@@ -1,6 +1,7 @@
-"""OpenAI's `n`: several choices for one prompt, each its own request to the scheduler (so each is exactly what a
-request alone would give, and they run in parallel), seeded `seed + index` when the client seeded the request, so
-every choice is reproducible on its own; their streams merged as their rounds arrive, each chunk with its `index`."""
+"""OpenAI's `n` (HTTP `n`, gRPC GenerateRequest.n): several choices for one prompt, each its own request to the
+scheduler (so each is exactly what a request alone would give, and they run in parallel), seeded `seed + index` when
+the client seeded the request, so every choice is reproducible on its own; their streams merged as their rounds
+arrive, each chunk with its `index`."""
 
 from __future__ import annotations
 
@@ -51,3 +52,25 @@ async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def after(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """`first`, then the rest of the stream it came from."""
+    if first is None:
+        return
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+async def started(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """The choices' streams merged once each has sent its first chunk, so that a refusal (over capacity, no workers)
+    is raised here, before a response has begun, as for one request."""
+    firsts = await asyncio.gather(*(anext(s, None) for s in streams))
+    return merged([after(f, s) for f, s in zip(firsts, streams, strict=True)])
+
+
+async def indexed(chunks: AsyncIterator[Chunk]) -> AsyncIterator[tuple[int, Chunk]]:
+    """One choice's stream as choice 0's."""
+    async for chunk in chunks:
+        yield 0, chunk

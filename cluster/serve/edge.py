@@ -43,6 +43,7 @@ MAX_TEMPERATURE = 100.0  # SamplingParams' bound
 UINT32_MAX = 2**32 - 1  # top_k travels to the workers as a uint32
 SEED_LIMIT = 2**63  # SamplingParams' bound (torch generators take int64 seeds)
 MAX_NAME_CHARS = 256  # a model name (served names are at most 128 characters)
+MAX_N = 16  # choices per request (OpenAI's n)
 _SHOWN_CHARS = 64  # of a client's own key or value, in an error message
 _OTHERS_SHOWN = 3
 
@@ -85,6 +86,7 @@ class Request:
     logprobs: int | None = None  # the target's logprobs of every token and this many alternatives; None: not asked
     response_format: ResponseFormat | None = None  # structured output, its schema checked by the grammar engine
     tool_calls: Any = None  # a chat request's forced tool call (openai_tools.ForcedCalls): its output parsed into calls
+    n: int = 1  # choices, each its own request (cluster/serve/choices.py)
 
 
 # The logits controls' ranges (vLLM's), for both edges.

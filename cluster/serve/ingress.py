@@ -20,14 +20,21 @@ from ray import serve
 from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.serve import openai_api as oai
-from specserve.cluster.serve.choices import merged, per_choice
+from specserve.cluster.serve.choices import after, indexed, per_choice, started
 from specserve.cluster.serve.edge import REQUEST_ID_HEADER, PayloadTooLargeError, client_message, request_id
 from specserve.cluster.serve.error_mapping import call_scheduler, http_error, scheduler_error, set_grpc_error
 from specserve.cluster.serve.health import Readiness
 from specserve.cluster.serve.openai_endpoints import parse_detokenize, parse_tokenize
 from specserve.cluster.serve.openai_logprobs import LogprobsShaper, TokenTexts
 from specserve.cluster.serve.openai_tools import with_tool_calls
-from specserve.cluster.serve.public_proto import http_status_for, refused_status, request_from_proto, response
+from specserve.cluster.serve.public_proto import (
+    choices_response,
+    http_status_for,
+    refused_status,
+    request_from_proto,
+    response,
+    result_response,
+)
 from specserve.cluster.serve.replica_env import resolve_paths, use_serve_log_files
 from specserve.workers.errors import SpecServeError, UnauthenticatedError
 
@@ -103,24 +110,30 @@ class SpecServeIngress:
         try:
             rid = _grpc_request_id(grpc_context)
             self._check_grpc_key(grpc_context)
-            prepared = self.preparer.prepare(request_from_proto(request), rid)
-            out = await self._generate(prepared)
-            return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"], out.get("logprobs"))
+            typed = request_from_proto(request)
+            prepared = self.preparer.prepare(typed, rid)
+            if typed.n > 1:  # each choice its own request (choices.py)
+                outs = await asyncio.gather(*(self._generate(p) for p in per_choice(prepared, typed.n)))
+                return choices_response(outs)
+            return result_response(await self._generate(prepared))
         except Exception as e:
             self._grpc_failed("Generate", grpc_context, e, rid)
             raise
 
     async def GenerateStream(self, request, grpc_context):  # noqa: N802 - gRPC method name
-        started, rid = False, None
+        begun, rid = False, None
         try:
             rid = _grpc_request_id(grpc_context)
             self._check_grpc_key(grpc_context)
-            prepared = self.preparer.prepare(request_from_proto(request), rid)
-            async for chunk in self._run(prepared):
-                started = True
-                yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats, chunk.logprobs)
+            typed = request_from_proto(request)
+            prepared = self.preparer.prepare(typed, rid)
+            chunks = (await started([self._run(p) for p in per_choice(prepared, typed.n)]) if typed.n > 1
+                      else indexed(self._run(prepared)))  # fmt: skip
+            async for i, chunk in chunks:
+                begun = True
+                yield response(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats, chunk.logprobs, i)
         except Exception as e:
-            self._grpc_failed("GenerateStream", grpc_context, e, rid, refused=not started)
+            self._grpc_failed("GenerateStream", grpc_context, e, rid, refused=not begun)
             raise
 
     def _grpc_failed(self, method: str, grpc_context, error: BaseException, rid: str | None,
@@ -250,9 +263,7 @@ class SpecServeIngress:
             outs = await asyncio.gather(*(self._generate(p) for p in prepared))
             outs = [_shaped(out, shaper, i) for i, out in enumerate(outs)]
             return JSONResponse(_answer(parsed, oai.completion_response(rid, prepared[0].model, outs, chat)))
-        streams = [self._run(p) for p in prepared]
-        firsts = await asyncio.gather(*(anext(s, None) for s in streams))  # refusals before the 200, as for one
-        chunks = merged([_after(f, s) for f, s in zip(firsts, streams, strict=True)])
+        chunks = await started([self._run(p) for p in prepared])  # refusals before the 200, as for one
         return StreamingResponse(self._sse_choices(rid, prepared[0], chunks, parsed.include_usage, chat, shaper),
                                  media_type="text/event-stream")  # fmt: skip
 
@@ -296,7 +307,7 @@ class SpecServeIngress:
         generated, stats = 0, {}
         try:
             async with contextlib.aclosing(chunks):
-                async for chunk in _after(first, chunks):
+                async for chunk in after(first, chunks):
                     generated += len(chunk.token_ids)
                     stats = chunk.stats
                     if chunk.text or chunk.finish_reason or chunk.logprobs:  # a chunk's text may be held back
@@ -327,15 +338,6 @@ def _shaped(out: dict, shaper: LogprobsShaper | None, index: int = 0) -> dict:
     if shaper is None:
         return out
     return {**out, "logprobs": shaper.shape(out["token_ids"], out.get("logprobs"), index)}
-
-
-async def _after(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    """`first`, then the rest of the stream it came from."""
-    if first is None:
-        return
-    yield first
-    async for chunk in rest:
-        yield chunk
 
 
 def _grpc_request_id(grpc_context) -> str:

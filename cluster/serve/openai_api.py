@@ -26,6 +26,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Dis
 from pydantic_core import PydanticCustomError
 
 from specserve.cluster.serve.edge import (
+    MAX_N,
     MAX_NAME_CHARS,
     MAX_STOP_CHARS,
     MAX_STOPS,
@@ -175,7 +176,6 @@ _NEUTRAL: dict[str, tuple[tuple, str]] = {
 }
 
 StopText = text(min_length=1, max_length=MAX_STOP_CHARS)
-MAX_N = 16  # choices per request
 
 
 class _Body(EdgeModel):
@@ -242,6 +242,7 @@ class _Body(EdgeModel):
             min_tokens=self.min_tokens or 0,
             logprobs=requested(self.logprobs, self.top_logprobs, chat=isinstance(self, ChatBody)),
             response_format=from_openai(self.response_format),
+            n=self.n or 1,
         )
 
 
@@ -279,12 +280,15 @@ class ParsedRequest:
     request: Request
     stream: bool
     include_usage: bool
-    n: int = 1
+
+    @property
+    def n(self) -> int:
+        return self.request.n
 
 
 def _parsed(body: _Body, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str) -> ParsedRequest:
     usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage, body.n or 1)
+    return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage)
 
 
 def parse_completion(body: Any) -> ParsedRequest:

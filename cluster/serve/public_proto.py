@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 from pydantic import Field
 
 from specserve.cluster.serve.edge import (
+    MAX_N,
     MAX_NAME_CHARS,
     MAX_STOP_CHARS,
     MAX_STOPS,
@@ -113,6 +114,7 @@ class GrpcRequest(EdgeModel):
     messages: Annotated[list[GrpcMessage], Field(fail_fast=True)]
     stop: Annotated[list[text(min_length=1, max_length=MAX_STOP_CHARS)], Field(max_length=MAX_STOPS, fail_fast=True)]
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOPS, fail_fast=True)]
+    n: Annotated[int, Field(ge=0, le=MAX_N)]  # 0 = unset (1)
 
 
 def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
@@ -139,13 +141,9 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
         "messages": [{"role": m.role, "content": m.content} for m in request.messages],
         "stop": list(request.stop[: MAX_STOPS + 1]),
         "stop_token_ids": list(request.stop_token_ids[: MAX_STOPS + 1]),
+        "n": request.n,
     })  # fmt: skip
-    if given[0]:
-        prompt, field = request.prompt, "prompt"
-    elif given[1]:
-        prompt, field = tuple(request.prompt_token_ids), "prompt_token_ids"
-    else:
-        prompt, field = ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in edge.messages)), "messages"
+    prompt, field = _prompt(request, edge)
     sp, sampling = edge.speculation, edge.sampling
     return Request(
         model=edge.model,
@@ -172,7 +170,17 @@ def request_from_proto(request: pb.GenerateRequest | Undecodable) -> Request:
         controls_prefix="sampling.",
         logprobs=sampling.logprobs,
         response_format=sampling.response_format.internal() if sampling.response_format else None,
+        n=edge.n or 1,
     )
+
+
+def _prompt(request: pb.GenerateRequest, edge: GrpcRequest) -> tuple[str | tuple[int, ...] | ChatPrompt, str]:
+    """(the prompt, its field): the one of prompt, prompt_token_ids and messages that is set."""
+    if request.prompt:
+        return request.prompt, "prompt"
+    if request.prompt_token_ids:
+        return tuple(request.prompt_token_ids), "prompt_token_ids"
+    return ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in edge.messages)), "messages"
 
 
 def stats_proto(stats: dict) -> pb.RequestStats:
@@ -180,11 +188,21 @@ def stats_proto(stats: dict) -> pb.RequestStats:
 
 
 def response(text: str, token_ids: list[int], finish_reason: str | None, stats: dict,
-             logprobs: list[TokenLogprob] | None = None) -> pb.GenerateResponse:  # fmt: skip
-    """logprobs: those of token_ids, when the request asked (sampling.logprobs)."""
+             logprobs: list[TokenLogprob] | None = None, index: int = 0) -> pb.GenerateResponse:  # fmt: skip
+    """logprobs: those of token_ids, when the request asked (sampling.logprobs); index: the choice's (n > 1)."""
     return pb.GenerateResponse(text=text, token_ids=token_ids, finish_reason=finish_reason or "",
-                               stats=stats_proto(stats),
+                               stats=stats_proto(stats), index=index,
                                logprobs=to_proto(logprobs) if logprobs is not None else None)  # fmt: skip
+
+
+def result_response(out: dict, index: int = 0) -> pb.GenerateResponse:
+    """A scheduler's whole result as the unary answer (or one of its choices)."""
+    return response(out["text"], out["token_ids"], out["finish_reason"], out["stats"], out.get("logprobs"), index)
+
+
+def choices_response(outs: list[dict]) -> pb.GenerateResponse:
+    """Generate's answer with n > 1: every choice in `choices`, by index; the message's own fields unset."""
+    return pb.GenerateResponse(choices=[result_response(out, i) for i, out in enumerate(outs)])
 
 
 def status_for(error: BaseException) -> grpc.StatusCode:

@@ -101,6 +101,7 @@ class SpecServeClient:
         controls: dict | None = None,
         logprobs: int | None = None,
         response_format: dict | None = None,
+        n: int = 1,
     ) -> pb.GenerateRequest:
         """A GenerateRequest: a raw `prompt` (text or token ids), or chat `messages` ([{"role", "content"}, ...])
         that the server renders with the model's chat template; `stop` sequences and `stop_token_ids` end it.
@@ -108,7 +109,9 @@ class SpecServeClient:
         min_p, min_tokens, and logit_bias as {token id: bias}). `logprobs`: also return the target's log-probability of
         every token and this many alternatives (0..20; the dicts' "logprobs": [{"logprob", "top": [[id, logprob]]}]).
         `response_format`: OpenAI's ({"type": "json_object"}, or {"type": "json_schema", "json_schema": {"schema":
-        {...}}}): the output is JSON, valid against the schema."""
+        {...}}}): the output is JSON, valid against the schema. `n`: choices (1..16, each its own request, seeded
+        seed + index): `generate` then returns {"choices": [result, ...]}, each result with its "index", and
+        `generate_stream`'s chunks interleave, each saying its choice's "index"."""
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                      ignore_eos=ignore_eos, **(controls or {}))  # fmt: skip
         if seed is not None:
@@ -120,7 +123,8 @@ class SpecServeClient:
             text = "" if schema is None else json.dumps(schema)
             sampling.response_format.CopyFrom(pb.ResponseFormat(type=response_format["type"], json_schema=text))
         req = pb.GenerateRequest(model=model, sampling=sampling, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                 include_stop_str_in_output=include_stop_str_in_output)  # fmt: skip
+                                 include_stop_str_in_output=include_stop_str_in_output,
+                                 n=0 if n == 1 else n)  # fmt: skip
         if messages is not None:
             req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
         if isinstance(prompt, str):
@@ -137,7 +141,10 @@ class SpecServeClient:
         delay = 0.5
         for attempt in range(self.retries + 1):
             try:
-                return _to_dict(self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata))
+                out = self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata)
+                if out.choices:
+                    return {"choices": [{**_to_dict(c), "index": c.index} for c in out.choices]}
+                return _to_dict(out)
             except grpc.RpcError as e:
                 if not _retryable(e) or attempt == self.retries:
                     raise
@@ -151,7 +158,7 @@ class SpecServeClient:
         req = self.request(prompt, **kw)
         for chunk in self.stub.GenerateStream(req, timeout=self.timeout_s, metadata=self.metadata):
             if chunk.token_ids or chunk.finish_reason:  # Serve may send an empty first message
-                yield _to_dict(chunk)
+                yield {**_to_dict(chunk), "index": chunk.index}
 
 
 def _read(path: str | None) -> bytes | None:

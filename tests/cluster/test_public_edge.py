@@ -13,6 +13,7 @@ from specserve.cluster.serve.edge import PayloadTooLargeError, Request
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.cluster.serve.public_proto import (
     add_servicer_to_server,
+    choices_response,
     decode_request,
     refused_status,
     request_from_proto,
@@ -55,6 +56,15 @@ def test_a_generate_request_becomes_the_typed_request_with_zero_as_unset():
     )
     r = request_from_proto(g(prompt="", ids=[1, 2]))
     assert (r.prompt, r.prompt_field) == ((1, 2), "prompt_token_ids")
+    assert [request_from_proto(pb.GenerateRequest(prompt="x", n=n)).n for n in (0, 1, 16)] == [1, 1, 16]
+
+
+def test_n_choices_answer_in_choices_each_with_its_index():
+    outs = [{"text": t, "token_ids": [i], "finish_reason": "length", "stats": {}} for i, t in enumerate("ab")]
+    answer = choices_response(outs)
+    assert not answer.text and not answer.token_ids and not answer.finish_reason  # the choices hold it all
+    assert [(c.index, c.text, list(c.token_ids), c.finish_reason) for c in answer.choices] == [
+        (0, "a", [0], "length"), (1, "b", [1], "length")]  # fmt: skip
 
 
 BAD_GRPC = [
@@ -78,6 +88,8 @@ BAD_GRPC = [
     (pb.GenerateRequest(prompt="x", model="m" * 300), "model", "at most 256 characters"),
     (g(prompt="", messages=[("tool", "x")]), "messages[0].role", "'user'"),
     (g(prompt="", messages=[("user", "x")] * 5000), "messages", "5000 messages, the limit is 4096"),
+    (pb.GenerateRequest(prompt="x", n=17), "n", "less than or equal to 16"),
+    (pb.GenerateRequest(prompt="x", n=2**32 - 1), "n", "less than or equal to 16"),
 ]
 
 
