@@ -64,15 +64,15 @@ def test_a_chain_verifies_as_the_chain_verifiers_do(seed):
     argmax = torch.randint(0, vocab, (batch, k + 1), generator=g)
     argmax[: batch // 2, :2] = drafted[: batch // 2, :2]  # some rows accept a few
     tree, chain = greedy_tree_verify(parents, drafted, valid, argmax), greedy_verify(drafted, argmax)
-    assert torch.equal(tree.num_accepted, chain.num_accepted) and torch.equal(tree.next_token, chain.next_token)
-    assert all(tree.accepted_nodes(b) == list(range(int(chain.num_accepted[b]))) for b in range(batch))
+    assert torch.equal(tree.accepted, chain.accepted) and torch.equal(tree.next_token, chain.next_token)
+    assert all(tree.accepted_nodes(b) == list(range(int(chain.accepted[b]))) for b in range(batch))
 
     probs = torch.softmax(torch.randn(batch, k + 1, vocab, generator=g) * 2, -1)
     one_hot = torch.nn.functional.one_hot(drafted, vocab).float()  # deterministic drafts, as prompt lookup's
     uniform, noise = torch.rand(batch, k, generator=g), torch.empty(batch, vocab).exponential_(generator=g)
     tree = rejection_tree_verify(parents, drafted, valid, probs, uniform, noise)
     chain = rejection_verify(drafted, one_hot, probs, uniform, noise)
-    assert torch.equal(tree.num_accepted, chain.num_accepted) and torch.equal(tree.next_token, chain.next_token)
+    assert torch.equal(tree.accepted, chain.accepted) and torch.equal(tree.next_token, chain.next_token)
 
 
 def test_malformed_trees_are_refused_and_padding_is_ignored():

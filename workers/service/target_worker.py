@@ -148,7 +148,7 @@ class TargetWorker:
         out = []
         for v, row in zip(verdicts, rows, strict=True):
             features = encode_features(v.feature_start, v.features) if row.want_features else b""
-            out.append(_Verified(v.num_accepted, v.next_token, features, logprobs=v.logprobs))
+            out.append(_Verified(v.accepted, v.next_token, features, logprobs=v.logprobs))
         return out
 
     def release(self, request_id: str) -> bool:

@@ -180,7 +180,7 @@ class SpecEngine:
         tree = rounds.propose_tree(state)
         if tree is None:
             verdict = self._verify(state, rounds.drafter, None, params, generator)
-            state.commit_round([], verdict.num_accepted, verdict.next_token, logprobs=verdict.logprobs)
+            state.commit_round([], verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
             return
         head = rounds.drafter if isinstance(rounds.drafter, EagleDrafter) else None
         call = TreeCall(TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents), params, generator)
@@ -222,8 +222,8 @@ class SpecEngine:
                 generator = make_generator(params.seed, TARGET_SALT, position)
                 verdict = self._verify(state, drafter, proposal, params, generator)
                 if rounds is not None:
-                    rounds.observe(len(drafted), verdict.num_accepted)
-                state.commit_round(drafted, verdict.num_accepted, verdict.next_token, logprobs=verdict.logprobs)
+                    rounds.observe(len(drafted), verdict.accepted)
+                state.commit_round(drafted, verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
         finally:
             self.verifier.release(state.request_id)
             if drafter is not None:

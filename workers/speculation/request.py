@@ -89,7 +89,7 @@ class RequestState:
     def commit_round(
         self,
         drafted: list[int],
-        num_accepted: int,
+        accepted: int,
         next_token: int,
         tree: tuple[int, int] | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
@@ -98,10 +98,10 @@ class RequestState:
         round passes its accepted path as `drafted` and tree = (nodes, depth) for the stats. `logprobs`: the round's,
         one per accepted token and the next token; those of the committed tokens are kept."""
         if tree is None:
-            self.stats.add_round(len(drafted), num_accepted)
+            self.stats.add_round(len(drafted), accepted)
         else:
-            self.stats.add_round(tree[0], num_accepted, positions=tree[1])
-        new = drafted[:num_accepted] + [next_token]
+            self.stats.add_round(tree[0], accepted, positions=tree[1])
+        new = drafted[:accepted] + [next_token]
         committed: list[int] = []
         for token in new:
             if self.remaining <= 0:

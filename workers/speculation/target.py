@@ -22,7 +22,7 @@ from specserve.workers.speculation.verification import greedy_verify, rejection_
 
 @dataclass
 class Verdict:
-    num_accepted: int
+    accepted: int
     next_token: int
     features: torch.Tensor | None  # [m, F]: the features of committed positions feature_start.. (when captured)
     feature_start: int
@@ -68,7 +68,7 @@ class TargetVerifier:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> tuple[int, int]:
-        """Verify `drafted` as the continuation of committed `tokens`. Returns (num_accepted, next_token).
+        """Verify `drafted` as the continuation of committed `tokens`. Returns (accepted, next_token).
 
         draft_probs: [len(drafted), V] the distributions the drafted tokens were drawn from (truncated; normalised
         here), or None for one-hot (deterministic drafters, and greedy requests, where only the tokens matter).
@@ -82,7 +82,7 @@ class TargetVerifier:
     ) -> list[tuple[int, int]]:
         """Verify many requests' proposals in one forward pass; rows are (request_id, tokens, drafted, draft_probs,
         params, generator) as for `verify`, and each row is verified alone, with its own generator."""
-        return [(v.num_accepted, v.next_token) for v in self.verify_rows(rows)]
+        return [(v.accepted, v.next_token) for v in self.verify_rows(rows)]
 
     def verify_with_features(
         self,
@@ -101,7 +101,7 @@ class TargetVerifier:
         """`verify_batch` as Verdicts: with `capture` the features as `verify_with_features` (else None), and for rows
         whose params ask (`params.logprobs`) the committed tokens' logprobs, from the same raw logits. A row with a
         response_format verifies its drafted tokens up to the grammar's first forbidden one, under the grammar's mask
-        (num_accepted counts within them)."""
+        (accepted counts within them)."""
         constrained = [constrain_chain(self.grammars, row) for row in rows]
         rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
         sequences = [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows]
@@ -189,7 +189,7 @@ class TargetVerifier:
             uniform = uniform_noise(k, [generator], device=p.device)  # [1, k]
             noise = exponential_noise(V, [generator], device=p.device)  # [1, V]
             out = rejection_verify(drafted_row, q, p, uniform, noise)
-        return int(out.num_accepted[0]), int(out.next_token[0])
+        return int(out.accepted[0]), int(out.next_token[0])
 
     def release(self, request_id: str) -> bool:
         self.grammars.release(request_id)

@@ -29,12 +29,12 @@ from specserve.workers.speculation.sampling import sample_with_noise
 
 @dataclass(frozen=True)
 class TreeVerifyOutput:
-    path: torch.Tensor  # [B, N] int64: the accepted nodes root-down (num_accepted of them), then -1
-    num_accepted: torch.Tensor  # [B] int64 in 0..N
+    path: torch.Tensor  # [B, N] int64: the accepted nodes root-down (accepted of them), then -1
+    accepted: torch.Tensor  # [B] int64 in 0..N
     next_token: torch.Tensor  # [B] int64: recovered or bonus, after the deepest accepted node
 
     def accepted_nodes(self, row: int) -> list[int]:
-        return self.path[row, : int(self.num_accepted[row])].tolist()
+        return self.path[row, : int(self.accepted[row])].tolist()
 
 
 def check_tree(parents: torch.Tensor, valid: torch.Tensor) -> None:
@@ -68,7 +68,7 @@ def _walk(parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, acce
         path[accepted, depth[accepted]] = i
         depth[accepted] += 1
         current[accepted] = i
-    return TreeVerifyOutput(path=path, num_accepted=depth, next_token=torch.zeros_like(depth))
+    return TreeVerifyOutput(path=path, accepted=depth, next_token=torch.zeros_like(depth))
 
 
 def greedy_tree_verify(
@@ -86,7 +86,7 @@ def greedy_tree_verify(
     out = _walk(parents, tokens, valid, accept_child)
     deepest = _deepest(out)  # [B]
     next_token = target_argmax.gather(1, (deepest + 1).unsqueeze(1)).squeeze(1)  # [B]
-    return TreeVerifyOutput(out.path, out.num_accepted, next_token)
+    return TreeVerifyOutput(out.path, out.accepted, next_token)
 
 
 def rejection_tree_verify(
@@ -120,16 +120,16 @@ def rejection_tree_verify(
 
     out = _walk(parents, tokens, valid, accept_child)
     next_token = sample_with_noise(residual, exp_noise)  # [B]
-    return TreeVerifyOutput(out.path, out.num_accepted, next_token)
+    return TreeVerifyOutput(out.path, out.accepted, next_token)
 
 
 def _deepest(out: TreeVerifyOutput) -> torch.Tensor:
     """[B] the deepest accepted node, ROOT where none (a tree of no nodes: every one pruned by a grammar)."""
     if out.path.shape[1] == 0:
-        return torch.full_like(out.num_accepted, ROOT)
-    last = (out.num_accepted - 1).clamp_min(0).unsqueeze(1)  # [B, 1]
+        return torch.full_like(out.accepted, ROOT)
+    last = (out.accepted - 1).clamp_min(0).unsqueeze(1)  # [B, 1]
     node = out.path.gather(1, last).squeeze(1)  # [B]
-    return torch.where(out.num_accepted > 0, node, torch.full_like(node, ROOT))
+    return torch.where(out.accepted > 0, node, torch.full_like(node, ROOT))
 
 
 def chain_tree(k: int, batch: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:

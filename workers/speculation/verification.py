@@ -10,7 +10,7 @@ Vocabulary used everywhere in specserve (code, protos, stats, docs):
 - **bonus** token: when all k drafted tokens are accepted, the extra token drawn from the target's distribution
   p_k at the position after them, which the same verification forward pass computed for free.
 
-Every round therefore commits `num_accepted + 1` tokens: the accepted ones, then one recovered or bonus token.
+Every round therefore commits `accepted + 1` tokens: the accepted ones, then one recovered or bonus token.
 Together they are distributed exactly as target-only sampling (Leviathan et al. 2023; Chen et al. 2023).
 
 Shapes: B = rows (requests), k = drafted tokens per row, V = vocabulary.
@@ -27,11 +27,11 @@ from specserve.workers.speculation.sampling import sample_with_noise
 
 @dataclass(frozen=True)
 class VerifyOutput:
-    num_accepted: torch.Tensor  # [B] int64 in 0..k
-    next_token: torch.Tensor  # [B] int64: the recovered token (num_accepted < k) or the bonus token (== k)
+    accepted: torch.Tensor  # [B] int64 in 0..k
+    next_token: torch.Tensor  # [B] int64: the recovered token (accepted < k) or the bonus token (== k)
 
     def is_bonus(self, k: int) -> torch.Tensor:  # [B] bool
-        return self.num_accepted == k
+        return self.accepted == k
 
 
 def _first_rejection(accept: torch.Tensor) -> torch.Tensor:
@@ -50,9 +50,9 @@ def greedy_verify(drafted: torch.Tensor, target_argmax: torch.Tensor) -> VerifyO
     The next token is target_argmax at the first mismatch (recovered) or at position k (bonus).
     """
     k = drafted.shape[1]
-    num_accepted = _first_rejection(drafted == target_argmax[:, :k])  # [B]
-    next_token = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
-    return VerifyOutput(num_accepted=num_accepted, next_token=next_token)
+    accepted = _first_rejection(drafted == target_argmax[:, :k])  # [B]
+    next_token = target_argmax.gather(1, accepted.unsqueeze(1)).squeeze(1)  # [B]
+    return VerifyOutput(accepted=accepted, next_token=next_token)
 
 
 def rejection_verify(
@@ -77,18 +77,18 @@ def rejection_verify(
     q_x = draft_probs.gather(-1, idx).squeeze(-1)  # [B, k]
     # u < p/q  <=>  u * q < p; avoids dividing by q == 0 (a token the draft could not have drawn is rejected).
     accept = (uniform * q_x < p_x) & (q_x > 0)  # [B, k]
-    num_accepted = _first_rejection(accept)  # [B]
+    accepted = _first_rejection(accept)  # [B]
 
     # Distribution of the next token: the residual at the first rejected position, or p_k when all were accepted.
     rows = torch.arange(B, device=drafted.device)
-    p_next = target_probs[rows, num_accepted]  # [B, V]
+    p_next = target_probs[rows, accepted]  # [B, V]
     q_next = torch.zeros_like(p_next)
-    rejected = num_accepted < k  # [B]
+    rejected = accepted < k  # [B]
     if k > 0 and bool(rejected.any()):
-        q_next[rejected] = draft_probs[rows[rejected], num_accepted[rejected]]
+        q_next[rejected] = draft_probs[rows[rejected], accepted[rejected]]
     residual = (p_next - q_next).clamp_min(0.0)  # [B, V]; equals p_next for bonus rows
     mass = residual.sum(-1, keepdim=True)  # [B, 1]
     # mass == 0 only when p == q exactly (then rejection had probability 0); fall back to p so rounding cannot stall.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
     next_token = sample_with_noise(residual, exp_noise)  # [B]
-    return VerifyOutput(num_accepted=num_accepted, next_token=next_token)
+    return VerifyOutput(accepted=accepted, next_token=next_token)
