@@ -17,10 +17,10 @@ from specserve.workers.speculation.eagle.config import Eagle3Config
 from specserve.workers.speculation.eagle.drafting import Eagle3Drafting
 from specserve.workers.speculation.eagle.head import Eagle3Head, ttt_forward, vocab_maps
 from specserve.workers.training import eagle_train
-from specserve.workers.training.eagle_acceptance import chain_acceptance
+from specserve.workers.training.eagle_acceptance import chain_acceptance, target_weights
 from specserve.workers.training.eagle_manifest import read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import answer_token_counts, load_shard, make_batch
-from specserve.workers.training.eagle_train import target_weights, train_head, ttt_loss
+from specserve.workers.training.eagle_train import train_head, ttt_loss
 from tests.helpers.eagle_data import write_tiny_eagle_data
 from tests.helpers.workers import save_tiny_llama
 

@@ -1,9 +1,10 @@
-"""Held-out acceptance of a head in training: greedy chains teacher-forced on EAGLE-3 data, no target forward."""
+"""Held-out acceptance of a head in training (greedy chains teacher-forced on EAGLE-3 data, no target forward), and
+the target's frozen weights the head is trained and measured with."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,8 +13,21 @@ from specserve.workers.speculation.eagle.head import Eagle3Head, ttt_forward
 from specserve.workers.training.eagle_manifest import read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import load_shard, make_batch, plan_batches
 
-if TYPE_CHECKING:
-    from specserve.workers.training.eagle_train import TargetWeights
+
+@dataclass(frozen=True)
+class TargetWeights:
+    embed: torch.Tensor  # [V, H] float32, frozen
+    lm_head: torch.Tensor  # [V, H] float32
+    config: object  # the target's Hugging Face config
+
+
+def target_weights(target_path: str | Path, device: str = "cpu") -> TargetWeights:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), local_files_only=True, dtype=torch.float32)
+    embed = model.get_input_embeddings().weight.detach().to(device, copy=True)
+    lm_head = model.get_output_embeddings().weight.detach().to(device, copy=True)
+    return TargetWeights(embed=embed, lm_head=lm_head, config=model.config)
 
 
 @torch.no_grad()

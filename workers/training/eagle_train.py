@@ -26,7 +26,7 @@ from specserve.workers.models.identity import target_identity
 from specserve.workers.speculation.eagle.checkpoint import save_head
 from specserve.workers.speculation.eagle.config import Eagle3Config
 from specserve.workers.speculation.eagle.head import Eagle3Head, ttt_forward, vocab_maps
-from specserve.workers.training.eagle_acceptance import chain_acceptance
+from specserve.workers.training.eagle_acceptance import TargetWeights, chain_acceptance, target_weights
 from specserve.workers.training.eagle_manifest import DataManifest, read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import (
     Batch,
@@ -42,22 +42,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "train-state.pt"
 MAX_GRAD_NORM = 0.5  # SpecForge's default
-
-
-@dataclass(frozen=True)
-class TargetWeights:
-    embed: torch.Tensor  # [V, H] float32, frozen
-    lm_head: torch.Tensor  # [V, H] float32
-    config: object  # the target's Hugging Face config
-
-
-def target_weights(target_path: str | Path, device: str = "cpu") -> TargetWeights:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), local_files_only=True, dtype=torch.float32)
-    embed = model.get_input_embeddings().weight.detach().to(device, copy=True)
-    lm_head = model.get_output_embeddings().weight.detach().to(device, copy=True)
-    return TargetWeights(embed=embed, lm_head=lm_head, config=model.config)
 
 
 @dataclass
