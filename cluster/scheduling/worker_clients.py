@@ -140,7 +140,7 @@ class TargetClient(_Client):
             next_token=response.next_token,
             batch_rows=response.batch_rows,
             batch_tokens=response.batch_tokens,
-            batch_seconds=response.compute_seconds,
+            batch_seconds=response.batch_seconds,
             features=response.features,
             path=tuple(response.path),
             logprobs=tuple(from_proto(response.logprobs)) if response.HasField("logprobs") else None,

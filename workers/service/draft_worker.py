@@ -41,7 +41,7 @@ class ProposeResult:
 
     tokens: list[int]
     probs: bytes  # encoded draft distributions (codec.encode_probs); empty for greedy requests and trees
-    seconds: float  # of the whole batch the call ran in
+    batch_seconds: float  # of the whole batch the call ran in
     parents: list[int] | None = None  # a tree: each node's parent (ROOT or an earlier node)
     scores: list[float] | None = None  # a tree: each node's path log-probability under the head
 
@@ -105,7 +105,7 @@ class DraftWorker:
 
         results, _ = run_calls(self.committed, calls, prepare, self._draft_rows, self.release)
         seconds = time.perf_counter() - t0
-        return [r if isinstance(r, Exception) else dataclasses.replace(r, seconds=seconds) for r in results]
+        return [r if isinstance(r, Exception) else dataclasses.replace(r, batch_seconds=seconds) for r in results]
 
     def _draft_rows(self, rows: list[_Row]) -> list[ProposeResult]:
         out: list[ProposeResult | None] = [None] * len(rows)

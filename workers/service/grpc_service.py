@@ -175,7 +175,7 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
             drafted=proposed.tokens,
             draft_probs=proposed.probs,
             vocab_size=self.worker.vocab_size,
-            compute_seconds=proposed.seconds,
+            batch_seconds=proposed.batch_seconds,
             parents=proposed.parents or [],
             scores=proposed.scores or [],
         )
@@ -214,7 +214,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             accepted=result.accepted,
             next_token=result.next_token,
             bonus=_bonus(call, result),
-            compute_seconds=result.compute_seconds,
+            batch_seconds=result.batch_seconds,
             batch_rows=result.batch_rows,
             batch_tokens=result.batch_tokens,
             features=result.features,

@@ -30,7 +30,7 @@ from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 class VerifyResult:
     accepted: int
     next_token: int  # recovered (accepted < len(drafted)) or bonus
-    compute_seconds: float  # of the whole batch the call ran in
+    batch_seconds: float  # of the whole batch the call ran in
     batch_rows: int
     batch_tokens: int  # positions the batch's forward pass fed
     features: bytes = b""  # the committed positions' features (codec.encode_features), when the call asked
@@ -89,12 +89,12 @@ class TargetWorker:
         draft_probs: torch.Tensor | None,
         params: SamplingParams,
     ) -> tuple[int, int, float]:
-        """(accepted, next_token, compute seconds). Raises RequestNotFoundError (re-send the committed sequence)."""
+        """(accepted, next_token, the batch's seconds). Raises RequestNotFoundError (re-send the committed sequence)."""
         call = VerifyCall(request_id, committed_len, list(new_tokens), list(drafted), draft_probs, params)
         result = self.verify_batch([call])[0]
         if isinstance(result, Exception):
             raise result
-        return result.accepted, result.next_token, result.compute_seconds
+        return result.accepted, result.next_token, result.batch_seconds
 
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
         """Verify many requests in one target forward pass. Each call gets its own result or its own error (bad
