@@ -171,7 +171,7 @@ def _run_meta(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, co
         "cost_ratio_c": costs.t_draft / costs.t_target,
         "t_draft_ms": costs.t_draft * 1e3,
         "t_target_ms": costs.t_target * 1e3,
-        "t_verify_ms": {k: v * 1e3 for k, v in costs.t_verify.items()},
+        "t_verify_ms": {k: v * 1e3 for k, v in costs.verify_s.items()},
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
         # whether each model ran without transformers' forward wrappers (workers/runtime/lean_forward.py)

@@ -21,8 +21,19 @@ from specserve.workers.speculation.methods import METHODS
 class Costs:
     t_draft: float  # seconds per drafted token (draft model, cached, one token); 0 without a draft model
     t_target: float  # seconds per target token (cached, one token)
-    t_verify: dict[int, float]  # seconds per target forward over k + 1 new positions
+    verify_s: dict[int, float]  # k drafted -> seconds of a target forward over k + 1 new positions (as VerifyCosts)
     t_head: float = 0.0  # seconds per token an EAGLE-3 head drafts (at k = 4, its fixed cost per round shared out)
+
+    def verify(self, k: float) -> float:
+        """Seconds of a target forward over k + 1 positions: the sampled cost, interpolated between sampled widths for
+        a fractional k (a mean over rounds; k = 0 is a plain one-token step)."""
+        points = sorted({0: self.t_target, **self.verify_s}.items())
+        if k >= points[-1][0]:
+            return points[-1][1]
+        for (k0, t0), (k1, t1) in zip(points, points[1:], strict=False):
+            if k0 <= k <= k1:
+                return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        return points[0][1]
 
 
 class CostSampler:
@@ -53,7 +64,7 @@ class CostSampler:
     def costs(self) -> Costs:
         med = lambda key: statistics.median(self.samples[key])  # noqa: E731
         return Costs(t_draft=med("draft") if "draft" in self.samples else 0.0, t_target=med("target"),
-                     t_verify={k: med(f"verify{k}") for k in self.verify_ks})  # fmt: skip
+                     verify_s={k: med(f"verify{k}") for k in self.verify_ks})  # fmt: skip
 
 
 def distinct_ngram_fraction(tokens: list[int], n: int = 4) -> float:
@@ -61,23 +72,11 @@ def distinct_ngram_fraction(tokens: list[int], n: int = 4) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def verify_cost(costs: Costs, k: float) -> float:
-    """Seconds of a target forward over k + 1 positions: the sampled cost, interpolated between sampled widths for a
-    fractional k (a mean over rounds; k = 0 is a plain one-token step)."""
-    points = sorted({0: costs.t_target, **costs.t_verify}.items())
-    if k >= points[-1][0]:
-        return points[-1][1]
-    for (k0, t0), (k1, t1) in zip(points, points[1:], strict=False):
-        if k0 <= k <= k1:
-            return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
-    return points[0][1]
-
-
 def fill_bounds(row: Row, costs: Costs, k: float, steps: float | None = None) -> None:
     """Leviathan's S(k) with a fitted a, and the cost-aware bound B(k) = E t_target / (s t_draft + t_verify(k+1)),
     s the drafting steps a round (a chain's k; a tree's depth)."""
     E = row.mean_accepted_length
-    t_verify = verify_cost(costs, k)
+    t_verify = costs.verify(k)
     # eagle+ngram: as if the head drafted every round (prompt lookup's rounds cost less: the bound is conservative)
     entry = METHODS.get(row.method)  # None: target-only and the HF rows
     t_draft = 0.0 if entry is None or not entry.needs_model else costs.t_head if entry.needs_head else costs.t_draft

@@ -280,7 +280,7 @@ def test_workers_measure_and_report_their_costs_only_when_asked(target, head_dir
     assert plain.healthy and not plain.verify_seconds_by_width and plain.draft_step_seconds == 0
     assert len(verify.verify_seconds_by_width) == max(MAX_AUTO_K, MAX_TREE_NODES) + 1
     assert all(t > 0 for t in verify.verify_seconds_by_width)
-    assert list(again.verify_seconds_by_width) == list(verify.verify_seconds_by_width) == list(measured)
+    assert list(again.verify_seconds_by_width) == list(verify.verify_seconds_by_width) == list(measured.verify_s)
     assert list(verify.verify_profile_rows) == [r for r in PROFILE_ROWS if r > 1]  # batches the planner weighs
     assert len(verify.verify_seconds_by_rows) == len(verify.verify_profile_rows) * (MAX_AUTO_K + 1)
     assert all(t > 0 for t in verify.verify_seconds_by_rows) and not plain.verify_seconds_by_rows

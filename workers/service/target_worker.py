@@ -17,7 +17,7 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.cost_probe import batch_verify_seconds, probe_context, verify_seconds
 from specserve.workers.runtime.tree_rows import TreeRow, check_parents
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K, VerifyCosts
 from specserve.workers.speculation.codec import encode_features
 from specserve.workers.speculation.goodput import PROFILE_ROWS
 from specserve.workers.speculation.logprobs import TokenLogprob
@@ -73,7 +73,7 @@ class TargetWorker:
         self.verifier = verifier
         self.model_name = model_name
         self.committed = CommittedTokens()
-        self._verify_costs: tuple[float, ...] | None = None
+        self._verify_costs: VerifyCosts | None = None
         self._verify_profile: dict[int, tuple[float, ...]] | None = None
 
     @property
@@ -155,12 +155,13 @@ class TargetWorker:
         self.verifier.release(request_id)
         return self.committed.release(request_id)
 
-    def verify_costs(self) -> tuple[float, ...]:
+    def verify_costs(self) -> VerifyCosts:
         """Seconds of one forward over w = 1..MAX_TREE_NODES + 1 new positions (the widest a k='auto' chain or tree
         verifies), measured once here (k='auto' weighs them: on a CPU verifying 2-3 positions can cost more than 5)."""
         if self._verify_costs is None:
             runner, widest = self.verifier.runner, max(MAX_AUTO_K, MAX_TREE_NODES) + 1
-            self._verify_costs = verify_seconds(runner, probe_context(runner.loaded.max_positions, widest), widest)
+            context = probe_context(runner.loaded.max_positions, widest)
+            self._verify_costs = VerifyCosts(verify_seconds(runner, context, widest))
         return self._verify_costs
 
     def verify_profile(self) -> dict[int, tuple[float, ...]]:
@@ -187,7 +188,7 @@ class TargetWorker:
             "model": self.model_name,
         }
         if costs and failed is None:
-            report["verify_seconds_by_width"] = list(self.verify_costs())
+            report["verify_seconds_by_width"] = list(self.verify_costs().verify_s)
             profile = self.verify_profile()
             report["verify_profile_rows"] = list(profile)
             report["verify_seconds_by_rows"] = [t for row in profile.values() for t in row]
