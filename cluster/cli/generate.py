@@ -44,11 +44,6 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--ca-file", help="PEM CA bundle that signed the server's certificate (implies --tls)")
     p.add_argument("--client-cert", help="PEM client certificate, for a gateway that requires one (implies --tls)")
     p.add_argument("--client-key", help="PEM private key of --client-cert")
-    p.add_argument(
-        "--distributed",
-        action="store_true",
-        help="with --local: draft and target workers as separate Ray actors on a local Ray cluster, over gRPC",
-    )
     p.add_argument("--target",
                    help=f"target model: a known name (`specserve models list`), a .gguf file, a Hugging Face "
                         f"directory or repo id org/name[@revision], or 'demo' for the demo family (default: "
@@ -58,10 +53,9 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
         "--draft",
         help=(
             "a draft model (name, .gguf file, directory or repo id), 'eagle' (the EAGLE-3 head packaged for the "
-            "target) or an EAGLE-3 head directory (in process the head's chain or prompt lookup's, whichever is "
-            "expected to accept more; --distributed: the head on its own draft worker), or 'ngram' for prompt-"
-            "lookup drafting (default: the demo family's draft with --target demo, else the target's packaged "
-            "head when its measured acceptance pays, else ngram)"
+            "target) or an EAGLE-3 head directory (the head's chain or prompt lookup's, whichever is expected to "
+            "accept more), or 'ngram' for prompt-lookup drafting (default: the demo family's draft with --target "
+            "demo, else the target's packaged head when its measured acceptance pays, else ngram)"
         ),
     )
     draft.add_argument("--no-spec", action="store_true", help="target-only decoding, no speculation")
@@ -80,12 +74,11 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
 def _generate(args: argparse.Namespace) -> int:
     if not args.local:
         return _generate_remote(args)
-    from specserve.cluster.pools.local import generate_distributed, generate_local
+    from specserve.cluster.pools.local import generate_local
 
     if args.k is None:
         args.k = 4
-    out = generate_distributed(args) if args.distributed else generate_local(args).to_dict()
-    _print_result(out, args.json)
+    _print_result(generate_local(args).to_dict(), args.json)
     return 0
 
 
@@ -108,8 +101,8 @@ def _print_stats(out: dict) -> None:
 
 def _remote_kwargs(args: argparse.Namespace) -> dict:
     """SpecServeClient.generate's keyword arguments from the flags; flags that need --local are refused."""
-    if args.target or args.draft or args.distributed:
-        raise SpecServeError("--target, --draft and --distributed apply to --local; a server has its models")
+    if args.target or args.draft:
+        raise SpecServeError("--target and --draft apply to --local; a server has its models")
     if args.system and not args.chat:
         raise SpecServeError("--system needs --chat")
     kw = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,

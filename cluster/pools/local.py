@@ -1,5 +1,5 @@
-"""`specserve generate --local`: validate the CLI's arguments into configs and run the in-process engine, or one
-request through draft and target worker actors on a local Ray cluster (--distributed)."""
+"""`specserve generate --local`: validate the CLI's arguments into configs and run the in-process engine. (Draft and
+target workers apart, over gRPC: `specserve serve`, then `specserve generate` against it.)"""
 
 from __future__ import annotations
 
@@ -86,35 +86,6 @@ def prompt_ids_or_text(args: argparse.Namespace, tokenizer) -> str | list[int]:
     if args.chat:
         return chat_prompt_ids(tokenizer, conversation(args.prompt, args.system))
     return args.prompt
-
-
-def generate_distributed(args: argparse.Namespace) -> dict:
-    """Run one request through a local Ray cluster: a target worker actor, a draft worker actor (a draft model or an
-    EAGLE-3 head; none for n-gram drafting) and the scheduler actor, talking over gRPC. Returns the same JSON contract
-    as the in-process path."""
-    import ray
-    from transformers import AutoTokenizer
-
-    from specserve.cluster.config import local_config
-    from specserve.cluster.pools.builders import deploy
-
-    models = local_models(args)
-    sampling, spec = request_params(args, models)
-    prompt = prompt_ids_or_text(args, AutoTokenizer.from_pretrained(models.target, local_files_only=True))
-    config = local_config(models.target, models.draft, device=args.device, dtype=args.dtype,
-                          eagle_head=models.eagle_head)  # fmt: skip
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    deployment = deploy(config)
-    try:
-        out = ray.get(deployment.scheduler.generate.remote(prompt, sampling.model_dump(), spec.model_dump()))
-    finally:
-        deployment.shutdown()
-        if started_ray:
-            ray.shutdown()
-    out.pop("scheduling", None)
-    return out
 
 
 def generate_local(args: argparse.Namespace) -> GenerationResult:

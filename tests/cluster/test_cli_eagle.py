@@ -1,6 +1,6 @@
 """`specserve generate --local` with an EAGLE-3 head: --draft HEAD_DIR or 'eagle' (the target's packaged head), and
-the packaged head by default; method eagle+ngram in process and across Ray worker actors (the head on its own draft
-worker). Greedy output identical to --no-spec."""
+the packaged head by default; method eagle+ngram in process. Greedy output identical to --no-spec. (The head on its own
+draft worker: tests/cluster/test_eagle_disaggregated.py, through the Serve app.)"""
 
 import json
 from types import SimpleNamespace
@@ -91,28 +91,3 @@ def test_the_head_drafts_with_eagle_ngram_unless_no_spec(pair):
     assert local.request_params(flags, local.LocalModels(pair.target))[1].method == "ngram"
     flags.no_spec = True
     assert local.request_params(flags, models)[1].method == "none"
-
-
-@pytest.mark.slow
-def test_distributed_the_head_drafts_on_its_own_draft_worker_and_greedy_output_is_identical(pair, no_spec, capsys,
-                                                                                            monkeypatch):  # fmt: skip
-    """A local Ray cluster (about 25 s on 2 cores): the target worker actor captures the features, the draft worker
-    actor runs the head (reading the target's config and embedding), the scheduler actor relays them."""
-    import ray
-
-    from specserve.cluster import config as cluster_config
-
-    configs, make_config = [], cluster_config.local_config
-
-    def local_config(*args, **kwargs):
-        configs.append(make_config(*args, **kwargs))
-        return configs[-1]
-
-    monkeypatch.setattr(cluster_config, "local_config", local_config)
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        out = generate(capsys, pair.target, "--draft", pair.head, "--distributed")
-    finally:
-        ray.shutdown()
-    assert out["token_ids"] == no_spec and out["stats"]["drafted"] > 0
-    assert [(c.eagle_head, c.draft.model.path) for c in configs] == [(pair.head, pair.target)]

@@ -1,7 +1,6 @@
 """The disaggregated deployment on real Ray clusters: worker actors placed by custom resources on their own nodes,
 greedy outputs identical to target-only decoding with concurrent requests, and killed actors mid-request."""
 
-import json
 import logging
 import time
 
@@ -119,19 +118,6 @@ def test_killed_actor_is_restarted_by_ray_and_its_requests_continue(cluster, con
         deployment.shutdown()
     assert [r["token_ids"] for r in results] == expected
     assert status["restarts"] >= 1 and status["unhealthy"] == []
-
-
-def test_cli_distributed_json_contract(cluster, tiny_target, tiny_draft, capsys):
-    from specserve.cluster.cli.main import main
-
-    code = main(["generate", PROMPTS[0], "--local", "--distributed", "--target", tiny_target, "--draft", tiny_draft,
-                 "--max-new-tokens", "12", "--json", "--device", "cpu"])  # fmt: skip
-    assert code == 0
-    out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
-    engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
-    reference = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12), SpecParams(method="none"))
-    assert out["token_ids"] == reference.token_ids
 
 
 def test_a_tensor_parallel_target_replica_on_ray_is_lossless(cluster, config, expected):
