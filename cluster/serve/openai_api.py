@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, field_validator
 from pydantic_core import PydanticCustomError
 
 from specserve.cluster.serve.edge import (
@@ -45,21 +45,18 @@ from specserve.cluster.serve.edge import (
     json_type,
     one_of,
     parse,
-    shown,
     text,
     unsupported,
 )
 from specserve.cluster.serve.openai_logprobs import MAX_COMPLETION_LOGPROBS, MAX_LOGPROBS, requested
+from specserve.cluster.serve.openai_messages import SHORT, Messages
 from specserve.cluster.serve.openai_tools import ToolChoice, Tools, forced, with_forced_call
 from specserve.cluster.serve.response_formats import OpenAIResponseFormat, from_openai
 from specserve.workers.config import MAX_K, SpecMethod
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.models.chat import ChatMessage, ChatPrompt, Role
+from specserve.workers.models.chat import ChatPrompt
 
-MAX_MESSAGES = 4096
-MAX_PARTS = 256  # content parts of one message
 TOKEN_ID_LIMIT = 2**31  # token ids travel to the workers as int32
-SHORT = 256  # characters of a user id, a message's author name, a metadata value
 
 
 def _token_ids(ids: list) -> tuple[int, ...]:
@@ -96,56 +93,6 @@ _PromptList = Annotated[
     Discriminator(_prompt_list_kind),
 ]
 Prompt = one_of("must be a string or a list of token ids", string=NonEmptyText, array=_PromptList)
-
-
-class TextPart(EdgeModel):
-    type: Literal["text"]
-    text: Text
-
-
-class OtherPart(BaseModel):
-    """A content part of another type (image_url, input_audio, file, ...): refused, naming its `type`."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    type: Any = Field(None, validate_default=True)
-
-    @field_validator("type")
-    @classmethod
-    def _refuse(cls, value: Any) -> Any:
-        if value is None:
-            raise PydanticCustomError("part_type", "is required (specserve takes text parts: type 'text')")
-        kind = repr(shown(value)) if isinstance(value, str) else f"a {json_type(value)}"
-        raise PydanticCustomError("part_type", "{kind} content parts are not supported by specserve (it takes "
-                                  "text parts only: type 'text')", {"kind": kind})  # fmt: skip
-
-
-def _part_kind(value: Any) -> str | None:
-    if not isinstance(value, dict):
-        return None
-    return "<text>" if value.get("type") == "text" else "<other>"
-
-
-Part = Annotated[
-    Union[Annotated[TextPart, Tag("<text>")], Annotated[OtherPart, Tag("<other>")]],  # noqa: UP007 - tagged members
-    Discriminator(_part_kind, custom_error_type="type", custom_error_message="must be a content part object"),
-]
-Content = one_of(
-    "must be a string or a list of text parts (null content goes with assistant tool calls, which specserve does "
-    "not take)",
-    string=Text,
-    array=Annotated[list[Part], Field(min_length=1, max_length=MAX_PARTS, fail_fast=True)],
-)
-
-
-class Message(EdgeModel):
-    role: Role
-    content: Content
-    name: text(max_length=SHORT) | None = None
-
-    def joined_text(self) -> str:
-        """The message's text; text parts joined by newlines (as other OpenAI-compatible servers do)."""
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class StreamOptions(EdgeModel):
@@ -269,7 +216,7 @@ class CompletionBody(_Body):
 
 
 class ChatBody(_Body):
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
+    messages: Messages  # text turns and a tool loop's (openai_messages.py)
     logprobs: bool | None = None
     tools: Tools | None = None  # forced calls: openai_tools.py
     tool_choice: ToolChoice = None
@@ -302,7 +249,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     model's own chat template by `RequestPreparer.prepare` (workers/models/chat.py)."""
     parsed: ChatBody = parse(ChatBody, body)
     tools, calls, forced_format = forced(parsed.tools, parsed.tool_choice)
-    prompt = ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages), tools)
+    prompt = ChatPrompt(tuple(m.chat() for m in parsed.messages), tools)
     out = _parsed(parsed, prompt, "messages")
     if calls is not None:
         out = replace(out, request=with_forced_call(out.request, calls, forced_format, out.stream))

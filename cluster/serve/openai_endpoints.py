@@ -8,9 +8,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from specserve.cluster.serve.edge import MAX_NAME_CHARS, EdgeModel, Text, parse, text
-from specserve.cluster.serve.openai_api import MAX_MESSAGES, Message
+from specserve.cluster.serve.openai_messages import Messages
+from specserve.cluster.serve.openai_tools import Tools
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.models.chat import ChatMessage, ChatPrompt
+from specserve.workers.models.chat import ChatPrompt
 
 
 class TokenizeBody(EdgeModel):
@@ -19,7 +20,8 @@ class TokenizeBody(EdgeModel):
 
     model: text(max_length=MAX_NAME_CHARS) | None = None
     prompt: Text | None = None
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)] | None = None
+    messages: Messages | None = None
+    tools: Tools | None = None  # rendered with the messages, as a chat completion's
     add_generation_prompt: Literal[True] | None = None  # the chat completion's rendering, always
 
 
@@ -35,8 +37,11 @@ def parse_tokenize(body: Any) -> tuple[str, str | ChatPrompt]:
     parsed: TokenizeBody = parse(TokenizeBody, body)
     if (parsed.prompt is None) == (parsed.messages is None):
         raise InvalidRequestError("prompt", "send exactly one of prompt and messages")
+    if parsed.tools and parsed.messages is None:
+        raise InvalidRequestError("tools", "go with messages")
     if parsed.messages is not None:
-        return parsed.model or "", ChatPrompt(tuple(ChatMessage(m.role, m.joined_text()) for m in parsed.messages))
+        tools = tuple(t.model_dump(exclude_none=True) for t in parsed.tools or ())
+        return parsed.model or "", ChatPrompt(tuple(m.chat() for m in parsed.messages), tools)
     return parsed.model or "", parsed.prompt
 
 

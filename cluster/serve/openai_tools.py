@@ -1,13 +1,16 @@
 """OpenAI's `tools` / `tool_choice` on chat completions (issue 43 item 6): tool definitions rendered by a chat template
-that takes them, and a call forced through the grammar: `tool_choice` naming a function (the output is its arguments,
-valid against its `parameters`) or `"required"` (a JSON array of {"name", "parameters"} calls, vLLM's form), parsed
-into the response's `tool_calls`. `"auto"` would need a parser of each model's own tool-call syntax: refused, naming
-`tool_choice`; `"none"` (or no tools) leaves the request as it is. A model whose template takes no tools (SmolLM2's
-plain ChatML) refuses `tools` (prepare.py)."""
+that takes them, and how the output becomes `tool_calls`. A call forced through the grammar: `tool_choice` naming a
+function (the output is its arguments, valid against its `parameters`) or `"required"` (a JSON array of {"name",
+"parameters"} calls, vLLM's form). `"auto"` (the default with tools): the model answers freely, and an output that
+writes its calls in the template's syntax is parsed into them (Hermes' `<tool_call>{"name", "arguments"}</tool_call>`,
+as vLLM's hermes parser reads it: Qwen, Hermes and SmolLM3 templates); a template with another syntax refuses it,
+naming `tool_choice`. `"none"` (or no tools) leaves the request as it is. A model whose template takes no tools
+(SmolLM2's plain ChatML) refuses `tools` (prepare.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
@@ -52,10 +55,11 @@ ToolChoice = one_of('must be "none", "auto", "required" or {"type": "function", 
 @dataclass(frozen=True)
 class ForcedCalls:
     """How the output becomes tool calls: `name` set, the arguments of that function; else a list of calls. `auto`:
-    the model would choose, which specserve cannot parse (refused by prepare, after the template's check)."""
+    the model chooses, and calls it writes in Hermes' syntax are parsed (hermes_calls)."""
 
     name: str | None
     auto: bool = False
+    stream: bool = False  # auto: refused streamed (after the template's checks), its calls parsed from a whole output
 
 
 def forced(tools: list[Tool] | None, choice: Any) -> tuple[tuple[dict, ...], ForcedCalls | None, ResponseFormat | None]:
@@ -66,7 +70,7 @@ def forced(tools: list[Tool] | None, choice: Any) -> tuple[tuple[dict, ...], For
             raise InvalidRequestError("tool_choice", "names a tool call, and the request has no tools")
         return (), None, None
     definitions = tuple(t.model_dump(exclude_none=True) for t in tools)
-    if choice is None or choice == "auto":  # refused by prepare, once the model's template took the tools
+    if choice is None or choice == "auto":  # prepare checks the template writes calls that hermes_calls parses
         return definitions, ForcedCalls(None, auto=True), None
     params = {t.function.name: t.function.parameters or ANY_OBJECT for t in tools}
     if isinstance(choice, NamedChoice):
@@ -85,37 +89,76 @@ def forced(tools: list[Tool] | None, choice: Any) -> tuple[tuple[dict, ...], For
 
 
 def with_tool_calls(response: dict, calls: ForcedCalls) -> dict:
-    """An OpenAI chat.completion whose whole outputs became `tool_calls` (content null, finish_reason
-    "tool_calls"); an output cut short (finish_reason "length") stays text."""
+    """An OpenAI chat.completion whose outputs became `tool_calls` (finish_reason "tool_calls"): a forced call's whole
+    output (content null), or the calls an `auto` output wrote (content what came before them, or null); an output
+    cut short (finish_reason "length") or without calls stays text."""
     for choice in response["choices"]:
         message = choice["message"]
         if choice["finish_reason"] != "stop":
             continue
-        try:
-            parsed = json.loads(message["content"])
-        except ValueError:
-            continue
-        made = [(calls.name, parsed)] if calls.name else [(c["name"], c["parameters"]) for c in parsed]
+        if calls.auto:
+            found = hermes_calls(message["content"])
+            if found is None:
+                continue
+            content, made = found
+        else:
+            try:
+                parsed = json.loads(message["content"])
+            except ValueError:
+                continue
+            made = [(calls.name, parsed)] if calls.name else [(c["name"], c["parameters"]) for c in parsed]
+            content, made = None, [(name, json.dumps(args)) for name, args in made]
         message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": name, "arguments": json.dumps(args)}}
-                                 for name, args in made]  # fmt: skip
-        message["content"], choice["finish_reason"] = None, "tool_calls"
+                                  "function": {"name": name, "arguments": arguments}}
+                                 for name, arguments in made]  # fmt: skip
+        message["content"], choice["finish_reason"] = content, "tool_calls"
     return response
 
 
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """(the text before the first call, or None where it is blank; [(name, arguments as JSON text)]) of an output
+    that writes Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` calls, as vLLM's hermes parser
+    reads them (the last one may lack its closing tag; what follows the calls is dropped); None when it writes none,
+    or one that is no such JSON object: the output stays text."""
+    if "<tool_call>" not in text:
+        return None
+    made = []
+    for closed, unclosed in _HERMES_CALL.findall(text):
+        try:
+            call = json.loads(closed or unclosed)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        made.append((call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+    content = text[: text.index("<tool_call>")]
+    return (content if content.strip() else None), made
+
+
 def with_forced_call(request: Request, calls: ForcedCalls, fmt: ResponseFormat | None, stream: bool) -> Request:
-    """The request answering with a forced tool call: the call's grammar as its response_format."""
-    if calls.auto:
-        return replace(request, tool_calls=calls)
+    """The request answering with tool calls: a forced call's grammar as its response_format; `auto` as it is."""
     if request.response_format is not None:
-        raise InvalidRequestError("response_format", "goes with free text: a forced tool call brings its own grammar")
+        raise InvalidRequestError("response_format", "goes with free text: a tool call brings its own syntax")
+    if calls.auto:
+        return replace(request, tool_calls=replace(calls, stream=stream))
     if stream:
         raise InvalidRequestError("stream", "a forced tool call is answered whole: send stream: false")
     return replace(request, response_format=fmt, tool_calls=calls)
 
 
-def check_auto(request: Request) -> None:
-    """`tool_choice: "auto"` (the default with tools), refused once the template took the tools."""
-    if request.tool_calls is not None and request.tool_calls.auto:
-        raise InvalidRequestError("tool_choice", 'specserve forces tool calls through the grammar: send "required" '
-                                  'or {"type": "function", "function": {"name": ...}} (or "none")')  # fmt: skip
+def check_auto(request: Request, parses_calls: bool) -> None:
+    """`tool_choice: "auto"` (the default with tools), once the template took the tools: refused where the template's
+    call syntax is not one specserve parses (parses_calls: it writes Hermes' <tool_call>), or streamed."""
+    calls = request.tool_calls
+    if calls is None or not calls.auto:
+        return
+    if not parses_calls:
+        raise InvalidRequestError("tool_choice", "this model's chat template writes tool calls in a syntax specserve "
+                                  "does not parse (it parses Hermes' <tool_call>): send \"required\" or a named "
+                                  "function (forced through the grammar), or \"none\"")  # fmt: skip
+    if calls.stream:
+        raise InvalidRequestError("stream", 'tool_choice "auto" is answered whole (its calls parsed from the whole '
+                                  "output): send stream: false")  # fmt: skip

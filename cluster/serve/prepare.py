@@ -15,7 +15,7 @@ from specserve.cluster.serve.edge import Request
 from specserve.cluster.serve.openai_tools import check_auto
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids, takes_tools
+from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids, takes_tools, writes_hermes_calls
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.speculation.eagle.config import resolve_eagle_head
 from specserve.workers.speculation.methods import HEAD_DEFAULT, LOOKUP_DEFAULT, METHODS, MODEL_DEFAULT, NONE, servable
@@ -36,8 +36,7 @@ class RequestPreparer:
         """vLLM's /tokenize answer: the ids a completion would feed the model (a chat prompt through its template)."""
         cfg = self.app.model(model)
         tokens = self.models[cfg.name]
-        ids = chat_prompt_ids(tokens.tokenizer, prompt.messages) if isinstance(prompt, ChatPrompt) else (
-            encode_prompt(tokens.tokenizer, prompt))  # fmt: skip
+        ids = _chat_ids(tokens, prompt) if isinstance(prompt, ChatPrompt) else encode_prompt(tokens.tokenizer, prompt)
         return {"count": len(ids), "max_model_len": tokens.max_positions, "tokens": ids}
 
     def detokenize(self, model: str, ids: list[int]) -> dict:
@@ -57,7 +56,7 @@ class RequestPreparer:
                                       f"limit of {limits.max_new_tokens}")  # fmt: skip
         spec = _spec(cfg, request, cfg.name in self.heads)
         ids = _prompt_ids(model, request, limits.max_prompt_tokens)
-        check_auto(request)
+        check_auto(request, writes_hermes_calls(model.tokenizer))
         max_new_tokens = _max_new_tokens(model, request, len(ids), limits)
         params = SamplingParams(
             temperature=request.temperature,
@@ -156,16 +155,14 @@ def _prompt_ids(model: ModelTokenizer, request: Request, max_prompt_tokens: int)
     if isinstance(prompt, tuple):
         ids = list(prompt[: limit + 1])
     else:
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(m.content) for m in prompt.messages)
+        chars = len(prompt) if isinstance(prompt, str) else sum(
+            len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in prompt.messages)  # fmt: skip
         if chars > limit * model.max_token_chars:
             raise InvalidRequestError(field, f"{chars} characters cannot fit in {why}")
         if isinstance(prompt, ChatPrompt):
             if len(prompt.messages) > limit:  # each message renders to a token at least
                 raise InvalidRequestError(field, f"{len(prompt.messages)} messages cannot fit in {why}")
-            if prompt.tools and not takes_tools(model.tokenizer):
-                raise InvalidRequestError("tools", "this model's chat template takes no tools (omit them, or serve a "
-                                          "model whose template renders tools)")  # fmt: skip
-            ids = chat_prompt_ids(model.tokenizer, prompt.messages, prompt.tools)
+            ids = _chat_ids(model, prompt)
         else:
             ids = encode_prompt(model.tokenizer, prompt)
     if len(ids) > limit:
@@ -173,3 +170,12 @@ def _prompt_ids(model: ModelTokenizer, request: Request, max_prompt_tokens: int)
         raise InvalidRequestError(field, f"{size} exceed {why}")
     check_token_ids(field, ids, model.vocab_size)
     return ids
+
+
+def _chat_ids(model: ModelTokenizer, prompt: ChatPrompt) -> list[int]:
+    """A conversation's ids, through the model's chat template; its tools and tool turns refused where the template
+    renders none (naming `tools`, or the message)."""
+    if prompt.tools and not takes_tools(model.tokenizer):
+        raise InvalidRequestError("tools", "this model's chat template takes no tools (omit them, or serve a "
+                                  "model whose template renders tools)")  # fmt: skip
+    return chat_prompt_ids(model.tokenizer, prompt.messages, prompt.tools)

@@ -8,7 +8,7 @@ import pytest
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.edge import PayloadTooLargeError, Request
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.models.chat import ChatMessage, ChatPrompt
+from specserve.workers.models.chat import ChatMessage, ChatPrompt, ToolCall
 
 
 def test_completion_fields_map_to_the_typed_request():
@@ -150,6 +150,16 @@ def test_chat_messages_become_a_typed_chat_prompt_and_text_parts_are_joined():
     assert p.request.prompt_field == "messages"
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
     assert oai.parse_chat(user(parts)).request.prompt == ChatPrompt((ChatMessage("user", "first\nsecond"),))
+    loop = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [CALL('{"a": 1}')]},
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "42"}]}]  # fmt: skip
+    assert oai.parse_chat({"messages": loop}).request.prompt.messages[1:] == (
+        ChatMessage("assistant", "", (ToolCall("call_1", "f", '{"a": 1}'),)),
+        ChatMessage("tool", "42", (), "call_1"),
+    )
+
+
+def CALL(arguments: str) -> dict:  # noqa: N802 - reads as a constant's constructor in the table
+    return {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
 
 
 BAD_CHATS = [
@@ -159,14 +169,21 @@ BAD_CHATS = [
     ({"messages": [5]}, "messages[0]", "must be an object"),
     ({"messages": [{"role": "user", "content": "x"}] * 5000}, "messages", "at most 4096 items"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'system', 'user', 'assistant'"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role", "'user'"),
     ({"messages": [{"content": "x"}]}, "messages[0].role", "is required"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "is required"),
     (user(3), "messages[0].content", "a string or a list of text parts"),
-    (user(None), "messages[0].content", "null content goes with assistant tool calls"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].content",
-     "specserve does not take"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", "unknown field"),
+    (user(None), "messages[0].content", "null only beside an assistant's tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     "messages[0].tool_calls[0].type", "is required"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
+     "only assistant messages carry tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [CALL("{'a': 1}")]}]},
+     "messages[0].tool_calls[0].function.arguments", "is not valid JSON"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [CALL("[1]")]}]},
+     "messages[0].tool_calls[0].function.arguments", "must be a JSON object, not a array"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "is required in a tool message"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages[0].tool_call_id",
+     "goes only with role 'tool'"),
     (user([]), "messages[0].content", "at least 1 item"),
     (user([5]), "messages[0].content[0]", "must be a content part object"),
     (user([{"text": "a"}]), "messages[0].content[0].type", "is required"),

@@ -1,7 +1,9 @@
 """Tools on chat completions (issue 43 item 6): on a tiny model whose chat template renders tools, a named
 `tool_choice` and `"required"` forced through the grammar (the function's parameters as the response_format) and the
-output parsed into `tool_calls` whose arguments validate against the parameters; a template without tools (plain
-ChatML, as SmolLM2's) refuses `tools` naming it; `"auto"` and the other bad values are 400 naming the field."""
+output parsed into `tool_calls` whose arguments validate against the parameters; `"auto"` parsing the Hermes calls an
+output writes (as vLLM's hermes parser), on a template that writes them; a tool loop's history (an assistant's calls,
+a tool's result) rendered by a template that takes them, arguments as objects; a template without tools (plain
+ChatML, as SmolLM2's) refuses `tools` and tool turns naming them; the other bad values are 400 naming the field."""
 
 import json
 
@@ -11,13 +13,16 @@ from transformers import AutoTokenizer
 
 from specserve.cluster.app_config import AppConfig
 from specserve.cluster.serve import openai_api as oai
-from specserve.cluster.serve.openai_tools import ForcedCalls, with_tool_calls
+from specserve.cluster.serve.openai_endpoints import parse_tokenize
+from specserve.cluster.serve.openai_tools import ForcedCalls, hermes_calls, with_tool_calls
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.workers.config import ModelConfig
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.models.chat import ChatMessage, ToolCall, chat_text
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.gguf_files import CHATML_TEMPLATE
+from tests.helpers.tool_models import CALL_TEXT, HERMES_TEMPLATE, QUESTION, WEATHER, tool_loop
 from tests.helpers.workers import save_tiny_llama
 
 TOOLS_TEMPLATE = (
@@ -47,6 +52,7 @@ def paths(tmp_path_factory):
     return {
         "tools": _with_template(root, "tools", TOOLS_TEMPLATE),
         "chatml": _with_template(root, "chatml", CHATML_TEMPLATE),
+        "hermes": _with_template(root, "hermes", HERMES_TEMPLATE),
     }
 
 
@@ -124,3 +130,84 @@ def test_a_template_without_tools_refuses_them_naming_tools(preparer):
     with pytest.raises(InvalidRequestError) as e:
         oai.parse_completion({"prompt": "x", "tools": TOOLS})
     assert e.value.field == "tools"
+
+
+HERMES_OUTPUTS = [
+    (CALL_TEXT, (None, [("get_weather", '{"city": "Paris"}')])),
+    ('Let me look.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
+     '{"x": [1, "é"]}}</tool_call> trailing', ("Let me look.\n", [("a", "{}"), ("b", '{"x": [1, "é"]}')])),
+    ('<tool_call>{"name": "a", "arguments": {"k": 1}}', (None, [("a", '{"k": 1}')])),  # the last one unclosed
+    ("plain text", None),
+    ('<tool_call>{"name": "a", "arguments": {</tool_call>', None),  # no JSON: stays text
+    ('<tool_call>{"arguments": {}}</tool_call>', None),  # no name
+    ('<tool_call>["a"]</tool_call>', None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "calls"), HERMES_OUTPUTS)
+def test_hermes_calls_are_read_as_vllms_hermes_parser_reads_them(text, calls):
+    assert hermes_calls(text) == calls
+
+
+def test_auto_turns_a_whole_output_that_writes_calls_into_tool_calls_and_leaves_the_rest_text():
+    def answer(text, finish):
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
+
+    (choice,) = with_tool_calls(answer("Sure. " + CALL_TEXT, "stop"), ForcedCalls(None, auto=True))["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure. "
+    ((call,),) = [choice["message"]["tool_calls"]]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    for text, finish in (("no call", "stop"), (CALL_TEXT, "length")):
+        (choice,) = with_tool_calls(answer(text, finish), ForcedCalls(None, auto=True))["choices"]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (text, finish)
+        assert "tool_calls" not in choice["message"]
+
+
+def test_a_tool_loop_renders_through_the_template_with_its_arguments_as_objects(preparer):
+    loop = tool_loop("call_7")
+    parsed = oai.parse_chat({**_chat(model="hermes", messages=loop, tools=[WEATHER])})
+    prepared = preparer.prepare(parsed.request)
+    tokenizer = preparer.models["hermes"].tokenizer
+    rows = [dict(m) for m in loop]
+    rows[1] = {**rows[1], "content": "", "tool_calls": [{**rows[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}  # fmt: skip
+    want = tokenizer.apply_chat_template(rows, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert prepared.prompt_ids == tokenizer(want, add_special_tokens=False)["input_ids"]
+    assert CALL_TEXT in want and "<tool_response>\nsunny" in want  # the call as the model writes it, the result
+    assert parsed.request.tool_calls == ForcedCalls(None, auto=True)  # "auto": Hermes calls parsed
+    model, prompt = parse_tokenize({"model": "hermes", "messages": loop, "tools": [WEATHER]})
+    assert preparer.tokenize(model, prompt)["tokens"] == prepared.prompt_ids  # vLLM's /tokenize renders them alike
+
+
+def test_a_template_that_adds_arguments_to_text_gets_them_as_text(paths):
+    tokenizer = AutoTokenizer.from_pretrained(paths["tools"], local_files_only=True)
+    tokenizer.chat_template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}{{ 'call ' + c.function.name "
+                               "+ ' ' + c.function.arguments }}{% endfor %}{% endfor %}")  # fmt: skip
+    call = ChatMessage("assistant", "", (ToolCall("c", "f", '{"a": 1}'),))
+    assert chat_text(tokenizer, [ChatMessage("user", "x"), call]) == 'call f {"a": 1}'
+
+
+def test_tool_turns_on_a_template_without_them_are_refused_naming_the_message(paths, preparer):
+    tool_result = [*QUESTION, {"role": "tool", "tool_call_id": "c", "content": "42"}]
+    cases = [("chatml", tool_loop("c"), "messages[1].tool_calls"), ("chatml", tool_result, "messages[1].role"),
+             ("tools", tool_loop("c"), "messages[1].tool_calls")]  # fmt: skip
+    for model, messages, field in cases:
+        with pytest.raises(InvalidRequestError) as e:
+            preparer.prepare(oai.parse_chat(_chat(model=model, messages=messages)).request)
+        assert e.value.field == field and "template renders no tool" in e.value.message, e.value
+    tokenizer = AutoTokenizer.from_pretrained(paths["tools"], local_files_only=True)
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(InvalidRequestError) as e:  # a template's own refusal is a 400 naming messages, not a 500
+        chat_text(tokenizer, [ChatMessage("user", "x")])
+    assert e.value.field == "messages" and "roles must alternate" in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"stream": True}, "stream"), ({"response_format": {"type": "json_object"}}, "response_format")],
+)
+def test_auto_is_refused_streamed_or_with_a_response_format(preparer, fields, field):
+    with pytest.raises(InvalidRequestError) as e:
+        preparer.prepare(oai.parse_chat(_chat(model="hermes", tools=[WEATHER], **fields)).request)
+    assert e.value.field == field, e.value
