@@ -1,4 +1,4 @@
-"""The benchmark's end-to-end rows: requests through Ray Serve's gRPC proxy to the Serve application (ingress with
+"""The benchmark's disaggregated rows: requests through Ray Serve's gRPC proxy to the Serve application (ingress with
 the scheduler, a draft pool and a target pool replica), with the public client, one stream and all at once."""
 
 from __future__ import annotations
@@ -8,12 +8,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from specserve.cluster.bench.rows import BenchConfig, Row
 from specserve.cluster.bench.timing import finish_stream_rows
+from specserve.protos.wire import APP_NAME
 from specserve.workers.service.local_processes import free_port
 
 
 def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg: BenchConfig, k: int, device: str,
-               base: Row) -> list[Row]:  # fmt: skip
+               base: Row) -> tuple[list[Row], dict]:  # fmt: skip
+    """The rows, and the scheduler replica's status of the model afterwards (rounds, orchestration_ms_p50,
+    wire_bytes_per_round, ...: cluster/scheduling/service.py)."""
     import ray
+    from ray import serve
 
     from specserve.client import SpecServeClient
     from specserve.cluster.app_config import AppConfig, serve_config
@@ -46,8 +50,9 @@ def serve_rows(target_path: str, draft_path: str, prompts: list[list[int]], cfg:
             with ThreadPoolExecutor(len(prompts)) as pool:
                 many.outputs = list(pool.map(one_request, prompts))
             many.seconds = time.perf_counter() - t0
+        status = serve.get_deployment_handle("scheduler", APP_NAME).status.remote().result(timeout_s=60)["bench"]
     finally:
         stop({**info, "started_ray": False})
         if started:
             ray.shutdown()
-    return finish_stream_rows([one, many], base)
+    return finish_stream_rows([one, many], base), status

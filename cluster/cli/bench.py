@@ -78,8 +78,8 @@ def _add_extras(p: argparse.ArgumentParser) -> None:
         "--distributed",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="add rows for the disaggregated path on a local Ray cluster and through Ray Serve, with the draft "
-        "model or, without one, n-gram drafting (default: on, off with --quick)",
+        help="add rows for the disaggregated path through the Serve app (its gRPC proxy, scheduler and pools), "
+        "with the draft model or, without one, n-gram drafting (default: on, off with --quick)",
     )
     p.add_argument(
         "--load",

@@ -135,7 +135,8 @@ class TensorParallelFollower:
 
 
 class SchedulerActor:
-    """The Ray actor of `specserve generate --distributed` and the bench's Ray rows (no Serve): hosts one `Scheduler`
+    """The scheduler as a plain Ray actor (no Serve), left only for tests/cluster/test_ray_deployment.py until its cases
+    move to the Serve app (docs/architecture.md, one path per job): hosts one `Scheduler`
     state machine and its `Pipeline` for one model pair; validates requests, tokenizes, and runs them through it."""
 
     def __init__(

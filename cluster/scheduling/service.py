@@ -93,6 +93,7 @@ class SchedulerService:
                 "active_requests": len(s.scheduler.requests),
                 "rounds": s.pipeline.times.rounds,
                 "orchestration_ms_p50": s.pipeline.times.p50_ms(),
+                "wire_bytes_per_round": s.pipeline.wire_bytes() / max(1, s.pipeline.times.rounds),
                 "chain_width": {w: b.width for w, b in s.scheduler.batches.items()},  # the goodput planner's
                 **s.scheduler.feature_traffic.to_dict(),
             }

@@ -21,9 +21,10 @@ def test_serve_rows_are_lossless_and_timed(tiny_target, tiny_draft):
                     for p in prompts]  # fmt: skip
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
-        rows = serve_rows(tiny_target, tiny_draft, prompts, cfg, 3, "cpu", base)
+        rows, status = serve_rows(tiny_target, tiny_draft, prompts, cfg, 3, "cpu", base)
     finally:
         ray.shutdown()
     assert [r.identical for r in rows] == [True, True]
     assert all(r.tokens == sum(len(o) for o in base.outputs) and r.tokens_per_s > 0 for r in rows)
     assert rows[1].name.endswith("3 streams")
+    assert status["rounds"] > 0 and status["wire_bytes_per_round"] > 0 and status["orchestration_ms_p50"] > 0

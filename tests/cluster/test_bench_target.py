@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.cluster.bench.distributed import distributed_rows
 from specserve.cluster.bench.rows import EAGLE_KS, NGRAM_KS, PROMPT_LOOKUP_N, TREE_KS, BenchConfig, Row
 from specserve.cluster.bench.runner import format_table, run_bench
 from specserve.cluster.cli.main import main
@@ -148,7 +147,10 @@ def test_the_demo_suite_keeps_its_rows(tiny_target, tmp_path):
 
 @pytest.mark.slow
 def test_disaggregated_rows_without_a_draft_model_draft_by_prompt_lookup(tiny_target):
+    """Through the Serve app (about a minute on 2 cores), next to the in-process n-gram row, with its footer."""
     import ray
+
+    from specserve.cluster.bench.distributed import add_distributed
 
     engine = _engine(tiny_target)
     greedy = SamplingParams(max_new_tokens=12)
@@ -157,13 +159,16 @@ def test_disaggregated_rows_without_a_draft_model_draft_by_prompt_lookup(tiny_ta
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         cfg = BenchConfig(prompts=3, max_new_tokens=12, suite="target")
-        rows, status = distributed_rows(tiny_target, None, PROMPTS, cfg, 4, "cpu", base, method="ngram")
+        ngram = Row("specserve ngram k=4 greedy", "ngram", 4, 0.0, tokens_per_s=100.0)
+        rows, meta = [base, ngram], {}
+        add_distributed(rows, meta, tiny_target, None, PROMPTS, cfg, "cpu")
     finally:
         ray.shutdown()
-    assert [r.name for r in rows] == ["disaggregated ngram k=4 greedy, 1 stream",
-                                      "disaggregated ngram k=4 greedy, 3 streams"]  # fmt: skip
-    assert [r.identical for r in rows] == [True, True]
-    assert status["wire_bytes_per_round"] >= 0
+    assert [r.name for r in rows[2:]] == ["serve gRPC e2e ngram k=4 greedy, 1 stream",
+                                          "serve gRPC e2e ngram k=4 greedy, 3 streams"]  # fmt: skip
+    assert [r.identical for r in rows[2:]] == [True, True]
+    d = meta["disaggregated"]
+    assert d["vs_in_process_1_stream"] > 0 and d["wire_bytes_per_round"] > 0 and d["orchestration_ms_p50"] > 0
 
 
 def test_with_a_head_the_disaggregated_eagle_rows_are_identical_and_report_feature_bytes(tmp_path):
