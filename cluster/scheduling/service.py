@@ -37,7 +37,7 @@ class SchedulerService:
 
     def __init__(self, app: AppConfig, resolved_paths: dict[str, tuple[str, str | None]], metrics=None):
         """resolved_paths: model name -> (target directory, draft directory or None), demo paths already resolved.
-        metrics: a `ServiceMetrics` (cluster/serve/metrics.py) or None."""
+        metrics: a `SchedulerMetrics` (cluster/serve/metrics.py) or None."""
         self.app = app
         self.metrics = metrics
         self.secret: str | None = None  # the workers' shared secret, sent with every worker call

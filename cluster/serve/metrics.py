@@ -31,7 +31,7 @@ WINDOW_ROUNDS = 256  # the windowed acceptance gauges: over a model's last this-
 FINISH_REASONS = {"cancelled": "abort"}  # a request's status -> vLLM's finished_reason; other failures are "error"
 
 
-class ServiceMetrics:
+class SchedulerMetrics:
     """Scheduler-side metrics of one scheduler replica: requests, speculative decoding, latency, queue."""
 
     def __init__(self, models: list[str] = ()):
@@ -159,7 +159,7 @@ class RequestMetrics:
     time), then running its rounds (`round`: TTFT at the first token, inter-token latency at each later round), then
     `finished` (end-to-end latency, time per output token, its finished_reason)."""
 
-    def __init__(self, metrics: ServiceMetrics, model: str, prompt_tokens: int):
+    def __init__(self, metrics: SchedulerMetrics, model: str, prompt_tokens: int):
         self.metrics, self.model, self.prompt_tokens = metrics, model, prompt_tokens
         self.tags = {"model_name": model}
         self.arrived = time.perf_counter()

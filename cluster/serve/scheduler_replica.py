@@ -33,13 +33,13 @@ class SchedulerReplica:
 
     def __init__(self, app_args: dict, *pools: Any):
         from specserve.cluster.scheduling.service import SchedulerService
-        from specserve.cluster.serve.metrics import ServiceMetrics
+        from specserve.cluster.serve.metrics import SchedulerMetrics
 
         use_serve_log_files()
         self.config: AppConfig = app_config(app_args)
         paths = {m.name: resolve_paths(m) for m in self.config.models}
         self.service = SchedulerService(
-            self.config, paths, metrics=ServiceMetrics([m.name for m in self.config.models])
+            self.config, paths, metrics=SchedulerMetrics([m.name for m in self.config.models])
         )
         self._poller: asyncio.Task | None = None
         self._seen: tuple[str, int] | None = None  # (registry incarnation, version) last applied

@@ -16,10 +16,10 @@ def dashboard():
 
 @pytest.fixture(scope="module")
 def defined(monkeypatch_module):
-    """The metric names ServiceMetrics and WorkerMetrics register with Ray."""
+    """The metric names SchedulerMetrics and WorkerMetrics register with Ray."""
     import ray.util.metrics as ray_metrics
 
-    from specserve.cluster.serve.metrics import ServiceMetrics, WorkerMetrics
+    from specserve.cluster.serve.metrics import SchedulerMetrics, WorkerMetrics
 
     names = set()
 
@@ -32,7 +32,7 @@ def defined(monkeypatch_module):
 
     for cls in ("Counter", "Gauge", "Histogram"):
         monkeypatch_module.setattr(ray_metrics, cls, Recorder)
-    ServiceMetrics(["m"])
+    SchedulerMetrics(["m"])
     WorkerMetrics()
     return names
 

@@ -5,7 +5,7 @@ end-to-end latency and time per output token, the windowed acceptance gauges and
 import pytest
 
 from specserve.cluster.serve import metrics as metrics_module
-from specserve.cluster.serve.metrics import ServiceMetrics, WorkerMetrics
+from specserve.cluster.serve.metrics import SchedulerMetrics, WorkerMetrics
 
 
 class Recorder:
@@ -50,7 +50,7 @@ def metrics(monkeypatch):
     Recorder.made = {}
     for cls in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(ray_metrics, cls, Recorder)
-    return ServiceMetrics(["a", "b"])
+    return SchedulerMetrics(["a", "b"])
 
 
 def values(metric, model="a", **labels):
