@@ -50,25 +50,27 @@ def verify_seconds(runner: ModelRunner, context: int, max_width: int, reps: int 
 def batch_verify_seconds(runner: ModelRunner, context: int, rows: int, max_width: int,
                          reps: int = 2) -> tuple[float, ...]:  # fmt: skip
     """(t_1, ..., t_max_width) of one batched forward over `rows` requests, each feeding w new positions after
-    `context` tokens of its own (the fastest of `reps` each): what a target worker's verify batch costs."""
+    `context` tokens of its own (the fastest of `reps` each): what a target worker's verify batch costs.
+
+    Each rep is one pass over every width, each after the same context, not `reps` forwards of one width and then the
+    next: a burst of other work on the machine then slows one pass's widths, which the other passes outvote, rather
+    than all of one width's tries (a planner reading a single width too dear drafts too short; seen on 2 cores)."""
     tag = uuid.uuid4().hex
     prompts = [probe_tokens(context, runner.vocab_size, salt=r) for r in range(rows)]
     ids = [f"cost-probe-{tag}-{r}" for r in range(rows)]
     prefill = [(rid, p, 1) for rid, p in zip(ids, prompts, strict=True)]  # feeding it again rolls back to context
-    out = []
+    best = [float("inf")] * max_width
     try:
         runner.logits_for_batch(prefill)
         runner.logits_for_batch(prefill)  # allocator and kernel caches
-        for width in range(1, max_width + 1):
-            runner.logits_for_batch(prefill)
-            seqs, best = list(prompts), float("inf")
-            for i in range(reps):  # each rep continues the last: a context at most reps x width longer
-                seqs = [s + probe_tokens(width, runner.vocab_size, salt=i + r + 1) for r, s in enumerate(seqs)]
+        for i in range(reps):
+            for width in range(1, max_width + 1):
+                runner.logits_for_batch(prefill)  # every width after the same context
+                seqs = [s + probe_tokens(width, runner.vocab_size, salt=i + r + 1) for r, s in enumerate(prompts)]
                 t0 = time.perf_counter()
                 runner.logits_for_batch([(rid, s, width) for rid, s in zip(ids, seqs, strict=True)])
-                best = min(best, time.perf_counter() - t0)
-            out.append(best)
+                best[width - 1] = min(best[width - 1], time.perf_counter() - t0)
     finally:
         for rid in ids:
             runner.release(rid)
-    return tuple(out)
+    return tuple(best)
