@@ -1,1 +1,2 @@
-"""Worker pools: the Ray actors that host workers and schedulers, their builders, and local worker processes."""
+"""Without Serve: worker bodies (run by the Serve pool replicas), local worker processes for the bench, and
+`specserve generate --local`."""

@@ -1,19 +1,12 @@
-"""Ray actor bodies: plain classes (no decorator) that host a worker's gRPC server or the scheduler inside an async
-actor's event loop. `cluster/pools/builders.py` applies `ray.remote` with resources; tests can use the classes
-directly."""
+"""Worker bodies: plain classes (no decorator) that build a draft or target worker and host its gRPC server inside the
+event loop of the Ray actor that loads them (a Serve pool replica, cluster/serve/pool_worker.py); a tensor-parallel
+target's follower ranks are Ray actors they start."""
 
 from __future__ import annotations
 
 import socket
 
-from specserve.cluster.config import DisaggregatedConfig, PoolConfig
-from specserve.workers.config import SamplingParams, SpecParams, validate
-
-
-def _node() -> dict:
-    import ray
-
-    return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+from specserve.cluster.config import PoolConfig
 
 
 def _host() -> str:
@@ -58,9 +51,6 @@ class _WorkerActor:
             )
             self.address = f"{host}:{port}"
         return self.address
-
-    async def node(self) -> dict:
-        return _node()
 
     async def followers_nodes(self) -> list[str]:
         """Node ids of this replica's follower ranks (tensor parallelism), for placement checks."""
@@ -132,107 +122,3 @@ class TensorParallelFollower:
         import ray
 
         return ray.get_runtime_context().get_node_id()
-
-
-class SchedulerActor:
-    """The scheduler as a plain Ray actor (no Serve), left only for tests/cluster/test_ray_deployment.py until its cases
-    move to the Serve app (docs/architecture.md, one path per job): hosts one `Scheduler`
-    state machine and its `Pipeline` for one model pair; validates requests, tokenizes, and runs them through it."""
-
-    def __init__(
-        self,
-        config: DisaggregatedConfig,
-        draft_addresses: dict[str, str],
-        target_addresses: dict[str, str],
-        workers: dict | None = None,
-        secret: str | None = None,
-    ):
-        """workers: name -> actor handle, to reach a worker again after Ray restarts it. secret: the workers'
-        shared secret, sent with every call."""
-        self.secret = secret
-        from transformers import AutoConfig, AutoTokenizer
-
-        from specserve.workers.runtime.eos import directory_eos_ids
-
-        self.config = config
-        self.draft_addresses = draft_addresses
-        self.target_addresses = target_addresses
-        self.workers = workers or {}
-        self.tokenizer = AutoTokenizer.from_pretrained(config.target.model.path, local_files_only=True)
-        self.eos = directory_eos_ids(config.target.model.path, self.tokenizer)
-        model_config = AutoConfig.from_pretrained(config.target.model.path, local_files_only=True)
-        self.max_positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
-        self.pipeline = None
-
-    def _ensure_pipeline(self):
-        # gRPC channels belong to the actor's event loop, so they are made on the first call, inside it.
-        if self.pipeline is None:
-            from specserve.cluster.scheduling.pipeline import build_pipeline
-            from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
-
-            timeout = self.config.call_timeout_s
-            drafts = {n: DraftClient(a, timeout, self.secret) for n, a in self.draft_addresses.items()}
-            targets = {n: TargetClient(a, timeout, self.secret) for n, a in self.target_addresses.items()}
-            self.pipeline = build_pipeline(drafts, targets, self.config.eagle_head, self.config.predraft,
-                                           self._reconnect)  # fmt: skip
-        return self.pipeline
-
-    async def _reconnect(self, worker: str) -> str | None:
-        """The address of the worker's restarted actor, or None when Ray will not restart it. A call that reaches
-        the actor while Ray is still restarting it fails fast (ActorUnavailableError): retried until the deadline."""
-        import asyncio
-        import time
-
-        handle = self.workers.get(worker)
-        if handle is None:
-            return None
-
-        from ray.exceptions import ActorDiedError
-
-        deadline = time.monotonic() + self.config.restart_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                remaining = max(1.0, deadline - time.monotonic())
-                return await asyncio.wait_for(handle.start.remote(self.secret), remaining)
-            except ActorDiedError:
-                return None  # out of restarts (or killed for good): the worker is gone
-            except Exception:  # noqa: BLE001 - restarting (ActorUnavailableError), or start failed: try again
-                await asyncio.sleep(0.5)
-        return None
-
-    async def generate(self, prompt: str | list[int], sampling: dict, speculation: dict) -> dict:
-        """One request; returns the CLI's JSON contract plus scheduling stats."""
-        from specserve.workers.speculation.request import check_request, encode_prompt
-
-        params = validate(SamplingParams, sampling)
-        spec = validate(SpecParams, speculation)
-        ids = encode_prompt(self.tokenizer, prompt)
-        check_request(ids, params, len(self.tokenizer), self.max_positions)
-        pipeline = self._ensure_pipeline()
-        req = await pipeline.generate(ids, params, spec, self.eos)
-        generated = req.state.generated
-        return {
-            "text": self.tokenizer.decode(generated, skip_special_tokens=True),
-            "token_ids": generated,
-            "finish_reason": req.state.finish_reason,
-            "stats": req.state.stats.to_dict(),
-            "scheduling": {
-                "pipelined_rounds": req.pipelined_rounds,
-                "resent": req.resent,
-                "draft_worker": req.draft_worker,
-                "target_worker": req.target_worker,
-            },
-        }
-
-    async def status(self) -> dict:
-        pipeline = self._ensure_pipeline()
-        rounds = max(1, pipeline.times.rounds)
-        return {
-            "unhealthy": sorted(pipeline.scheduler.unhealthy),
-            "rounds": pipeline.times.rounds,
-            "restarts": pipeline.restarts,
-            "orchestration_ms_mean": 1e3 * pipeline.times.orchestration_s / rounds,
-            "orchestration_ms_p50": pipeline.times.p50_ms(),
-            "wire_bytes_per_round": pipeline.wire_bytes() / rounds,
-            **pipeline.scheduler.feature_traffic.to_dict(),
-        }

@@ -1,6 +1,6 @@
 """The scheduler as a CPU-only state machine: which worker holds each request, what each worker has been told, what
 the next round drafts and verifies, and how a verified round is applied. No I/O: `pipeline.py` executes its plans
-over gRPC; `service.py` (in the Serve app) and the Ray actor `SchedulerActor` each hold one per model.
+over gRPC; `service.py` (in the Serve app's scheduler replicas) holds one per model.
 
 Per request it tracks the committed tokens (RequestState), the sticky workers that hold its KV caches, the tokens
 each has been sent (the KV state protocol's tails), k, and PEARL-style pre-drafting (round r + 1 drafted while r
@@ -107,7 +107,7 @@ class NoTargetWorker(RuntimeError):
 class Scheduler:
     """One model's scheduling state machine: places requests on draft and target workers, plans each round's calls
     and applies their results. Plain data in, plain data out: `Pipeline` makes the calls. A Serve `SchedulerReplica`
-    and a Ray `SchedulerActor` are hosts of one (or one per model), not schedulers themselves."""
+    hosts one per model; it is not a scheduler itself."""
 
     def __init__(self, draft_workers: list[str], target_workers: list[str],
                  head_prior: tuple[float, ...] | None = None, max_k: int | None = None,

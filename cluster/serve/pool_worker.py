@@ -49,7 +49,12 @@ class PoolWorker:
             self.metrics.report(self.model, self.kind, self.worker_id, self.store)
 
     async def info(self) -> dict:
-        return {"worker_id": self.worker_id, "address": self.address, "node_id": self.node, "kind": self.kind}
+        """Who and where this replica is: its worker id, gRPC address, node, kind, torch's CPU threads, and the nodes
+        of its follower ranks (a tensor-parallel replica; empty otherwise)."""
+        import torch
+
+        return {"worker_id": self.worker_id, "address": self.address, "node_id": self.node, "kind": self.kind,
+                "threads": torch.get_num_threads(), "followers": await self.body.followers_nodes()}  # fmt: skip
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (Serve sees no handle traffic to pools: requests come over gRPC)."""
