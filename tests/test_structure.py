@@ -35,7 +35,7 @@ FLOORS = [  # lowest first; a module's room is the longest of these its name sta
     ("specserve.workers.speculation",),
     ("specserve.workers.service",),
     ("specserve.workers.training",),
-    ("specserve.cluster",),  # config, app_config: the cluster's floor
+    ("specserve.cluster",),  # app_config, speculative_config: the cluster's floor
     ("specserve.cluster.scheduling",),
     ("specserve.cluster.pools",),
     ("specserve.cluster.serve",),

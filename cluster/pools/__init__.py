@@ -1,2 +1,1 @@
-"""Without Serve: worker bodies (run by the Serve pool replicas), local worker processes for the bench, and
-`specserve generate --local`."""
+"""Without Serve: `specserve generate --local` (the in-process engine) and the bench's local worker processes."""

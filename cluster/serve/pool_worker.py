@@ -86,25 +86,21 @@ class PoolWorker:
 
 
 def _worker_body(cfg: ModelPairConfig, kind: str):
-    """The draft or target worker actor's body, loaded in this replica. With an EAGLE-3 head as the model's draft,
-    draft workers draft with the head (reading only the target's config and input embedding) and target workers
-    capture the features it reads."""
-    from specserve.cluster.config import PoolConfig
-    from specserve.cluster.pools.actors import DraftWorkerActor, TargetWorkerActor
+    """The draft or target worker's body, loaded in this replica. With an EAGLE-3 head as the model's draft, draft
+    workers draft with the head (reading only the target's config and input embedding) and target workers capture the
+    features it reads."""
+    from specserve.cluster.serve.worker_body import DraftWorkerBody, TargetWorkerBody
     from specserve.workers.config import ModelConfig
     from specserve.workers.speculation.eagle.config import resolve_eagle_head
 
     target_path, draft_path = resolve_paths(cfg)
     head = resolve_eagle_head(draft_path)
-    pool_cfg = cfg.target_pool if kind == "target" else cfg.draft_pool
+    pool = cfg.target_pool if kind == "target" else cfg.draft_pool
     path = target_path if kind == "target" or head is not None else draft_path
-    pool = PoolConfig(model=ModelConfig(path=path, dtype=cfg.dtype, device=cfg.device), resource=f"{kind}_gpu",
-                      kv_cache=pool_cfg.kv_cache, batching=pool_cfg.batching, num_cpus=pool_cfg.num_cpus,
-                      num_gpus=pool_cfg.num_gpus, tensor_parallel_size=pool_cfg.tensor_parallel_size,
-                      threads=pool_cfg.threads)  # fmt: skip
+    model = ModelConfig(path=path, dtype=cfg.dtype, device=cfg.device)
     if kind == "target":
-        return TargetWorkerActor(pool, eagle_head=head)
+        return TargetWorkerBody(model, pool, eagle_head=head)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(target_path, local_files_only=True).get_text_config().vocab_size
-    return DraftWorkerActor(pool, vocab, eagle_head=head)
+    return DraftWorkerBody(model, pool, vocab, eagle_head=head)

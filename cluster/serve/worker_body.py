@@ -1,12 +1,13 @@
-"""Worker bodies: plain classes (no decorator) that build a draft or target worker and host its gRPC server inside the
-event loop of the Ray actor that loads them (a Serve pool replica, cluster/serve/pool_worker.py); a tensor-parallel
-target's follower ranks are Ray actors they start."""
+"""What a pool replica (pool_worker.py) runs: a draft or target worker built from the model and its pool's config
+(workers/service/assembly.py), its gRPC server inside the replica's event loop, and, for a tensor-parallel replica,
+the follower ranks it starts as Ray actors in the replica's placement group."""
 
 from __future__ import annotations
 
 import socket
 
-from specserve.cluster.config import PoolConfig
+from specserve.cluster.app_config import WorkerPoolConfig
+from specserve.workers.config import ModelConfig
 
 
 def _host() -> str:
@@ -18,28 +19,28 @@ def _host() -> str:
         return socket.gethostbyname("localhost")
 
 
-class _WorkerActor:
+class WorkerBody:
     """Hosts a worker built by `_build` (workers/service/assembly.py) behind its gRPC server."""
 
-    def _build(self, role: str, pool: PoolConfig, vocab_size: int | None = None, eagle_head: str | None = None) -> None:
+    def _build(self, role: str, model: ModelConfig, pool: WorkerPoolConfig, vocab_size: int | None = None,
+               eagle_head: str | None = None) -> None:  # fmt: skip
         from specserve.workers.runtime.loading import resolve_device
         from specserve.workers.runtime.threads import use_threads, worker_threads
         from specserve.workers.service.assembly import WorkerSpec, build_worker
 
-        device = resolve_device(pool.model.device).type
+        device = resolve_device(model.device).type
         use_threads(worker_threads(pool.threads, role, device, pool.num_cpus, pool.tensor_parallel_size))
         # A draft's tensor-parallel degree is independent of the target's (a head's draft worker runs no model).
         tensor_parallel = pool.tensor_parallel_size > 1 and not (role == "draft" and eagle_head)
-        runner = self._tensor_parallel_runner(pool, vocab_size) if tensor_parallel else None
-        spec = WorkerSpec(role, pool.model, pool.kv_cache, pool.batching, vocab_size, eagle_head)
+        runner = self._tensor_parallel_runner(model, pool, vocab_size) if tensor_parallel else None
+        spec = WorkerSpec(role, model, pool.kv_cache, pool.batching, vocab_size, eagle_head)
         self.built = build_worker(spec, runner=runner)
         self.runner, self.worker, self.servicer = self.built.runner, self.built.worker, self.built.servicer
 
     async def start(self, secret: str | None = None, max_message_bytes: int | None = None) -> str:
-        """Start the gRPC server on this node (inside the actor's event loop) unless it runs; returns its address.
-        Called again after Ray restarts the actor, which comes back with a fresh process and a new port. With
-        `secret`, the server accepts only calls carrying it (the deployment's shared secret). It listens on the
-        node's cluster address only (Ray's node IP; loopback on a local-only Ray), never on every interface."""
+        """Start the gRPC server on this node (inside the replica's event loop) unless it runs; returns its address.
+        With `secret`, the server accepts only calls carrying it (the app's shared secret). It listens on the node's
+        cluster address only (Ray's node IP; loopback on a local-only Ray), never on every interface."""
         from specserve.workers.service.assembly import start_worker_server
         from specserve.workers.service.grpc_service import DEFAULT_SERVER_MESSAGE_BYTES
 
@@ -56,9 +57,9 @@ class _WorkerActor:
         """Node ids of this replica's follower ranks (tensor parallelism), for placement checks."""
         return [await actor.node_id.remote() for actor, _ in getattr(self, "followers", [])]
 
-    def _tensor_parallel_runner(self, pool: PoolConfig, vocab_size: int | None = None):
-        """This actor is rank 0; ranks 1..N-1 are follower actors in the same placement group (the Serve
-        replica's, when there is one), which die with it."""
+    def _tensor_parallel_runner(self, model: ModelConfig, pool: WorkerPoolConfig, vocab_size: int | None = None):
+        """This replica is rank 0; ranks 1..N-1 are follower actors in the replica's placement group, which die with
+        it."""
         import ray
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -76,7 +77,7 @@ class _WorkerActor:
         )
 
         n = pool.tensor_parallel_size
-        device = check_replica(pool.model, n)
+        device = check_replica(model, n)
         torch_threads = worker_threads(pool.threads, "target", device, pool.num_cpus, n)
         rendezvous = Rendezvous(_host(), free_port(""), n, timeout_s=300)
         follower = ray.remote(max_restarts=0, max_concurrency=2)(TensorParallelFollower)  # node_id while it runs
@@ -87,25 +88,27 @@ class _WorkerActor:
             if pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             actor = follower.options(**options).remote()
-            call = actor.run.remote(run_follower, rank, rendezvous, pool.model, pool.kv_cache, threads=torch_threads)
+            call = actor.run.remote(run_follower, rank, rendezvous, model, pool.kv_cache, threads=torch_threads)
             self.followers.append((actor, call))
         init_rank(0, rendezvous, device)
-        return TensorParallelRunner(ModelRunner(load_sharded(pool.model), pool.kv_cache, vocab_size=vocab_size))
+        return TensorParallelRunner(ModelRunner(load_sharded(model), pool.kv_cache, vocab_size=vocab_size))
 
 
-class DraftWorkerActor(_WorkerActor):
-    """A draft model behind a DraftWorker gRPC server; with `eagle_head`, that EAGLE-3 head (`pool.model` is then
-    the target, whose config and input embedding it reads)."""
+class DraftWorkerBody(WorkerBody):
+    """A draft model behind a DraftWorker gRPC server; with `eagle_head`, that EAGLE-3 head (`model` is then the
+    target, whose config and input embedding it reads)."""
 
-    def __init__(self, pool: PoolConfig, target_vocab_size: int, eagle_head: str | None = None):
-        self._build("draft", pool, target_vocab_size, eagle_head)
+    def __init__(
+        self, model: ModelConfig, pool: WorkerPoolConfig, target_vocab_size: int, eagle_head: str | None = None
+    ):
+        self._build("draft", model, pool, target_vocab_size, eagle_head)
 
 
-class TargetWorkerActor(_WorkerActor):
+class TargetWorkerBody(WorkerBody):
     """A target model behind a TargetWorker gRPC server; with `eagle_head`, capturing the features that head reads."""
 
-    def __init__(self, pool: PoolConfig, eagle_head: str | None = None):
-        self._build("target", pool, eagle_head=eagle_head)
+    def __init__(self, model: ModelConfig, pool: WorkerPoolConfig, eagle_head: str | None = None):
+        self._build("target", model, pool, eagle_head=eagle_head)
 
 
 class TensorParallelFollower:
