@@ -33,14 +33,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from specserve.cluster.scheduling.costs import measured_costs
+from specserve.cluster.scheduling.replies import DraftReply, VerifyReply
 from specserve.cluster.scheduling.scheduler import FALLBACK_K, Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
-from specserve.cluster.scheduling.worker_clients import (
-    DraftClient,
-    TargetClient,
-    VerifyReply,
-    WorkerLostRequest,
-    WorkerUnavailable,
-)
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES
 from specserve.workers.speculation.draft_tree import TreeShape
@@ -142,7 +137,7 @@ class Pipeline:
                 call = self.scheduler.resend(req, call)
         return await fn(call)
 
-    async def _propose(self, req: SchedRequest, call: Call) -> tuple[list[int], bytes]:
+    async def _propose(self, req: SchedRequest, call: Call) -> DraftReply:
         return await self._call(req, call, lambda c: self.drafts[c.worker].propose(c, req.params))
 
     async def _verify(self, req: SchedRequest, call: Call) -> VerifyReply:
@@ -163,8 +158,9 @@ class Pipeline:
                         yield committed
                     continue
                 k = self.scheduler.k_for(req)
-                drafted, probs = await self._draft(req, k, pre, clock)
-                reply, pre_task = await self._verify_round(req, k, drafted, probs, clock)
+                draft = await self._draft(req, k, pre, clock)
+                drafted = draft.drafted
+                reply, pre_task = await self._verify_round(req, k, drafted, draft.draft_probs, clock)
                 if reply is None:
                     continue  # the round is re-planned on the restarted or another target: nothing was committed
                 committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token, reply.features,
@@ -214,20 +210,18 @@ class Pipeline:
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
 
-    async def _draft(
-        self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock
-    ) -> tuple[list[int], bytes]:
+    async def _draft(self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock) -> DraftReply:
         """This round's drafted tokens and their probabilities: the pre-draft when its assumption held, else prompt
         lookup or the draft worker, as the method (and for "eagle+ngram" the round's plan) says (nothing when k is
         0, or the draft worker failed: this round is target-only)."""
         if not k:
-            return [], b""
+            return DraftReply([])
         reused = self.scheduler.use_predraft(req, pre)
         if reused is not None:
             req.pipelined_rounds += 1
             return reused
         if req.plan is not None and req.plan.source in LOOKUP_SOURCES:
-            return list(req.plan.tokens), b""  # prompt lookup's or suffix drafting's continuation: no model
+            return DraftReply(list(req.plan.tokens))  # prompt lookup's or suffix drafting's continuation: no model
         with clock.waiting():
             call = self.scheduler.plan_draft(req, k)
             client = self.drafts[call.worker]
@@ -235,7 +229,7 @@ class Pipeline:
                 proposal = await self._propose(req, call)
             except WorkerUnavailable as e:  # this round: target-only; later: the restarted or another drafter
                 await self._worker_failed(call.worker, client, e)
-                return [], b""
+                return DraftReply([])
         self.scheduler.drafted(req, call)
         return proposal
 
@@ -315,11 +309,11 @@ class Pipeline:
             return None
         with clock.waiting():
             try:
-                pre_drafted, pre_probs = await pre_task
+                draft = await pre_task
             except (WorkerUnavailable, WorkerLostRequest) as e:
                 log.debug("pre-draft for request %s failed (%s): the next round drafts afresh", req.request_id, e)
                 return None
-        return PreDraft(after=req.state.tokens[:-1], drafted=pre_drafted, draft_probs=pre_probs)
+        return PreDraft(after=req.state.tokens[:-1], draft=draft)
 
     def wire_bytes(self) -> int:
         return sum(c.wire_bytes for c in (*self.drafts.values(), *self.targets.values()))

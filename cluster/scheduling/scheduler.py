@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
+from specserve.cluster.scheduling.replies import DraftReply
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
@@ -71,8 +72,7 @@ class PreDraft:
     """Tokens drafted ahead for round r + 1, continuing the drafted tokens of round r."""
 
     after: list[int]  # the committed + drafted sequence they continue
-    drafted: list[int]
-    draft_probs: bytes
+    draft: DraftReply
 
 
 @dataclass
@@ -366,21 +366,19 @@ class Scheduler:
         if req.features is not None:
             req.features.delivered(call.features)
 
-    def use_predraft(self, req: SchedRequest, pre: PreDraft | None) -> tuple[list[int], bytes] | None:
+    def use_predraft(self, req: SchedRequest, pre: PreDraft | None) -> DraftReply | None:
         """The next round's draft from a pre-draft, if its assumption held: the committed sequence now continues
         exactly as the pre-draft assumed and its first token equals the bonus token. Its first token is dropped
         (already committed as the bonus token); the rest are a valid proposal for the next round."""
         if pre is None or req.state.finished:
             return None
         tokens = req.state.tokens
-        if len(tokens) != len(pre.after) + 1 or tokens[:-1] != pre.after or not pre.drafted:
+        ahead = pre.draft.drafted
+        if len(tokens) != len(pre.after) + 1 or tokens[:-1] != pre.after or len(ahead) < 2 or ahead[0] != tokens[-1]:
             return None
-        if pre.drafted[0] != tokens[-1] or len(pre.drafted) < 2:
-            return None
-        budget = self.k_for(req)
-        drafted = pre.drafted[1 : 1 + budget]
-        probs = slice_rows(pre.draft_probs, 1, 1 + len(drafted))
-        return (drafted, probs) if drafted else None
+        drafted = ahead[1 : 1 + self.k_for(req)]
+        probs = slice_rows(pre.draft.draft_probs, 1, 1 + len(drafted))
+        return DraftReply(drafted, probs) if drafted else None
 
     def release(self, req: SchedRequest) -> list[str]:
         """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for

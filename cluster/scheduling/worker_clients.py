@@ -3,10 +3,9 @@ turn the KV state protocol's NOT_FOUND into WorkerLostRequest, so the caller can
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import grpc
 
+from specserve.cluster.scheduling.replies import DraftReply, VerifyReply
 from specserve.cluster.scheduling.scheduler import Call
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
@@ -14,7 +13,7 @@ from specserve.protos.wire import GRPC_OPTIONS, SECRET_METADATA
 from specserve.workers.config import SamplingParams
 from specserve.workers.service.sampling_wire import sampling_to_proto
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.logprobs import TokenLogprob, from_proto
+from specserve.workers.speculation.logprobs import from_proto
 
 COSTS_TIMEOUT_S = 120.0  # a first cost measurement: a few dozen forward passes, on a busy CPU worker too
 
@@ -89,10 +88,10 @@ class DraftClient(_Client):
             ),
         )
 
-    async def propose(self, call: Call, params: SamplingParams) -> tuple[list[int], bytes]:
-        """(drafted tokens, encoded draft probs)."""
+    async def propose(self, call: Call, params: SamplingParams) -> DraftReply:
+        """A chain call's drafted tokens and their encoded draft probs."""
         response = await self._propose(call, params)
-        return list(response.drafted), response.draft_probs
+        return DraftReply(list(response.drafted), response.draft_probs)
 
     async def propose_tree(self, call: Call, params: SamplingParams) -> DraftTree:
         """A tree call's drafted tree (no nodes: the head had no features to draft from)."""
@@ -101,17 +100,6 @@ class DraftClient(_Client):
             raise WorkerUnavailable(f"{self.address}: a tree reply of {len(response.drafted)} tokens, "
                                     f"{len(response.parents)} parents, {len(response.scores)} scores")  # fmt: skip
         return DraftTree(list(response.drafted), list(response.parents), list(response.scores))
-
-
-class VerifyReply(NamedTuple):
-    accepted: int
-    next_token: int  # recovered or bonus
-    batch_rows: int  # requests in the target batch this call ran in
-    batch_tokens: int  # positions that batch fed
-    batch_seconds: float
-    features: bytes = b""  # EAGLE-3: the committed positions' features, when the call asked (encoded)
-    path: tuple[int, ...] = ()  # a tree's accepted nodes, root-down
-    logprobs: tuple[TokenLogprob, ...] | None = None  # the accepted tokens' and next_token's, when params ask
 
 
 class TargetClient(_Client):
