@@ -6,6 +6,7 @@ mask), keeping only each tree's accepted path in the cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,13 +27,15 @@ from specserve.workers.speculation.target import TargetVerifier, TreeCall
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 
-@dataclass
+@dataclass(frozen=True)
 class VerifyResult:
+    """One call's verification: the round commits the accepted drafted tokens, then next_token."""
+
     accepted: int
     next_token: int  # recovered (accepted < len(drafted)) or bonus
-    batch_seconds: float  # of the whole batch the call ran in
-    batch_rows: int
-    batch_tokens: int  # positions the batch's forward pass fed
+    batch_seconds: float = 0.0  # of the whole batch the call ran in (set once the batch is done)
+    batch_rows: int = 0
+    batch_tokens: int = 0  # positions the batch's forward pass fed
     features: bytes = b""  # the committed positions' features (codec.encode_features), when the call asked
     path: list[int] | None = None  # a tree's accepted nodes, root-down (accepted of them)
     logprobs: list[TokenLogprob] | None = None  # the committed tokens', when params.logprobs asks
@@ -59,15 +62,6 @@ class _Row:
     tree: TreeCall | None = None  # a tree to verify instead of `verify`'s chain
 
 
-@dataclass
-class _Verified:
-    accepted: int
-    next_token: int
-    features: bytes = b""
-    path: list[int] | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-
 class TargetWorker:
     def __init__(self, verifier: TargetVerifier, model_name: str):
         self.verifier = verifier
@@ -88,13 +82,13 @@ class TargetWorker:
         drafted: Sequence[int],
         draft_probs: torch.Tensor | None,
         params: SamplingParams,
-    ) -> tuple[int, int, float]:
-        """(accepted, next_token, the batch's seconds). Raises RequestNotFoundError (re-send the committed sequence)."""
+    ) -> VerifyResult:
+        """One chain call alone. Raises RequestNotFoundError (re-send the committed sequence)."""
         call = VerifyCall(request_id, committed_len, list(new_tokens), list(drafted), draft_probs, params)
         result = self.verify_batch([call])[0]
         if isinstance(result, Exception):
             raise result
-        return result.accepted, result.next_token, result.batch_seconds
+        return result
 
     def verify_batch(self, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
         """Verify many requests in one target forward pass. Each call gets its own result or its own error (bad
@@ -119,16 +113,12 @@ class TargetWorker:
 
         results, rows = run_calls(self.committed, calls, prepare, self._verify_rows, self.release)
         seconds, tokens = time.perf_counter() - t0, self.verifier.runner.forward_positions - fed
-        return [
-            r
-            if isinstance(r, Exception)
-            else VerifyResult(r.accepted, r.next_token, seconds, rows, tokens, r.features, r.path, r.logprobs)
-            for r in results
-        ]
+        batch = {"batch_seconds": seconds, "batch_rows": rows, "batch_tokens": tokens}
+        return [r if isinstance(r, Exception) else dataclasses.replace(r, **batch) for r in results]
 
-    def _verify_rows(self, rows: list[_Row]) -> list[_Verified]:
-        """The chains in one forward pass, the trees in another."""
-        out: list[_Verified | None] = [None] * len(rows)
+    def _verify_rows(self, rows: list[_Row]) -> list[VerifyResult]:
+        """The chains in one forward pass, the trees in another (the batch's fields are set by verify_batch)."""
+        out: list[VerifyResult | None] = [None] * len(rows)
         chains = [i for i, row in enumerate(rows) if row.tree is None]
         trees = [i for i, row in enumerate(rows) if row.tree is not None]
         if chains:
@@ -139,16 +129,16 @@ class TargetWorker:
             verdicts = self.verifier.verify_trees([rows[i].tree for i in trees], capture=capture)
             for i, v in zip(trees, verdicts, strict=True):
                 features = encode_features(v.feature_start, v.features) if rows[i].want_features else b""
-                out[i] = _Verified(len(v.path), v.next_token, features, v.path, v.logprobs)
+                out[i] = VerifyResult(len(v.path), v.next_token, features=features, path=v.path, logprobs=v.logprobs)
         return out
 
-    def _verify_chains(self, rows: list[_Row]) -> list[_Verified]:
+    def _verify_chains(self, rows: list[_Row]) -> list[VerifyResult]:
         """One forward pass for the rows; with features captured only when a row asks for them."""
         verdicts = self.verifier.verify_rows([row.verify for row in rows], capture=any(r.want_features for r in rows))
         out = []
         for v, row in zip(verdicts, rows, strict=True):
             features = encode_features(v.feature_start, v.features) if row.want_features else b""
-            out.append(_Verified(v.accepted, v.next_token, features, logprobs=v.logprobs))
+            out.append(VerifyResult(v.accepted, v.next_token, features=features, logprobs=v.logprobs))
         return out
 
     def release(self, request_id: str) -> bool:
