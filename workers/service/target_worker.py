@@ -23,7 +23,7 @@ from specserve.workers.speculation.codec import encode_features
 from specserve.workers.speculation.goodput import PROFILE_ROWS
 from specserve.workers.speculation.logprobs import TokenLogprob
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
-from specserve.workers.speculation.target import TargetVerifier, TreeCall
+from specserve.workers.speculation.target import TargetVerifier, TreeCall, VerifyRow
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 
@@ -57,7 +57,7 @@ class VerifyCall:
 
 @dataclass
 class _Row:
-    verify: tuple  # TargetVerifier's row: (request_id, tokens, drafted, draft_probs, params, generator)
+    verify: VerifyRow  # the chain to verify
     want_features: bool
     tree: TreeCall | None = None  # a tree to verify instead of `verify`'s chain
 
@@ -105,7 +105,7 @@ class TargetWorker:
             _check_tree(call)  # before the call's tokens are taken as committed
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
-            verify = (call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator)
+            verify = VerifyRow(call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator)
             tree = None
             if call.parents is not None:
                 tree = TreeCall(TreeRow(call.request_id, tokens, call.drafted, call.parents), call.params, generator)

@@ -38,7 +38,7 @@ from specserve.workers.speculation.request import FinishReason, RequestState, Re
 from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.suffix import SuffixCache
-from specserve.workers.speculation.target import TargetVerifier, TreeCall, Verdict
+from specserve.workers.speculation.target import TargetVerifier, TreeCall, Verdict, VerifyRow
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class SpecEngine:
     ) -> Verdict:
         """Verify this round's proposal (None: target-only); an EagleDrafter gets the target's new features."""
         drafted, probs = (proposal.tokens, proposal.probs) if proposal else ([], None)
-        row = (state.request_id, state.tokens, drafted, probs, params, generator)
+        row = VerifyRow(state.request_id, state.tokens, drafted, probs, params, generator)
         head = drafter if isinstance(drafter, EagleDrafter) else None
         verdict = self.verifier.verify_rows([row], capture=head is not None)[0]
         if head is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,20 +21,19 @@ class PrunedTree:
     allowed: torch.Tensor  # [len(kept) + 1, V] bool: the grammar's mask at the root and after each kept node
 
 
-def constrain_chain(grammars: Grammars, row: tuple) -> tuple[tuple, torch.Tensor | None]:
-    """(row, allowed): a verify row (request_id, tokens, drafted, draft_probs, params, generator) whose drafted tokens
-    stop at the grammar's first forbidden one (kept as the last, certainly rejected, token when the draft's
-    probabilities are sampled against: the recovered token is then drawn from the residual, as rejection sampling
-    requires), and the mask [len(drafted) + 1, V] of its verified positions; the row unchanged and None without a
-    response_format."""
-    request_id, tokens, drafted, probs, params, generator = row
-    grammar = _synced(grammars, request_id, tokens, params)
+def constrain_chain(grammars: Grammars, row: NamedTuple) -> tuple[NamedTuple, torch.Tensor | None]:
+    """(row, allowed): a TargetVerifier's VerifyRow (target.py) whose drafted tokens stop at the grammar's first
+    forbidden one (kept as the last, certainly rejected, token when the draft's probabilities are sampled against: the
+    recovered token is then drawn from the residual, as rejection sampling requires), and the mask
+    [len(drafted) + 1, V] of its verified positions; the row unchanged and None without a response_format."""
+    drafted, probs, params = row.drafted, row.draft_probs, row.params
+    grammar = _synced(grammars, row.request_id, row.tokens, params)
     if grammar is None:
         return row, None
     length, allowed = grammar.chain(list(drafted), keep_forbidden=probs is not None and not params.greedy)
     if length < len(drafted):
-        drafted, probs = list(drafted)[:length], None if probs is None else probs[:length]
-    return (request_id, tokens, drafted, probs, params, generator), allowed
+        row = row._replace(drafted=list(drafted)[:length], draft_probs=None if probs is None else probs[:length])
+    return row, allowed
 
 
 def constrain_tree(grammars: Grammars, tree: TreeRow, params: SamplingParams) -> PrunedTree | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,7 +18,20 @@ from specserve.workers.speculation.logits_controls import controlled_logits
 from specserve.workers.speculation.logprobs import TokenLogprob, token_logprobs
 from specserve.workers.speculation.sampling import exponential_noise, logits_to_probs, uniform_noise
 from specserve.workers.speculation.tree_verification import greedy_tree_verify, rejection_tree_verify
-from specserve.workers.speculation.verification import greedy_verify, rejection_verify
+from specserve.workers.speculation.verification import VerifyOutput, greedy_verify, rejection_verify
+
+
+class VerifyRow(NamedTuple):
+    """One request's drafted chain to verify: its committed tokens, how to sample, the noise source."""
+
+    request_id: str
+    tokens: Sequence[int]  # the committed sequence
+    drafted: Sequence[int]  # the chain to verify as its continuation (none: a plain target step)
+    # [len(drafted), V] the distributions the drafted tokens were drawn from (truncated; normalised here), or None
+    # for one-hot (deterministic drafters, and greedy requests, where only the tokens matter)
+    draft_probs: torch.Tensor | None
+    params: SamplingParams
+    generator: torch.Generator
 
 
 @dataclass
@@ -67,52 +81,32 @@ class TargetVerifier:
         draft_probs: torch.Tensor | None,
         params: SamplingParams,
         generator: torch.Generator,
-    ) -> tuple[int, int]:
-        """Verify `drafted` as the continuation of committed `tokens`. Returns (accepted, next_token).
+    ) -> Verdict:
+        """Verify `drafted` as the continuation of committed `tokens` (one VerifyRow's fields): the round commits the
+        Verdict's accepted drafted tokens, then its next_token. With nothing drafted this is plain target-only
+        decoding: the next token is the bonus token from p."""
+        return self.verify_rows([VerifyRow(request_id, tokens, drafted, draft_probs, params, generator)])[0]
 
-        draft_probs: [len(drafted), V] the distributions the drafted tokens were drawn from (truncated; normalised
-        here), or None for one-hot (deterministic drafters, and greedy requests, where only the tokens matter).
-        With nothing drafted this is plain target-only decoding: the next token is the bonus token from p.
-        """
-        return self.verify_batch([(request_id, tokens, drafted, draft_probs, params, generator)])[0]
-
-    def verify_batch(
-        self,
-        rows: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor | None, SamplingParams, torch.Generator]],
-    ) -> list[tuple[int, int]]:
-        """Verify many requests' proposals in one forward pass; rows are (request_id, tokens, drafted, draft_probs,
-        params, generator) as for `verify`, and each row is verified alone, with its own generator."""
-        return [(v.accepted, v.next_token) for v in self.verify_rows(rows)]
-
-    def verify_with_features(
-        self,
-        rows: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor | None, SamplingParams, torch.Generator]],
-    ) -> list[Verdict]:
-        """`verify_batch`, also returning the target's features (the runner's `capture_features` layers) of the
-        positions this pass computed whose tokens are now committed: all but the drafted tokens it rejected. The
-        position of the bonus or recovered token is not among them: the next pass computes it."""
-        return self.verify_rows(rows, capture=True)
-
-    def verify_rows(
-        self,
-        rows: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor | None, SamplingParams, torch.Generator]],
-        capture: bool = False,
-    ) -> list[Verdict]:
-        """`verify_batch` as Verdicts: with `capture` the features as `verify_with_features` (else None), and for rows
-        whose params ask (`params.logprobs`) the committed tokens' logprobs, from the same raw logits. A row with a
-        response_format verifies its drafted tokens up to the grammar's first forbidden one, under the grammar's mask
-        (accepted counts within them)."""
+    def verify_rows(self, rows: Sequence[VerifyRow], capture: bool = False) -> list[Verdict]:
+        """Verify many requests' chains in one forward pass, each row alone with its own generator. With `capture`
+        also the target's features (the runner's `capture_features` layers) of the positions this pass computed whose
+        tokens are now committed: all but the drafted tokens it rejected (the position of the bonus or recovered
+        token is not among them: the next pass computes it); else None. For rows whose params ask (`params.logprobs`)
+        the committed tokens' logprobs, from the same raw logits. A row with a response_format verifies its drafted
+        tokens up to the grammar's first forbidden one, under the grammar's mask (accepted counts within them)."""
         constrained = [constrain_chain(self.grammars, row) for row in rows]
         rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
-        sequences = [(rid, list(tokens) + list(drafted), len(drafted) + 1) for rid, tokens, drafted, _, _, _ in rows]
+        sequences = [(row.request_id, [*row.tokens, *row.drafted], len(row.drafted) + 1) for row in rows]
         # Without capture through logits_for_batch: a tensor-parallel runner mirrors that one on its other ranks.
         outputs = self.runner.forward_batch(sequences, capture=True) if capture else None
         all_logits = [out.logits for out in outputs] if outputs else self.runner.logits_for_batch(sequences)
         verdicts = []
-        for i, (_, tokens, drafted, probs, params, generator) in enumerate(rows):
+        for i, row in enumerate(rows):
+            tokens, drafted, params = row.tokens, row.drafted, row.params
             raw = all_logits[i]  # [k + 1, V]
             logits = apply_mask(controlled_logits(raw, params, tokens, drafted), raw, masks[i])
-            accepted, token = self._verify_row(list(drafted), probs, params, generator, logits)
+            out = self._verify_row(list(drafted), row.draft_probs, params, row.generator, logits)
+            accepted, token = int(out.accepted[0]), int(out.next_token[0])
             features, start = None, 0
             if outputs:
                 start = outputs[i].start
@@ -128,7 +122,7 @@ class TargetVerifier:
         Greedy: the path of argmax matches; sampled: recursive rejection sampling over each node's children (for
         candidates chosen deterministically, as a head's top children and prompt lookup's are). With `capture`, the
         features of the positions computed whose tokens are now committed (the uncached committed ones, then the
-        path's), as `verify_with_features`. A tree with a response_format loses its forbidden nodes (with their
+        path's), as `verify_rows`. A tree with a response_format loses its forbidden nodes (with their
         subtrees) before the forward pass and is verified under the grammar's mask; its path names the caller's
         nodes."""
         pruned = [constrain_tree(self.grammars, call.tree, call.params) for call in calls]
@@ -174,22 +168,21 @@ class TargetVerifier:
         params: SamplingParams,
         generator: torch.Generator,
         logits: torch.Tensor,  # [k+1, V]
-    ) -> tuple[int, int]:
+    ) -> VerifyOutput:
+        """One row's verification, as a batch of one."""
         k = len(drafted)
         drafted_row = torch.tensor([drafted], dtype=torch.long, device=logits.device)  # [1, k]
         if params.greedy:
-            out = greedy_verify(drafted_row, logits.argmax(-1).unsqueeze(0))
+            return greedy_verify(drafted_row, logits.argmax(-1).unsqueeze(0))
+        V = logits.shape[-1]
+        p = logits_to_probs(logits, params).unsqueeze(0)  # [1, k+1, V]
+        if draft_probs is None:
+            q = torch.nn.functional.one_hot(drafted_row, V).float()  # [1, k, V]
         else:
-            V = logits.shape[-1]
-            p = logits_to_probs(logits, params).unsqueeze(0)  # [1, k+1, V]
-            if draft_probs is None:
-                q = torch.nn.functional.one_hot(drafted_row, V).float()  # [1, k, V]
-            else:
-                q = normalise(draft_probs.to(p.device, torch.float32)).unsqueeze(0)  # [1, k, V]
-            uniform = uniform_noise(k, [generator], device=p.device)  # [1, k]
-            noise = exponential_noise(V, [generator], device=p.device)  # [1, V]
-            out = rejection_verify(drafted_row, q, p, uniform, noise)
-        return int(out.accepted[0]), int(out.next_token[0])
+            q = normalise(draft_probs.to(p.device, torch.float32)).unsqueeze(0)  # [1, k, V]
+        uniform = uniform_noise(k, [generator], device=p.device)  # [1, k]
+        noise = exponential_noise(V, [generator], device=p.device)  # [1, V]
+        return rejection_verify(drafted_row, q, p, uniform, noise)
 
     def release(self, request_id: str) -> bool:
         self.grammars.release(request_id)
