@@ -55,12 +55,13 @@ async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int
 
 
 async def after(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    """`first`, then the rest of the stream it came from."""
-    if first is None:
-        return
-    yield first
-    async for chunk in rest:
-        yield chunk
+    """`first`, then the rest of the stream it came from (closed with this one: a client gone ends the request)."""
+    async with contextlib.aclosing(rest):
+        if first is None:
+            return
+        yield first
+        async for chunk in rest:
+            yield chunk
 
 
 async def started(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
@@ -71,6 +72,7 @@ async def started(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[in
 
 
 async def indexed(chunks: AsyncIterator[Chunk]) -> AsyncIterator[tuple[int, Chunk]]:
-    """One choice's stream as choice 0's."""
-    async for chunk in chunks:
-        yield 0, chunk
+    """One choice's stream as choice 0's (closed with this one)."""
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            yield 0, chunk

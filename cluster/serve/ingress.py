@@ -26,7 +26,7 @@ from specserve.cluster.serve.error_mapping import call_scheduler, http_error, sc
 from specserve.cluster.serve.health import Readiness
 from specserve.cluster.serve.openai_endpoints import parse_detokenize, parse_tokenize
 from specserve.cluster.serve.openai_logprobs import LogprobsShaper, TokenTexts
-from specserve.cluster.serve.openai_tools import with_tool_calls
+from specserve.cluster.serve.openai_tools import ToolStream, with_tool_calls
 from specserve.cluster.serve.public_proto import (
     choices_response,
     http_status_for,
@@ -252,7 +252,7 @@ class SpecServeIngress:
             # workers) is still an HTTP status, with no round trip to ask for admission first.
             chunks = self._run(prepared)
             first = await anext(chunks, None)
-            return StreamingResponse(self._sse(rid, prepared, first, chunks, parsed.include_usage, chat, shaper),
+            return StreamingResponse(self._sse(rid, prepared, indexed(after(first, chunks)), parsed, chat, shaper),
                                      media_type="text/event-stream")  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
             return self._refuse(route, e, sent)
@@ -264,28 +264,8 @@ class SpecServeIngress:
             outs = [_shaped(out, shaper, i) for i, out in enumerate(outs)]
             return JSONResponse(_answer(parsed, oai.completion_response(rid, prepared[0].model, outs, chat)))
         chunks = await started([self._run(p) for p in prepared])  # refusals before the 200, as for one
-        return StreamingResponse(self._sse_choices(rid, prepared[0], chunks, parsed.include_usage, chat, shaper),
+        return StreamingResponse(self._sse(rid, prepared[0], chunks, parsed, chat, shaper),
                                  media_type="text/event-stream")  # fmt: skip
-
-    async def _sse_choices(self, rid: str, prepared: Prepared, chunks: AsyncIterator[tuple[int, Chunk]],
-                           include_usage: bool, chat: bool,
-                           shaper: LogprobsShaper | None) -> AsyncIterator[str]:  # fmt: skip
-        generated = 0
-        try:
-            async with contextlib.aclosing(chunks):
-                async for i, chunk in chunks:
-                    generated += len(chunk.token_ids)
-                    if chunk.text or chunk.finish_reason or chunk.logprobs:
-                        logprobs = shaper.shape(chunk.token_ids, chunk.logprobs, i) if shaper else None
-                        yield oai.stream_chunk(rid, prepared.model, chunk.text, chunk.finish_reason, chat, chunk.first,
-                                               index=i, logprobs=logprobs)  # fmt: skip
-            if include_usage:
-                yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, {}, chat)
-            yield oai.sse("[DONE]")
-        except Exception as e:  # noqa: BLE001 - headers are sent: report the error as an event
-            log.warning("stream %s of %s failed after its first chunk: %s", rid, prepared.model, _what(e))
-            _, kind = http_status_for(e)
-            yield oai.sse(oai.error_body(client_message(e), kind, getattr(e, "field", None)))
 
     def _logprobs_shaper(self, prepared: Prepared, chat: bool) -> LogprobsShaper | None:
         """OpenAI's shapes of the logprobs of a request that asks for them (token texts by its model's tokenizer)."""
@@ -301,20 +281,26 @@ class SpecServeIngress:
         self._refused(route, error, refused_status(error, http=True), rid)
         return http_error(error)
 
-    async def _sse(self, rid: str, prepared: Prepared, first: Chunk | None, chunks: AsyncIterator[Chunk],
-                   include_usage: bool, chat: bool,
-                   shaper: LogprobsShaper | None = None) -> AsyncIterator[str]:  # fmt: skip
-        generated, stats = 0, {}
+    async def _sse(self, rid: str, prepared: Prepared, chunks: AsyncIterator[tuple[int, Chunk]], parsed, chat: bool,
+                   shaper: LogprobsShaper | None) -> AsyncIterator[str]:  # fmt: skip
+        """Server-sent events of one choice or several (chunks by choice index); the tool calls a chat answer makes
+        parsed per choice (openai_tools.ToolStream)."""
+        generated, stats, calls, sent = 0, {}, {}, set()
+        tools = parsed.request.tool_calls
         try:
             async with contextlib.aclosing(chunks):
-                async for chunk in after(first, chunks):
+                async for i, chunk in chunks:
                     generated += len(chunk.token_ids)
-                    stats = chunk.stats
-                    if chunk.text or chunk.finish_reason or chunk.logprobs:  # a chunk's text may be held back
-                        logprobs = shaper.shape(chunk.token_ids, chunk.logprobs) if shaper else None
-                        yield oai.stream_chunk(rid, prepared.model, chunk.text, chunk.finish_reason, chat, chunk.first,
-                                               logprobs=logprobs)  # fmt: skip
-            if include_usage:
+                    stats = chunk.stats if parsed.n == 1 else {}  # one request's
+                    text, finish, tool_calls = chunk.text, chunk.finish_reason, None
+                    if tools is not None:
+                        text, finish, tool_calls = calls.setdefault(i, ToolStream(tools)).step(text, finish)
+                    if text or finish or chunk.logprobs:  # a chunk's text may be held back
+                        logprobs = shaper.shape(chunk.token_ids, chunk.logprobs, i) if shaper else None
+                        yield oai.stream_chunk(rid, prepared.model, text, finish, chat, i not in sent, index=i,
+                                               logprobs=logprobs, tool_calls=tool_calls)  # fmt: skip
+                        sent.add(i)  # the role goes with a choice's first event
+            if parsed.include_usage:
                 yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, stats, chat)
             yield oai.sse("[DONE]")
         except Exception as e:  # noqa: BLE001 - headers are sent: report the error as an event
@@ -329,7 +315,8 @@ IngressDeployment = serve.ingress(http_app)(SpecServeIngress)
 
 
 def _answer(parsed, response: dict) -> dict:
-    """A chat answer whose forced tool call becomes `tool_calls` (openai_tools.py)."""
+    """A chat answer whose tool calls (forced, or written under tool_choice "auto") become `tool_calls`
+    (openai_tools.py)."""
     return response if parsed.request.tool_calls is None else with_tool_calls(response, parsed.request.tool_calls)
 
 

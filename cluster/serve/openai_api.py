@@ -252,7 +252,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     prompt = ChatPrompt(tuple(m.chat() for m in parsed.messages), tools)
     out = _parsed(parsed, prompt, "messages")
     if calls is not None:
-        out = replace(out, request=with_forced_call(out.request, calls, forced_format, out.stream))
+        out = replace(out, request=with_forced_call(out.request, calls, forced_format))
     return out
 
 
@@ -307,10 +307,14 @@ def completion_response(rid: str, model: str, result: dict | list[dict], chat: b
 
 
 def stream_chunk(rid: str, model: str, text: str, finish_reason: str | None, chat: bool, first: bool,
-                 index: int = 0, logprobs: dict | None = None) -> str:  # fmt: skip
-    """logprobs: the chunk's tokens' in OpenAI's shape (openai_logprobs.LogprobsShaper), or None."""
+                 index: int = 0, logprobs: dict | None = None,
+                 tool_calls: list[dict] | None = None) -> str:  # fmt: skip
+    """logprobs: the chunk's tokens' in OpenAI's shape (openai_logprobs.LogprobsShaper), or None; tool_calls: chat's
+    deltas of calls (openai_tools.ToolStream)."""
     if chat:
-        delta = {"content": text}
+        delta = {"content": text or None} if tool_calls else {"content": text}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         if first:
             delta["role"] = "assistant"
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}

@@ -3,9 +3,9 @@ that takes them, and how the output becomes `tool_calls`. A call forced through 
 function (the output is its arguments, valid against its `parameters`) or `"required"` (a JSON array of {"name",
 "parameters"} calls, vLLM's form). `"auto"` (the default with tools): the model answers freely, and an output that
 writes its calls in the template's syntax is parsed into them (Hermes' `<tool_call>{"name", "arguments"}</tool_call>`,
-as vLLM's hermes parser reads it: Qwen, Hermes and SmolLM3 templates); a template with another syntax refuses it,
-naming `tool_choice`. `"none"` (or no tools) leaves the request as it is. A model whose template takes no tools
-(SmolLM2's plain ChatML) refuses `tools` (prepare.py)."""
+as vLLM's hermes parser reads it: Qwen and Hermes templates); a template with another syntax refuses it,
+naming `tool_choice`. Streamed, the calls go out whole at the end (ToolStream). `"none"` (or no tools) leaves the
+request as it is. A model whose template takes no tools (SmolLM2's plain ChatML) refuses `tools` (prepare.py)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,6 @@ class ForcedCalls:
 
     name: str | None
     auto: bool = False
-    stream: bool = False  # auto: refused streamed (after the template's checks), its calls parsed from a whole output
 
 
 def forced(tools: list[Tool] | None, choice: Any) -> tuple[tuple[dict, ...], ForcedCalls | None, ResponseFormat | None]:
@@ -94,27 +93,32 @@ def with_tool_calls(response: dict, calls: ForcedCalls) -> dict:
     cut short (finish_reason "length") or without calls stays text."""
     for choice in response["choices"]:
         message = choice["message"]
-        if choice["finish_reason"] != "stop":
-            continue
-        if calls.auto:
-            found = hermes_calls(message["content"])
-            if found is None:
-                continue
-            content, made = found
-        else:
-            try:
-                parsed = json.loads(message["content"])
-            except ValueError:
-                continue
-            made = [(calls.name, parsed)] if calls.name else [(c["name"], c["parameters"]) for c in parsed]
-            content, made = None, [(name, json.dumps(args)) for name, args in made]
-        message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": name, "arguments": arguments}}
-                                 for name, arguments in made]  # fmt: skip
-        message["content"], choice["finish_reason"] = content, "tool_calls"
+        found = parsed_calls(calls, message["content"]) if choice["finish_reason"] == "stop" else None
+        if found is not None:
+            message["content"], made = found
+            message["tool_calls"], choice["finish_reason"] = [_call(*call) for call in made], "tool_calls"
     return response
 
 
+def parsed_calls(calls: ForcedCalls, text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """(content, [(name, arguments as JSON text)]) of a whole output that made calls: `auto`'s Hermes calls
+    (hermes_calls), a forced call's arguments or list of calls (content None); None: it stays text."""
+    if calls.auto:
+        return hermes_calls(text)
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    made = [(calls.name, parsed)] if calls.name else [(c["name"], c["parameters"]) for c in parsed]
+    return None, [(name, json.dumps(args)) for name, args in made]
+
+
+def _call(name: str, arguments: str) -> dict:
+    function = {"name": name, "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+_TAG = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
@@ -138,27 +142,58 @@ def hermes_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
     return (content if content.strip() else None), made
 
 
-def with_forced_call(request: Request, calls: ForcedCalls, fmt: ResponseFormat | None, stream: bool) -> Request:
-    """The request answering with tool calls: a forced call's grammar as its response_format; `auto` as it is."""
+class ToolStream:
+    """One choice of a streamed answer that may call tools. `auto`: its text sent as it comes, but held back while it
+    could still begin `<tool_call>`; from the first call on, kept to the end. A forced call: all kept to the end. At
+    the end the whole output's calls are parsed (parsed_calls, as unstreamed) and sent as one delta of whole
+    `tool_calls` with finish_reason "tool_calls"; an output whose calls do not parse (or cut at max_tokens) sends what
+    was kept as text, with its own finish_reason."""
+
+    def __init__(self, calls: ForcedCalls) -> None:
+        self.calls = calls
+        self.output = ""  # everything so far
+        self.held = ""  # not sent yet
+        self.calling = not calls.auto  # a call has begun: the rest is held to the end
+
+    def step(self, text: str, finish_reason: str | None) -> tuple[str, str | None, list[dict] | None]:
+        """A chunk's (text, finish_reason) -> (the text to send, its finish_reason, tool_calls deltas or None)."""
+        self.output += text
+        out = self._release(text)
+        if finish_reason is None:
+            return out, None, None
+        found = parsed_calls(self.calls, self.output) if self.calling and finish_reason == "stop" else None
+        if found is None:
+            out, self.held = out + self.held, ""
+            return out, finish_reason, None
+        return out, "tool_calls", [{"index": i, **_call(name, args)} for i, (name, args) in enumerate(found[1])]
+
+    def _release(self, text: str) -> str:
+        if self.calling:
+            self.held += text
+            return ""
+        held = self.held + text
+        start = held.find(_TAG)
+        if start >= 0:
+            self.calling, self.held = True, held[start:]
+            return held[:start]
+        keep = next((n for n in range(min(len(_TAG) - 1, len(held)), 0, -1) if held.endswith(_TAG[:n])), 0)
+        self.held = held[len(held) - keep :]
+        return held[: len(held) - keep]
+
+
+def with_forced_call(request: Request, calls: ForcedCalls, fmt: ResponseFormat | None) -> Request:
+    """The request answering with tool calls (streamed or not: ToolStream): a forced call's grammar as its
+    response_format; `auto` as it is."""
     if request.response_format is not None:
         raise InvalidRequestError("response_format", "goes with free text: a tool call brings its own syntax")
-    if calls.auto:
-        return replace(request, tool_calls=replace(calls, stream=stream))
-    if stream:
-        raise InvalidRequestError("stream", "a forced tool call is answered whole: send stream: false")
-    return replace(request, response_format=fmt, tool_calls=calls)
+    return replace(request, tool_calls=calls) if calls.auto else replace(request, response_format=fmt, tool_calls=calls)
 
 
 def check_auto(request: Request, parses_calls: bool) -> None:
     """`tool_choice: "auto"` (the default with tools), once the template took the tools: refused where the template's
-    call syntax is not one specserve parses (parses_calls: it writes Hermes' <tool_call>), or streamed."""
+    call syntax is not one specserve parses (parses_calls: it writes Hermes' <tool_call>)."""
     calls = request.tool_calls
-    if calls is None or not calls.auto:
-        return
-    if not parses_calls:
+    if calls is not None and calls.auto and not parses_calls:
         raise InvalidRequestError("tool_choice", "this model's chat template writes tool calls in a syntax specserve "
                                   "does not parse (it parses Hermes' <tool_call>): send \"required\" or a named "
                                   "function (forced through the grammar), or \"none\"")  # fmt: skip
-    if calls.stream:
-        raise InvalidRequestError("stream", 'tool_choice "auto" is answered whole (its calls parsed from the whole '
-                                  "output): send stream: false")  # fmt: skip

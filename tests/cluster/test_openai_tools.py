@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from specserve.cluster.app_config import AppConfig
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.openai_endpoints import parse_tokenize
-from specserve.cluster.serve.openai_tools import ForcedCalls, hermes_calls, with_tool_calls
+from specserve.cluster.serve.openai_tools import ForcedCalls, ToolStream, hermes_calls, with_tool_calls
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.workers.config import ModelConfig
 from specserve.workers.errors import InvalidRequestError
@@ -102,7 +102,6 @@ def test_an_output_cut_short_stays_text():
 BAD = [
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"), ({"tools": TOOLS}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
-    ({"tools": TOOLS, "tool_choice": NAMED, "stream": True}, "stream"),
     ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
@@ -203,11 +202,35 @@ def test_tool_turns_on_a_template_without_them_are_refused_naming_the_message(pa
     assert e.value.field == "messages" and "roles must alternate" in e.value.message
 
 
-@pytest.mark.parametrize(
-    ("fields", "field"),
-    [({"stream": True}, "stream"), ({"response_format": {"type": "json_object"}}, "response_format")],
-)
-def test_auto_is_refused_streamed_or_with_a_response_format(preparer, fields, field):
+def test_auto_is_refused_with_a_response_format(preparer):
     with pytest.raises(InvalidRequestError) as e:
-        preparer.prepare(oai.parse_chat(_chat(model="hermes", tools=[WEATHER], **fields)).request)
-    assert e.value.field == field, e.value
+        body = _chat(model="hermes", tools=[WEATHER], response_format={"type": "json_object"})
+        preparer.prepare(oai.parse_chat(body).request)
+    assert e.value.field == "response_format", e.value
+
+
+AUTO = ForcedCalls(None, auto=True)
+STREAMS = [
+    (AUTO, ["Sure. <to", 'ol_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_call>'], "stop",
+     ["Sure. ", "", ""], "tool_calls"),
+    (AUTO, ["a <b", "c <t", "x"], "stop", ["a <b", "c ", "<tx"], "stop"),  # held only while it could begin <tool_call>
+    (AUTO, ["ok <tool", ""], "stop", ["ok ", "<tool"], "stop"),  # released at the end
+    (AUTO, ["<tool_call>{bad", "</tool_call>"], "stop", ["", "<tool_call>{bad</tool_call>"], "stop"),  # no call parses
+    (AUTO, [CALL_TEXT[:20], CALL_TEXT[20:]], "length", ["", CALL_TEXT], "length"),  # cut short: text
+    (ForcedCalls("get_weather"), ['{"city"', ': "Paris"}'], "stop", ["", ""], "tool_calls"),  # forced: all kept
+    (ForcedCalls("get_weather"), ['{"city"', ': "Pa'], "length", ["", '{"city": "Pa'], "length"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("calls", "texts", "finish", "sent", "sent_finish"), STREAMS)
+def test_a_streamed_answer_sends_text_as_it_comes_and_its_calls_whole_at_the_end(calls, texts, finish, sent,
+                                                                                  sent_finish):  # fmt: skip
+    stream = ToolStream(calls)
+    steps = [stream.step(t, finish if i == len(texts) - 1 else None) for i, t in enumerate(texts)]
+    assert [s[0] for s in steps] == sent and steps[-1][1] == sent_finish
+    assert all(s[2] is None for s in steps[:-1])
+    if sent_finish == "tool_calls":
+        ((call,),) = [steps[-1][2]]
+        assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    else:
+        assert steps[-1][2] is None

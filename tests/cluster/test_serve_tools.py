@@ -1,10 +1,10 @@
 """Tool calls and gRPC `n` through the real Serve application (issue 43 items 3, 6, 8), on a tiny model whose chat
 template renders tools in Hermes' syntax and which was trained to call one (tests/helpers/tool_models.py),
 speculating with a draft model: with the `openai` package, `tool_choice` "auto" parses the call the model wrote into
-`tool_calls` (the output target-only decoding gives), and the loop a client then sends back (the assistant's call, the
-tool's result) renders through the template and is answered; gRPC `n` answers every choice (each equal to its own
-request, seeded seed + index), streamed with each message's index; bad values 400 / INVALID_ARGUMENT naming the
-field."""
+`tool_calls` (the output target-only decoding gives), streamed as `tool_calls` deltas, and the loop a client then
+sends back (the assistant's call, the tool's result) renders through the template and is answered; gRPC `n` answers
+every choice (each equal to its own request, seeded seed + index), streamed with each message's index; bad values
+400 / INVALID_ARGUMENT naming the field."""
 
 import json
 
@@ -19,7 +19,7 @@ from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.serve_app import tiny_app_info
-from tests.helpers.tool_models import ANSWER, CALL_TEXT, QUESTION, WEATHER, save_tool_caller
+from tests.helpers.tool_models import ANSWER, CALL_ARGUMENTS, CALL_TEXT, QUESTION, WEATHER, save_tool_caller
 
 pytestmark = pytest.mark.slow
 
@@ -80,12 +80,25 @@ def test_auto_parses_the_call_the_model_wrote_and_the_loop_sent_back_is_answered
     plain = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER], tool_choice="none",
                                         temperature=0, max_tokens=8)  # fmt: skip
     assert plain.choices[0].message.tool_calls is None
-    for bad, field in (({"stream": True}, "stream"), ({"messages": [{"role": "tool", "content": "x"}]},
-                                                      "messages[0].tool_call_id")):  # fmt: skip
-        with pytest.raises(openai.BadRequestError) as err:
-            oai.chat.completions.create(**{"model": "tiny", "messages": QUESTION, "tools": [WEATHER],
-                                           "max_tokens": 4, **bad})  # fmt: skip
-        assert err.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+    assert err.value.body["param"] == "messages[0].tool_call_id"
+
+
+def test_a_streamed_auto_answer_sends_the_call_as_tool_calls_deltas(oai):
+    stream = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER], temperature=0,
+                                         max_tokens=100, stream=True, n=2, extra_body=SPEC)  # fmt: skip
+    content, calls, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            content[choice.index] += choice.delta.content or ""
+            calls[choice.index] += choice.delta.tool_calls or []
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert content == {0: "", 1: ""} and finish == {0: "tool_calls", 1: "tool_calls"}  # nothing of the call as text
+    for i in (0, 1):
+        ((call,),) = [calls[i]]
+        assert (call.index, call.type, call.function.name) == (0, "function", "get_weather")
+        assert json.loads(call.function.arguments) == CALL_ARGUMENTS and call.id.startswith("call_")
 
 
 def test_grpc_n_answers_every_choice_each_equal_to_its_own_request(client):

@@ -58,7 +58,7 @@ def takes_tools(tokenizer) -> bool:
 
 def writes_hermes_calls(tokenizer) -> bool:
     """Whether the template has the model write its calls as Hermes' `<tool_call>{"name", "arguments"}</tool_call>`
-    (Qwen2.5 / Qwen3, Hermes, SmolLM3 and others): the syntax `tool_choice: "auto"` parses."""
+    (Qwen2.5 / Qwen3, Hermes and others): the syntax `tool_choice: "auto"` parses."""
     return takes_tools(tokenizer) and "<tool_call>" in _template(tokenizer)
 
 
