@@ -16,7 +16,7 @@ from specserve.workers.runtime.worker_state import CommittedTokens, check_token_
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import encode_probs
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafter import Drafter
+from specserve.workers.speculation.drafter import Drafter, DraftRow
 from specserve.workers.speculation.drafter_costs import drafter_cost
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
 from specserve.workers.speculation.wire_format import FeatureBlock
@@ -54,9 +54,9 @@ class _Row:
     params: SamplingParams
     tree: bool
 
-    def chain(self) -> tuple:
+    def chain(self) -> DraftRow:
         """The drafter's propose_batch row."""
-        return self.request_id, self.tokens, self.k, self.params
+        return DraftRow(self.request_id, self.tokens, self.k, self.params)
 
 
 class DraftWorker:

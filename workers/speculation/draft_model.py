@@ -11,7 +11,7 @@ import torch
 
 from specserve.workers.config import SamplingParams
 from specserve.workers.runtime.runner import ModelRunner
-from specserve.workers.speculation.drafter import Proposal
+from specserve.workers.speculation.drafter import DraftRow, Proposal
 from specserve.workers.speculation.sampling import draw_token
 
 
@@ -26,9 +26,9 @@ class ModelDrafter:
         self.max_support = max_support
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
-        return self.propose_batch([(request_id, tokens, k, params)])[0]
+        return self.propose_batch([DraftRow(request_id, tokens, k, params)])[0]
 
-    def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]:
+    def propose_batch(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """Draft for many requests at once: one forward pass per drafting step over every row still drafting (rows
         leave as they reach their own k). Each row's tokens are those it would draft alone."""
         seqs = [list(tokens) for _, tokens, _, _ in rows]

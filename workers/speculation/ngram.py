@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from specserve.workers.config import NgramConfig, SamplingParams
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafter import Proposal
+from specserve.workers.speculation.drafter import DraftRow, Proposal
 
 MAX_MATCHES = 16  # earlier occurrences merged per round, most recent first: bounds the lookup's cost
 
@@ -77,7 +77,7 @@ class NgramDrafter:
     def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
         return Proposal(tokens=ngram_lookup(tokens, k, self.config.max_ngram, self.config.min_ngram), probs=None)
 
-    def propose_batch(self, rows: Sequence[tuple[str, Sequence[int], int, SamplingParams]]) -> list[Proposal]:
+    def propose_batch(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         return [self.propose(*row) for row in rows]  # no model: nothing to batch
 
     def propose_tree(self, request_id: str, tokens: Sequence[int], shape: TreeShape) -> DraftTree | None:

@@ -23,15 +23,13 @@ import torch
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafter import Proposal
+from specserve.workers.speculation.drafter import DraftRow, Proposal
 from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting
 from specserve.workers.speculation.eagle.head import Eagle3Head
 from specserve.workers.speculation.eagle.tree import draft_trees
 from specserve.workers.speculation.sampling import draw_token
 
 log = logging.getLogger(__name__)
-
-Row = tuple[str, Sequence[int], int, SamplingParams]
 
 
 class EagleDrafter:
@@ -73,9 +71,9 @@ class EagleDrafter:
         self._pending[request_id] = (start, features)
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int, params: SamplingParams) -> Proposal:
-        return self.propose_batch([(request_id, tokens, k, params)])[0]
+        return self.propose_batch([DraftRow(request_id, tokens, k, params)])[0]
 
-    def propose_batch(self, rows: Sequence[Row]) -> list[Proposal]:
+    def propose_batch(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """Draft for many requests at once: one head forward extends every request's cache, then one chained step per
         drafted token over all of them. A request without target features yet proposes nothing."""
         proposals = [Proposal(tokens=[], probs=None) for _ in rows]
@@ -155,7 +153,9 @@ class EagleDrafter:
             self.drafting.rollback(request_id, start)
         return request_id, features, list(tokens[start + 1 : end + 1])
 
-    def _draw(self, logits: torch.Tensor, rows: Sequence[Row], offset: int) -> list[tuple[int, torch.Tensor | None]]:
+    def _draw(
+        self, logits: torch.Tensor, rows: Sequence[DraftRow], offset: int
+    ) -> list[tuple[int, torch.Tensor | None]]:
         """logits [B, draft_vocab_size] of one drafting step -> per row, its token (target id) and the draft probs it
         was drawn from (None: greedy). `offset`: the step's index, so the token's position is len(tokens) + offset."""
         greedy = self.head.draft_to_target(logits.argmax(-1)).tolist()
