@@ -32,5 +32,4 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None
     stats: dict
-    first: bool = False
     logprobs: list[TokenLogprob] | None = None

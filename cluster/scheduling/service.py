@@ -161,7 +161,7 @@ class SchedulerService:
             track.scheduled()
         text = IncrementalText(serving.tokens.tokenizer, serving.byte_pieces)
         stops = StopMatcher(req.stop, text.delta) if req.stop else None
-        prev, first = sched_req.state.stats.to_dict(), True
+        prev = sched_req.state.stats.to_dict()
         try:
             async with contextlib.aclosing(serving.pipeline.rounds(sched_req)) as rounds:
                 async for committed in rounds:
@@ -178,10 +178,10 @@ class SchedulerService:
                     start = len(state.generated) - len(committed)  # the round's first token: its logprob's index
                     logprobs = state.logprobs[start : start + cut.tokens] if req.params.logprobs is not None else None
                     yield Chunk(text=cut.text, token_ids=committed[: cut.tokens], finish_reason=finish, stats=stats,
-                                first=first, logprobs=logprobs)  # fmt: skip
+                                logprobs=logprobs)  # fmt: skip
                     if cut.stopped:
                         return  # a stop sequence ended it: the rest of the round is dropped, the workers released
-                    prev, first = stats, False
+                    prev = stats
         except NoTargetWorker as e:
             raise UnavailableError(str(e)) from None
 

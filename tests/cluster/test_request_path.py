@@ -73,7 +73,7 @@ class FakeScheduler:
 
 
 STATS = {"rounds": 1, "drafted": 0, "accepted": 0, "acceptance_rate": 0.0, "mean_accepted_length": 2.0}
-CHUNKS = [Chunk("he", [5, 6], None, STATS, first=True), Chunk("llo", [7], "length", STATS)]
+CHUNKS = [Chunk("he", [5, 6], None, STATS), Chunk("llo", [7], "length", STATS)]
 
 
 @pytest.fixture
@@ -177,6 +177,6 @@ def test_the_service_runs_a_prepared_request_losslessly_and_its_text_adds_up(tin
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == reference.token_ids == whole["token_ids"]
     assert "".join(c.text for c in chunks) == whole["text"] == target.tokenizer.decode(tokens, skip_special_tokens=True)
-    assert [c.first for c in chunks] == [True] + [False] * (len(chunks) - 1) and chunks[-1].finish_reason
+    assert chunks and chunks[-1].finish_reason and all(c.finish_reason is None for c in chunks[:-1])
     assert chunks[-1].stats["rounds"] == len(chunks) and service.active == 0
     assert service.models["tiny"].scheduler.requests == {}  # released on the workers, forgotten here
