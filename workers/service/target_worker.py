@@ -129,7 +129,7 @@ class TargetWorker:
             verdicts = self.verifier.verify_trees([rows[i].tree for i in trees], capture=capture)
             for i, v in zip(trees, verdicts, strict=True):
                 features = encode_features(v.feature_start, v.features) if rows[i].want_features else b""
-                out[i] = VerifyResult(len(v.path), v.next_token, features=features, path=v.path, logprobs=v.logprobs)
+                out[i] = VerifyResult(v.accepted, v.next_token, features=features, path=v.path, logprobs=v.logprobs)
         return out
 
     def _verify_chains(self, rows: list[_Row]) -> list[VerifyResult]:

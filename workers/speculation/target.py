@@ -34,22 +34,17 @@ class VerifyRow(NamedTuple):
     generator: torch.Generator
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
+    """One row's verification, a chain's or a tree's: the round commits the accepted drafted tokens (a tree's: the
+    path's), then next_token."""
+
     accepted: int
-    next_token: int
-    features: torch.Tensor | None  # [m, F]: the features of committed positions feature_start.. (when captured)
-    feature_start: int
-    logprobs: list[TokenLogprob] | None = None  # of the accepted tokens and next_token, when params.logprobs is set
-
-
-@dataclass
-class TreeVerdict:
-    path: list[int]  # the accepted nodes, root-down (their tokens are committed, then next_token)
     next_token: int  # recovered or bonus
     features: torch.Tensor | None  # [m, F]: the features of committed positions feature_start.. (when captured)
     feature_start: int
-    logprobs: list[TokenLogprob] | None = None  # of the path's tokens and next_token, when params.logprobs is set
+    logprobs: list[TokenLogprob] | None = None  # of the accepted tokens and next_token, when params.logprobs is set
+    path: list[int] | None = None  # a tree's accepted nodes, root-down (accepted of them); None for a chain
 
 
 @dataclass(frozen=True)
@@ -117,7 +112,7 @@ class TargetVerifier:
             verdicts.append(Verdict(accepted, token, features, start, logprobs))
         return verdicts
 
-    def verify_trees(self, calls: Sequence[TreeCall], capture: bool = False) -> list[TreeVerdict]:
+    def verify_trees(self, calls: Sequence[TreeCall], capture: bool = False) -> list[Verdict]:
         """Verify many requests' drafted trees in one forward pass; the accepted path of each stays in its cache.
         Greedy: the path of argmax matches; sampled: recursive rejection sampling over each node's children (for
         candidates chosen deterministically, as a head's top children and prompt lookup's are). With `capture`, the
@@ -158,7 +153,7 @@ class TargetVerifier:
                 rows = [0] + [node + 1 for node in path]
                 logprobs = token_logprobs(out.logits[rows], chosen, call.params.logprobs)
             path = path if cut is None else [cut.kept[node] for node in path]  # the caller's node numbers
-            verdicts.append(TreeVerdict(path, next_token, features, out.start, logprobs))
+            verdicts.append(Verdict(len(path), next_token, features, out.start, logprobs, path))
         return verdicts
 
     def _verify_row(
