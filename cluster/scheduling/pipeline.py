@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from specserve.cluster.scheduling.costs import measured_costs
-from specserve.cluster.scheduling.replies import DraftReply, VerifyReply
+from specserve.cluster.scheduling.replies import DraftReply
 from specserve.cluster.scheduling.scheduler import FALLBACK_K, Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.ngram import NgramDrafter
@@ -140,7 +141,7 @@ class Pipeline:
     async def _propose(self, req: SchedRequest, call: Call) -> DraftReply:
         return await self._call(req, call, lambda c: self.drafts[c.worker].propose(c, req.params))
 
-    async def _verify(self, req: SchedRequest, call: Call) -> VerifyReply:
+    async def _verify(self, req: SchedRequest, call: Call) -> VerifyResult:
         return await self._call(req, call, lambda c: self.targets[c.worker].verify(c, req.params))
 
     async def rounds(self, req: SchedRequest) -> AsyncIterator[list[int]]:
@@ -268,7 +269,7 @@ class Pipeline:
         probs: bytes,
         clock: _RoundClock,
         parents: list[int] | None = None,
-    ) -> tuple[VerifyReply | None, asyncio.Future | None]:
+    ) -> tuple[VerifyResult | None, asyncio.Future | None]:
         """Verify the drafted tokens (with `parents`: a tree), pre-drafting the next round meanwhile (chains). (None,
         None) when the target failed and another (or its restarted replacement) can take the request; NoTargetWorker
         when none can."""

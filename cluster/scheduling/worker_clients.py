@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import grpc
 
-from specserve.cluster.scheduling.replies import DraftReply, VerifyReply
+from specserve.cluster.scheduling.replies import DraftReply
 from specserve.cluster.scheduling.scheduler import Call
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.protos.wire import GRPC_OPTIONS, SECRET_METADATA
 from specserve.workers.config import SamplingParams
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.service.sampling_wire import sampling_to_proto
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.logprobs import from_proto
@@ -107,7 +108,7 @@ class TargetClient(_Client):
         super().__init__(address, timeout_s, secret)
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
-    async def verify(self, call: Call, params: SamplingParams) -> VerifyReply:
+    async def verify(self, call: Call, params: SamplingParams) -> VerifyResult:
         response = await self._invoke(
             self.stub.Verify,
             pb.VerifyRequest(
@@ -123,13 +124,13 @@ class TargetClient(_Client):
                 end_token_ids=params.end_token_ids,
             ),
         )
-        return VerifyReply(
+        return VerifyResult(
             accepted=response.accepted,
             next_token=response.next_token,
+            batch_seconds=response.batch_seconds,
             batch_rows=response.batch_rows,
             batch_tokens=response.batch_tokens,
-            batch_seconds=response.batch_seconds,
             features=response.features,
-            path=tuple(response.path),
-            logprobs=tuple(from_proto(response.logprobs)) if response.HasField("logprobs") else None,
+            path=list(response.path),
+            logprobs=list(from_proto(response.logprobs)) if response.HasField("logprobs") else None,
         )

@@ -26,8 +26,9 @@ from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.runtime.worker_state import check_token_ids
 from specserve.workers.service.batcher import Batcher
 from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.service.sampling_wire import sampling_from_proto
-from specserve.workers.service.target_worker import TargetWorker, VerifyCall, VerifyResult
+from specserve.workers.service.target_worker import TargetWorker, VerifyCall
 from specserve.workers.speculation.codec import decode_probs
 from specserve.workers.speculation.logprobs import to_proto
 from specserve.workers.speculation.wire_format import decode_features

@@ -18,27 +18,13 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.cost_probe import batch_verify_seconds, probe_context, verify_seconds
 from specserve.workers.runtime.tree_rows import TreeRow, check_parents
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, VerifyCosts
 from specserve.workers.speculation.codec import encode_features
 from specserve.workers.speculation.goodput import PROFILE_ROWS
-from specserve.workers.speculation.logprobs import TokenLogprob
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier, TreeCall, VerifyRow
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """One call's verification: the round commits the accepted drafted tokens, then next_token."""
-
-    accepted: int
-    next_token: int  # recovered (accepted < len(drafted)) or bonus
-    batch_seconds: float = 0.0  # of the whole batch the call ran in (set once the batch is done)
-    batch_rows: int = 0
-    batch_tokens: int = 0  # positions the batch's forward pass fed
-    features: bytes = b""  # the committed positions' features (codec.encode_features), when the call asked
-    path: list[int] | None = None  # a tree's accepted nodes, root-down (accepted of them)
-    logprobs: list[TokenLogprob] | None = None  # the committed tokens', when params.logprobs asks
 
 
 @dataclass
