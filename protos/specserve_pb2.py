@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specserve/protos/specserve.proto\x12\x0cspecserve.v1\"\xcd\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\x12?\n\nlogit_bias\x18\x0b \x03(\x0b\x32+.specserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x01\x88\x01\x01\x12\x35\n\x0fresponse_format\x18\x11 \x01(\x0b\x32\x1c.specserve.v1.ResponseFormat\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"[\n\x08Logprobs\x12\x1a\n\x0etoken_logprobs\x18\x01 \x03(\x02\x42\x02\x10\x01\x12\x19\n\rtop_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18\x03 \x03(\x02\x42\x02\x10\x01\"x\n\x0cRequestStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\"\xae\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\t\n\x01k\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x0c\n\x04tree\x18\x07 \x01(\x08\"\x8f\x01\n\x0fProposeResponse\x12\x13\n\x07\x64rafted\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x0b\x64raft_probs\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rbatch_seconds\x18\x04 \x01(\x02\x12\x13\n\x07parents\x18\x05 \x03(\x05\x42\x02\x10\x01\x12\x12\n\x06scores\x18\x06 \x03(\x02\x42\x02\x10\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x87\x02\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07\x64rafted\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x0b\x64raft_probs\x18\x05 \x01(\x0c\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x15\n\rwant_features\x18\x07 \x01(\x08\x12\x13\n\x07parents\x18\x08 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nprompt_len\x18\x10 \x01(\r\x12\x19\n\rend_token_ids\x18\x11 \x03(\x05\x42\x02\x10\x01\"\xd4\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x15\n\rbatch_seconds\x18\x04 \x01(\x02\x12\x12\n\nbatch_rows\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0c\x12\x10\n\x04path\x18\x08 \x03(\x05\x42\x02\x10\x01\x12(\n\x08logprobs\x18\t \x01(\x0b\x32\x16.specserve.v1.Logprobs\"#\n\rHealthRequest\x12\x12\n\nwant_costs\x18\x01 \x01(\x08\"\x91\x02\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x10\n\x08requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x04\x12\r\n\x05model\x18\x05 \x01(\t\x12\x1f\n\x17verify_seconds_by_width\x18\x06 \x03(\x01\x12\x1b\n\x13\x64raft_fixed_seconds\x18\x07 \x01(\x01\x12\x1a\n\x12\x64raft_step_seconds\x18\x08 \x01(\x01\x12\x1f\n\x13verify_profile_rows\x18\t \x03(\rB\x02\x10\x01\x12\x1e\n\x16verify_seconds_by_rows\x18\n \x03(\x01\"/\n\x12SpeculationOptions\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbb\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\r\n\x05model\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x35\n\x0bspeculation\x18\x05 \x01(\x0b\x32 .specserve.v1.SpeculationOptions\x12+\n\x08messages\x18\x06 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1a\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\x02\x10\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\r\"\xe3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.RequestStats\x12(\n\x08logprobs\x18\x05 \x01(\x0b\x32\x16.specserve.v1.Logprobs\x12\r\n\x05index\x18\x06 \x01(\r\x12/\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x1e.specserve.v1.GenerateResponse2\xe2\x01\n\x0b\x44raftWorker\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse2\xe0\x01\n\x0cTargetWorker\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse2\xa9\x01\n\tSpecServe\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specserve/protos/specserve.proto\x12\x0cspecserve.v1\"\xcd\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\x12?\n\nlogit_bias\x18\x0b \x03(\x0b\x32+.specserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x01\x88\x01\x01\x12\x35\n\x0fresponse_format\x18\x11 \x01(\x0b\x32\x1c.specserve.v1.ResponseFormat\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"[\n\x08Logprobs\x12\x1a\n\x0etoken_logprobs\x18\x01 \x03(\x02\x42\x02\x10\x01\x12\x19\n\rtop_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18\x03 \x03(\x02\x42\x02\x10\x01\"x\n\x0cRequestStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\"\xdd\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\t\n\x01k\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x0c\n\x04tree\x18\x07 \x01(\x08\x12\x12\n\nprompt_len\x18\x08 \x01(\r\x12\x19\n\rend_token_ids\x18\t \x03(\x05\x42\x02\x10\x01\"\x8f\x01\n\x0fProposeResponse\x12\x13\n\x07\x64rafted\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x0b\x64raft_probs\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rbatch_seconds\x18\x04 \x01(\x02\x12\x13\n\x07parents\x18\x05 \x03(\x05\x42\x02\x10\x01\x12\x12\n\x06scores\x18\x06 \x03(\x02\x42\x02\x10\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x87\x02\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07\x64rafted\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x0b\x64raft_probs\x18\x05 \x01(\x0c\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x15\n\rwant_features\x18\x07 \x01(\x08\x12\x13\n\x07parents\x18\x08 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nprompt_len\x18\x10 \x01(\r\x12\x19\n\rend_token_ids\x18\x11 \x03(\x05\x42\x02\x10\x01\"\xd4\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12\x15\n\rbatch_seconds\x18\x04 \x01(\x02\x12\x12\n\nbatch_rows\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x06 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0c\x12\x10\n\x04path\x18\x08 \x03(\x05\x42\x02\x10\x01\x12(\n\x08logprobs\x18\t \x01(\x0b\x32\x16.specserve.v1.Logprobs\"#\n\rHealthRequest\x12\x12\n\nwant_costs\x18\x01 \x01(\x08\"\x91\x02\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x10\n\x08requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x04\x12\r\n\x05model\x18\x05 \x01(\t\x12\x1f\n\x17verify_seconds_by_width\x18\x06 \x03(\x01\x12\x1b\n\x13\x64raft_fixed_seconds\x18\x07 \x01(\x01\x12\x1a\n\x12\x64raft_step_seconds\x18\x08 \x01(\x01\x12\x1f\n\x13verify_profile_rows\x18\t \x03(\rB\x02\x10\x01\x12\x1e\n\x16verify_seconds_by_rows\x18\n \x03(\x01\"/\n\x12SpeculationOptions\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbb\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\r\n\x05model\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x35\n\x0bspeculation\x18\x05 \x01(\x0b\x32 .specserve.v1.SpeculationOptions\x12+\n\x08messages\x18\x06 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1a\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\x02\x10\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\r\"\xe3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.RequestStats\x12(\n\x08logprobs\x18\x05 \x01(\x0b\x32\x16.specserve.v1.Logprobs\x12\r\n\x05index\x18\x06 \x01(\r\x12/\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x1e.specserve.v1.GenerateResponse2\xe2\x01\n\x0b\x44raftWorker\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse2\xe0\x01\n\x0cTargetWorker\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x43\n\x06Health\x12\x1b.specserve.v1.HealthRequest\x1a\x1c.specserve.v1.HealthResponse2\xa9\x01\n\tSpecServe\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,6 +41,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGPROBS'].fields_by_name['top_logprobs']._serialized_options = b'\020\001'
   _globals['_PROPOSEREQUEST'].fields_by_name['new_tokens']._loaded_options = None
   _globals['_PROPOSEREQUEST'].fields_by_name['new_tokens']._serialized_options = b'\020\001'
+  _globals['_PROPOSEREQUEST'].fields_by_name['end_token_ids']._loaded_options = None
+  _globals['_PROPOSEREQUEST'].fields_by_name['end_token_ids']._serialized_options = b'\020\001'
   _globals['_PROPOSERESPONSE'].fields_by_name['drafted']._loaded_options = None
   _globals['_PROPOSERESPONSE'].fields_by_name['drafted']._serialized_options = b'\020\001'
   _globals['_PROPOSERESPONSE'].fields_by_name['parents']._loaded_options = None
@@ -76,33 +78,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTSTATS']._serialized_start=660
   _globals['_REQUESTSTATS']._serialized_end=780
   _globals['_PROPOSEREQUEST']._serialized_start=783
-  _globals['_PROPOSEREQUEST']._serialized_end=957
-  _globals['_PROPOSERESPONSE']._serialized_start=960
-  _globals['_PROPOSERESPONSE']._serialized_end=1103
-  _globals['_RELEASEREQUEST']._serialized_start=1105
-  _globals['_RELEASEREQUEST']._serialized_end=1141
-  _globals['_RELEASERESPONSE']._serialized_start=1143
-  _globals['_RELEASERESPONSE']._serialized_end=1178
-  _globals['_VERIFYREQUEST']._serialized_start=1181
-  _globals['_VERIFYREQUEST']._serialized_end=1444
-  _globals['_VERIFYRESPONSE']._serialized_start=1447
-  _globals['_VERIFYRESPONSE']._serialized_end=1659
-  _globals['_HEALTHREQUEST']._serialized_start=1661
-  _globals['_HEALTHREQUEST']._serialized_end=1696
-  _globals['_HEALTHRESPONSE']._serialized_start=1699
-  _globals['_HEALTHRESPONSE']._serialized_end=1972
-  _globals['_SPECULATIONOPTIONS']._serialized_start=1974
-  _globals['_SPECULATIONOPTIONS']._serialized_end=2021
-  _globals['_CHATMESSAGE']._serialized_start=2023
-  _globals['_CHATMESSAGE']._serialized_end=2067
-  _globals['_GENERATEREQUEST']._serialized_start=2070
-  _globals['_GENERATEREQUEST']._serialized_end=2385
-  _globals['_GENERATERESPONSE']._serialized_start=2388
-  _globals['_GENERATERESPONSE']._serialized_end=2615
-  _globals['_DRAFTWORKER']._serialized_start=2618
-  _globals['_DRAFTWORKER']._serialized_end=2844
-  _globals['_TARGETWORKER']._serialized_start=2847
-  _globals['_TARGETWORKER']._serialized_end=3071
-  _globals['_SPECSERVE']._serialized_start=3074
-  _globals['_SPECSERVE']._serialized_end=3243
+  _globals['_PROPOSEREQUEST']._serialized_end=1004
+  _globals['_PROPOSERESPONSE']._serialized_start=1007
+  _globals['_PROPOSERESPONSE']._serialized_end=1150
+  _globals['_RELEASEREQUEST']._serialized_start=1152
+  _globals['_RELEASEREQUEST']._serialized_end=1188
+  _globals['_RELEASERESPONSE']._serialized_start=1190
+  _globals['_RELEASERESPONSE']._serialized_end=1225
+  _globals['_VERIFYREQUEST']._serialized_start=1228
+  _globals['_VERIFYREQUEST']._serialized_end=1491
+  _globals['_VERIFYRESPONSE']._serialized_start=1494
+  _globals['_VERIFYRESPONSE']._serialized_end=1706
+  _globals['_HEALTHREQUEST']._serialized_start=1708
+  _globals['_HEALTHREQUEST']._serialized_end=1743
+  _globals['_HEALTHRESPONSE']._serialized_start=1746
+  _globals['_HEALTHRESPONSE']._serialized_end=2019
+  _globals['_SPECULATIONOPTIONS']._serialized_start=2021
+  _globals['_SPECULATIONOPTIONS']._serialized_end=2068
+  _globals['_CHATMESSAGE']._serialized_start=2070
+  _globals['_CHATMESSAGE']._serialized_end=2114
+  _globals['_GENERATEREQUEST']._serialized_start=2117
+  _globals['_GENERATEREQUEST']._serialized_end=2432
+  _globals['_GENERATERESPONSE']._serialized_start=2435
+  _globals['_GENERATERESPONSE']._serialized_end=2662
+  _globals['_DRAFTWORKER']._serialized_start=2665
+  _globals['_DRAFTWORKER']._serialized_end=2891
+  _globals['_TARGETWORKER']._serialized_start=2894
+  _globals['_TARGETWORKER']._serialized_end=3118
+  _globals['_SPECSERVE']._serialized_start=3121
+  _globals['_SPECSERVE']._serialized_end=3290
 # @@protoc_insertion_point(module_scope)

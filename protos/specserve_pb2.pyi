@@ -78,7 +78,7 @@ class RequestStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "committed_len", "new_tokens", "k", "sampling", "features", "tree")
+    __slots__ = ("request_id", "committed_len", "new_tokens", "k", "sampling", "features", "tree", "prompt_len", "end_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class ProposeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -93,7 +95,9 @@ class ProposeRequest(_message.Message):
     sampling: SamplingParams
     features: bytes
     tree: bool
-    def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., features: _Optional[bytes] = ..., tree: _Optional[bool] = ...) -> None: ...
+    prompt_len: int
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., features: _Optional[bytes] = ..., tree: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafted", "draft_probs", "vocab_size", "batch_seconds", "parents", "scores")

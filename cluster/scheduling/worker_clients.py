@@ -86,6 +86,8 @@ class DraftClient(_Client):
                 sampling=sampling_to_proto(params),
                 features=call.features,
                 tree=call.tree,
+                prompt_len=params.prompt_len,
+                end_token_ids=params.end_token_ids,
             ),
         )
 

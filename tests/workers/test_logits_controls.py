@@ -161,3 +161,23 @@ def test_sampling_with_penalties_draws_from_the_controlled_distribution(tiny_voc
     assert chi2_pvalue(outputs, joint) > 1e-3
     for pos in range(NEW):
         assert marginal_tv(outputs, joint, pos, V) <= 0.03
+
+
+def test_drafts_are_proposed_under_the_requests_controls():
+    """A drafter's token is drawn from the controlled distribution when it is told the tokens before it (so it proposes
+    what the controlled target will accept), and q is exactly that distribution; without them, from the raw one."""
+    from specserve.workers.speculation.codec import sparsify
+    from specserve.workers.speculation.sampling import draw_token, logits_to_probs
+
+    logits = torch.tensor([0.0, 1.0, 3.0, 2.5, -1.0])
+    before = [4, 2, 1]  # token 2 occurred: the penalty divides its logit 3.0 by 2, below token 3's 2.5
+    greedy = SamplingParams(temperature=0, repetition_penalty=2.0).for_request(prompt_len=1)
+    assert draw_token(logits, greedy, 3, 5, before)[0] == 3
+    assert draw_token(logits, greedy, 3, 5)[0] == 2  # the tokens before unknown: uncontrolled
+    assert draw_token(logits, SamplingParams(temperature=0), 3, 5, before)[0] == 2  # no control: the raw argmax
+
+    sampled = SamplingParams(temperature=1.0, seed=3, presence_penalty=1.5).for_request(prompt_len=1)
+    _, q = draw_token(logits, sampled, 3, 5, before)
+    expected = sparsify(logits_to_probs(controlled_logits(logits[None], sampled, before, [])[0], sampled), 5)
+    torch.testing.assert_close(q, expected)
+    assert q[2] < sparsify(logits_to_probs(logits, sampled), 5)[2]  # generated token 2 penalised

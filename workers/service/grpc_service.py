@@ -164,7 +164,7 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
                 request.committed_len,
                 list(request.new_tokens),
                 request.k,
-                self.sampling.get(request.request_id, request.sampling),
+                _with_history(self.sampling.get(request.request_id, request.sampling), request, self.worker.vocab_size),
                 decode_features(request.features, self.worker.feature_size),
                 request.tree,
             )
@@ -224,8 +224,10 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
         )
 
 
-def _with_history(params: SamplingParams, request: pb.VerifyRequest, vocab_size: int) -> SamplingParams:
-    """The request's params with what its penalties and min_tokens count from (VerifyRequest.prompt_len and
+def _with_history(
+    params: SamplingParams, request: pb.VerifyRequest | pb.ProposeRequest, vocab_size: int
+) -> SamplingParams:
+    """The request's params with what its penalties and min_tokens count from (the request's prompt_len and
     end_token_ids; a response_format's grammar starts at prompt_len); unchanged for requests without either."""
     if not params.counts_prompt:
         return params

@@ -41,7 +41,7 @@ class ModelDrafter:
             logits = self.runner.logits_for_batch([(rows[b][0], seqs[b], 1) for b in active])
             for b, row_logits in zip(active, logits, strict=True):
                 params = rows[b][3]
-                token, q = draw_token(row_logits[0], params, len(seqs[b]), self.max_support)
+                token, q = draw_token(row_logits[0], params, len(seqs[b]), self.max_support, seqs[b])
                 if q is not None:
                     probs[b].append(q)
                 drafted[b].append(token)

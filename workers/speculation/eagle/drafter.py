@@ -92,7 +92,7 @@ class EagleDrafter:
         for j in range(max(k for _, _, k, _ in drafting_rows)):
             if j:
                 step = chain.step(torch.tensor([tokens[-1] for tokens in drafted]))
-            for i, (token, q) in enumerate(self._draw(step.logits, drafting_rows, j)):
+            for i, (token, q) in enumerate(self._draw(step.logits, drafting_rows, drafted)):
                 drafted[i].append(token)
                 if q is not None:
                     probs[i].append(q)
@@ -154,18 +154,21 @@ class EagleDrafter:
         return request_id, features, list(tokens[start + 1 : end + 1])
 
     def _draw(
-        self, logits: torch.Tensor, rows: Sequence[DraftRow], offset: int
+        self, logits: torch.Tensor, rows: Sequence[DraftRow], drafted: Sequence[Sequence[int]]
     ) -> list[tuple[int, torch.Tensor | None]]:
         """logits [B, draft_vocab_size] of one drafting step -> per row, its token (target id) and the draft probs it
-        was drawn from (None: greedy). `offset`: the step's index, so the token's position is len(tokens) + offset."""
+        was drawn from (None: greedy). `drafted`: each row's tokens drafted so far this round, before this step's.
+        Greedy rows without logits controls take the head's argmax as it is; the others go through draw_token over
+        the target vocabulary, under the request's controls."""
         greedy = self.head.draft_to_target(logits.argmax(-1)).tolist()
         out = []
         for i, (_, tokens, _, params) in enumerate(rows):
-            if params.greedy:
+            if params.greedy and not params.has_logits_controls:
                 out.append((greedy[i], None))
             else:
                 target_logits = self.head.to_target_logits(logits[i].float())  # [V], -inf off the draft vocabulary
-                out.append(draw_token(target_logits, params, len(tokens) + offset, self.max_support))
+                before = [*tokens, *drafted[i]]
+                out.append(draw_token(target_logits, params, len(before), self.max_support, before))
         return out
 
     def release(self, request_id: str) -> None:
