@@ -17,14 +17,14 @@ import pytest
 import ray
 
 from specserve.client import SpecServeClient
-from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.app_config import serve_config
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.service.local_processes import free_port
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers import dashboard_queries as dq
-from tests.helpers.serve_app import PROMPTS
+from tests.helpers.serve_app import PROMPTS, tiny_app_config
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +36,7 @@ def server(tiny_target, tiny_draft):
     metrics_port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False,
              log_to_driver=False)  # fmt: skip
-    pool = {"num_cpus": 0.5}
-    app = AppConfig.model_validate(
-        {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
-                     "target_pool": pool, "draft_pool": pool}],
-         "scheduler": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
-    )  # fmt: skip
+    app = tiny_app_config(tiny_target, tiny_draft)
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())
     info = start(config, metrics_port=metrics_port, ready_timeout_s=300)
     yield info

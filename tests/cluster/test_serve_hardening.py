@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from specserve.client import SpecServeClient
-from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.app_config import serve_config
 from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
 from specserve.cluster.serve.scheduler_replica import REJOIN_S
 from specserve.cluster.serve.server import start, stop
@@ -23,6 +23,7 @@ from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.service.grpc_service import GRPC_OPTIONS
 from specserve.workers.service.local_processes import free_port
+from tests.helpers.serve_app import tiny_app_config
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +36,7 @@ def server(tiny_target, tiny_draft):
     metrics_port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False,
              _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
-    pool = {"num_cpus": 0.5}
-    app = AppConfig.model_validate(
-        {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
-                     "target_pool": pool, "draft_pool": pool}],
-         "scheduler": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}}
-    )  # fmt: skip
+    app = tiny_app_config(tiny_target, tiny_draft)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), metrics_port, ready_timeout_s=300)
     yield info
     stop({**info, "started_ray": False})

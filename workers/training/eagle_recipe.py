@@ -116,11 +116,12 @@ def _parser() -> argparse.ArgumentParser:
 _STEP_MARGIN = 1.8
 
 
-def _steps(args: argparse.Namespace, target: str, dirs: list[Path], tokens: int, seconds_left: float, common: dict):
+def _steps(args: argparse.Namespace, target: str, work: Path, dirs: list[Path], tokens: int, seconds_left: float,
+           common: dict):  # fmt: skip
     """How many steps fit in `seconds_left`, from two short timed runs, capped at --max-epochs passes."""
     from specserve.workers.training.eagle_train import train_head
 
-    calib = dirs[-1].parent / "calibration"
+    calib = work / "calibration"
     first = _timed(train_head, dirs, target, calib, steps=5, **common)
     second = _timed(train_head, dirs, target, calib, steps=25, **common)  # resumes: 20 more steps
     per_step = max((second - first) / 20 * _STEP_MARGIN, 1e-3)
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                   progress=False)  # fmt: skip
     shards = [s for d in dirs for s in read_manifest(d).shards]
     tokens = sum(s.tokens for s in shards)
-    steps, per_step, passes = _steps(args, target, dirs, tokens, args.train_seconds, common)
+    steps, per_step, passes = _steps(args, target, work, dirs, tokens, args.train_seconds, common)
     result = train_head(dirs, target, work / "head", steps=steps, eval_data_dir=work / "eval",
                         eval_every_steps=args.eval_every, checkpoint_every_s=30.0, **common)  # fmt: skip
     split_weights(result.head_dir, out)

@@ -167,8 +167,9 @@ class EagleDrafter:
                 out.append((greedy[i], None))
             else:
                 target_logits = self.head.to_target_logits(logits[i].float())  # [V], -inf off the draft vocabulary
-                before = [*tokens, *drafted[i]]
-                out.append(draw_token(target_logits, params, len(before), self.max_support, before))
+                position = len(tokens) + len(drafted[i])
+                before = [*tokens, *drafted[i]] if params.has_logits_controls else ()  # copied only where counted
+                out.append(draw_token(target_logits, params, position, self.max_support, before))
         return out
 
     def release(self, request_id: str) -> None:
