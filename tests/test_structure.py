@@ -37,7 +37,6 @@ FLOORS = [  # lowest first; a module's room is the longest of these its name sta
     ("specserve.workers.training",),
     ("specserve.cluster",),  # app_config, speculative_config: the cluster's floor
     ("specserve.cluster.scheduling",),
-    ("specserve.cluster.pools",),
     ("specserve.cluster.serve",),
     ("specserve.cluster.bench",),
     ("specserve.cluster.cli",),
@@ -289,7 +288,6 @@ NAMES_MAY_APPEAR = (
     "specserve.cluster.app_config",
     "specserve.cluster.speculative_config",
     "specserve.workers.models.packaged_heads",
-    "specserve.cluster.pools.local",
     "specserve.cluster.serve.openai_api",
 )
 PROPOSER_FOLDER = "specserve.workers.speculation"

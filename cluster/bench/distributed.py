@@ -1,19 +1,16 @@
 """The disaggregated rows of `specserve bench`: the same prompts through the Serve application (cluster/bench/serve.py),
-placed next to the in-process row they compare with. With an EAGLE-3 head, its methods' rows: the head on its own
-draft worker process, the target on another, this process scheduling (`add_eagle_distributed`; WorkerProcesses, which
-goes when these rows move onto the Serve app: docs/architecture.md, one path per job)."""
+placed next to the in-process row they compare with. With an EAGLE-3 head, its methods' rows (`add_eagle_distributed`):
+the head in the draft pool, the target's features captured in the target pool."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass, field
 
 from specserve.cluster.bench.rows import SAMPLED_NGRAM_K, BenchConfig, Row, best_draft_k
-from specserve.cluster.bench.serve import serve_rows
-from specserve.cluster.bench.timing import RoundCounts, finish_stream_rows
+from specserve.cluster.bench.serve import serve_rows, served_model
+from specserve.cluster.bench.timing import finish_stream_rows
 from specserve.cluster.scheduling.features import FeatureTraffic
-from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config import ModelConfig
 from specserve.workers.speculation.methods import HEAD_CHAIN_METHODS, TREE_METHODS
 
 EAGLE_STREAMS = 6  # a head's disaggregated rows: 1 stream, and this many at once (issue 36's comparison)
@@ -46,8 +43,20 @@ class EagleTraffic:
 
     rounds: int = 0
     wire_bytes: int = 0  # every call's request and reply, features included
-    orchestration_ms_p50: float = 0.0
+    orchestration_s: float = 0.0  # the scheduler's own time in those rounds (not awaiting workers)
     features: FeatureTraffic = field(default_factory=FeatureTraffic)
+
+    @classmethod
+    def between(cls, before: dict, after: dict) -> EagleTraffic:
+        """From two readings of the scheduler replica's status."""
+        minus = lambda key: after[key] - before[key]  # noqa: E731
+        features = FeatureTraffic(minus("feature_bytes_received"), minus("feature_verify_replies"),
+                                  minus("feature_bytes_sent"), minus("feature_proposes"))  # fmt: skip
+        return cls(minus("rounds"), minus("wire_bytes"), minus("orchestration_s"), features)
+
+    @property
+    def orchestration_ms_mean(self) -> float:
+        return 1e3 * self.orchestration_s / max(1, self.rounds)
 
     @property
     def feature_bytes_per_round(self) -> float:
@@ -66,95 +75,27 @@ class HeadRows:
     traffic: EagleTraffic
 
 
-def eagle_rows(target: ModelConfig, head_dir: str, vocab: int, prompts: list[list[int]], cfg: BenchConfig,
-               ks: dict[str, int], base: Row, streams: int = EAGLE_STREAMS) -> list[HeadRows]:  # fmt: skip
-    """Each head method at its k (`ks`: method -> k) with the head on its own draft worker process and the target on
-    another (WorkerProcesses: gRPC servers, continuous batching on both), this process scheduling: one stream (the
-    prompts one after another) and `streams` streams at once (closed loops taking the next prompt), greedy."""
-    from specserve.cluster.pools.worker_processes import WorkerProcesses
-
+def eagle_rows(target: ModelConfig, head_dir: str, prompts: list[list[int]], cfg: BenchConfig, ks: dict[str, int],
+               base: Row, streams: int = EAGLE_STREAMS) -> list[HeadRows]:  # fmt: skip
+    """Each head method at its k (`ks`: method -> k) through the Serve app whose draft pool runs the head and whose
+    target pool captures its features: one stream (the prompts one after another) and `streams` closed loops at
+    once, greedy."""
     streams = min(streams, len(prompts))
-    with WorkerProcesses(target, target, vocab, BatchingConfig(), eagle_head=head_dir) as w:
-        return [
-            asyncio.run(
-                _head_streams(w, target.path, head_dir, prompts, cfg, SpecParams(method=method, k=k), streams, base)
-            )
-            for method, k in ks.items()
-        ]
+    runs = []
+    with served_model(target.path, head_dir, target.device, cfg.max_new_tokens, dtype=target.dtype) as served:
+        for method, k in ks.items():
+            served.generate(prompts[0][:16], method, k, new_tokens=4)  # warm-up
+            before = served.status()
+            name = f"disaggregated {method} k={k} greedy"
+            one = served.one_stream(f"{name}, 1 stream", "disaggregated", prompts, method, k)
+            many = served.streams(f"{name}, {streams} streams", "disaggregated", prompts, streams, method, k)
+            traffic = EagleTraffic.between(before, served.status())
+            runs.append(HeadRows(method, k, *finish_stream_rows([one, many], base), traffic))
+    return runs
 
 
-async def _head_streams(w, target_path: str, head: str, prompts: list[list[int]], cfg: BenchConfig, spec: SpecParams,
-                        streams: int, base: Row) -> HeadRows:  # fmt: skip
-    from transformers import AutoTokenizer
-
-    from specserve.cluster.scheduling.pipeline import build_pipeline
-    from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
-    from specserve.workers.runtime.eos import directory_eos_ids
-
-    eos = directory_eos_ids(target_path, AutoTokenizer.from_pretrained(target_path, local_files_only=True))
-    drafts = {n: DraftClient(a, timeout_s=600) for n, a in w.draft_addresses.items()}
-    targets = {n: TargetClient(a, timeout_s=600) for n, a in w.target_addresses.items()}
-    try:
-        warm_up = build_pipeline(drafts, targets, head)
-        await warm_up.generate(prompts[0][:16], SamplingParams(max_new_tokens=4), spec, eos)
-        await warm_up.drain_releases()
-        wire0 = warm_up.wire_bytes()  # the clients count from their start
-        pipeline = build_pipeline(drafts, targets, head)
-
-        async def generate(prompt: list[int], counts: RoundCounts) -> list[int]:
-            req = await pipeline.generate(prompt, SamplingParams(max_new_tokens=cfg.max_new_tokens), spec, eos)
-            counts.add(req.state.stats)
-            return req.state.generated
-
-        name = f"disaggregated {spec.method} k={spec.k} greedy"
-        one = Row(f"{name}, 1 stream", "disaggregated", spec.k, 0.0)
-        many = Row(f"{name}, {streams} streams", "disaggregated", spec.k, 0.0, streams=streams)
-        await _one_stream(generate, prompts, one)
-        await _streams_at_once(generate, prompts, many, streams)
-        await pipeline.drain_releases()
-    finally:
-        for client in (*drafts.values(), *targets.values()):
-            await client.close()
-    traffic = EagleTraffic(pipeline.times.rounds, pipeline.wire_bytes() - wire0, pipeline.times.p50_ms(),
-                           pipeline.scheduler.feature_traffic)  # fmt: skip
-    finish_stream_rows([one, many], base)
-    return HeadRows(spec.method, spec.k, one, many, traffic)
-
-
-async def _one_stream(generate, prompts: list[list[int]], row: Row) -> None:
-    counts = RoundCounts()
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        row.outputs.append(await generate(prompt, counts))
-        row.seconds += time.perf_counter() - t0
-    _fill_acceptance(row, counts)
-
-
-async def _streams_at_once(generate, prompts: list[list[int]], row: Row, streams: int) -> None:
-    """`streams` closed loops, each sending the next prompt when its last request finished."""
-    counts = RoundCounts()
-    row.outputs = [[] for _ in prompts]
-    waiting = list(range(len(prompts)))
-
-    async def stream() -> None:
-        while waiting:
-            i = waiting.pop(0)
-            row.outputs[i] = await generate(prompts[i], counts)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(stream() for _ in range(streams)))
-    row.seconds = time.perf_counter() - t0
-    _fill_acceptance(row, counts)
-
-
-def _fill_acceptance(row: Row, counts: RoundCounts) -> None:
-    row.acceptance_rate = counts.accepted / counts.drafted if counts.drafted else 0.0
-    row.mean_accepted_length = 1 + counts.accepted / max(1, counts.rounds)
-    row.acceptance_by_position = counts.by_position()
-
-
-def add_eagle_distributed(rows: list[Row], meta: dict, target: ModelConfig, head_dir: str, vocab: int,
-                          prompts: list[list[int]], cfg: BenchConfig) -> None:  # fmt: skip
+def add_eagle_distributed(rows: list[Row], meta: dict, target: ModelConfig, head_dir: str, prompts: list[list[int]],
+                          cfg: BenchConfig) -> None:  # fmt: skip
     """Each head method's disaggregated rows, after its in-process greedy row at the best fixed k (by tokens/s),
     which they compare with as the draft model's disaggregated rows do with theirs: the in-process engine runs one
     request at a time, so its rate is the same for 1 stream and for the streams' requests one after another."""
@@ -163,7 +104,7 @@ def add_eagle_distributed(rows: list[Row], meta: dict, target: ModelConfig, head
         greedy = [r for r in rows if r.method == method and r.temperature == 0 and isinstance(r.k, int)]
         if greedy:
             in_process[method] = max(greedy, key=lambda r: r.tokens_per_s)
-    runs = eagle_rows(target, head_dir, vocab, prompts, cfg, {m: r.k for m, r in in_process.items()}, rows[0])
+    runs = eagle_rows(target, head_dir, prompts, cfg, {m: r.k for m, r in in_process.items()}, rows[0])
     meta["disaggregated_eagle"] = {}
     for run in runs:
         beside = in_process[run.method]
@@ -174,7 +115,7 @@ def add_eagle_distributed(rows: list[Row], meta: dict, target: ModelConfig, head
             "streams": min(EAGLE_STREAMS, len(prompts)),
             "vs_in_process_1_stream": run.one.tokens_per_s / beside.tokens_per_s,
             "vs_in_process_streams": run.many.tokens_per_s / beside.tokens_per_s,
-            "orchestration_ms_p50": run.traffic.orchestration_ms_p50,
+            "orchestration_ms_mean": run.traffic.orchestration_ms_mean,
             "wire_bytes_per_round": run.traffic.wire_bytes / max(1, run.traffic.rounds),
             "feature_bytes_per_round": run.traffic.feature_bytes_per_round,
             **run.traffic.features.to_dict(),

@@ -55,14 +55,15 @@ def _disaggregated_lines(meta: dict) -> list[str]:
         )
     for method, e in meta.get("disaggregated_eagle", {}).items():
         where = "prompt lookup's tree built by the scheduler" if method == "ngram-tree" else (
-            "the EAGLE-3 head on its own draft worker process")  # fmt: skip
+            "the EAGLE-3 head in the Serve app's draft pool")  # fmt: skip
         features = "" if method == "ngram-tree" else (
             f"features {e['feature_bytes_per_round']:.0f} bytes per round ({e['feature_bytes_per_verify_reply']:.0f} "
             f"per verify reply, {e['feature_bytes_per_propose']:.0f} per propose call), ")  # fmt: skip
         lines.append(
             f"disaggregated {method} ({where}, k={e['k']}) vs in-process: {e['vs_in_process_1_stream']:.2f}x with 1 "
             f"stream, {e['vs_in_process_streams']:.2f}x with {e['streams']} streams at once; {features}"
-            f"{e['wire_bytes_per_round']:.0f} bytes on the wire per round"
+            f"{e['wire_bytes_per_round']:.0f} bytes on the wire per round; scheduler overhead "
+            f"{e['orchestration_ms_mean']:.2f} ms a round (mean)"
         )
     return lines
 

@@ -313,12 +313,11 @@ def main_bench(args) -> int:
 
         add_distributed(rows, meta, target_path, draft_path, prompts, cfg, args.device)
         if head is not None:
-            add_eagle_distributed(rows, meta, target_cfg, str(head), target.vocab_size, prompts, cfg)
+            add_eagle_distributed(rows, meta, target_cfg, str(head), prompts, cfg)
     if tp_n > 1:
         from specserve.cluster.bench.tp import tp_rows
 
-        extra, profile = tp_rows(target_cfg, draft_cfg, target.vocab_size, prompts, cfg.max_new_tokens,
-                                 best_draft_k(cfg), rows[0], tp_n)  # fmt: skip
+        extra, profile = tp_rows(target_cfg, draft_cfg, prompts, cfg.max_new_tokens, best_draft_k(cfg), rows[0], tp_n)
         rows += extra
         meta["tensor_parallel"] = {"world_size": tp_n, **profile}
     levels = _load(args, target_path, prompts, meta, engine, cfg.max_new_tokens, rows[0]) if args.load else []

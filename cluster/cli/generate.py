@@ -74,7 +74,7 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
 def _generate(args: argparse.Namespace) -> int:
     if not args.local:
         return _generate_remote(args)
-    from specserve.cluster.pools.local import generate_local
+    from specserve.cluster.cli.local import generate_local
 
     if args.k is None:
         args.k = 4

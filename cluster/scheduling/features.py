@@ -36,6 +36,8 @@ class FeatureTraffic:
         return {
             "feature_bytes_received": self.received_bytes,
             "feature_bytes_sent": self.sent_bytes,
+            "feature_verify_replies": self.replies,
+            "feature_proposes": self.proposes,
             "feature_bytes_per_verify_reply": self.bytes_per_reply,
             "feature_bytes_per_propose": self.bytes_per_propose,
         }

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 
 from specserve.cluster.app_config import AppConfig
 from specserve.cluster.scheduling.detokenize import IncrementalText
@@ -93,7 +94,11 @@ class SchedulerService:
                 "active_requests": len(s.scheduler.requests),
                 "rounds": s.pipeline.times.rounds,
                 "orchestration_ms_p50": s.pipeline.times.p50_ms(),
+                "orchestration_s": s.pipeline.times.orchestration_s,
+                "wire_bytes": s.pipeline.wire_bytes(),
                 "wire_bytes_per_round": s.pipeline.wire_bytes() / max(1, s.pipeline.times.rounds),
+                # Counts only (positions 0-based), so that a caller can subtract two readings
+                "finished": asdict(s.finished),
                 "chain_width": {w: b.width for w, b in s.scheduler.batches.items()},  # the goodput planner's
                 **s.scheduler.feature_traffic.to_dict(),
             }
@@ -175,6 +180,8 @@ class SchedulerService:
                     finish = "stop" if cut.stopped else state.finish_reason
                     if track:
                         track.round(prev, stats, cut.tokens, finish)
+                    if finish:  # counted before the last chunk leaves: a caller's next status() includes it
+                        serving.finished.add(state.stats)
                     start = len(state.generated) - len(committed)  # the round's first token: its logprob's index
                     logprobs = state.logprobs[start : start + cut.tokens] if req.params.logprobs is not None else None
                     yield Chunk(text=cut.text, token_ids=committed[: cut.tokens], finish_reason=finish, stats=stats,

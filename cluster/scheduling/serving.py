@@ -19,6 +19,7 @@ from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.runtime.eos import directory_eos_ids
 from specserve.workers.speculation.eagle.config import resolve_eagle_head
+from specserve.workers.speculation.request import RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class ModelServing:
     pipeline: Pipeline
     addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: RequestStats = field(default_factory=RequestStats)  # summed over the requests that ended here
 
     @property
     def scheduler(self) -> Scheduler:

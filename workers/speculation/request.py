@@ -39,6 +39,16 @@ class RequestStats:
             self.reached_by_position[j] += 1
             self.accepted_by_position[j] += 1 if j < accepted else 0
 
+    def add(self, other: RequestStats) -> None:
+        """Sum another request's counts into these (a replica's totals over the requests that ended there)."""
+        self.rounds, self.drafted, self.accepted = (self.rounds + other.rounds, self.drafted + other.drafted,
+                                                    self.accepted + other.accepted)  # fmt: skip
+        for mine, theirs in ((self.reached_by_position, other.reached_by_position),
+                             (self.accepted_by_position, other.accepted_by_position)):  # fmt: skip
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for j, n in enumerate(theirs):
+                mine[j] += n
+
     @property
     def acceptance_rate(self) -> float:
         """accepted / drafted (0 when nothing was drafted)."""

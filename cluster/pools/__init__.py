@@ -1,1 +1,0 @@
-"""Without Serve: `specserve generate --local` (the in-process engine) and the bench's local worker processes."""
