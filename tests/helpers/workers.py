@@ -176,8 +176,8 @@ class LocalWorkers:
 
 
 def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results) -> None:
-    """One rank of a test: shard the model, run `rows` through the mirrored runner, rank 0 puts the logits and
-    whether its runner took the lean forward path in `results` (a multiprocessing queue)."""
+    """One rank of a test: shard the model, run `rows` (ForwardRows) through the mirrored runner, rank 0 puts the
+    logits and whether its runner took the lean forward path in `results` (a multiprocessing queue)."""
     import torch.distributed as dist
 
     from specserve.workers.config import KVCacheConfig, ModelConfig

@@ -13,9 +13,10 @@ from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.identity import target_identity
 from specserve.workers.runtime.lean_forward import full_forward
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.speculation.chain_planner import ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
+from specserve.workers.speculation.drafter import DraftRow
 from specserve.workers.speculation.eagle.checkpoint import save_head
 from specserve.workers.speculation.eagle.config import Eagle3Config, default_feature_layers
 from specserve.workers.speculation.eagle.head import Eagle3Head
@@ -149,13 +150,14 @@ def test_captured_features_are_the_inputs_of_the_feature_layers(target):
     assert lean.lean
     prompt, other = list(range(3, 23)), list(range(60, 70))
     steps = [
-        [("a", prompt, 1)],  # prefill
-        [("a", prompt + [40, 41, 42], 4)],  # verify 3 drafted tokens
-        [("a", prompt + [40, 50], 2), ("b", other, 3)],  # after a rollback, with a prefill beside it
+        [ForwardRow("a", prompt, 1)],  # prefill
+        [ForwardRow("a", prompt + [40, 41, 42], 4)],  # verify 3 drafted tokens
+        [ForwardRow("a", prompt + [40, 50], 2), ForwardRow("b", other, 3)],  # after a rollback, a prefill beside it
     ]
     for rows in steps:
         outs = [runner.forward_batch(rows, capture=runner is not plain) for runner in (lean, full, plain)]
-        for (_, sequence, _), ours, theirs, uncaptured in zip(rows, *outs, strict=True):
+        for row, ours, theirs, uncaptured in zip(rows, *outs, strict=True):
+            sequence = row.sequence
             assert uncaptured.features is None
             assert torch.equal(ours.logits, uncaptured.logits) and torch.equal(theirs.logits, uncaptured.logits)
             assert ours.start == theirs.start and ours.features.shape == (len(sequence) - ours.start, 3 * HIDDEN)
@@ -172,7 +174,7 @@ def test_capture_off_keeps_no_hidden_states(target, monkeypatch):
     )
     runner = ModelRunner(target, KVCacheConfig())
     runner.lean, runner._forward = False, full_forward(target.model)
-    rows = [("a", list(range(3, 12)), 1)]
+    rows = [ForwardRow("a", list(range(3, 12)), 1)]
     asked.clear()  # the runner's lean-path probe ran the model
     assert runner.forward_batch(rows)[0].features is None
     assert asked == [None]  # the model was not asked for its hidden states
@@ -192,20 +194,24 @@ def test_propose_batch_equals_each_row_alone_and_samples_from_sparse_probs(targe
     features = torch.randn(3, 12, 3 * HIDDEN, generator=torch.Generator().manual_seed(0)) * 3
     tokens = [list(range(3 + r, 16 + r)) for r in range(3)]  # 13 committed tokens: 12 entries each
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5)
-    rows = [("a", tokens[0], 4, sampled), ("b", tokens[1], 2, greedy), ("c", tokens[2], 5, sampled)]
+    rows = [
+        DraftRow("a", tokens[0], 4, sampled),
+        DraftRow("b", tokens[1], 2, greedy),
+        DraftRow("c", tokens[2], 5, sampled),
+    ]
     batched, alone = load_eagle_drafter(target, head), load_eagle_drafter(target, head)
-    for r, (request_id, _, _, _) in enumerate(rows):
-        batched.add_features(request_id, 0, features[r])
-        alone.add_features(request_id, 0, features[r])
+    for r, row in enumerate(rows):
+        batched.add_features(row.request_id, 0, features[r])
+        alone.add_features(row.request_id, 0, features[r])
     together = batched.propose_batch(rows)
     for row, proposal in zip(rows, together, strict=True):
         single = alone.propose(*row)
-        assert proposal.tokens == single.tokens and len(proposal.tokens) == row[2]
-        if row[3].greedy:
+        assert proposal.tokens == single.tokens and len(proposal.tokens) == row.k
+        if row.params.greedy:
             assert proposal.probs is None and single.probs is None
         else:
             torch.testing.assert_close(proposal.probs, single.probs, atol=1e-3, rtol=0)
-            assert proposal.probs.shape == (row[2], target.vocab_size)
+            assert proposal.probs.shape == (row.k, target.vocab_size)
             assert not proposal.probs[:, ~head.t2d].any()  # no mass off the draft vocabulary
             assert torch.equal(proposal.probs.half().float(), proposal.probs)  # float16-exact, as shipped
             assert all(proposal.probs[j, t] > 0 for j, t in enumerate(proposal.tokens))

@@ -4,7 +4,7 @@ import torch
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.runtime.worker_state import common_prefix_length
 
 
@@ -80,31 +80,32 @@ def test_a_ragged_batch_gives_every_row_its_own_logits(target):
     runner.logits_for("a", list(range(3, 30)), 1)
     runner.logits_for("b", [5, 6, 7], 1)
     rows = [
-        ("a", list(range(3, 20)) + [90, 91, 92], 4),  # rolled back to 17 cached positions, 3 new
-        ("b", [5, 6, 7, 8], 2),  # 3 cached, 1 new
-        ("c", list(range(40, 75)), 1),  # nothing cached: a 35-token prefill next to 1-token rows
+        ForwardRow("a", list(range(3, 20)) + [90, 91, 92], 4),  # rolled back to 17 cached positions, 3 new
+        ForwardRow("b", [5, 6, 7, 8], 2),  # 3 cached, 1 new
+        ForwardRow("c", list(range(40, 75)), 1),  # nothing cached: a 35-token prefill next to 1-token rows
     ]
     before = runner.forward_calls
     out = runner.logits_for_batch(rows)
     assert runner.forward_calls == before + 1
-    for (rid, seq, n), logits in zip(rows, out, strict=False):
-        assert logits.shape == (n, runner.vocab_size)
-        assert torch.allclose(logits, _full_logits(target.model, seq)[-n:], atol=1e-5, rtol=0), rid
-        assert runner.store.get(rid).tokens == seq
-    assert runner.store.used_tokens == sum(len(seq) for _, seq, _ in rows)
+    for row, logits in zip(rows, out, strict=True):
+        assert logits.shape == (row.n, runner.vocab_size)
+        assert torch.allclose(logits, _full_logits(target.model, row.sequence)[-row.n :], atol=1e-5, rtol=0), row
+        assert runner.store.get(row.request_id).tokens == row.sequence
+    assert runner.store.used_tokens == sum(len(row.sequence) for row in rows)
 
 
 def test_released_rows_give_their_memory_back(target):
     runner = ModelRunner(target, KVCacheConfig())
-    rows = [(f"r{i}", [3 + j % 200 for j in range(20 + 40 * i)], 1) for i in range(12)]
+    rows = [ForwardRow(f"r{i}", [3 + j % 200 for j in range(20 + 40 * i)], 1) for i in range(12)]
     runner.logits_for_batch(rows)
     slots, length = runner.store.cache.capacity
     assert slots >= 12 and length >= 460
-    for rid, _, _ in rows[1:]:
-        assert runner.release(rid)
+    for row in rows[1:]:
+        assert runner.release(row.request_id)
     assert runner.store.used_tokens == 20
     assert runner.store.cache.capacity[0] < slots and runner.store.cache.capacity[1] < length
     # The survivor's cache is intact after the buffers shrank.
-    logits = runner.logits_for("r0", rows[0][1] + [7], 1)
-    assert torch.allclose(logits, _full_logits(target.model, rows[0][1] + [7])[-1:], atol=1e-5, rtol=0)
-    assert runner.forward_positions == sum(len(seq) for _, seq, _ in rows) + 1
+    survivor = list(rows[0].sequence)
+    logits = runner.logits_for("r0", survivor + [7], 1)
+    assert torch.allclose(logits, _full_logits(target.model, survivor + [7])[-1:], atol=1e-5, rtol=0)
+    assert runner.forward_positions == sum(len(row.sequence) for row in rows) + 1

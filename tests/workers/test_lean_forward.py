@@ -5,7 +5,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.lean_forward import _agrees, _lean, full_forward, lean_forward
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.runtime.slot_cache import single_row_mask
 
 
@@ -35,10 +35,10 @@ def test_runner_logits_are_identical_with_and_without_the_lean_path(target):
     lean, full = _runner_pair(target)
     assert lean.lean
     steps = [
-        [("a", list(range(3, 30)), 1)],  # prefill
-        [("a", list(range(3, 30)) + [40, 41, 42], 4)],  # verify 3 drafted tokens
-        [("a", list(range(3, 30)) + [40, 50], 2), ("b", list(range(60, 70)), 3)],  # ragged batch after a rollback
-        [("b", list(range(60, 71)), 1), ("a", list(range(3, 30)) + [40, 50, 51], 1)],  # decode, slots out of order
+        [ForwardRow("a", list(range(3, 30)), 1)],  # prefill
+        [ForwardRow("a", list(range(3, 30)) + [40, 41, 42], 4)],  # verify 3 drafted tokens
+        [ForwardRow("a", list(range(3, 30)) + [40, 50], 2), ForwardRow("b", list(range(60, 70)), 3)],  # ragged batch
+        [ForwardRow("b", list(range(60, 71)), 1), ForwardRow("a", list(range(3, 30)) + [40, 50, 51], 1)],  # decode
     ]
     for rows in steps:
         for got, want in zip(lean.logits_for_batch(rows), full.logits_for_batch(rows), strict=True):

@@ -17,7 +17,7 @@ from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams, SpecParams
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.service.local_processes import free_port
 from specserve.workers.service.tensor_parallel import LocalTensorParallelReplica, Rendezvous, check_shardable
 from specserve.workers.speculation.engine import SpecEngine
@@ -29,7 +29,11 @@ PROMPTS = ["def add(a, b):\n    return", "for i in range(3):", "import json\n\nd
 
 
 def test_sharded_logits_equal_the_single_process_model(tiny_target):
-    rows = [("a", list(range(3, 40)), 1), ("a", list(range(3, 30)) + [7, 8, 9], 4), ("b", [5, 6, 7, 8, 9], 2)]
+    rows = [
+        ForwardRow("a", list(range(3, 40)), 1),
+        ForwardRow("a", list(range(3, 30)) + [7, 8, 9], 4),
+        ForwardRow("b", [5, 6, 7, 8, 9], 2),
+    ]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rendezvous = Rendezvous("127.0.0.1", free_port(), 2, timeout_s=60)

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 
 PROBE_CONTEXT = 256  # tokens of context when timing: a chat prompt and part of its answer
 
@@ -58,7 +58,8 @@ def batch_verify_seconds(runner: ModelRunner, context: int, rows: int, max_width
     tag = uuid.uuid4().hex
     prompts = [probe_tokens(context, runner.vocab_size, salt=r) for r in range(rows)]
     ids = [f"cost-probe-{tag}-{r}" for r in range(rows)]
-    prefill = [(rid, p, 1) for rid, p in zip(ids, prompts, strict=True)]  # feeding it again rolls back to context
+    # Feeding the prefill again rolls back to the context.
+    prefill = [ForwardRow(rid, p, 1) for rid, p in zip(ids, prompts, strict=True)]
     best = [float("inf")] * max_width
     try:
         runner.logits_for_batch(prefill)
@@ -68,7 +69,7 @@ def batch_verify_seconds(runner: ModelRunner, context: int, rows: int, max_width
                 runner.logits_for_batch(prefill)  # every width after the same context
                 seqs = [s + probe_tokens(width, runner.vocab_size, salt=i + r + 1) for r, s in enumerate(prompts)]
                 t0 = time.perf_counter()
-                runner.logits_for_batch([(rid, s, width) for rid, s in zip(ids, seqs, strict=True)])
+                runner.logits_for_batch([ForwardRow(rid, s, width) for rid, s in zip(ids, seqs, strict=True)])
                 best[width - 1] = min(best[width - 1], time.perf_counter() - t0)
     finally:
         for rid in ids:

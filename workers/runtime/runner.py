@@ -15,6 +15,20 @@ from specserve.workers.runtime.slot_cache import BatchPlan, batch_mask, single_r
 from specserve.workers.runtime.tree_rows import TreeRow
 
 
+@dataclass(frozen=True)
+class ForwardRow:
+    """One request's row of a forward pass (`ModelRunner.forward_batch`): its tokens and how many logits it wants."""
+
+    request_id: str
+    sequence: Sequence[int]  # the request's whole sequence; only the positions its cache does not hold are fed
+    n: int  # logits wanted: after each of the sequence's last n positions (1 <= n <= len(sequence))
+
+    def check(self) -> None:
+        """ValueError unless 1 <= n <= len(sequence)."""
+        if not 1 <= self.n <= len(self.sequence):
+            raise ValueError(f"need 1 <= n <= len(sequence), got n={self.n}, len={len(self.sequence)}")
+
+
 @dataclass
 class RowOutput:
     """One row of a forward pass."""
@@ -29,9 +43,9 @@ class RowOutput:
 class ModelRunner:
     """Runs one model for many requests, each with its own KV cache (a slot of one shared buffer).
 
-    The primitive is `logits_for_batch([(request_id, sequence, n), ...])`: for each row, the model's logits at the
-    last n positions of `sequence`, computing only the positions the request's cache does not already hold, all rows
-    in one forward pass. Rejected draft tokens left in a cache are detected by token comparison and rolled back
+    The primitive is `logits_for_batch([ForwardRow(request_id, sequence, n), ...])`: for each row, the model's logits
+    at the last n positions of `sequence`, computing only the positions the request's cache does not already hold, all
+    rows in one forward pass. Rejected draft tokens left in a cache are detected by token comparison and rolled back
     before anything is fed on top of them.
     """
 
@@ -59,30 +73,29 @@ class ModelRunner:
 
     def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
         """Logits predicting the token after each of the last n positions of `sequence`: [n, vocab_size] float32."""
-        return self.logits_for_batch([(request_id, sequence, n)])[0]
+        return self.logits_for_batch([ForwardRow(request_id, sequence, n)])[0]
 
-    def logits_for_batch(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
-        """One forward pass for many requests: rows of (request_id, sequence, n) -> each row's [n, vocab_size] logits.
+    def logits_for_batch(self, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
+        """One forward pass for many requests: each row's [n, vocab_size] logits.
 
         Rows are ragged (own cached length, own number of new tokens) and independent: a row's logits are those it
         would get alone. Raises KVCapacityError, reserving nothing, when the batch's new positions do not fit."""
         return [out.logits for out in self.forward_batch(rows)]
 
     @torch.inference_mode()
-    def forward_batch(self, rows: Sequence[tuple[str, Sequence[int], int]], capture: bool = False) -> list[RowOutput]:
+    def forward_batch(self, rows: Sequence[ForwardRow], capture: bool = False) -> list[RowOutput]:
         """`logits_for_batch`, with each row's features too when `capture` (after `capture_features`)."""
-        ids = [rid for rid, _, _ in rows]
+        ids = [row.request_id for row in rows]
         self._check_batch(ids, capture)
-        for _, sequence, n in rows:
-            if not 1 <= n <= len(sequence):
-                raise ValueError(f"need 1 <= n <= len(sequence), got n={n}, len={len(sequence)}")
-        entries = [self.store.sync(rid, seq, keep_at_most=len(seq) - n) for rid, seq, n in rows]
+        for row in rows:
+            row.check()
+        entries = [self.store.sync(r.request_id, r.sequence, keep_at_most=len(r.sequence) - r.n) for r in rows]
         starts = [e.length for e in entries]
-        news = [list(seq[start:]) for (_, seq, _), start in zip(rows, starts, strict=True)]
+        news = [list(row.sequence[start:]) for row, start in zip(rows, starts, strict=True)]
         lengths = [len(new) for new in news]
         self.store.reserve_batch(ids, lengths)
         input_ids, positions, mask = self._plan(starts, news, [e.slot for e in entries])
-        outputs = self._run(input_ids, positions, mask, news, starts, [n for _, _, n in rows], capture)
+        outputs = self._run(input_ids, positions, mask, news, starts, [row.n for row in rows], capture)
         for rid, new in zip(ids, news, strict=True):
             self.store.commit(rid, new)
         return outputs

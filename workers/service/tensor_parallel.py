@@ -26,7 +26,7 @@ import torch.distributed as dist
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, ModelLoadError, UnavailableError
 from specserve.workers.runtime.loading import LoadedModel, load_model, resolve_device
-from specserve.workers.runtime.runner import ModelRunner, RowOutput
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner, RowOutput
 from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.service.assembly import WorkerSpec, serve_in_process
 
@@ -125,8 +125,8 @@ class TensorParallelRunner:
         log.error("tensor-parallel replica is down: %s", reason, exc_info=error)
         raise UnavailableError(f"tensor-parallel replica is down: {reason}") from None
 
-    def logits_for_batch(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
-        rows = [(rid, list(seq), n) for rid, seq, n in rows]
+    def logits_for_batch(self, rows: Sequence[ForwardRow]) -> list[torch.Tensor]:
+        rows = [ForwardRow(row.request_id, list(row.sequence), row.n) for row in rows]  # plain lists pickle anywhere
         self._mirror(("batch", rows))
         try:
             return self.runner.logits_for_batch(rows)
@@ -136,7 +136,7 @@ class TensorParallelRunner:
             self._fail(f"collective failed mid-forward: {e}", e)
 
     def logits_for(self, request_id: str, sequence: Sequence[int], n: int) -> torch.Tensor:
-        return self.logits_for_batch([(request_id, sequence, n)])[0]
+        return self.logits_for_batch([ForwardRow(request_id, sequence, n)])[0]
 
     def forward_tree(self, rows: Sequence[TreeRow], capture: bool = False) -> list[RowOutput]:
         """Rank 0 alone captures features (the other ranks run the same collectives without keeping them)."""

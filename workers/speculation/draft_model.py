@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.workers.config import SamplingParams
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.speculation.drafter import DraftRow, Proposal
 from specserve.workers.speculation.sampling import draw_token
 
@@ -31,16 +31,16 @@ class ModelDrafter:
     def propose_batch(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """Draft for many requests at once: one forward pass per drafting step over every row still drafting (rows
         leave as they reach their own k). Each row's tokens are those it would draft alone."""
-        seqs = [list(tokens) for _, tokens, _, _ in rows]
+        seqs = [list(row.tokens) for row in rows]
         drafted: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]  # per row: one [V] row per drafted token
         while True:
-            active = [b for b, (_, _, k, _) in enumerate(rows) if len(drafted[b]) < k]
+            active = [b for b, row in enumerate(rows) if len(drafted[b]) < row.k]
             if not active:
                 break
-            logits = self.runner.logits_for_batch([(rows[b][0], seqs[b], 1) for b in active])
+            logits = self.runner.logits_for_batch([ForwardRow(rows[b].request_id, seqs[b], 1) for b in active])
             for b, row_logits in zip(active, logits, strict=True):
-                params = rows[b][3]
+                params = rows[b].params
                 token, q = draw_token(row_logits[0], params, len(seqs[b]), self.max_support, seqs[b])
                 if q is not None:
                     probs[b].append(q)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.workers.config import SamplingParams
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.speculation.codec import normalise
 from specserve.workers.speculation.grammar import Grammars, apply_mask
@@ -91,7 +91,7 @@ class TargetVerifier:
         tokens up to the grammar's first forbidden one, under the grammar's mask (accepted counts within them)."""
         constrained = [constrain_chain(self.grammars, row) for row in rows]
         rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
-        sequences = [(row.request_id, [*row.tokens, *row.drafted], len(row.drafted) + 1) for row in rows]
+        sequences = [ForwardRow(row.request_id, [*row.tokens, *row.drafted], len(row.drafted) + 1) for row in rows]
         # Without capture through logits_for_batch: a tensor-parallel runner mirrors that one on its other ranks.
         outputs = self.runner.forward_batch(sequences, capture=True) if capture else None
         all_logits = [out.logits for out in outputs] if outputs else self.runner.logits_for_batch(sequences)
