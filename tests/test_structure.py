@@ -362,6 +362,7 @@ TORCH_FREE = (  # imported without torch: the CPU-only scheduler, the edges' las
     "specserve.workers.speculation.eagle.config",
     "specserve.workers.speculation.wire_format",
     "specserve.workers.service.sampling_wire",
+    "specserve.workers.service.results",
 )
 
 

@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from specserve.cluster.scheduling.costs import measured_costs
-from specserve.cluster.scheduling.replies import DraftReply
 from specserve.cluster.scheduling.scheduler import FALLBACK_K, Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
-from specserve.workers.service.results import VerifyResult
+from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.ngram import NgramDrafter
@@ -138,7 +137,7 @@ class Pipeline:
                 call = self.scheduler.resend(req, call)
         return await fn(call)
 
-    async def _propose(self, req: SchedRequest, call: Call) -> DraftReply:
+    async def _propose(self, req: SchedRequest, call: Call) -> ProposeResult:
         return await self._call(req, call, lambda c: self.drafts[c.worker].propose(c, req.params))
 
     async def _verify(self, req: SchedRequest, call: Call) -> VerifyResult:
@@ -211,18 +210,18 @@ class Pipeline:
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
 
-    async def _draft(self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock) -> DraftReply:
+    async def _draft(self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock) -> ProposeResult:
         """This round's drafted tokens and their probabilities: the pre-draft when its assumption held, else prompt
         lookup or the draft worker, as the method (and for "eagle+ngram" the round's plan) says (nothing when k is
         0, or the draft worker failed: this round is target-only)."""
         if not k:
-            return DraftReply([])
+            return ProposeResult([])
         reused = self.scheduler.use_predraft(req, pre)
         if reused is not None:
             req.pipelined_rounds += 1
             return reused
         if req.plan is not None and req.plan.source in LOOKUP_SOURCES:
-            return DraftReply(list(req.plan.tokens))  # prompt lookup's or suffix drafting's continuation: no model
+            return ProposeResult(list(req.plan.tokens))  # prompt lookup's or suffix drafting's continuation: no model
         with clock.waiting():
             call = self.scheduler.plan_draft(req, k)
             client = self.drafts[call.worker]
@@ -230,7 +229,7 @@ class Pipeline:
                 proposal = await self._propose(req, call)
             except WorkerUnavailable as e:  # this round: target-only; later: the restarted or another drafter
                 await self._worker_failed(call.worker, client, e)
-                return DraftReply([])
+                return ProposeResult([])
         self.scheduler.drafted(req, call)
         return proposal
 
@@ -247,13 +246,13 @@ class Pipeline:
                 call = self.scheduler.plan_draft(req, nodes)
                 client = self.drafts[call.worker]
                 try:
-                    drafted = await self._call(req, call, lambda c: self.drafts[c.worker].propose_tree(c, req.params))
+                    proposal = await self._propose(req, call)
                 except WorkerUnavailable as e:
                     await self._worker_failed(call.worker, client, e)
-                    drafted = None
-            if drafted is not None:
+                    proposal = None
+            if proposal is not None:
                 self.scheduler.drafted(req, call)
-                tree = self.scheduler.prune_tree(req, drafted)
+                tree = self.scheduler.prune_tree(req, proposal.tree())
         tokens, parents = (tree.tokens, tree.parents) if tree is not None else ([], None)
         reply, _ = await self._verify_round(req, 0, tokens, b"", clock, parents)
         if reply is None:

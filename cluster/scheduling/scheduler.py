@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
-from specserve.cluster.scheduling.replies import DraftReply
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
+from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, BatchWidth, ChainPlanner, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.draft_tree import DraftTree
@@ -72,7 +72,7 @@ class PreDraft:
     """Tokens drafted ahead for round r + 1, continuing the drafted tokens of round r."""
 
     after: list[int]  # the committed + drafted sequence they continue
-    draft: DraftReply
+    draft: ProposeResult
 
 
 @dataclass
@@ -366,7 +366,7 @@ class Scheduler:
         if req.features is not None:
             req.features.delivered(call.features)
 
-    def use_predraft(self, req: SchedRequest, pre: PreDraft | None) -> DraftReply | None:
+    def use_predraft(self, req: SchedRequest, pre: PreDraft | None) -> ProposeResult | None:
         """The next round's draft from a pre-draft, if its assumption held: the committed sequence now continues
         exactly as the pre-draft assumed and its first token equals the bonus token. Its first token is dropped
         (already committed as the bonus token); the rest are a valid proposal for the next round."""
@@ -378,7 +378,7 @@ class Scheduler:
             return None
         drafted = ahead[1 : 1 + self.k_for(req)]
         probs = slice_rows(pre.draft.draft_probs, 1, 1 + len(drafted))
-        return DraftReply(drafted, probs) if drafted else None
+        return ProposeResult(drafted, probs) if drafted else None
 
     def release(self, req: SchedRequest) -> list[str]:
         """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for

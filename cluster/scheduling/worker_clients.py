@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import grpc
 
-from specserve.cluster.scheduling.replies import DraftReply
 from specserve.cluster.scheduling.scheduler import Call
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.protos.wire import GRPC_OPTIONS, SECRET_METADATA
 from specserve.workers.config import SamplingParams
-from specserve.workers.service.results import VerifyResult
+from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.service.sampling_wire import sampling_to_proto
-from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.logprobs import from_proto
 
 COSTS_TIMEOUT_S = 120.0  # a first cost measurement: a few dozen forward passes, on a busy CPU worker too
@@ -75,8 +73,10 @@ class DraftClient(_Client):
         super().__init__(address, timeout_s, secret)
         self.stub = pb_grpc.DraftWorkerStub(self.channel)
 
-    async def _propose(self, call: Call, params: SamplingParams) -> pb.ProposeResponse:
-        return await self._invoke(
+    async def propose(self, call: Call, params: SamplingParams) -> ProposeResult:
+        """A chain call's drafted tokens and their encoded draft probs, or a tree call's (`call.tree`) tree: its nodes,
+        parents and scores (no nodes: the head had no features to draft from)."""
+        response = await self._invoke(
             self.stub.Propose,
             pb.ProposeRequest(
                 request_id=call.request_id,
@@ -90,19 +90,14 @@ class DraftClient(_Client):
                 end_token_ids=params.end_token_ids,
             ),
         )
-
-    async def propose(self, call: Call, params: SamplingParams) -> DraftReply:
-        """A chain call's drafted tokens and their encoded draft probs."""
-        response = await self._propose(call, params)
-        return DraftReply(list(response.drafted), response.draft_probs)
-
-    async def propose_tree(self, call: Call, params: SamplingParams) -> DraftTree:
-        """A tree call's drafted tree (no nodes: the head had no features to draft from)."""
-        response = await self._propose(call, params)
-        if len(response.parents) != len(response.drafted) or len(response.scores) != len(response.drafted):
-            raise WorkerUnavailable(f"{self.address}: a tree reply of {len(response.drafted)} tokens, "
+        drafted = list(response.drafted)
+        if not call.tree:
+            return ProposeResult(drafted, response.draft_probs, response.batch_seconds)
+        if len(response.parents) != len(drafted) or len(response.scores) != len(drafted):
+            raise WorkerUnavailable(f"{self.address}: a tree reply of {len(drafted)} tokens, "
                                     f"{len(response.parents)} parents, {len(response.scores)} scores")  # fmt: skip
-        return DraftTree(list(response.drafted), list(response.parents), list(response.scores))
+        return ProposeResult(drafted, response.draft_probs, response.batch_seconds, list(response.parents),
+                             list(response.scores))  # fmt: skip
 
 
 class TargetClient(_Client):

@@ -12,6 +12,7 @@ import torch
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.runtime.tree_rows import ROOT
+from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.chain_planner import PlannerCosts
 from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
 from specserve.workers.speculation.codec import feature_block
@@ -58,7 +59,9 @@ def run(target, head_dir: str, requests, faults=None, reconnect_to=None) -> tupl
 
 
 def _record(trees: list, calls, results):
-    trees += [(c.k, len(r.tokens)) for c, r in zip(calls, results, strict=True) if c.tree and hasattr(r, "tokens")]
+    trees += [
+        (c.k, len(r.drafted)) for c, r in zip(calls, results, strict=True) if c.tree and isinstance(r, ProposeResult)
+    ]
     return results
 
 

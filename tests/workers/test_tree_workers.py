@@ -128,10 +128,10 @@ def test_a_heads_draft_worker_drafts_each_tree_of_a_batch_as_alone(target):
     batched = worker().propose_batch(calls)
     for c, got in zip(calls, batched, strict=True):
         alone = worker().propose_batch([c])[0]
-        assert got.tokens == alone.tokens and got.parents == alone.parents
+        assert got.drafted == alone.drafted and got.parents == alone.parents
         if not c.tree:
-            assert got.parents is None and len(got.tokens) == 3
+            assert got.parents is None and len(got.drafted) == 3
             continue
-        assert 0 < len(got.tokens) == len(got.parents) == len(got.scores) <= c.k and got.probs == b""
+        assert 0 < len(got.drafted) == len(got.parents) == len(got.scores) <= c.k and got.draft_probs == b""
         assert all(ROOT <= p < i for i, p in enumerate(got.parents))
         torch.testing.assert_close(torch.tensor(got.scores), torch.tensor(alone.scores), atol=1e-4, rtol=1e-4)

@@ -13,6 +13,7 @@ from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
+from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import encode_probs
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
@@ -33,17 +34,6 @@ class ProposeCall:
     params: SamplingParams
     features: FeatureBlock | None = None  # EAGLE-3: the target's features of the newly committed positions
     tree: bool = False  # EAGLE-3: draft a tree of up to k nodes instead of a chain
-
-
-@dataclass
-class ProposeResult:
-    """One call's proposal: a chain, or with `parents` a tree (DraftTree's fields)."""
-
-    tokens: list[int]
-    probs: bytes  # encoded draft distributions (codec.encode_probs); empty for greedy requests and trees
-    batch_seconds: float  # of the whole batch the call ran in
-    parents: list[int] | None = None  # a tree: each node's parent (ROOT or an earlier node)
-    scores: list[float] | None = None  # a tree: each node's path log-probability under the head
 
 
 @dataclass
@@ -114,13 +104,12 @@ class DraftWorker:
         if chains:
             proposals = self.drafter.propose_batch([rows[i].chain() for i in chains])
             for i, proposal in zip(chains, proposals, strict=True):
-                out[i] = ProposeResult(proposal.tokens, encode_probs(proposal.probs), 0.0)
+                out[i] = ProposeResult(proposal.tokens, encode_probs(proposal.probs))
         if trees:
             drafted = self.drafter.propose_trees([(rows[i].request_id, rows[i].tokens,
                                                    TreeShape.for_budget(rows[i].k)) for i in trees])  # fmt: skip
             for i, tree in zip(trees, drafted, strict=True):  # None: no features yet, nothing drafted
-                tree = tree or DraftTree([], [], [])
-                out[i] = ProposeResult(tree.tokens, b"", 0.0, tree.parents, tree.scores)
+                out[i] = ProposeResult.of_tree(tree or DraftTree([], [], []))
         return out
 
     def _check_features(self, call: ProposeCall) -> None:

@@ -173,8 +173,8 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
         cost = len(call.new_tokens) + call.k + (call.features.rows if call.features is not None else 0)
         proposed = await self._batched(context, call.request_id, call, cost)
         return pb.ProposeResponse(
-            drafted=proposed.tokens,
-            draft_probs=proposed.probs,
+            drafted=proposed.drafted,
+            draft_probs=proposed.draft_probs,
             vocab_size=self.worker.vocab_size,
             batch_seconds=proposed.batch_seconds,
             parents=proposed.parents or [],
