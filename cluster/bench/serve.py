@@ -80,6 +80,16 @@ def _minus(after: list[int], before: list[int]) -> list[int]:
     return [a - (before[j] if j < len(before) else 0) for j, a in enumerate(after)]
 
 
+def quiet_serve_logger() -> None:
+    """Serve's INFO lines in this process ("Started Serve in namespace ...") would cut through the bench's output;
+    its warnings still show. Serve sets its logger up when imported, so this comes after the import."""
+    import logging
+
+    from ray import serve  # noqa: F401
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
 @contextmanager
 def served_model(target: str, draft: str | None, device: str, new_tokens: int, k: int | None = None,
                  dtype: str | None = None, target_pool: dict | None = None) -> Iterator[ServedModel]:  # fmt: skip
@@ -94,6 +104,7 @@ def served_model(target: str, draft: str | None, device: str, new_tokens: int, k
              "draft_pool": SMALL_POOL, **({"draft": draft} if draft else {}), **({"k": k} if k else {}),
              **({"dtype": dtype} if dtype else {})}  # fmt: skip
     app = AppConfig.model_validate({"models": [model], "scheduler": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
+    quiet_serve_logger()
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=600)
     try:
         with SpecServeClient(info["grpc"], timeout_s=600) as client:

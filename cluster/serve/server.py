@@ -118,6 +118,9 @@ def _init_ray(host: str, metrics_port: int | None, local_only: bool) -> bool:
         # A Ray started here inherits this: Serve's 5 s proxy readiness limit killed and restarted proxies that
         # started slowly on busy 2-core machines.
         os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+        # Ray 2.60 turns token authentication on for a new local cluster and warns that it did, on every start; it
+        # stays on (RAY_AUTH_MODE=disabled opts out, as Ray documents), the line goes. Any other warning still shows.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         init: dict = {"include_dashboard": False, "configure_logging": False, "log_to_driver": False}
         if metrics_port is not None:
             init["_metrics_export_port"] = metrics_port
