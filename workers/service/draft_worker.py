@@ -17,7 +17,7 @@ from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import encode_probs
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafter import Drafter, DraftRow
+from specserve.workers.speculation.drafter import Drafter, DraftRow, TreeDraftRow
 from specserve.workers.speculation.drafter_costs import drafter_cost
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
 from specserve.workers.speculation.wire_format import FeatureBlock
@@ -47,6 +47,10 @@ class _Row:
     def chain(self) -> DraftRow:
         """The drafter's propose_batch row."""
         return DraftRow(self.request_id, self.tokens, self.k, self.params)
+
+    def tree_row(self) -> TreeDraftRow:
+        """The head's propose_trees row: a tree of up to k nodes."""
+        return TreeDraftRow(self.request_id, self.tokens, TreeShape.for_budget(self.k))
 
 
 class DraftWorker:
@@ -106,8 +110,7 @@ class DraftWorker:
             for i, proposal in zip(chains, proposals, strict=True):
                 out[i] = ProposeResult(proposal.tokens, encode_probs(proposal.probs))
         if trees:
-            drafted = self.drafter.propose_trees([(rows[i].request_id, rows[i].tokens,
-                                                   TreeShape.for_budget(rows[i].k)) for i in trees])  # fmt: skip
+            drafted = self.drafter.propose_trees([rows[i].tree_row() for i in trees])
             for i, tree in zip(trees, drafted, strict=True):  # None: no features yet, nothing drafted
                 out[i] = ProposeResult.of_tree(tree or DraftTree([], [], []))
         return out

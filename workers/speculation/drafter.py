@@ -1,8 +1,8 @@
 """The interface every proposer implements (torch-free): `propose(request_id, tokens, k, params) -> Proposal`,
 `propose_batch(rows)` (many requests' `DraftRow`s at once), `release(request_id)`; tree proposers add
-`propose_tree`. The in-process engine and the distributed draft workers use every proposer alike. A proposer's KV
-cache, if it has one, rolls back lazily on the next call, by token comparison, so it needs no word of what was
-accepted.
+`propose_tree` (an EAGLE-3 head also `propose_trees`, many requests' `TreeDraftRow`s at once). The in-process engine
+and the distributed draft workers use every proposer alike. A proposer's KV cache, if it has one, rolls back lazily on
+the next call, by token comparison, so it needs no word of what was accepted.
 
 The proposers, one a file: `ngram.py` (prompt lookup, chains and trees), `draft_model.py` (a small causal LM),
 `suffix.py` (suffix decoding), `eagle/` (an EAGLE-3 head, chains and trees); `methods.py` says which a method uses."""
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from specserve.workers.config import SamplingParams
+from specserve.workers.speculation.draft_tree import TreeShape
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +27,14 @@ class DraftRow(NamedTuple):
     tokens: Sequence[int]  # the committed sequence
     k: int  # tokens to draft
     params: SamplingParams
+
+
+class TreeDraftRow(NamedTuple):
+    """One request's tree drafting in a batch: its committed tokens and the shape of the tree to draft after them."""
+
+    request_id: str
+    tokens: Sequence[int]  # the committed sequence
+    shape: TreeShape  # the tree's levels, candidates per level and nodes kept
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.drafter import DraftRow, Proposal
+from specserve.workers.speculation.drafter import DraftRow, Proposal, TreeDraftRow
 from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting
 from specserve.workers.speculation.eagle.head import Eagle3Head
 from specserve.workers.speculation.eagle.tree import draft_trees
@@ -97,21 +97,21 @@ class EagleDrafter:
                 if q is not None:
                     probs[i].append(q)
         for i, (b, _) in enumerate(ready):
-            k = rows[b][2]  # rows that wanted fewer drafted on with the others: their extra tokens are dropped
+            k = rows[b].k  # rows that wanted fewer drafted on with the others: their extra tokens are dropped
             proposals[b] = Proposal(tokens=drafted[i][:k], probs=torch.stack(probs[i][:k]) if probs[i] else None)
         return proposals
 
     def propose_tree(self, request_id: str, tokens: Sequence[int], shape: TreeShape) -> DraftTree | None:
         """A draft tree after the committed `tokens` (None before the target's first features)."""
-        return self.propose_trees([(request_id, tokens, shape)])[0]
+        return self.propose_trees([TreeDraftRow(request_id, tokens, shape)])[0]
 
-    def propose_trees(self, rows: Sequence[tuple[str, Sequence[int], TreeShape]]) -> list[DraftTree | None]:
+    def propose_trees(self, rows: Sequence[TreeDraftRow]) -> list[DraftTree | None]:
         """Trees for many requests: one head forward extends every request's cache, then one forward per level over
         the requests of each shape. A request without target features yet gets None."""
         trees: list[DraftTree | None] = [None] * len(rows)
         ready = []  # (index into rows, the row for Eagle3Drafting.extend)
-        for b, (request_id, tokens, _) in enumerate(rows):
-            extension = self._extension(request_id, tokens)
+        for b, row in enumerate(rows):
+            extension = self._extension(row.request_id, row.tokens)
             if extension is not None:
                 ready.append((b, extension))
         if not ready:
@@ -119,11 +119,11 @@ class EagleDrafter:
         first = self.drafting.extend([extension for _, extension in ready])
         by_shape: dict[TreeShape, list[int]] = {}  # shape -> indices into ready
         for i, (b, _) in enumerate(ready):
-            by_shape.setdefault(rows[b][2], []).append(i)
+            by_shape.setdefault(rows[b].shape, []).append(i)
         for shape, members in by_shape.items():
             index = torch.tensor(members, device=first.hidden.device)
             step = DraftStep(first.logits.index_select(0, index), first.hidden.index_select(0, index))
-            request_ids = [rows[ready[i][0]][0] for i in members]
+            request_ids = [rows[ready[i][0]].request_id for i in members]
             for i, tree in zip(members, draft_trees(self.drafting, request_ids, step, shape), strict=True):
                 trees[ready[i][0]] = tree
         return trees
