@@ -97,7 +97,9 @@ class SchedulerService:
                 "orchestration_s": s.pipeline.times.orchestration_s,
                 "wire_bytes": s.pipeline.wire_bytes(),
                 "wire_bytes_per_round": s.pipeline.wire_bytes() / max(1, s.pipeline.times.rounds),
-                # Counts only (positions 0-based), so that a caller can subtract two readings
+                "verify_calls": s.pipeline.verify_calls,  # and the requests a target forward served, on average:
+                "mean_target_batch": s.pipeline.mean_target_batch,
+                # The requests that ended here: counts only (positions 0-based), so that two readings subtract
                 "finished": asdict(s.finished),
                 "chain_width": {w: b.width for w, b in s.scheduler.batches.items()},  # the goodput planner's
                 **s.scheduler.feature_traffic.to_dict(),
