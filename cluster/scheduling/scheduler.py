@@ -264,6 +264,13 @@ class Scheduler:
         width = self.batches.setdefault(worker, BatchWidth()).for_round(peers, self.planner_costs, self.max_chain)
         return len(peers), width
 
+    def _features_paused(self, req: SchedRequest) -> bool:
+        """A k='auto' chain on a worker whose batches have planned no drafting for a while (BatchWidth)."""
+        batch = self.batches.get(req.target_worker)
+        if req.spec.k != "auto" or req.method.tree or batch is None or not batch.quiet_below:
+            return False
+        return batch.features_paused(sum(r.target_worker == req.target_worker for r in self.requests.values()))
+
     def _tree_rows(self, worker: str) -> int:
         return sum(r.target_worker == worker and r.method.tree for r in self.requests.values())
 
@@ -321,7 +328,9 @@ class Scheduler:
     def plan_verify(self, req: SchedRequest, drafted: list[int], draft_probs: bytes,
                     parents: list[int] | None = None) -> Call:  # fmt: skip
         """Verify the drafted chain, or with `parents` the drafted tree."""
-        want = req.features is not None and req.draft_worker is not None
+        want = req.features is not None and req.draft_worker is not None and not self._features_paused(req)
+        if req.features is not None and not want:
+            req.features.drop()  # the head starts again later, from the features of a later round
         return self._call(req, req.target_worker, req.state.tokens, drafted=drafted, draft_probs=draft_probs,
                           want_features=want, parents=parents)  # fmt: skip
 

@@ -153,18 +153,51 @@ class ChainPlanner:
             self._suffix_stats(plan.match).observe(plan.k, accepted)
 
 
+# A head's features under load: after this many re-plans in a row that drafted nothing, the worker's k='auto' chains
+# stop asking for them (every verify reply carries them, and at 16 streams on the 2-core CPU that alone cost 4-5% of
+# the throughput: docs/performance.md), until the worker's requests fall below 3/4 of the fewest there were then, or
+# after this many verify calls, when the planner looks again with the head's features back.
+QUIET_AFTER_PLANS = 8
+QUIET_CALLS = 4096
+
+
 @dataclass
 class BatchWidth:
     """The goodput planner's chain width for one target worker's requests, re-planned once per batch round (after
-    as many plans as the worker has requests) or when their number changes."""
+    as many plans as the worker has requests) or when their number changes; and whether a head's features are worth
+    their traffic there (`features_paused`)."""
 
     width: int = 0
     rows: int = 0
     plans_left: int = 0
+    plain_plans: int = 0  # re-plans in a row that drafted nothing
+    plain_rows: int = 0  # the fewest requests among them
+    quiet_below: int = 0  # features paused while the worker has at least this many requests (0: not paused)
+    quiet_left: int = 0  # verify calls before the planner looks again with features
 
     def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int) -> int:
         if self.rows != len(rows) or self.plans_left <= 0:
             plan = plan_batch(rows, costs.surface, costs.drafters, max_width, batched_drafts=True)
             self.width, self.rows, self.plans_left = plan.width, len(rows), len(rows)
+            self._track()
         self.plans_left -= 1
         return self.width
+
+    def features_paused(self, requests: int) -> bool:
+        """For one verify call of a k='auto' chain, the worker having `requests` requests now. (While paused a
+        head's chains have nothing to draft from and may never re-plan: the load is checked here.)"""
+        if not self.quiet_below:
+            return False
+        self.quiet_left -= 1
+        if requests < self.quiet_below or self.quiet_left <= 0:
+            self.quiet_below, self.plain_plans = 0, 0  # the load fell, or time to look again
+        return self.quiet_below > 0
+
+    def _track(self) -> None:
+        if self.width or self.quiet_below:
+            self.plain_plans = 0
+            return
+        self.plain_rows = min(self.plain_rows, self.rows) if self.plain_plans else self.rows
+        self.plain_plans += 1
+        if self.plain_plans >= QUIET_AFTER_PLANS and self.plain_rows > 1:
+            self.quiet_below, self.quiet_left = max(2, 3 * self.plain_rows // 4), QUIET_CALLS

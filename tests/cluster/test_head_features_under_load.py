@@ -1,0 +1,78 @@
+"""A head's features under load: while a target worker's batches plan no drafting, its k='auto' chains stop asking
+for the features every verify reply would carry, and ask again when the load falls (chain_planner.BatchWidth)."""
+
+import torch
+
+from specserve.cluster.scheduling.scheduler import SchedRequest, Scheduler
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.speculation.chain_planner import QUIET_AFTER_PLANS, QUIET_CALLS, BatchWidth, PlannerCosts
+from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance
+from specserve.workers.speculation.codec import feature_block
+from specserve.workers.speculation.goodput import Option, RowChoice
+from specserve.workers.speculation.methods import HEAD_CHAIN
+from tests.helpers.cost_surfaces import cpu_surface
+
+WIDTH = 6  # values per position
+WEAK = PositionAcceptance((0.2, 0.3))  # a head that pays alone on a CPU-like target, not beside 15 others
+
+
+def _rows(n: int) -> list[RowChoice]:
+    return [RowChoice((Option(HEAD_CHAIN, (0.2, 0.06)),), None, 4)] * n
+
+
+def test_batch_width_pauses_after_plain_replans_and_resumes_when_the_load_falls_or_to_look_again():
+    costs = PlannerCosts(cpu_surface(), head=DraftCost(step_s=0.003, fixed_s=0.002))
+    batch = BatchWidth()
+    for _ in range(QUIET_AFTER_PLANS // 2):  # each call with a new row count re-plans
+        batch.for_round(_rows(16), costs, 8)
+        batch.for_round(_rows(15), costs, 8)
+    assert batch.width == 0 and batch.features_paused(16)  # 8 plain re-plans, the fewest rows 15
+    assert batch.features_paused(12)  # 12 >= 3/4 of 15: still under load
+    assert not batch.features_paused(10) and not batch.features_paused(16)  # the load fell: features back
+    alone = BatchWidth()
+    for _ in range(3 * QUIET_AFTER_PLANS):
+        alone.for_round(_rows(1), costs, 8)
+    assert alone.width > 0 and not alone.features_paused(1)  # one request drafts: nothing to pause
+    steady = BatchWidth()
+    for _ in range(QUIET_AFTER_PLANS):
+        steady.for_round(_rows(16), costs, 8)
+        for _ in range(15):
+            steady.for_round(_rows(16), costs, 8)  # one re-plan a batch round
+    assert all(steady.features_paused(16) for _ in range(QUIET_CALLS - 1))
+    assert not steady.features_paused(16)  # QUIET_CALLS calls later the planner looks again, features back
+
+
+def _round(s: Scheduler, req: SchedRequest) -> bool:
+    """One round of `req` (plain: the planner drafts nothing under load); returns whether it asked for features."""
+    assert s.k_for(req) == 0
+    call = s.plan_verify(req, [], b"")
+    start = 0 if not req.state.generated else len(req.state.tokens) - 1  # the positions this verify computed
+    rows = len(req.state.tokens) - start
+    features = feature_block(start, torch.ones(rows, WIDTH)).encode() if call.want_features else b""
+    s.apply_verify(req, [], 0, 9, features)
+    return call.want_features
+
+
+def test_under_load_head_chains_stop_asking_for_features_and_ask_again_when_it_falls():
+    """16 k='auto' head requests on one target worker: no chain pays, and after QUIET_AFTER_PLANS batch rounds the
+    verify calls stop asking for features and drop those waiting; a fixed-k request keeps asking. When 12 of them
+    finish, the rest ask again, and the head drafts once they come (from the later position they start at)."""
+    s = Scheduler(["d1"], ["t1"])
+    s.planner_costs = PlannerCosts(cpu_surface(), head=DraftCost(step_s=0.003, fixed_s=0.002))
+    params = SamplingParams(max_new_tokens=500)
+    crowd = [s.add([1, 2, 3], params, SpecParams(method="eagle", k="auto"), frozenset()) for _ in range(16)]
+    for req in crowd:
+        req.planner.head = WEAK
+    fixed = s.add([1, 2, 3], params, SpecParams(method="eagle", k=3), frozenset())
+    asked = [[_round(s, req) for req in crowd] for _ in range(QUIET_AFTER_PLANS + 2)]
+    assert all(asked[0]) and not any(asked[-1])
+    assert all(req.features.pending is None for req in crowd)  # nothing kept for a head that will not draft
+    assert s.plan_verify(fixed, [], b"").want_features
+    s.release(fixed)
+    for req in crowd[4:]:
+        s.release(req)
+    rest = crowd[:4]
+    assert [_round(s, req) for req in rest] == [True] * 4  # the load fell: features again
+    assert rest[0].features.pending.start > 3  # after the gap: the head starts again there
+    rest[0].planner.head = PositionAcceptance((0.9, 0.9, 0.9, 0.9))
+    assert s.k_for(rest[0]) > 0
