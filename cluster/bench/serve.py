@@ -5,6 +5,7 @@ row runs here (docs/architecture.md, one path per job); a row's acceptance comes
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -80,14 +81,18 @@ def _minus(after: list[int], before: list[int]) -> list[int]:
     return [a - (before[j] if j < len(before) else 0) for j, a in enumerate(after)]
 
 
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
 def quiet_serve_logger() -> None:
     """Serve's INFO lines in this process ("Started Serve in namespace ...") would cut through the bench's output;
-    its warnings still show. Serve sets its logger up when imported, so this comes after the import."""
-    import logging
-
-    from ray import serve  # noqa: F401
-
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    its warnings still show. A filter on its logger, which Serve's own set-up at import keeps (it resets the level
+    and the handlers), so that Ray is not imported here: `start` must be first to (it sets Ray local-only)."""
+    logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, _WarningsOnly) for f in logger.filters):
+        logger.addFilter(_WarningsOnly())
 
 
 @contextmanager
