@@ -21,7 +21,7 @@ from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.speculation import codec
+from specserve.workers.speculation import chain_planner, codec
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.goodput import NO_DRAFT, PROFILE_ROWS
@@ -61,9 +61,11 @@ def tiny_vocab_pair(pairs):
 
 
 @pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
-def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_name):
+def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_name, monkeypatch):
     """Prompts of different lengths, k fixed and auto, two head draft workers and two targets, and requests of other
-    methods in the same target batches (rows that want features beside rows that do not)."""
+    methods in the same target batches (rows that want features beside rows that do not). Features never pause here
+    (every round's reach the head: counted below); test_head_features_under_load.py covers the pause."""
+    monkeypatch.setattr(chain_planner, "QUIET_AFTER_PLANS", 10**9)
     target, head_dir = pairs[pair_name]
     prompts = prompts_of(target, pair_name)
     requests = [(ids, *greedy(12 + 4 * i, k=k)) for i, ids in enumerate(prompts) for k in (1, 3, 5, "auto")]

@@ -20,6 +20,7 @@ from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
 from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
+from specserve.workers.speculation import chain_planner
 from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
 from specserve.workers.speculation.codec import feature_block
@@ -61,10 +62,12 @@ def plan_sources(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
-def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_name, plan_sources):
+def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_name, plan_sources, monkeypatch):
     """k fixed and auto, two head draft workers, "eagle" requests in the same batches. Both chains win rounds; only
     the head's rounds call a draft worker; each head got every committed position's features once and in order,
-    those of the n-gram rounds with its next call."""
+    those of the n-gram rounds with its next call. (Features never pause here: with 11 requests the planner may plan
+    plain rounds long enough to pause them, which test_head_features_under_load.py covers.)"""
+    monkeypatch.setattr(chain_planner, "QUIET_AFTER_PLANS", 10**9)
     target, head_dir = pairs[pair_name]
     prompts = prompts_of(target, pair_name)
     requests = [(ids, *greedy(12 + 4 * i, "eagle+ngram", k)) for i, ids in enumerate(prompts) for k in (1, 3, "auto")]

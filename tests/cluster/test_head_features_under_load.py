@@ -1,6 +1,7 @@
 """A head's features under load: while a target worker's batches plan no drafting, its k='auto' chains stop asking
 for the features every verify reply would carry, and ask again when the load falls (chain_planner.BatchWidth)."""
 
+import pytest
 import torch
 
 from specserve.cluster.scheduling.scheduler import SchedRequest, Scheduler
@@ -11,6 +12,9 @@ from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.goodput import Option, RowChoice
 from specserve.workers.speculation.methods import HEAD_CHAIN
 from tests.helpers.cost_surfaces import cpu_surface
+from tests.helpers.eagle_disaggregated import build_pairs, generate_recording_features, greedy, prompts_of
+from tests.helpers.eagle_heads import hf_features
+from tests.helpers.greedy_oracle import own_greedy_loop
 
 WIDTH = 6  # values per position
 WEAK = PositionAcceptance((0.2, 0.3))  # a head that pays alone on a CPU-like target, not beside 15 others
@@ -76,3 +80,33 @@ def test_under_load_head_chains_stop_asking_for_features_and_ask_again_when_it_f
     assert rest[0].features.pending.start > 3  # after the gap: the head starts again there
     rest[0].planner.head = PositionAcceptance((0.9, 0.9, 0.9, 0.9))
     assert s.k_for(rest[0]) > 0
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, device) -> dict:
+    return build_pairs(tmp_path_factory.mktemp("pause_pairs"), device)
+
+
+def test_a_pause_restarts_the_heads_later_on_real_workers_and_outputs_stay_identical(pairs, monkeypatch):
+    """Real gRPC workers (two head draft workers, two targets): the verify calls 10-29 ask for no features (as under
+    load). Outputs stay identical to target-only; each head gets its features in order, never twice, each block the
+    target's own at those positions, with a gap where the pause was: it started again later."""
+    target, head_dir = pairs["byte"]
+    calls = []
+    monkeypatch.setattr(Scheduler, "_features_paused", lambda self, req: calls.append(1) or 10 <= len(calls) < 30)
+    methods = ("eagle", "eagle+ngram")
+    requests = [(ids, *greedy(24, method, 3)) for ids in prompts_of(target, "byte") for method in methods]
+    results, _, handed = generate_recording_features(target, head_dir, requests)
+    for (ids, params, _), result in zip(requests, results, strict=True):
+        assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
+    assert len(calls) > 30
+    tokens = {r.request_id: r.state.tokens for r in results}
+    gaps = 0
+    for rid, blocks in handed.items():
+        starts, ends = [s for s, _ in blocks], [s + len(f) for s, f in blocks]
+        assert starts[0] == 0 and all(s >= e for s, e in zip(starts[1:], ends, strict=False))
+        gaps += sum(s > e for s, e in zip(starts[1:], ends, strict=False))
+        own = hf_features(target.model, tokens[rid]).cpu()
+        for start, f in blocks:
+            torch.testing.assert_close(f, own[start : start + len(f)], atol=2e-3, rtol=2e-3)
+    assert gaps > 0
