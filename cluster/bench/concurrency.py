@@ -276,12 +276,10 @@ def load_rows(
     from tqdm import tqdm
 
     from specserve.client import SpecServeClient
-    from specserve.cluster.bench.serve import quiet_serve_logger
     from specserve.cluster.serve.server import start, stop
 
     config = bench_app(target, draft, device, dtype)
     drafting = config["applications"][0]["args"]["models"][0]["draft"]
-    quiet_serve_logger()
     info = start(config, ready_timeout_s=1800)
     try:
         with SpecServeClient(info["grpc"], timeout_s=600) as client:

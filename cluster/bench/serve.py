@@ -5,7 +5,6 @@ row runs here (docs/architecture.md, one path per job); a row's acceptance comes
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -81,20 +80,6 @@ def _minus(after: list[int], before: list[int]) -> list[int]:
     return [a - (before[j] if j < len(before) else 0) for j, a in enumerate(after)]
 
 
-class _WarningsOnly(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
-
-
-def quiet_serve_logger() -> None:
-    """Serve's INFO lines in this process ("Started Serve in namespace ...") would cut through the bench's output;
-    its warnings still show. A filter on its logger, which Serve's own set-up at import keeps (it resets the level
-    and the handlers), so that Ray is not imported here: `start` must be first to (it sets Ray local-only)."""
-    logger = logging.getLogger("ray.serve")
-    if not any(isinstance(f, _WarningsOnly) for f in logger.filters):
-        logger.addFilter(_WarningsOnly())
-
-
 @contextmanager
 def served_model(target: str, draft: str | None, device: str, new_tokens: int, k: int | None = None,
                  dtype: str | None = None, target_pool: dict | None = None) -> Iterator[ServedModel]:  # fmt: skip
@@ -109,7 +94,6 @@ def served_model(target: str, draft: str | None, device: str, new_tokens: int, k
              "draft_pool": SMALL_POOL, **({"draft": draft} if draft else {}), **({"k": k} if k else {}),
              **({"dtype": dtype} if dtype else {})}  # fmt: skip
     app = AppConfig.model_validate({"models": [model], "scheduler": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
-    quiet_serve_logger()
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=600)
     try:
         with SpecServeClient(info["grpc"], timeout_s=600) as client:

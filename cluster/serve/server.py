@@ -77,8 +77,24 @@ def single_model_app(model: str | None, draft: str | None, overrides: dict[str, 
     return app_config({"models": [fields]})
 
 
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+def _quiet_serve_logger() -> None:
+    """Serve's INFO lines in this process ("Started <ray.serve._private.router.SharedRouterLongPollClient object at
+    0x7f...>") say nothing to whoever reads the terminal: specserve says what it starts. Its warnings still show. A
+    filter on the logger, which Serve's set-up at its import keeps (it resets the level and the handlers), so that
+    Ray is not imported here, before `start` makes it local-only."""
+    logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, _WarningsOnly) for f in logger.filters):
+        logger.addFilter(_WarningsOnly())
+
+
 def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout_s: float = 1800.0) -> dict:
     """Start Ray (unless connected), Serve and the app; returns once every pool serves. Returns the addresses."""
+    _quiet_serve_logger()
     app_entry = _specserve_app(config)
     app = app_config(app_entry.get("args") or {})
     http = {"host": DEFAULT_HOST, "port": 8000, **(config.get("http_options") or {})}
