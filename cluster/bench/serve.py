@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from specserve.cluster.bench.rows import BenchConfig, Row
 from specserve.cluster.bench.timing import finish_stream_rows
 from specserve.protos.wire import APP_NAME
+from specserve.workers.speculation.request import RequestStats
 
 MODEL = "bench"
 SMALL_POOL = {"num_cpus": 0.5}  # small reservations, so that the app starts on 2 cores
@@ -69,11 +70,13 @@ class ServedModel:
 
 def fill_speculation(row: Row, before: dict, after: dict) -> None:
     """A row's acceptance from two readings of the replica's counts over finished requests (RequestStats' fields)."""
-    drafted, accepted, rounds = (after[key] - before[key] for key in ("drafted", "accepted", "rounds"))
-    reached, kept = (_minus(after[key], before[key]) for key in ("reached_by_position", "accepted_by_position"))
-    row.acceptance_rate = accepted / drafted if drafted else 0.0
-    row.mean_accepted_length = 1 + accepted / max(1, rounds)
-    row.acceptance_by_position = [a / r for a, r in zip(kept, reached, strict=True) if r]
+    row_stats = RequestStats(
+        *(after[key] - before[key] for key in ("rounds", "drafted", "accepted")),
+        *(_minus(after[key], before[key]) for key in ("reached_by_position", "accepted_by_position")),
+    )
+    row.acceptance_rate = row_stats.acceptance_rate
+    row.mean_accepted_length = 1 + row_stats.accepted / max(1, row_stats.rounds)
+    row.acceptance_by_position = row_stats.by_position()
 
 
 def _minus(after: list[int], before: list[int]) -> list[int]:

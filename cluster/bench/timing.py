@@ -15,6 +15,7 @@ from specserve.workers.runtime.loading import LoadedModel
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.speculation.leviathan import fit_acceptance, leviathan_speedup
 from specserve.workers.speculation.methods import METHODS
+from specserve.workers.speculation.request import RequestStats
 
 
 @dataclass
@@ -91,28 +92,14 @@ def params_for(row: Row, greedy: SamplingParams, sampled: SamplingParams) -> Sam
 
 
 @dataclass
-class RoundCounts:
-    """A row's speculation over all prompts, summed from RequestStats."""
+class RoundCounts(RequestStats):
+    """A row's speculation over all prompts, summed from RequestStats, and each request's share in order."""
 
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    reached_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
     by_request: list[tuple[int, int]] = field(default_factory=list)  # (accepted, rounds) of each add, in order
 
-    def add(self, stats) -> None:
-        self.drafted, self.accepted, self.rounds = (self.drafted + stats.drafted, self.accepted + stats.accepted,
-                                                    self.rounds + stats.rounds)  # fmt: skip
-        self.by_request.append((stats.accepted, stats.rounds))
-        for mine, theirs in ((self.reached_by_position, stats.reached_by_position),
-                             (self.accepted_by_position, stats.accepted_by_position)):  # fmt: skip
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for j, n in enumerate(theirs):
-                mine[j] += n
-
-    def by_position(self) -> list[float]:
-        return [a / r for a, r in zip(self.accepted_by_position, self.reached_by_position, strict=True) if r]
+    def add(self, other: RequestStats) -> None:
+        super().add(other)
+        self.by_request.append((other.accepted, other.rounds))
 
 
 def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampler: CostSampler | None = None,

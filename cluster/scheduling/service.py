@@ -99,7 +99,7 @@ class SchedulerService:
                 "wire_bytes_per_round": s.pipeline.wire_bytes() / max(1, s.pipeline.times.rounds),
                 "verify_calls": s.pipeline.verify_calls,  # and the requests a target forward served, on average:
                 "mean_target_batch": s.pipeline.mean_target_batch,
-                # The requests that ended here: counts only (positions 0-based), so that two readings subtract
+                # The requests that finished here: counts only (positions 0-based), so that two readings subtract
                 "finished": asdict(s.finished),
                 "chain_width": {w: b.width for w, b in s.scheduler.batches.items()},  # the goodput planner's
                 **s.scheduler.feature_traffic.to_dict(),

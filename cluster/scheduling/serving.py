@@ -35,7 +35,8 @@ class ModelServing:
     pipeline: Pipeline
     addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    finished: RequestStats = field(default_factory=RequestStats)  # summed over the requests that ended here
+    # Summed over the requests that finished here (a cancelled one is not counted)
+    finished: RequestStats = field(default_factory=RequestStats)
 
     @property
     def scheduler(self) -> Scheduler:

@@ -49,6 +49,11 @@ class RequestStats:
             for j, n in enumerate(theirs):
                 mine[j] += n
 
+    def by_position(self) -> list[float]:
+        """Acceptance at each drafted position j: of the rounds that drafted j, those whose drafts up to j were all
+        accepted (positions no round reached are left out)."""
+        return [a / r for a, r in zip(self.accepted_by_position, self.reached_by_position, strict=True) if r]
+
     @property
     def acceptance_rate(self) -> float:
         """accepted / drafted (0 when nothing was drafted)."""
