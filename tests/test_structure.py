@@ -99,6 +99,18 @@ def test_the_map_covers_every_module():
         assert _room(module) in ROOMS, module
 
 
+def test_every_package_is_in_the_wheel():
+    """pyproject lists the packages by hand (the package-dir mapping): one it misses is left out of a wheel, as the
+    Dockerfile's `pip install .` builds, though an editable install still finds it."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {
+        ".".join((package, *init.parent.relative_to(ROOT / folder).parts))
+        for folder, package in SOURCES.items()
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert packages - listed == set()
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down(module):
     floor = ROOMS[_room(module)]
