@@ -215,9 +215,10 @@ class BatchingConfig(_Strict):
         "whose work it would multiply by the batch size.",
     )
     max_wait_ms: float = Field(
-        20.0,
+        50.0,
         ge=0,
-        description="How long a batch may wait for the requests of the previous batch that are on their way back "
-        "(their next round), at most half the previous batch's run time; 0 runs whatever is queued at once. Without "
-        "it, requests that once fell out of step split into batches that alternate for good.",
+        description="How long a batch may wait for the requests expected back with their next round (by their "
+        "measured return times: a plain step's few ms, a draft call's tens), at most the previous batch's run time; 0 "
+        "runs whatever is queued at once. Without it, requests that once fell out of step split into batches that "
+        "alternate for good.",
     )

@@ -3,6 +3,7 @@ arrivals into the next forward pass, and give each call its own result or error.
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from specserve.workers.config import BatchingConfig
@@ -67,13 +68,13 @@ def test_a_single_call_larger_than_the_token_budget_still_runs_alone():
     assert result == 42 and seen == [[21]]
 
 
-def _closed_loops(config, rounds=6):
-    """Eight requests in a closed loop (each sends its next call 2 ms after the last answer), the second four
-    starting 10 ms after the first four, against a 50 ms forward pass. Returns the batch sizes."""
-    import time
+def _closed_loops(config, rounds=6, away_s=0.002, run_s=0.05):
+    """Eight requests in a closed loop (each sends its next call `away_s` after the last answer: 2 ms for a plain
+    step), the second four starting 10 ms after the first four, against a `run_s` forward pass. Returns the batch
+    sizes."""
 
     def run(items):
-        time.sleep(0.05)
+        time.sleep(run_s)
         return list(items)
 
     batcher = Batcher(ThreadPoolExecutor(1), run, config)
@@ -84,7 +85,7 @@ def _closed_loops(config, rounds=6):
         await asyncio.sleep(delay)
         for r in range(rounds):
             await batcher.submit(key, r, 1)
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(away_s)
         batcher.forget(key)
 
     async def main():
@@ -101,6 +102,50 @@ def test_requests_out_of_step_merge_into_one_batch_instead_of_alternating():
     # The first half's next call waits for the second half's: one batch of 8 per round, 7 forward passes instead
     # of 12 (the first and the last run a half alone).
     assert together == [4] + [8] * 5 + [4]
+
+
+def test_requests_back_from_a_draft_call_are_waited_for_when_they_are_expected_within_a_forward_pass():
+    # Each request spends 30 ms away between rounds (a draft call) against a 50 ms forward: measured, so the first
+    # half waits for the second. Without waiting they alternate for good.
+    assert _closed_loops(BatchingConfig(max_wait_ms=0), away_s=0.03) == [4] * 12
+    together = _closed_loops(BatchingConfig(max_wait_ms=50), away_s=0.03)
+    assert together[1:-1] == [8] * (len(together) - 2) and sum(together) == 48
+
+
+def test_a_call_does_not_wait_for_requests_not_expected_back_within_a_forward_pass():
+    """A draft worker: request a comes back only after its verify (600 ms away); b's call lands in the middle of each
+    of a's 100 ms drafts. a's measured return time says it is not coming soon, so b's call runs as soon as a's batch
+    ends instead of waiting for a (which would add up to 50 ms)."""
+    b_latencies: list[float] = []
+
+    def run(items):
+        time.sleep(0.1)
+        return list(items)
+
+    async def main():
+        batcher = Batcher(ThreadPoolExecutor(1), run, BatchingConfig(max_wait_ms=50))
+        a_sent = asyncio.Event()
+
+        async def a():
+            for r in range(5):
+                a_sent.set()
+                await batcher.submit("a", r, 1)
+                await asyncio.sleep(0.6)
+
+        async def b():
+            for r in range(5):
+                await a_sent.wait()
+                a_sent.clear()
+                await asyncio.sleep(0.05)
+                t0 = time.perf_counter()
+                await batcher.submit("b", r, 1)
+                b_latencies.append(time.perf_counter() - t0)
+
+        await asyncio.gather(a(), b())
+
+    asyncio.run(main())
+    # From a's third call on its return time is measured: b waits out a's batch (50 ms) and runs its own (100 ms).
+    assert max(b_latencies[2:]) < 0.18, b_latencies
 
 
 def test_a_prefill_does_not_join_decoding_rows_it_would_pad_but_short_rows_mix():

@@ -2,10 +2,13 @@
 many as fit (batch size, token budget, little padding), oldest first. Requests join and leave between forward
 passes; a request never appears twice in one batch.
 
-A batch waits briefly (`max_wait_ms`, at most half the previous batch's run time) for the requests that the
-previous batch served and that are on their way back with their next round. Without that, requests that once fell
-out of step (one went through a slower draft, one started later) split into two batches that alternate for good,
-each paying a whole forward pass: on a target whose step cost is mostly per pass, half the throughput."""
+A batch waits briefly (`max_wait_ms`, at most the previous batch's run time) for the requests that are expected
+back with their next round before that time is up. Without that, requests that once fell out of step (one went
+through a slower draft, one started later) split into two batches that alternate for good, each paying a whole
+forward pass: on a target whose step cost is mostly per pass, half the throughput. Each request's return time (from
+its answer to its next call) is measured, so a batch waits for a request on its way back from a plain step (a few
+ms) or a draft call (tens of ms on a CPU), and not for one that will not be back in time: a draft worker, whose
+requests come back only after a verify, does not hold every draft call for requests a forward pass away."""
 
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ from typing import Any
 from specserve.workers.config import BatchingConfig
 
 log = logging.getLogger(__name__)
+
+STALE_AFTER_KEYS = 1024  # requests remembered before the ones not served for STALE_AFTER_S are dropped
+STALE_AFTER_S = 60.0
 
 
 @dataclass
@@ -47,7 +53,8 @@ class Batcher:
         self._on_batch = on_batch  # (rows, seconds) after each batch
         self._queue: list[_Job] = []
         self._drainer: asyncio.Task | None = None
-        self._returning: set[str] = set()  # served by the last batch and not released: their next call is coming
+        self._served_at: dict[str, float] = {}  # request -> when the batch that last served it ended (not released)
+        self._return_s: dict[str, float] = {}  # request -> its decayed mean time from an answer to its next call
         self._arrived: asyncio.Event | None = None
         self._last_run_s = 0.0
         self.batches = 0
@@ -59,6 +66,10 @@ class Batcher:
         return len(self._queue)
 
     async def submit(self, key: str, item: Any, cost: int) -> Any:
+        served = self._served_at.get(key)
+        if served is not None:
+            gap = time.perf_counter() - served
+            self._return_s[key] = (self._return_s.get(key, gap) + gap) / 2
         future = asyncio.get_running_loop().create_future()
         self._queue.append(_Job(key, item, cost, future))
         if self._arrived is not None:
@@ -72,13 +83,25 @@ class Batcher:
 
     def forget(self, key: str) -> None:
         """The request was released: do not wait for its next call."""
-        self._returning.discard(key)
+        self._served_at.pop(key, None)
+        self._return_s.pop(key, None)
+
+    def _coming(self, now: float, deadline: float) -> set[str]:
+        """The requests served before and expected back by `deadline` (a request never measured is expected at
+        once); one more than a forward pass late is not waited for (it moved, or went quiet)."""
+        coming = set()
+        for key, served in self._served_at.items():
+            expected = served + self._return_s.get(key, 0.0)
+            if now - self._last_run_s <= expected <= deadline:
+                coming.add(key)
+        return coming
 
     async def _gather(self) -> None:
-        """Wait (bounded) until every request the last batch served is queued again."""
-        budget = min(self.config.max_wait_ms / 1e3, self._last_run_s / 2)
-        deadline = time.perf_counter() + budget
-        while self._returning - {job.key for job in self._queue}:
+        """Wait (bounded) until every request expected back within the wait budget is queued again."""
+        now = time.perf_counter()
+        deadline = now + min(self.config.max_wait_ms / 1e3, self._last_run_s)
+        coming = self._coming(now, deadline)
+        while coming - {job.key for job in self._queue} and len(self._queue) < self.config.max_batch_size:
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
@@ -119,11 +142,10 @@ class Batcher:
         batch: list[_Job] = []
         try:
             while True:
-                if self._returning and self.config.max_wait_ms > 0:
+                if self._served_at and self.config.max_wait_ms > 0:
                     await self._gather()
                 batch = self._take()
                 if not batch:
-                    self._returning.clear()
                     return
                 await self._run_one(batch)
         except asyncio.CancelledError:
@@ -141,8 +163,14 @@ class Batcher:
         except Exception as e:  # a failed batch fails its rows, never the drainer
             log.error("a batch of %d rows failed", len(batch), exc_info=e)
             results = [e] * len(batch)
-        self._last_run_s = time.perf_counter() - start
-        self._returning = {job.key for job, r in zip(batch, results, strict=True) if not isinstance(r, Exception)}
+        end = time.perf_counter()
+        self._last_run_s = end - start
+        for job, result in zip(batch, results, strict=True):
+            if not isinstance(result, Exception):
+                self._served_at[job.key] = end
+        if len(self._served_at) > STALE_AFTER_KEYS:  # requests never released (their caller vanished): forget them
+            for key in [k for k, t in self._served_at.items() if end - t > STALE_AFTER_S]:
+                self.forget(key)
         self.batches += 1
         self.rows += len(batch)
         self.largest = max(self.largest, len(batch))
