@@ -164,7 +164,7 @@ class Pipeline:
                 if reply is None:
                     continue  # the round is re-planned on the restarted or another target: nothing was committed
                 committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token, reply.features,
-                                                        reply.logprobs)  # fmt: skip
+                                                        reply.logprobs, time.perf_counter() - clock.start)  # fmt: skip
                 pre = await self._next_predraft(req, pre_task, reply.accepted == len(drafted), clock)
                 self.times.add(clock.overhead())
                 yield committed

@@ -1,21 +1,16 @@
 """The scheduler as a CPU-only state machine: which worker holds each request, what each worker has been told, what
 the next round drafts and verifies, and how a verified round is applied. No I/O: `pipeline.py` executes its plans
-over gRPC; `service.py` (in the Serve app's scheduler replicas) holds one per model.
-
-Per request it tracks the committed tokens (RequestState), the sticky workers that hold its KV caches, the tokens
-each has been sent (the KV state protocol's tails), k, and PEARL-style pre-drafting (round r + 1 drafted while r
-verifies, assuming all of r is accepted; used when that held).
-
-Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify returns the features of the positions it
-commits and the next propose hands them to the head (features.py); no pre-drafting for it.
+over gRPC; `service.py` (in the Serve app's scheduler replicas) holds one per model. Per request it tracks the
+committed tokens (RequestState), the sticky workers that hold its KV caches, the tokens each has been sent (the KV
+state protocol's tails), k, and PEARL-style pre-drafting (round r + 1 drafted while r verifies, assuming all of r is
+accepted; used when that held). Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify returns
+the features of the positions it commits and the next propose hands them to the head (features.py); no pre-drafting.
 
 Every chain method plans its rounds with the goodput planner (docs/planner.md), as the in-process engine does: each
 request's ChainPlanner says what its drafters offer (the head's chain, prompt lookup's or suffix drafting's
 continuation, a draft model's chain) and how they have done; for k='auto' a target worker's requests draft the
-chain width that commits the most tokens per second of its batches (0: plain steps), at its measured costs.
-
-Trees ("eagle-tree" from the head's draft worker, "ngram-tree" merged here from prompt lookup's matches) are verified
-in one forward; with k='auto' the nodes that pay at the batch's verify cost are kept (tree_policy.py).
+chain width that commits the most tokens per second of its batches (0: plain steps), at its measured costs and its
+rounds' realized times. Trees ("eagle-tree", "ngram-tree") are verified in one forward, pruned to what pays.
 """
 
 from __future__ import annotations
@@ -31,10 +26,10 @@ from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.service.results import ProposeResult
-from specserve.workers.speculation.chain_planner import HEAD_PRIOR, BatchWidth, ChainPlanner, PlannerCosts
+from specserve.workers.speculation.chain_planner import BatchWidth, ChainPlanner, ModelAcceptance, PlannerCosts
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
+from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RoundForecast, RowChoice, choose_row
 from specserve.workers.speculation.logprobs import TokenLogprob
 from specserve.workers.speculation.methods import METHODS, Method
 from specserve.workers.speculation.request import RequestState
@@ -86,6 +81,7 @@ class SchedRequest:
     planner: ChainPlanner | None = None  # chain methods: what its drafters offer each round, and their acceptance
     choice: RowChoice | None = None  # chain methods and "none": this round's row for the goodput planner
     plan: ChainPlan | None = None  # the planner's for this round, until its verify is applied
+    forecast: RoundForecast | None = None  # k='auto' chains: what the round was planned to take, until applied
     pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
     pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
@@ -114,7 +110,7 @@ class Scheduler:
                  ngram: NgramConfig | None = None):  # fmt: skip
         """Workers may also join later (`add_worker`). head_prior: the EAGLE-3 head's measured acceptance by position,
         where planning starts; max_k: the most k='auto' drafts a round (None: the planner's caps); ngram: lookup's."""
-        self.head_prior = head_prior or HEAD_PRIOR
+        self.head_acceptance = ModelAcceptance.of_head(head_prior)  # every request's, where new ones start
         self.max_chain = min(MAX_AUTO_K, max_k or MAX_AUTO_K)
         self.max_tree_nodes = min(MAX_TREE_NODES, max_k or MAX_TREE_NODES)
         self.ngram = ngram or NgramConfig()
@@ -167,7 +163,7 @@ class Scheduler:
         features = FeatureRelay(self.feature_traffic) if method.needs_head else None
         planner, choice = None, None
         if method.chain_sources:
-            planner = ChainPlanner.for_method(method, self.suffix_cache, head_prior=self.head_prior, ngram=self.ngram)
+            planner = ChainPlanner.for_method(method, self.suffix_cache, head_shared=self.head_acceptance, ngram=self.ngram)
         elif not method.drafts:
             choice = RowChoice(())  # a plain row of its target worker's batches
         params = params.for_request(len(prompt_ids), eos_token_ids)  # what penalties and min_tokens count from
@@ -255,6 +251,7 @@ class Scheduler:
             return choose_row(req.choice, limit, 0.0, {})
         costs = self.planner_costs
         rows, width = self._batch_width(req.target_worker)
+        req.forecast = self.batches[req.target_worker].forecast
         share = costs.surface.at(rows, width + 1) / rows
         return choose_row(req.choice, width, share, costs.drafters)
 
@@ -337,8 +334,13 @@ class Scheduler:
     # -- applying results -------------------------------------------------------------------------------------------
 
     def apply_verify(self, req: SchedRequest, drafted: list[int], accepted: int, next_token: int,
-                     features: bytes = b"", logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:  # fmt: skip
-        """Commit a verified round; the reply's features (EAGLE-3) wait for the next draft call; logprobs: kept."""
+                     features: bytes = b"", logprobs: Sequence[TokenLogprob] | None = None,
+                     round_s: float = 0.0) -> list[int]:  # fmt: skip
+        """Commit a verified round; the reply's features (EAGLE-3) wait for the next draft call; logprobs: kept;
+        round_s: the round's wall time, from its plan to its reply (against the plan's; not a prompt's prefill)."""
+        forecast, req.forecast = req.forecast, None
+        if forecast is not None and round_s > 0 and req.state.generated and req.target_worker in self.batches:
+            self.batches[req.target_worker].realized.observe(forecast, round_s)
         if req.planner is not None:
             self._observe_plan(req, drafted, accepted)
         if req.features is not None and features:

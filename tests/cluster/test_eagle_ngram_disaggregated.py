@@ -159,6 +159,24 @@ def test_the_heads_recorded_acceptance_is_where_planning_starts():
     assert Scheduler(["d1"], ["t1"]).add(prompt, params, spec, frozenset()).planner.head.prior == HEAD_PRIOR
 
 
+def test_every_requests_head_rounds_move_where_the_next_request_starts():
+    """A request of a few rounds never learns its own acceptance: the model's, over every request's head rounds, is
+    where a new request's planning starts. Heads that missed their first drafted token pull it down from the record."""
+    s = Scheduler(["d1"], ["t1"], head_prior=(0.6, 0.5))
+    params, spec = SamplingParams(max_new_tokens=20), SpecParams(method="eagle", k=3)
+    assert s.add([4, 5, 6], params, spec, frozenset()).planner.head.prior == (0.6, 0.5)
+    for _ in range(30):
+        req = s.add([4, 5, 6], params, spec, frozenset())
+        assert s.k_for(req) == 0  # the prefill round: no features yet
+        s.apply_verify(req, [], 0, 7, _features(0, 3))
+        assert s.k_for(req) == 3 and req.plan.source == "head"
+        s.drafted(req, s.plan_draft(req, 3))
+        s.apply_verify(req, [1, 1, 1], 0, 8, _features(3, 1))
+        s.release(req)
+    first, second = s.add([4, 5, 6], params, spec, frozenset()).planner.head.prior
+    assert first < 0.3 and second == pytest.approx(0.5)  # position 2 was never reached: its prior stands
+
+
 @pytest.mark.slow
 def test_sampling_through_the_workers_matches_the_targets_distribution(pairs, plan_sources):
     """2,500 seeded requests (about 20 s on 2 cores), 64 at a time, as tests/cluster/test_eagle_disaggregated.py's

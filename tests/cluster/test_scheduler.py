@@ -91,6 +91,29 @@ def test_goodput_planning_drafts_alone_stops_under_load_and_resumes_when_it_drop
     assert s.k_for(first) > 0
 
 
+def test_drafting_rounds_that_take_longer_than_planned_turn_a_workers_batches_plain():
+    """Four requests whose drafter pays on paper. Their rounds' wall times go back to the scheduler with each verify:
+    drafting rounds at three times their plan (as when drafting splits a worker's requests across forward passes),
+    then plain rounds at their plan. The worker's batches go plain; the prefill round's time is not counted."""
+    s = Scheduler(["d1"], ["t1"])
+    s.planner_costs = PlannerCosts(cpu_surface(), draft=DraftCost(step_s=0.003, fixed_s=0.002))
+    params, auto = SamplingParams(max_new_tokens=200), SpecParams(method="draft", k="auto")
+    reqs = [s.add([1, 2], params, auto, frozenset()) for _ in range(4)]
+    for req in reqs:
+        req.planner.draft = PositionAcceptance((0.6, 0.5))
+    for req in reqs:
+        s.k_for(req)
+    assert [s.k_for(req) for req in reqs] == [s.k_for(reqs[0])] * 4 and s.k_for(reqs[0]) > 0
+    s.apply_verify(reqs[0], [], 0, 9, round_s=100.0)  # a prefill round: its time says nothing of the plan
+    assert s.batches["t1"].realized.factor(True, 4) == 1.0 == s.batches["t1"].realized.factor(False, 4)
+    for _ in range(20):
+        for req in reqs:
+            k = s.k_for(req)
+            planned = s.batches["t1"].forecast.seconds
+            s.apply_verify(req, [3] * k, 0, 9, round_s=3 * planned if k else planned)
+    assert [s.k_for(req) for req in reqs] == [0] * 4
+
+
 def test_max_k_caps_what_auto_drafts_and_a_fixed_k_is_the_clients():
     """vLLM's num_speculative_tokens: the most k='auto' drafts a round (chains and trees); a request's own k stays."""
     strong = PositionAcceptance((0.95,) * 8)

@@ -10,6 +10,8 @@ from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts, e
 from specserve.workers.speculation.goodput import (
     NO_DRAFT,
     Option,
+    RealizedRounds,
+    RoundForecast,
     RowChoice,
     VerifySurface,
     VerifyTimings,
@@ -112,3 +114,37 @@ def test_online_timings_correct_the_profile_per_batch_size():
     assert timings.factor(5) == pytest.approx(1.5, rel=1e-3) and timings.surface().at(4, 1) > cpu_seconds(4, 1)
     timings.observe(0, 0, 1.0)  # nothing to learn from an empty batch
     assert timings.factor(1) == pytest.approx(1.5, rel=1e-3)
+
+
+def test_realized_rounds_start_at_the_plan_and_learn_each_mode_per_batch_size():
+    realized = RealizedRounds()
+    assert realized.factor(True, 4) == 1.0 and realized.factor(False, 4) == 1.0  # nothing seen: the plan stands
+    for _ in range(40):
+        realized.observe(RoundForecast(True, 4, 0.1), 0.2)  # drafting rounds took twice their plan
+        realized.observe(RoundForecast(False, 4, 0.1), 0.11)
+    assert realized.factor(True, 4) == pytest.approx(2.0, rel=0.1)  # the prior's weight keeps it a little nearer 1
+    assert realized.factor(False, 4) == pytest.approx(1.1, rel=0.1)
+    assert realized.factor(True, 6) == realized.factor(True, 4)  # the nearest seen batch size
+    one = RealizedRounds()
+    one.observe(RoundForecast(True, 8, 0.1), 10.0)  # one disturbed round (another request's prefill): bounded
+    assert 1.0 < one.factor(True, 8) <= 2.0
+
+
+def test_drafting_that_pays_on_paper_stops_when_its_rounds_take_longer_than_planned():
+    """Four requests of a head with good acceptance: on paper drafting wins; when drafting rounds are measured at
+    twice their plan (the worker's requests split across forward passes) and plain ones at theirs, plain steps win;
+    when both are slower alike, drafting still does."""
+    rows = [head_row((0.6, 0.5, 0.4, 0.3))] * 4
+    paper = plan_batch(rows, cpu_surface(), COSTS, 8)
+    split = RealizedRounds()
+    alike = RealizedRounds()
+    for _ in range(40):
+        split.observe(RoundForecast(True, 4, 0.1), 0.2)
+        split.observe(RoundForecast(False, 4, 0.1), 0.1)
+        alike.observe(RoundForecast(True, 4, 0.1), 0.2)
+        alike.observe(RoundForecast(False, 4, 0.1), 0.2)
+    assert paper.width > 0 and paper.seconds > 0
+    assert plan_batch(rows, cpu_surface(), COSTS, 8, realized=split).width == 0
+    alike_plan = plan_batch(rows, cpu_surface(), COSTS, 8, realized=alike)
+    assert alike_plan.width == paper.width
+    assert alike_plan.rate == pytest.approx(paper.rate / alike.factor(True, 4)) and alike.factor(True, 4) > 1.8

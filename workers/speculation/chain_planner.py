@@ -11,7 +11,7 @@ far better than a 1-token one), starting from priors (a head's measured one from
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.workers.config import NgramConfig
 from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance, VerifyCosts
@@ -19,6 +19,8 @@ from specserve.workers.speculation.goodput import (
     NO_DRAFT,
     ChainPlan,
     Option,
+    RealizedRounds,
+    RoundForecast,
     RowChoice,
     VerifySurface,
     VerifyTimings,
@@ -63,6 +65,41 @@ class PlannerCosts:
             self.verify.observe(rows, tokens, seconds)
 
 
+@dataclass
+class ModelAcceptance:
+    """A drafter's acceptance by position over a model's recent rounds, every request's (decayed counts on top of a
+    prior): where each new request's planning starts. A head's recorded acceptance was measured on its training
+    data, not on what a deployment serves, and a request of a few rounds never learns its own (8 served streams of
+    held-out chat, answers of 8-24 tokens: 0.31 accepted a drafted token, where the record said 0.37 at k = 3)."""
+
+    prior: tuple[float, ...]
+    prior_weight: float = 16.0
+    decay: float = 0.999
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of_head(cls, recorded: Sequence[float] | None = None) -> ModelAcceptance:
+        """A head's, starting from its recorded acceptance (its config's), or the generic prior."""
+        return cls(tuple(recorded or HEAD_PRIOR))
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        reached = min(drafted, accepted + 1)
+        self.reached = [n * self.decay for n in self.reached] + [0.0] * max(0, reached - len(self.reached))
+        self.accepted = [n * self.decay for n in self.accepted] + [0.0] * max(0, reached - len(self.accepted))
+        for j in range(reached):
+            self.reached[j] += 1.0
+            self.accepted[j] += 1.0 if j < accepted else 0.0
+
+    def rates(self) -> tuple[float, ...]:
+        out = []
+        for j in range(max(len(self.prior), len(self.reached))):
+            a0 = self.prior[min(j, len(self.prior) - 1)]
+            n, hits = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
+            out.append((hits + a0 * self.prior_weight) / (n + self.prior_weight))
+        return tuple(out)
+
+
 class ChainPlanner:
     """One request's chain drafters and their measured acceptance."""
 
@@ -75,15 +112,18 @@ class ChainPlanner:
         costs: PlannerCosts | None = None,
         use_draft: bool = False,
         suffix: SuffixLookup | None = None,
+        head_shared: ModelAcceptance | None = None,
     ):
-        """suffix: the request's suffix drafting (method "suffix"), None for the other methods; `for_method` builds
-        the planner a method's registry entry names."""
+        """suffix: the request's suffix drafting (method "suffix"), None for the other methods; head_shared: the
+        model's head acceptance over every request, where this one starts and which its rounds update (instead of
+        head_prior); `for_method` builds the planner a method's registry entry names."""
         self.use_head, self.use_ngram, self.use_draft = use_head, use_ngram, use_draft
         self.suffix = suffix
         self.by_suffix_match = {n: PositionAcceptance((a,)) for n, a in SUFFIX_PRIOR.items()}
         self.ngram = ngram or NgramConfig()
         self.costs = costs
-        self.head = PositionAcceptance(tuple(head_prior))
+        self.head_shared = head_shared
+        self.head = PositionAcceptance(head_shared.rates() if head_shared is not None else tuple(head_prior))
         self.draft = PositionAcceptance(DRAFT_PRIOR)
         self.by_match = {n: PositionAcceptance((a,)) for n, a in NGRAM_PRIOR.items()}
 
@@ -145,6 +185,8 @@ class ChainPlanner:
     def observe(self, plan: ChainPlan, accepted: int) -> None:
         if plan.source == HEAD_CHAIN:
             self.head.observe(plan.k, accepted)
+            if self.head_shared is not None:
+                self.head_shared.observe(plan.k, accepted)
         elif plan.source == MODEL_CHAIN:
             self.draft.observe(plan.k, accepted)
         elif plan.source == LOOKUP_CHAIN:
@@ -174,11 +216,15 @@ class BatchWidth:
     plain_rows: int = 0  # the fewest requests among them
     quiet_below: int = 0  # features paused while the worker has at least this many requests (0: not paused)
     quiet_left: int = 0  # verify calls before the planner looks again with features
+    realized: RealizedRounds = field(default_factory=RealizedRounds)  # the worker's rounds against their plans
+    forecast: RoundForecast | None = None  # what the current plan's rounds are expected to take
 
     def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int) -> int:
         if self.rows != len(rows) or self.plans_left <= 0:
-            plan = plan_batch(rows, costs.surface, costs.drafters, max_width, batched_drafts=True)
+            plan = plan_batch(rows, costs.surface, costs.drafters, max_width, batched_drafts=True,
+                              realized=self.realized)  # fmt: skip
             self.width, self.rows, self.plans_left = plan.width, len(rows), len(rows)
+            self.forecast = RoundForecast(plan.width > 0, len(rows), plan.seconds)
             self._track()
         self.plans_left -= 1
         return self.width

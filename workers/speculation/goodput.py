@@ -160,7 +160,51 @@ NO_DRAFT = ChainPlan("none", 0)  # a plain step
 class BatchPlan:
     rows: tuple[ChainPlan, ...]
     width: int  # the widest chain (0: a plain step for every request)
-    rate: float  # expected committed tokens per second of the batch's rounds
+    rate: float  # expected committed tokens per second of the batch's rounds, realized rounds' slowdown included
+    seconds: float = 0.0  # the round's planned seconds, T(rows, width + 1) + drafting (before the slowdown)
+
+
+@dataclass(frozen=True)
+class RoundForecast:
+    """What a round was planned as: drafting or plain, on a worker with `rows` requests, taking `seconds`."""
+
+    drafting: bool
+    rows: int
+    seconds: float
+
+
+@dataclass
+class RealizedRounds:
+    """How much longer a target worker's rounds take than planned, drafting rounds and plain ones apart, per batch
+    size: each round's wall time (from its plan to its commit) over its planned T(rows, widest + 1) + drafting, as a
+    decayed mean that starts from 1 (worth `prior_weight` rounds, so that one disturbed round does not decide). The
+    plan sees the forward and the drafter's cost; it cannot see that when some requests draft and others do not, or
+    their drafts come back at different times, the worker's requests meet fewer forward passes (a round then waits
+    for another's pass: 4 served streams on the 2-core CPU met 2.1 rows a pass drafting, 3.1 plain), nor the draft
+    hop's queueing, the batcher's waits and other requests' prefills. A mode not seen yet is taken at its plan."""
+
+    decay: float = 0.95
+    prior_weight: float = 2.0
+    min_factor: float = 0.5
+    max_factor: float = 4.0
+    _factor: dict[tuple[bool, int], tuple[float, float]] = field(default_factory=dict)  # (drafting, rows) -> sums
+
+    def observe(self, forecast: RoundForecast, seconds: float) -> None:
+        if forecast.seconds <= 0 or seconds <= 0:
+            return
+        ratio = min(self.max_factor, max(self.min_factor, seconds / forecast.seconds))
+        key = (forecast.drafting, forecast.rows)
+        total, weight = self._factor.get(key, (0.0, 0.0))
+        self._factor[key] = (total * self.decay + ratio, weight * self.decay + 1.0)
+
+    def factor(self, drafting: bool, rows: int) -> float:
+        """The slowdown of this mode at this batch size: its own when seen, else the nearest seen size's, else 1."""
+        seen = [r for d, r in self._factor if d == drafting]
+        if not seen:
+            return 1.0
+        near = rows if rows in seen else min(seen, key=lambda r: (abs(r - rows), r))
+        total, weight = self._factor[(drafting, near)]
+        return (total + self.prior_weight) / (weight + self.prior_weight)
 
 
 def _value(option: Option, k: int) -> float:
@@ -206,13 +250,16 @@ def plan_batch(
     costs: Mapping[str, DraftCost],
     max_width: int,
     batched_drafts: bool = True,
+    realized: RealizedRounds | None = None,
 ) -> BatchPlan:
     """Each request's draft for this round, maximising the batch's committed tokens per second:
 
-        rate(w) = sum_i (1 + E_i(k_i)) / (T(rows, widest k_i + 1) + drafting),   k_i <= w (fixed-k rows: their k),
+        rate(w) = sum_i (1 + E_i(k_i)) / ((T(rows, widest k_i + 1) + drafting) * slowdown(drafting or not, rows)),
 
-    over w = 0..max_width (w = 0: no 'auto' row drafts). Every row of the batch is padded to the widest, so the rows
-    under a width draft up to it (a longer chain accepts more at no extra verify cost), each with its best option."""
+    k_i <= w (fixed-k rows: their k), over w = 0..max_width (w = 0: no 'auto' row drafts); slowdown: the worker's
+    realized rounds over their plans (`RealizedRounds`; 1 without). Every row of the batch is padded to the widest,
+    so the rows under a width draft up to it (a longer chain accepts more at no extra verify cost), each with its best
+    option."""
     n = len(rows)
     best: BatchPlan | None = None
     for width in range(0, max_width + 1):
@@ -225,8 +272,9 @@ def plan_batch(
         if widest < width and width > 0:
             break  # no row can draft this many: wider widths plan the same
         seconds = verify.at(n, widest + 1) + _drafting_s(plans, costs, batched_drafts)
+        slowdown = realized.factor(widest > 0, n) if realized is not None else 1.0
         committed = sum(1.0 + (_planned(p, row.options) if p.k else 0.0) for p, row in zip(plans, rows, strict=True))
-        rate = committed / seconds
+        rate = committed / (seconds * slowdown)
         if best is None or rate > best.rate * (1.0 + 1e-9):
-            best = BatchPlan(tuple(plans), widest, rate)
+            best = BatchPlan(tuple(plans), widest, rate, seconds)
     return best
