@@ -10,6 +10,9 @@ from dataclasses import asdict
 import torch
 
 from specserve.cluster.bench.rows import Row
+from specserve.workers.speculation.methods import METHODS
+
+SPEC_METHODS = frozenset(METHODS) - {"none"}  # a row of one of these is specserve's speculation, not a peer's
 from specserve.cluster.bench.spec_bench import format_categories
 
 
@@ -137,13 +140,25 @@ def to_json(rows: list[Row], meta: dict, machine: dict) -> dict:
     return {"machine": machine, "meta": meta, "rows": out_rows}
 
 
+def _plotted_method(rows: list[Row]) -> str:
+    """A draft model's rows when there are some, else the speculative method with the most greedy rows at a fixed k
+    (n-gram's sweep, or the method `--methods` asked for)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        if isinstance(r.k, int) and r.temperature == 0 and r.method in SPEC_METHODS:
+            counts[r.method] = counts.get(r.method, 0) + 1
+    if "draft" in counts or not counts:
+        return "draft" if counts else "ngram"
+    return max(counts, key=lambda m: (counts[m], m == "ngram"))
+
+
 def plot(rows: list[Row], meta: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    method = "draft" if any(r.method == "draft" for r in rows) else "ngram"
+    method = _plotted_method(rows)
     spec_rows = [r for r in rows if r.method == method and isinstance(r.k, int) and r.temperature == 0]
     ks = [r.k for r in spec_rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -162,7 +177,7 @@ def plot(rows: list[Row], meta: dict, path: str) -> None:
     ax2.plot(ks, [r.mean_accepted_length for r in spec_rows], "s-", label="tokens per round")
     ax2.set_xlabel("k")
     ax2.legend()
-    what = "draft model" if method == "draft" else "n-gram drafting"
+    what = {"draft": "draft model", "ngram": "n-gram drafting"}.get(method, f"method {method}")
     prompts = "held-out chat questions" if meta.get("prompts_kind") == "chat" else "held-out prompts"
     fig.suptitle(f"specserve bench ({what}, greedy, {prompts})")
     fig.tight_layout()

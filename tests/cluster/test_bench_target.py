@@ -224,3 +224,19 @@ def test_with_a_head_the_disaggregated_eagle_rows_are_identical_and_report_featu
 FOOTER_META = {"cost_ratio_c": 0.0, "t_draft_ms": 0.0, "t_target_ms": 1.0, "distinct_4gram_target_greedy": 1.0,
                "prompts": 7, "max_new_tokens": 16, "mean_new_tokens": 16.0, "device": "cpu",
                "dtype": "float32"}  # fmt: skip
+
+
+def test_the_plot_shows_the_methods_rows_asked_for(tmp_path):
+    """`--methods eagle+ngram --k 3` rows are what the plot draws (it drew n-gram's, none there: an empty figure);
+    a draft model's sweep when there is one; n-gram's otherwise."""
+    from specserve.cluster.bench.report import _plotted_method, plot
+
+    def row(method, k):
+        return Row(f"{method} k={k}", method, k, 0.0, speedup=1.5, acceptance_rate=0.4, mean_accepted_length=2.0)
+
+    asked = [Row("target-only greedy", "target-only", None, 0.0), row("hf-prompt-lookup", 10), row("eagle+ngram", 3)]
+    assert _plotted_method(asked) == "eagle+ngram"
+    assert _plotted_method([*asked, row("draft", 2)]) == "draft"
+    assert _plotted_method([row("ngram", 2), row("eagle", 3), row("ngram", 4)]) == "ngram"
+    plot(asked, {"prompts_kind": "chat"}, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
