@@ -101,7 +101,9 @@ class SchedulerService:
                 "mean_target_batch": s.pipeline.mean_target_batch,
                 # The requests that finished here: counts only (positions 0-based), so that two readings subtract
                 "finished": asdict(s.finished),
-                "chain_width": {w: b.width for w, b in s.scheduler.batches.items()},  # the goodput planner's
+                # The goodput planner's, per target worker: chain width, measured slowdowns, features paused or not
+                "planner": {w: b.summary() for w, b in s.scheduler.batches.items()},
+                "head_acceptance": list(s.scheduler.head_acceptance.rates()),  # by position, every request's recent
                 **s.scheduler.feature_traffic.to_dict(),
             }
             for name, s in self.models.items()

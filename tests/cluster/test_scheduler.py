@@ -112,6 +112,10 @@ def test_drafting_rounds_that_take_longer_than_planned_turn_a_workers_batches_pl
             planned = s.batches["t1"].forecast.seconds
             s.apply_verify(req, [3] * k, 0, 9, round_s=3 * planned if k else planned)
     assert [s.k_for(req) for req in reqs] == [0] * 4
+    summary = s.batches["t1"].summary()  # what the scheduler replica's status shows
+    assert summary["width"] == 0 and summary["requests"] == 4
+    assert summary["features_paused"]  # plain for more than 8 re-plans: a head's chains would stop asking for them
+    assert summary["slowdown_drafting"] > 1.5 and summary["slowdown_plain"] == pytest.approx(1.0)
 
 
 def test_max_k_caps_what_auto_drafts_and_a_fixed_k_is_the_clients():

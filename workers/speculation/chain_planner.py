@@ -229,6 +229,12 @@ class BatchWidth:
         self.plans_left -= 1
         return self.width
 
+    def summary(self) -> dict:
+        """For the scheduler's status: the plan at the worker's batch size, and what it weighed beside the costs."""
+        return {"width": self.width, "requests": self.rows, "features_paused": bool(self.quiet_below),
+                "slowdown_drafting": self.realized.factor(True, self.rows),
+                "slowdown_plain": self.realized.factor(False, self.rows)}  # fmt: skip
+
     def features_paused(self, requests: int) -> bool:
         """For one verify call of a k='auto' chain, the worker having `requests` requests now. (While paused a
         head's chains have nothing to draft from and may never re-plan: the load is checked here.)"""
