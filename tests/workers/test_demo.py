@@ -104,6 +104,7 @@ def test_training_device_is_chosen_and_checked():
             resolve_device("cuda")
 
 
+@pytest.mark.slow  # 52 s: a whole quick bench, the load levels on the Serve app included
 def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
     from specserve.cluster.cli.main import main
 
