@@ -10,10 +10,10 @@ from dataclasses import asdict
 import torch
 
 from specserve.cluster.bench.rows import Row
+from specserve.cluster.bench.spec_bench import format_categories
 from specserve.workers.speculation.methods import METHODS
 
 SPEC_METHODS = frozenset(METHODS) - {"none"}  # a row of one of these is specserve's speculation, not a peer's
-from specserve.cluster.bench.spec_bench import format_categories
 
 
 def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
@@ -147,9 +147,9 @@ def _plotted_method(rows: list[Row]) -> str:
     for r in rows:
         if isinstance(r.k, int) and r.temperature == 0 and r.method in SPEC_METHODS:
             counts[r.method] = counts.get(r.method, 0) + 1
-    if "draft" in counts or not counts:
-        return "draft" if counts else "ngram"
-    return max(counts, key=lambda m: (counts[m], m == "ngram"))
+    if not counts:
+        return "ngram"
+    return "draft" if "draft" in counts else max(counts, key=lambda m: (counts[m], m == "ngram"))
 
 
 def plot(rows: list[Row], meta: dict, path: str) -> None:

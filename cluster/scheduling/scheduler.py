@@ -26,7 +26,7 @@ from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.service.results import ProposeResult
-from specserve.workers.speculation.chain_planner import BatchWidth, ChainPlanner, ModelAcceptance, PlannerCosts
+from specserve.workers.speculation.chain_planner import BatchWidth, ChainPlanner, PlannerCosts, model_head_acceptance
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RoundForecast, RowChoice, choose_row
@@ -110,7 +110,7 @@ class Scheduler:
                  ngram: NgramConfig | None = None):  # fmt: skip
         """Workers may also join later (`add_worker`). head_prior: the EAGLE-3 head's measured acceptance by position,
         where planning starts; max_k: the most k='auto' drafts a round (None: the planner's caps); ngram: lookup's."""
-        self.head_acceptance = ModelAcceptance.of_head(head_prior)  # every request's, where new ones start
+        self.head_acceptance = model_head_acceptance(head_prior)  # every request's, where new ones start
         self.max_chain = min(MAX_AUTO_K, max_k or MAX_AUTO_K)
         self.max_tree_nodes = min(MAX_TREE_NODES, max_k or MAX_TREE_NODES)
         self.ngram = ngram or NgramConfig()
@@ -153,17 +153,14 @@ class Scheduler:
         if target is None:
             raise NoTargetWorker("no healthy target worker")
         draft = self._least_loaded(self.draft_workers, "draft_worker") if method.draft_worker else None
-        state = RequestState(
-            request_id=request_id or uuid.uuid4().hex,
-            tokens=list(prompt_ids),
-            prompt_len=len(prompt_ids),
-            max_new_tokens=params.max_new_tokens,
-            eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset(),
-        )
+        state = RequestState(request_id=request_id or uuid.uuid4().hex, tokens=list(prompt_ids),
+                             prompt_len=len(prompt_ids), max_new_tokens=params.max_new_tokens,
+                             eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset())  # fmt: skip
         features = FeatureRelay(self.feature_traffic) if method.needs_head else None
         planner, choice = None, None
         if method.chain_sources:
-            planner = ChainPlanner.for_method(method, self.suffix_cache, head_shared=self.head_acceptance, ngram=self.ngram)
+            planner = ChainPlanner.for_method(method, self.suffix_cache, head_shared=self.head_acceptance,
+                                              ngram=self.ngram)  # fmt: skip
         elif not method.drafts:
             choice = RowChoice(())  # a plain row of its target worker's batches
         params = params.for_request(len(prompt_ids), eos_token_ids)  # what penalties and min_tokens count from

@@ -103,7 +103,7 @@ class SchedulerService:
                 "finished": asdict(s.finished),
                 # The goodput planner's, per target worker: chain width, measured slowdowns, features paused or not
                 "planner": {w: b.summary() for w, b in s.scheduler.batches.items()},
-                "head_acceptance": list(s.scheduler.head_acceptance.rates()),  # by position, every request's recent
+                "head_acceptance": list(s.scheduler.head_acceptance.known_rates()),  # by position, recent rounds
                 **s.scheduler.feature_traffic.to_dict(),
             }
             for name, s in self.models.items()

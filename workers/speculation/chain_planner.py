@@ -65,39 +65,13 @@ class PlannerCosts:
             self.verify.observe(rows, tokens, seconds)
 
 
-@dataclass
-class ModelAcceptance:
-    """A drafter's acceptance by position over a model's recent rounds, every request's (decayed counts on top of a
-    prior): where each new request's planning starts. A head's recorded acceptance was measured on its training
-    data, not on what a deployment serves, and a request of a few rounds never learns its own (8 served streams of
-    held-out chat, answers of 8-24 tokens: 0.31 accepted a drafted token, where the record said 0.37 at k = 3)."""
-
-    prior: tuple[float, ...]
-    prior_weight: float = 16.0
-    decay: float = 0.999
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    @classmethod
-    def of_head(cls, recorded: Sequence[float] | None = None) -> ModelAcceptance:
-        """A head's, starting from its recorded acceptance (its config's), or the generic prior."""
-        return cls(tuple(recorded or HEAD_PRIOR))
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        reached = min(drafted, accepted + 1)
-        self.reached = [n * self.decay for n in self.reached] + [0.0] * max(0, reached - len(self.reached))
-        self.accepted = [n * self.decay for n in self.accepted] + [0.0] * max(0, reached - len(self.accepted))
-        for j in range(reached):
-            self.reached[j] += 1.0
-            self.accepted[j] += 1.0 if j < accepted else 0.0
-
-    def rates(self) -> tuple[float, ...]:
-        out = []
-        for j in range(max(len(self.prior), len(self.reached))):
-            a0 = self.prior[min(j, len(self.prior) - 1)]
-            n, hits = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0.0, 0.0)
-            out.append((hits + a0 * self.prior_weight) / (n + self.prior_weight))
-        return tuple(out)
+def model_head_acceptance(recorded: Sequence[float] | None = None) -> PositionAcceptance:
+    """A head's acceptance by position over a model's recent rounds, every request's (about the last thousand): where
+    each new request's planning starts, from the head's recorded acceptance (its config's) or the generic prior. A
+    head's record was measured on its training data, not on what a deployment serves, and a request of a few rounds
+    never learns its own (8 served streams of held-out chat, answers of 8-24 tokens: 0.31 accepted a drafted token,
+    where the record said 0.37 at k = 3)."""
+    return PositionAcceptance(tuple(recorded or HEAD_PRIOR), prior_weight=16.0, decay=0.999)
 
 
 class ChainPlanner:
@@ -112,7 +86,7 @@ class ChainPlanner:
         costs: PlannerCosts | None = None,
         use_draft: bool = False,
         suffix: SuffixLookup | None = None,
-        head_shared: ModelAcceptance | None = None,
+        head_shared: PositionAcceptance | None = None,
     ):
         """suffix: the request's suffix drafting (method "suffix"), None for the other methods; head_shared: the
         model's head acceptance over every request, where this one starts and which its rounds update (instead of
@@ -123,7 +97,7 @@ class ChainPlanner:
         self.ngram = ngram or NgramConfig()
         self.costs = costs
         self.head_shared = head_shared
-        self.head = PositionAcceptance(head_shared.rates() if head_shared is not None else tuple(head_prior))
+        self.head = PositionAcceptance(head_shared.known_rates() if head_shared is not None else tuple(head_prior))
         self.draft = PositionAcceptance(DRAFT_PRIOR)
         self.by_match = {n: PositionAcceptance((a,)) for n, a in NGRAM_PRIOR.items()}
 

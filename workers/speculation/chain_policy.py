@@ -67,18 +67,23 @@ def best_k(rates: Sequence[float], costs: VerifyCosts, draft: DraftCost, max_k: 
 
 @dataclass
 class PositionAcceptance:
-    """Acceptance per chain position for one drafter on one request: counts over the request's rounds on top of a
-    prior (rates worth `prior_weight` rounds each), so the first rounds follow the prior."""
+    """Acceptance per chain position for one drafter: counts over its rounds on top of a prior (rates worth
+    `prior_weight` rounds each), so the first rounds follow the prior. One request's counts are kept whole; a
+    model's, over every request's rounds, decay (`decay` < 1: older rounds count less)."""
 
     prior: tuple[float, ...]
     prior_weight: float = 4.0
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
+    decay: float = 1.0
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A round drafted `drafted` tokens and the target accepted the first `accepted`: positions 0..accepted-1
         were accepted, position `accepted` (if drafted) reached and rejected."""
         reached = min(drafted, accepted + 1)
+        if self.decay != 1.0:
+            self.reached = [n * self.decay for n in self.reached]
+            self.accepted = [n * self.decay for n in self.accepted]
         while len(self.reached) < reached:
             self.reached.append(0)
             self.accepted.append(0)
@@ -93,3 +98,7 @@ class PositionAcceptance:
             n, hits = (self.reached[j], self.accepted[j]) if j < len(self.reached) else (0, 0)
             out.append((hits + a0 * self.prior_weight) / (n + self.prior_weight))
         return out
+
+    def known_rates(self) -> tuple[float, ...]:
+        """The rates at every position the prior or the rounds reached."""
+        return tuple(self.rates(max(len(self.prior), len(self.reached))))

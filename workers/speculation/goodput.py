@@ -78,6 +78,32 @@ class VerifySurface:
 
 
 @dataclass
+class DecayedByRows:
+    """A decayed mean of a ratio per batch size, read at the nearest size seen (ties: the smaller), with `prior`
+    worth `prior_weight` observations under it; `prior` alone before any."""
+
+    decay: float
+    prior: float = 1.0
+    prior_weight: float = 0.0
+    _sums: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (weighted sum, weight)
+
+    @property
+    def seen(self) -> list[int]:
+        return list(self._sums)
+
+    def add(self, rows: int, value: float) -> None:
+        total, weight = self._sums.get(rows, (0.0, 0.0))
+        self._sums[rows] = (total * self.decay + value, weight * self.decay + 1.0)
+
+    def at(self, rows: int) -> float:
+        if not self._sums:
+            return self.prior
+        near = rows if rows in self._sums else min(self._sums, key=lambda r: (abs(r - rows), r))
+        total, weight = self._sums[near]
+        return (total + self.prior * self.prior_weight) / (weight + self.prior_weight)
+
+
+@dataclass
 class VerifyTimings:
     """A target worker's verify costs: its start-up profile, corrected online by the batches it runs. Each batch's
     measured seconds over the profile's prediction, per batch size, as a decayed mean: what the profile could not
@@ -87,24 +113,20 @@ class VerifyTimings:
     decay: float = 0.9
     min_factor: float = 0.5
     max_factor: float = 3.0
-    _factor: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (weighted sum, weight)
+
+    def __post_init__(self):
+        self._factor = DecayedByRows(self.decay)  # measured over predicted, per batch size
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """A verify batch of `rows` rows feeding `tokens` positions ran `seconds`."""
         if rows <= 0 or tokens <= 0 or seconds <= 0:
             return
         width = math.ceil(tokens / rows)
-        ratio = min(self.max_factor, max(self.min_factor, seconds / self.profile.at(rows, width)))
-        total, weight = self._factor.get(rows, (0.0, 0.0))
-        self._factor[rows] = (total * self.decay + ratio, weight * self.decay + 1.0)
+        self._factor.add(rows, min(self.max_factor, max(self.min_factor, seconds / self.profile.at(rows, width))))
 
     def factor(self, rows: int) -> float:
         """The correction at this batch size: its own when seen, else the nearest seen one's, else 1."""
-        if not self._factor:
-            return 1.0
-        near = rows if rows in self._factor else min(self._factor, key=lambda r: (abs(r - rows), r))
-        total, weight = self._factor[near]
-        return total / weight
+        return self._factor.at(rows)
 
     def at(self, rows: int, width: int) -> float:
         return self.profile.at(rows, width) * self.factor(rows)
@@ -114,7 +136,7 @@ class VerifyTimings:
 
     def surface(self) -> VerifySurface:
         """The corrected surface, at the profile's measured row counts and the batch sizes seen since."""
-        rows = sorted(set(self.profile.rows) | set(self._factor))
+        rows = sorted(set(self.profile.rows) | set(self._factor.seen))
         width = self.profile.max_width
         return VerifySurface(tuple(rows), tuple(tuple(self.at(r, w) for w in range(1, width + 1)) for r in rows))
 
@@ -187,24 +209,19 @@ class RealizedRounds:
     prior_weight: float = 2.0
     min_factor: float = 0.5
     max_factor: float = 4.0
-    _factor: dict[tuple[bool, int], tuple[float, float]] = field(default_factory=dict)  # (drafting, rows) -> sums
+
+    def __post_init__(self):
+        self._by_mode = {mode: DecayedByRows(self.decay, 1.0, self.prior_weight) for mode in (True, False)}
 
     def observe(self, forecast: RoundForecast, seconds: float) -> None:
         if forecast.seconds <= 0 or seconds <= 0:
             return
         ratio = min(self.max_factor, max(self.min_factor, seconds / forecast.seconds))
-        key = (forecast.drafting, forecast.rows)
-        total, weight = self._factor.get(key, (0.0, 0.0))
-        self._factor[key] = (total * self.decay + ratio, weight * self.decay + 1.0)
+        self._by_mode[forecast.drafting].add(forecast.rows, ratio)
 
     def factor(self, drafting: bool, rows: int) -> float:
         """The slowdown of this mode at this batch size: its own when seen, else the nearest seen size's, else 1."""
-        seen = [r for d, r in self._factor if d == drafting]
-        if not seen:
-            return 1.0
-        near = rows if rows in seen else min(seen, key=lambda r: (abs(r - rows), r))
-        total, weight = self._factor[(drafting, near)]
-        return (total + self.prior_weight) / (weight + self.prior_weight)
+        return self._by_mode[drafting].at(rows)
 
 
 def _value(option: Option, k: int) -> float:
