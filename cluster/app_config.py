@@ -172,12 +172,15 @@ class LimitsConfig(_Strict):
         8192, gt=0, description="Longest prompt accepted, in tokens (and never more than the model's context less "
         "one). A longer prompt is refused by its length in characters before it is tokenized when it cannot fit."
     )  # fmt: skip
-    max_new_tokens: int = Field(
-        4096, gt=0, le=1_000_000, description="Largest max_new_tokens a request may ask for (OpenAI's max_tokens)."
-    )
-    default_max_new_tokens: int = Field(
-        256, gt=0, description="max_new_tokens when a request does not say, lowered to what fits in the model's "
-        "context after the prompt (so an unset max_new_tokens is never an error)."
+    max_new_tokens: int | None = Field(
+        None, gt=0, le=1_000_000, description="Largest max_new_tokens a request may ask for (OpenAI's max_tokens); "
+        "None (the default, as vLLM): no cap but the model's context."
+    )  # fmt: skip
+    default_max_new_tokens: int | None = Field(
+        None, gt=0, le=1_000_000, description="max_new_tokens when a request does not say. None (the default, as "
+        "vLLM): up to the context's end after the prompt (or EOS), within max_new_tokens and the model's "
+        "generation_config.json max_new_tokens when set; a number: at most that, lowered to what fits (so an unset "
+        "max_new_tokens is never an error)."
     )  # fmt: skip
     max_stop_sequences: int = Field(16, ge=0, le=64, description="Most stop sequences a request may send.")
     max_stop_chars: int = Field(256, gt=0, le=1024, description="Longest stop sequence, in characters.")

@@ -21,6 +21,9 @@ from specserve.workers.speculation.eagle.config import resolve_eagle_head
 from specserve.workers.speculation.methods import HEAD_DEFAULT, LOOKUP_DEFAULT, METHODS, MODEL_DEFAULT, NONE, servable
 from specserve.workers.speculation.request import encode_prompt
 
+MAX_NEW_TOKENS = 1_000_000  # SamplingParams' bound
+NO_CONTEXT_MAX_NEW_TOKENS = 4096  # an unset max_tokens where neither the model's config nor the limits bound it
+
 
 class RequestPreparer:
     """models: served name -> its ModelTokenizer."""
@@ -51,9 +54,10 @@ class RequestPreparer:
         cfg = self.app.model(request.model)
         model = self.models[cfg.name]
         limits = self.app.limits
-        if request.max_new_tokens is not None and request.max_new_tokens > limits.max_new_tokens:
+        cap = limits.max_new_tokens
+        if request.max_new_tokens is not None and cap is not None and request.max_new_tokens > cap:
             raise InvalidRequestError(request.max_new_tokens_field, f"{request.max_new_tokens} exceeds this server's "
-                                      f"limit of {limits.max_new_tokens}")  # fmt: skip
+                                      f"limit of {cap} (limits.max_new_tokens)")  # fmt: skip
         spec = _spec(cfg, request, cfg.name in self.heads)
         ids = _prompt_ids(model, request, limits.max_prompt_tokens)
         check_auto(request, writes_hermes_calls(model.tokenizer))
@@ -131,43 +135,60 @@ def _stops(request: Request, limits: LimitsConfig, vocab_size: int) -> StopSpec:
                     request.min_tokens)  # fmt: skip
 
 
-def _max_new_tokens(model: ModelTokenizer, request: Request, prompt_tokens: int, limits: LimitsConfig) -> int:
-    """The request's own, when it fits the model's context after the prompt; unset: what fits, not an error."""
+def _max_new_tokens(model: ModelTokenizer, request: Request, prompt_tokens: int, limits: LimitsConfig,
+                    model_default: int | None = None) -> int:  # fmt: skip
+    """The request's own, when it fits the model's context after the prompt. Unset (vLLM's default): up to the
+    context's end, within the server's `limits` and the model's generation_config.json `max_new_tokens` when they
+    set one; never an error."""
     room = None if model.max_positions is None else model.max_positions - prompt_tokens
     if request.max_new_tokens is None:
-        return limits.default_max_new_tokens if room is None else min(limits.default_max_new_tokens, room)
+        caps = [c for c in (limits.default_max_new_tokens, limits.max_new_tokens, model_default, room) if c is not None]
+        return min(min(caps, default=NO_CONTEXT_MAX_NEW_TOKENS), MAX_NEW_TOKENS)
     if room is not None and request.max_new_tokens > room:
-        raise InvalidRequestError(request.max_new_tokens_field, f"{request.max_new_tokens} new tokens after a "
-                                  f"{prompt_tokens}-token prompt exceed the model's context of {model.max_positions} "
-                                  f"positions (at most {room}; leave it unset for what fits)")  # fmt: skip
+        raise InvalidRequestError(request.max_new_tokens_field, f"This model's maximum context length is "
+                                  f"{model.max_positions} tokens. However, you requested "
+                                  f"{prompt_tokens + request.max_new_tokens} tokens ({prompt_tokens} in the messages, "
+                                  f"{request.max_new_tokens} in the completion). Please reduce the length of the "
+                                  f"messages or completion (at most {room} new tokens here; leave it unset for up to "
+                                  "the context's end).")  # fmt: skip
     return request.max_new_tokens
 
 
 def _prompt_ids(model: ModelTokenizer, request: Request, max_prompt_tokens: int) -> list[int]:
     """The prompt's token ids, refused by its length in characters (or messages) before the tokenizer runs when it
     cannot fit: a token spans at most `max_token_chars` characters, so that many per allowed token is a bound that
-    never refuses a prompt that would fit."""
+    never refuses a prompt that would fit. The refusals say "maximum context length" with the counts, as vLLM's."""
     prompt, field = request.prompt, request.prompt_field
-    limit, why = max_prompt_tokens, f"this server's limit of {max_prompt_tokens} prompt tokens"
-    if model.max_positions is not None and model.max_positions - 1 < limit:
-        limit = model.max_positions - 1
-        why = f"the model's context of {model.max_positions} positions, less one for the answer"
+    limit, head = max_prompt_tokens, f"This server's maximum prompt length is {max_prompt_tokens} tokens"
+    if model.max_positions is not None:
+        if model.max_positions - 1 < limit:
+            limit, head = model.max_positions - 1, f"This model's maximum context length is {model.max_positions} tokens"
+        else:
+            head += f" (limits.max_prompt_tokens; the model's maximum context length is {model.max_positions} tokens)"
+    else:
+        head += " (limits.max_prompt_tokens)"
+    reduce = "Please reduce the length of the messages."
     if isinstance(prompt, tuple):
         ids = list(prompt[: limit + 1])
     else:
         chars = len(prompt) if isinstance(prompt, str) else sum(
             len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in prompt.messages)  # fmt: skip
         if chars > limit * model.max_token_chars:
-            raise InvalidRequestError(field, f"{chars} characters cannot fit in {why}")
+            raise InvalidRequestError(field, f"{head}. However, the {chars} characters you sent cannot fit in "
+                                      f"{limit} tokens (at most {limit * model.max_token_chars} characters can). "
+                                      f"{reduce}")  # fmt: skip
         if isinstance(prompt, ChatPrompt):
             if len(prompt.messages) > limit:  # each message renders to a token at least
-                raise InvalidRequestError(field, f"{len(prompt.messages)} messages cannot fit in {why}")
+                raise InvalidRequestError(field, f"{head}. However, the {len(prompt.messages)} messages you sent "
+                                          f"cannot fit in {limit} tokens. {reduce}")  # fmt: skip
             ids = _chat_ids(model, prompt)
         else:
             ids = encode_prompt(model.tokenizer, prompt)
     if len(ids) > limit:
-        size = f"{len(prompt)} tokens" if isinstance(prompt, tuple) else f"{len(ids)} tokens"
-        raise InvalidRequestError(field, f"{size} exceed {why}")
+        size = len(prompt) if isinstance(prompt, tuple) else len(ids)
+        room = " (at least one more is needed for the answer)" if limit < max_prompt_tokens else ""
+        raise InvalidRequestError(field, f"{head}. However, you requested {size} tokens in the messages{room}. "
+                                  f"{reduce}")  # fmt: skip
     check_token_ids(field, ids, model.vocab_size)
     return ids
 

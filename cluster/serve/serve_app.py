@@ -14,6 +14,7 @@ from ray import serve
 from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.serve.ingress import IngressDeployment
 from specserve.cluster.serve.pool_worker import PoolWorker
+from specserve.cluster.serve.prepare import MAX_NEW_TOKENS
 from specserve.cluster.serve.scheduler_replica import SchedulerReplica
 from specserve.protos.wire import MAX_FEATURE_BYTES
 
@@ -46,7 +47,8 @@ def worker_message_bytes(app: AppConfig) -> int:
     EAGLE-3 head's block of features)."""
     limits = app.limits
     rest = max(1 << 20, MAX_FEATURE_BYTES + (64 << 10))  # features: their data and a little framing
-    return max(limits.max_grpc_message_bytes, 5 * (limits.max_prompt_tokens + limits.max_new_tokens) + rest)
+    new_tokens = limits.max_new_tokens or MAX_NEW_TOKENS  # no cap: the most a context may still hold
+    return max(limits.max_grpc_message_bytes, 5 * (limits.max_prompt_tokens + new_tokens) + rest)
 
 
 def build_app(args: dict | AppConfig | None = None):

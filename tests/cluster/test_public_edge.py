@@ -152,7 +152,8 @@ def test_prepare_fills_max_tokens_to_what_fits_and_keeps_the_distribution(servic
     serving = service.models["tiny"]
     assert (serving.max_positions, serving.vocab_size) == (512, 259) and serving.max_token_chars >= 1
     p = service.prepare(completion(top_k=2**32 - 1))
-    assert p.params.max_new_tokens == 256 and p.params.top_k == 0 and p.spec.method == "ngram"  # top_k >= vocab: off
+    prompt = len(p.prompt_ids)  # unset max_tokens: up to the context's end, as vLLM's
+    assert p.params.max_new_tokens == 512 - prompt and p.params.top_k == 0 and p.spec.method == "ngram"  # top_k: off
     p = service.prepare(completion(prompt=[5] * 400))
     assert p.params.max_new_tokens == 512 - 400  # unset: what fits, not an error
     p = service.prepare(completion(prompt=[5] * 400, max_tokens=112, top_k=3))
@@ -162,27 +163,30 @@ def test_prepare_fills_max_tokens_to_what_fits_and_keeps_the_distribution(servic
 @pytest.mark.parametrize(
     ("request_", "field", "message"),
     [
-        (completion(prompt=[5] * 400, max_tokens=113), "max_tokens", "exceed the model's context of 512 positions"),
-        (completion(max_tokens=4097), "max_tokens", "exceeds this server's limit of 4096"),
-        (completion(max_tokens=2**64), "max_tokens", "exceeds this server's limit of 4096"),
+        (completion(prompt=[5] * 400, max_tokens=113), "max_tokens", "This model's maximum context length is 512 "
+         "tokens. However, you requested 513 tokens (400 in the messages, 113 in the completion)."),
+        (completion(max_tokens=2**64), "max_tokens", "maximum context length is 512 tokens. However, you requested "
+         f"{2**64 + 9} tokens (9 in the messages"),
         (oai.parse_chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 600}).request,
-         "max_completion_tokens", "exceed the model's context"),
-        (request_from_proto(g(max_new_tokens=600)), "sampling.max_new_tokens", "at most 510"),
-        (completion(prompt=[5] * 401), "prompt", "401 tokens exceed this server's limit of 400 prompt tokens"),
+         "max_completion_tokens", "This model's maximum context length is 512 tokens"),
+        (request_from_proto(g(max_new_tokens=600)), "sampling.max_new_tokens", "at most 510 new tokens here"),
+        (completion(prompt=[5] * 401), "prompt", "This server's maximum prompt length is 400 tokens "
+         "(limits.max_prompt_tokens; the model's maximum context length is 512 tokens). However, you requested 401 "
+         "tokens in the messages."),
         (completion(prompt=[10**6]), "prompt", "token id 1000000 is outside the vocabulary"),
         (request_from_proto(g(prompt="", ids=[-1])), "prompt_token_ids", "token id -1 is outside"),
-        (request_from_proto(g(prompt="", ids=[5] * 9000)), "prompt_token_ids", "9000 tokens exceed"),
-        (completion(prompt="x" * 401), "prompt", "tokens exceed this server's limit of 400"),
-        (completion(prompt="x" * 10_000_000), "prompt", "10000000 characters cannot fit"),
+        (request_from_proto(g(prompt="", ids=[5] * 9000)), "prompt_token_ids", "you requested 9000 tokens"),
+        (completion(prompt="x" * 401), "prompt", "maximum prompt length is 400 tokens"),
+        (completion(prompt="x" * 10_000_000), "prompt", "However, the 10000000 characters you sent cannot fit"),
         (oai.parse_chat({"messages": [{"role": "user", "content": "y" * 10_000_000}]}).request, "messages",
-         "10000000 characters cannot fit"),
+         "the 10000000 characters you sent cannot fit"),
         (oai.parse_chat({"messages": [{"role": "user", "content": ""}] * 401}).request, "messages",
-         "401 messages cannot fit"),
+         "the 401 messages you sent cannot fit"),
         (completion(model="nope"), "model", "unknown model 'nope'; served: tiny"),
         (completion(speculation={"method": "draft"}), "speculation.method", "has no draft model"),
     ],
 )  # fmt: skip
-def test_prepare_names_the_clients_field(service, request_, field, message):
+def test_prepare_names_the_clients_field(service, request_, field, message):  # the context's: vLLM's words
     with pytest.raises(InvalidRequestError) as e:
         service.prepare(request_)
     assert e.value.field == field and message in e.value.message, e.value
@@ -196,7 +200,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_the_tokenizer_runs(service, 
     for request in (completion(prompt="z" * (limit + 1)), chat):
         with pytest.raises(InvalidRequestError) as e:
             service.prepare(request)
-        assert "characters cannot fit" in e.value.message
+        assert "characters you sent cannot fit" in e.value.message
 
 
 def test_refused_requests_are_the_clients_doing():
@@ -211,3 +215,17 @@ def test_refused_requests_are_the_clients_doing():
     ]
     for error, http, grpc_status in cases:
         assert (refused_status(error, http=True), refused_status(error, http=False)) == (http, grpc_status), error
+
+
+def test_configured_token_limits_still_cap_and_default(tiny_target):
+    """Configs that set the old limits keep them: a cap on max_tokens and a default for an unset one."""
+    app = AppConfig.model_validate({"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram",
+                                                "device": "cpu"}],
+                                    "limits": {"max_new_tokens": 100, "default_max_new_tokens": 30}})  # fmt: skip
+    preparer = RequestPreparer(app, {"tiny": (tiny_target, None)})
+    assert preparer.prepare(completion()).params.max_new_tokens == 30
+    assert preparer.prepare(completion(prompt=[5] * 500)).params.max_new_tokens == 12  # what fits
+    with pytest.raises(InvalidRequestError) as e:
+        preparer.prepare(completion(max_tokens=101))
+    assert e.value.field == "max_tokens" and "exceeds this server's limit of 100" in e.value.message
+    assert AppConfig().limits.max_new_tokens is None and AppConfig().limits.default_max_new_tokens is None
