@@ -55,17 +55,18 @@ class PayloadTooLargeError(InvalidRequestError):
 
 @dataclass(frozen=True)
 class Request:
-    """One generation request as an edge validated it: types and ranges checked, defaults not applied yet. The
+    """One generation request as an edge validated it: types and ranges checked, defaults not applied yet (a None
+    sampling field: the model's default, applied by `prepare`). The
     `*_field` names are the client's own (HTTP `max_tokens`, gRPC `sampling.max_new_tokens`, ...), for the errors
     `prepare` may still raise; inside, the concept is `max_new_tokens` whatever the edge calls it."""
 
     model: str  # "" = the first served model
     prompt: str | tuple[int, ...] | ChatPrompt
-    temperature: float
-    top_p: float
-    top_k: int  # 0 disables top-k
+    temperature: float | None  # None (here and below): the model's default (generation_defaults.py)
+    top_p: float | None
+    top_k: int | None  # 0 disables top-k
     seed: int | None
-    max_new_tokens: int | None  # None: what fits the model's context, at most limits.default_max_new_tokens
+    max_new_tokens: int | None  # None: up to the context's end, within the limits (prepare.py)
     method: SpecMethod | None  # None: the model's default
     k: int | Literal["auto"] | None  # None: the model's default
     prompt_field: str = "prompt"
@@ -78,8 +79,8 @@ class Request:
     # logits controls (ranges checked: the types below; logit_bias's ids against the vocabulary by `prepare`)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    repetition_penalty: float | None = 1.0
+    min_p: float | None = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     controls_prefix: str = ""  # how the client names the controls' fields: "sampling." on gRPC

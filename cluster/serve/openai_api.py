@@ -135,7 +135,7 @@ class _Body(EdgeModel):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=UINT32_MAX)] | None = None  # -1: off (vLLM's)
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     speculation: Speculation | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # choices, each its own request (seeded: seed + index)
@@ -167,10 +167,10 @@ class _Body(EdgeModel):
         return Request(
             model=self.model or "",
             prompt=prompt,
-            # OpenAI's default temperature is 1 (sampling); send 0 for greedy decoding.
-            temperature=float(1.0 if self.temperature is None else self.temperature),
-            top_p=float(1.0 if self.top_p is None else self.top_p),
-            top_k=self.top_k or 0,
+            # Unset: the model's generation_config.json default, else OpenAI's (temperature 1: send 0 for greedy).
+            temperature=None if self.temperature is None else float(self.temperature),
+            top_p=None if self.top_p is None else float(self.top_p),
+            top_k=None if self.top_k is None else max(self.top_k, 0),  # vLLM's -1: off, as 0
             seed=self.seed,
             max_new_tokens=max_new,
             method=spec.method,
@@ -183,8 +183,8 @@ class _Body(EdgeModel):
             ignore_eos=bool(self.ignore_eos),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
-            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
             logit_bias=self.logit_bias or {},
             min_tokens=self.min_tokens or 0,
             logprobs=requested(self.logprobs, self.top_logprobs, chat=isinstance(self, ChatBody)),

@@ -12,6 +12,7 @@ from specserve.cluster.scheduling.prepared import Prepared
 from specserve.cluster.scheduling.stops import StopSpec
 from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.serve.edge import Request
+from specserve.cluster.serve.generation_defaults import load_generation_defaults
 from specserve.cluster.serve.openai_tools import check_auto
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
@@ -32,6 +33,8 @@ class RequestPreparer:
         """resolved_paths: model name -> (target directory, draft directory or None), demo paths already resolved."""
         self.app = app
         self.models = {m.name: ModelTokenizer(resolved_paths[m.name][0]) for m in app.models}
+        # Each model's generation_config.json sampling defaults, for the fields a request leaves unset.
+        self.defaults = {m.name: load_generation_defaults(m.name, resolved_paths[m.name][0]) for m in app.models}
         # Models served with an EAGLE-3 head (their draft directory is the head's): "eagle" / "eagle+ngram" drafting.
         self.heads = {m.name for m in app.models if resolve_eagle_head(resolved_paths[m.name][1])}
 
@@ -54,6 +57,8 @@ class RequestPreparer:
         cfg = self.app.model(request.model)
         model = self.models[cfg.name]
         limits = self.app.limits
+        defaults = self.defaults[cfg.name]
+        request = defaults.apply(request)
         cap = limits.max_new_tokens
         if request.max_new_tokens is not None and cap is not None and request.max_new_tokens > cap:
             raise InvalidRequestError(request.max_new_tokens_field, f"{request.max_new_tokens} exceeds this server's "
@@ -61,7 +66,7 @@ class RequestPreparer:
         spec = _spec(cfg, request, cfg.name in self.heads)
         ids = _prompt_ids(model, request, limits.max_prompt_tokens)
         check_auto(request, writes_hermes_calls(model.tokenizer))
-        max_new_tokens = _max_new_tokens(model, request, len(ids), limits)
+        max_new_tokens = _max_new_tokens(model, request, len(ids), limits, defaults.max_new_tokens)
         params = SamplingParams(
             temperature=request.temperature,
             top_k=0 if request.top_k >= model.vocab_size else request.top_k,  # the same distribution
@@ -160,11 +165,12 @@ def _prompt_ids(model: ModelTokenizer, request: Request, max_prompt_tokens: int)
     never refuses a prompt that would fit. The refusals say "maximum context length" with the counts, as vLLM's."""
     prompt, field = request.prompt, request.prompt_field
     limit, head = max_prompt_tokens, f"This server's maximum prompt length is {max_prompt_tokens} tokens"
-    if model.max_positions is not None:
-        if model.max_positions - 1 < limit:
-            limit, head = model.max_positions - 1, f"This model's maximum context length is {model.max_positions} tokens"
+    context = model.max_positions
+    if context is not None:
+        if context - 1 < limit:
+            limit, head = context - 1, f"This model's maximum context length is {context} tokens"
         else:
-            head += f" (limits.max_prompt_tokens; the model's maximum context length is {model.max_positions} tokens)"
+            head += f" (limits.max_prompt_tokens; the model's maximum context length is {context} tokens)"
     else:
         head += " (limits.max_prompt_tokens)"
     reduce = "Please reduce the length of the messages."

@@ -19,12 +19,15 @@ def test_completion_fields_map_to_the_typed_request():
     assert (p.stream, p.include_usage) == (True, True)
     assert p.request == Request(model="m", prompt="hi", temperature=0.0, top_p=0.9, top_k=7, seed=3,
                                 max_new_tokens=5, method="ngram", k="auto", prompt_field="prompt",
-                                max_new_tokens_field="max_tokens")  # fmt: skip
+                                max_new_tokens_field="max_tokens", repetition_penalty=None, min_p=None)  # fmt: skip
 
 
-def test_openai_defaults_sample_at_temperature_one_and_leave_max_tokens_to_the_server():
+def test_unset_sampling_fields_are_left_to_the_model_and_max_tokens_to_the_server():
     r = oai.parse_completion({"prompt": [[1, 2, 3]], "temperature": None}).request
-    assert (r.prompt, r.temperature, r.top_p, r.top_k, r.model, r.max_new_tokens) == ((1, 2, 3), 1.0, 1.0, 0, "", None)
+    assert (r.prompt, r.temperature, r.top_p, r.top_k, r.model, r.max_new_tokens) == ((1, 2, 3), None, None, None, "",
+                                                                                      None)  # fmt: skip
+    assert (r.min_p, r.repetition_penalty) == (None, None)  # the model's defaults apply (generation_defaults.py)
+    assert oai.parse_completion({"prompt": "x", "top_k": -1}).request.top_k == 0  # vLLM's "off"
     assert oai.parse_completion({"prompt": ["one"]}).request.prompt == "one"
     r = oai.parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 9})
     assert (r.request.max_new_tokens, r.request.max_new_tokens_field) == (9, "max_completion_tokens")
@@ -68,7 +71,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
     ({"prompt": "x", "top_p": 1.5}, "top_p", "less than or equal to 1"),
     ({"prompt": "x", "top_p": float("-inf")}, "top_p", "finite number"),
-    ({"prompt": "x", "top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "greater than or equal to -1"),
     ({"prompt": "x", "top_k": 2**32}, "top_k", "less than or equal to 4294967295"),
     ({"prompt": "x", "top_k": 2**64}, "top_k", "less than or equal to 4294967295"),
     ({"prompt": "x", "top_k": 5.5}, "top_k", "valid integer"),
@@ -134,7 +137,7 @@ def test_bad_completion_requests_name_the_field_as_sent(body, field, message):
 
 def test_several_bad_fields_are_named_after_the_first():
     with pytest.raises(InvalidRequestError) as e:
-        oai.parse_completion({"prompt": "x", "top_p": 2, "top_k": -1, "seed": "s", "n": 30, "temperature": -1})
+        oai.parse_completion({"prompt": "x", "top_p": 2, "top_k": -2, "seed": "s", "n": 30, "temperature": -1})
     assert e.value.field == "temperature"
     assert "(also: top_p: " in e.value.message and "top_k: " in e.value.message and "and 1 more)" in e.value.message
 
