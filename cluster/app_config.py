@@ -207,13 +207,24 @@ class SchedulerDeploymentConfig(_Strict):
         128, gt=0, description="Requests one scheduler replica runs at once; more get RESOURCE_EXHAUSTED / 429 with a "
         "retry hint instead of queueing without bound."
     )  # fmt: skip
-    call_timeout_s: float = Field(60.0, gt=0, description="Deadline of every scheduler -> worker call.")
+    call_timeout_s: float = Field(
+        60.0, gt=0, description="Within it a worker that stopped answering is known to be down: a scheduler -> worker "
+        "call unanswered for a third of it asks the worker's health check (answered off the model thread), which must "
+        "answer within half of it. A live worker's long calls (a prompt near the context limit) are waited for."
+    )  # fmt: skip
+    max_call_s: float = Field(
+        3600.0, gt=0, description="The longest a scheduler -> worker call may run while its worker answers its health "
+        "check (a model thread stuck in a live process)."
+    )  # fmt: skip
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On a stop (SIGTERM, `specserve drain`, a scheduler or ingress replica's shutdown): "
         "how long running requests may finish while no new one is admitted (503 / UNAVAILABLE, retry). The "
         "manifests' terminationGracePeriodSeconds leaves room for it."
     )  # fmt: skip
-    worker_wait_s: float = Field(600.0, gt=0, description="How long a request waits for the pools to come up.")
+    worker_wait_s: float = Field(
+        600.0, gt=0, description="How long a request waits for the pools to come up, or for a healthy target worker "
+        "after its own failed (the failed one rejoins when it answers again)."
+    )  # fmt: skip
 
 
 class AuthConfig(_Strict):
@@ -226,6 +237,16 @@ class AuthConfig(_Strict):
     )  # fmt: skip
 
 
+class HttpConfig(_Strict):
+    """The OpenAI-compatible HTTP API's leniency."""
+
+    strict: bool = Field(
+        False, description="Refuse unknown request fields with 400 naming them. False (the default, as vLLM): they "
+        "are ignored and named in the log (a WARNING, rate-limited); the request's size and value bounds hold either "
+        "way."
+    )  # fmt: skip
+
+
 class AppConfig(_Strict):
     """Everything `build_app` needs: the served models, their pools, limits and the scheduler deployment."""
 
@@ -233,6 +254,7 @@ class AppConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     scheduler: SchedulerDeploymentConfig = Field(default_factory=SchedulerDeploymentConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
     autoscaling_goal_busy_fraction: float = Field(
         0.7, gt=0, le=1, description="Busy fraction the pool autoscaling policy sizes each pool's replicas for."
     )

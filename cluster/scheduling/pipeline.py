@@ -14,9 +14,11 @@ Prompt lookup runs here, next to the committed tokens: method "ngram" every roun
 scheduler's plan gives to it (no draft call; the head gets those rounds' features with its next call).
 
 Faults: a worker that lost a request's cache (NOT_FOUND) gets the whole committed prefix again; a worker that cannot
-be reached is marked unhealthy and its requests move to another worker (a draft failure falls back to target-only
-decoding until another draft worker is available). A head's draft worker that lost a request starts its cache again
-from the features it is handed (older positions are gone: drafts may be worse for a while). Outputs never change.
+be reached, or does not answer its health check while a call waits (a slow call of a live worker is waited for), is
+marked unhealthy and its requests move to another worker (a draft failure falls back to target-only decoding until
+another draft worker is available); it rejoins when its health check answers again (faults.py). A head's draft
+worker that lost a request starts its cache again from the features it is handed (older positions are gone: drafts
+may be worse for a while). Outputs never change.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from specserve.cluster.scheduling.costs import measured_costs
-from specserve.cluster.scheduling.scheduler import FALLBACK_K, Call, NoTargetWorker, PreDraft, SchedRequest, Scheduler
+from specserve.cluster.scheduling.faults import WorkerFaults
+from specserve.cluster.scheduling.scheduler import FALLBACK_K, Call, PreDraft, SchedRequest, Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.service.results import ProposeResult, VerifyResult
@@ -88,42 +91,22 @@ class Pipeline:
         targets: dict[str, TargetClient],
         predraft: bool = True,
         reconnect: Callable[[str], Awaitable[str | None]] | None = None,
+        worker_wait_s: float = 600.0,
     ):
-        """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none."""
+        """reconnect(worker) -> the address of the worker's restarted replacement, or None when it has none;
+        worker_wait_s: how long a request whose target failed waits for a healthy one."""
         self.scheduler = scheduler
         # Each call reports its batch's size, so a batch of n is reported n times: calls / sum(1/n) = batches' mean.
         self.verify_calls, self.inverse_batch_rows = 0, 0.0
         self.drafts = drafts
         self.targets = targets
         self.predraft = predraft
-        self.reconnect = reconnect
-        self.restarts = 0
-        self._failure_locks: dict[str, asyncio.Lock] = {}
+        self.faults = WorkerFaults(scheduler, drafts, targets, reconnect, worker_wait_s)
         self.ngram = NgramDrafter(scheduler.ngram)  # prompt lookup needs no model: here, next to the committed tokens
         self.times = RoundTimes()
         self._releasing: set[asyncio.Task] = set()  # releases sent after the request's reply left
         self._costs_lock = asyncio.Lock()
         self._costs_failed = False  # a worker could not report its costs: AdaptiveK stays in charge
-
-    async def _worker_failed(self, worker: str, failed_client, error: Exception) -> None:
-        """A call found `worker` down: connect to its restarted replacement (which holds no caches, so every request
-        re-sends its prefix there), or mark it unhealthy so its requests move elsewhere. Once per failure."""
-        lock = self._failure_locks.setdefault(worker, asyncio.Lock())
-        async with lock:
-            clients = self.drafts if worker in self.drafts else self.targets
-            if clients.get(worker) is not failed_client or worker in self.scheduler.unhealthy:
-                return  # another request already dealt with this failure
-            log.warning("worker %s failed a call: %s", worker, error)
-            address = await self.reconnect(worker) if self.reconnect is not None else None
-            if address is None:
-                self.scheduler.mark_unhealthy(worker)
-                return
-            clients[worker] = type(failed_client)(address, failed_client.timeout_s, failed_client.secret)
-            # The old channel is left open: other requests' in-flight calls on it fail as UNAVAILABLE and are
-            # retried; closing it would cancel them instead.
-            self.scheduler.forget_worker(worker)
-            self.restarts += 1
-            log.info("worker %s restarted at %s: its requests re-send their prefixes there", worker, address)
 
     async def _call(self, req: SchedRequest, call: Call, fn, resends: int = 3):
         """A call; when the worker lost the request (restarted, or evicted it for room), the same call with the whole
@@ -228,7 +211,7 @@ class Pipeline:
             try:
                 proposal = await self._propose(req, call)
             except WorkerUnavailable as e:  # this round: target-only; later: the restarted or another drafter
-                await self._worker_failed(call.worker, client, e)
+                await self.faults.failed(call.worker, client, e)
                 return ProposeResult([])
         self.scheduler.drafted(req, call)
         return proposal
@@ -248,7 +231,7 @@ class Pipeline:
                 try:
                     proposal = await self._propose(req, call)
                 except WorkerUnavailable as e:
-                    await self._worker_failed(call.worker, client, e)
+                    await self.faults.failed(call.worker, client, e)
                     proposal = None
             if proposal is not None:
                 self.scheduler.drafted(req, call)
@@ -285,12 +268,9 @@ class Pipeline:
                 reply = await verify
             except WorkerUnavailable as e:
                 await _cancel(pre_task)
-                await self._worker_failed(call.worker, client, e)
+                await self.faults.failed(call.worker, client, e)
                 if self.scheduler.stranded(req):
-                    raise NoTargetWorker(
-                        f"target worker {call.worker} failed mid-request and no healthy target worker is left; "
-                        f"{len(req.state.generated)} tokens were generated before the failure"
-                    ) from None
+                    await self.faults.await_target(req)
                 return None, None
             if self.scheduler.planner_costs is not None:
                 self.scheduler.planner_costs.observe_batch(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
@@ -379,6 +359,7 @@ def build_pipeline(
     reconnect: Callable[[str], Awaitable[str | None]] | None = None,
     max_k: int | None = None,
     ngram: NgramConfig | None = None,
+    worker_wait_s: float = 600.0,
 ) -> Pipeline:
     """A model's scheduler and pipelined driver over its workers' clients, for every caller (the Serve app's scheduler
     replica, the plain-actor path, the bench). head: the EAGLE-3 head directory the draft workers run, whose recorded
@@ -386,4 +367,6 @@ def build_pipeline(
     from specserve.workers.speculation.eagle.config import head_acceptance
 
     prior = head_acceptance(head) if head is not None else None
-    return Pipeline(Scheduler(list(drafts), list(targets), prior, max_k, ngram), drafts, targets, predraft, reconnect)
+    return Pipeline(
+        Scheduler(list(drafts), list(targets), prior, max_k, ngram), drafts, targets, predraft, reconnect, worker_wait_s
+    )

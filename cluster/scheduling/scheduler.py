@@ -2,9 +2,7 @@
 the next round drafts and verifies, and how a verified round is applied. No I/O: `pipeline.py` executes its plans
 over gRPC; `service.py` (in the Serve app's scheduler replicas) holds one per model. Per request it tracks the
 committed tokens (RequestState), the sticky workers that hold its KV caches, the tokens each has been sent (the KV
-state protocol's tails), k, and PEARL-style pre-drafting (round r + 1 drafted while r verifies, assuming all of r is
-accepted; used when that held). Method "eagle" drafts with an EAGLE-3 head on the draft workers: each verify returns
-the features of the positions it commits and the next propose hands them to the head (features.py); no pre-drafting.
+state protocol's tails), k, PEARL-style pre-drafting, and for "eagle" the head's features (features.py).
 
 Every chain method plans its rounds with the goodput planner (docs/planner.md), as the in-process engine does: each
 request's ChainPlanner says what its drafters offer (the head's chain, prompt lookup's or suffix drafting's
@@ -220,6 +218,11 @@ class Scheduler:
     def stranded(self, req: SchedRequest) -> bool:
         """The request's target worker failed and no healthy one was left to take it."""
         return req.target_worker in self.unhealthy
+
+    def rehome(self, req: SchedRequest) -> bool:
+        """A stranded request onto a healthy target worker if one is there now; whether it has one."""
+        req.target_worker = self._least_loaded(self.target_workers, "target_worker") or req.target_worker
+        return not self.stranded(req)
 
     def k_for(self, req: SchedRequest) -> int:
         """Tokens to draft this round (0: a plain step). For chains it also plans whose chain drafts them

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from specserve.cluster.app_config import AppConfig
@@ -45,7 +45,7 @@ class SchedulerService:
         self.active = 0  # requests running now (admission control)
         self.draining = False  # the app is stopping (the registry says so): finish what runs, admit nothing
         self.models = {
-            m.name: ModelServing.load(m, resolved_paths[m.name][0], self._reconnect_for(m.name)) for m in app.models
+            m.name: ModelServing.load(m, resolved_paths[m.name][0], app.scheduler.worker_wait_s) for m in app.models
         }
 
     # -- membership ----------------------------------------------------------------------------------------------
@@ -54,24 +54,7 @@ class SchedulerService:
         """Make each model's workers match the registry's members (rows of model, kind, worker_id, address)."""
         for name, serving in self.models.items():
             rows = {r["worker_id"]: r for r in members if r["model"] == name}
-            serving.sync(rows, self.app.scheduler.call_timeout_s, self.secret)
-
-    def _reconnect_for(self, model: str) -> Callable:
-        async def reconnect(worker: str) -> str | None:
-            """A failed target worker's requests wait for another healthy target (Serve restarts a dead replica
-            under a new id, which registers and joins); a failed draft worker's requests go target-only now."""
-            serving = self.models[model]
-            log.warning("model %r: worker %s failed a call", model, worker)
-            if worker in serving.pipeline.drafts:
-                return None
-            deadline = time.monotonic() + self.app.scheduler.worker_wait_s
-            while time.monotonic() < deadline:
-                if [w for w in serving.scheduler.healthy("target") if w != worker]:
-                    return None
-                await serving.wait_changed(deadline)
-            return None
-
-        return reconnect
+            serving.sync(rows, self.app.scheduler.call_timeout_s, self.secret, self.app.scheduler.max_call_s)
 
     async def wait_ready(self, model: str, timeout_s: float | None = None, costs: bool = False) -> None:
         """Until the model has a healthy target worker (and a draft worker, if it drafts with a model); with `costs`,

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from specserve.cluster.app_config import ModelPairConfig
@@ -16,7 +15,7 @@ from specserve.cluster.scheduling.detokenize import byte_pieces
 from specserve.cluster.scheduling.pipeline import Pipeline, build_pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.tokens import ModelTokenizer
-from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
+from specserve.cluster.scheduling.worker_clients import MAX_CALL_S, DraftClient, TargetClient
 from specserve.workers.runtime.eos import directory_eos_ids
 from specserve.workers.speculation.eagle.config import resolve_eagle_head
 from specserve.workers.speculation.request import RequestStats
@@ -43,32 +42,39 @@ class ModelServing:
         return self.pipeline.scheduler
 
     @classmethod
-    def load(cls, config: ModelPairConfig, target_path: str,
-             reconnect: Callable[[str], Awaitable[str | None]]) -> ModelServing:  # fmt: skip
-        """The model's tokenizer (from its target directory) and an empty scheduler: no workers until they attach."""
+    def load(cls, config: ModelPairConfig, target_path: str, worker_wait_s: float = 600.0) -> ModelServing:
+        """The model's tokenizer (from its target directory) and an empty scheduler: no workers until they attach.
+        worker_wait_s: how long a request whose target worker failed waits for a healthy one."""
         tokens = ModelTokenizer(target_path)
         head = resolve_eagle_head(config.draft, target_path)
-        pipeline = build_pipeline({}, {}, head, predraft=config.predraft, reconnect=reconnect, max_k=config.max_k,
-                                  ngram=config.ngram)  # fmt: skip
+        pipeline = build_pipeline({}, {}, head, predraft=config.predraft, max_k=config.max_k, ngram=config.ngram,
+                                  worker_wait_s=worker_wait_s)  # fmt: skip
         eos = directory_eos_ids(target_path, tokens.tokenizer)
-        return cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
+        serving = cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
+        pipeline.faults.wait_changed, pipeline.faults.on_rejoin = serving.wait_changed, serving.notify_changed
+        return serving
 
-    def sync(self, rows: dict[str, dict], timeout_s: float, secret: str | None) -> None:
+    def sync(self, rows: dict[str, dict], timeout_s: float, secret: str | None, max_call_s: float = MAX_CALL_S) -> None:
         """Match the workers to the registry's rows for this model (worker id -> model, kind, worker_id, address)."""
         for worker_id in [w for w in self.addresses if w not in rows]:
             self.detach(worker_id)
         for row in rows.values():
             if self.addresses.get(row["worker_id"]) != row["address"]:
-                self.attach(row["kind"], row["worker_id"], row["address"], timeout_s, secret)
+                self.attach(row["kind"], row["worker_id"], row["address"], timeout_s, secret, max_call_s)
+        self.notify_changed()
+
+    def notify_changed(self) -> None:
+        """Wake whatever waits on membership (readiness, requests waiting for a target worker)."""
         self.changed.set()
         self.changed = asyncio.Event()
 
-    def attach(self, kind: str, worker_id: str, address: str, timeout_s: float, secret: str | None) -> None:
+    def attach(self, kind: str, worker_id: str, address: str, timeout_s: float, secret: str | None,
+               max_call_s: float = MAX_CALL_S) -> None:  # fmt: skip
         self.addresses[worker_id] = address
         if kind == "draft":
-            self.pipeline.drafts[worker_id] = DraftClient(address, timeout_s, secret)
+            self.pipeline.drafts[worker_id] = DraftClient(address, timeout_s, secret, max_call_s)
         else:
-            self.pipeline.targets[worker_id] = TargetClient(address, timeout_s, secret)
+            self.pipeline.targets[worker_id] = TargetClient(address, timeout_s, secret, max_call_s)
         self.scheduler.add_worker(kind, worker_id)
         if self.ready:  # measure the costs now (a draft worker's too), not when the first request waits for them
             with contextlib.suppress(RuntimeError):  # no event loop: the first request with k='auto' asks

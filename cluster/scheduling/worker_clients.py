@@ -1,7 +1,17 @@
-"""Async gRPC clients of draft and target workers: they execute the scheduler's Calls with explicit deadlines and
-turn the KV state protocol's NOT_FOUND into WorkerLostRequest, so the caller can re-send the whole prefix."""
+"""Async gRPC clients of draft and target workers: they execute the scheduler's Calls and turn the KV state
+protocol's NOT_FOUND into WorkerLostRequest, so the caller can re-send the whole prefix.
+
+A slow call is not a dead worker. A call's length follows its work (a prompt near the context limit prefills for
+minutes on a CPU), so no fixed deadline can tell the two apart. Instead, a call not answered within a third of
+`timeout_s` makes the client ask the worker's health check, which the worker answers on its event loop, not behind
+the model's work: a worker that answers keeps its calls running; one that does not answer within half of `timeout_s`
+(stopped, hung, unreachable) fails them all with WorkerUnavailable, so a dead worker is known within `timeout_s`.
+One probe at a time per worker, shared by every waiting call. `max_call_s` bounds a call whatever the probes say
+(a model thread that is stuck while its process answers)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
@@ -14,7 +24,7 @@ from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.service.sampling_wire import sampling_to_proto
 from specserve.workers.speculation.logprobs import from_proto
 
-COSTS_TIMEOUT_S = 120.0  # a first cost measurement: a few dozen forward passes, on a busy CPU worker too
+MAX_CALL_S = 3600.0  # a call's bound while its worker answers: no forward pass of a served model takes an hour
 
 
 class WorkerLostRequest(Exception):
@@ -32,17 +42,29 @@ _DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.St
 
 
 class _Client:
-    def __init__(self, address: str, timeout_s: float, secret: str | None = None):
+    def __init__(self, address: str, timeout_s: float, secret: str | None = None, max_call_s: float = MAX_CALL_S):
         self.address = address
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # within it, a worker that does not answer is known to be down
+        self.max_call_s = max(max_call_s, timeout_s)
         self.secret = secret
         self.metadata = ((SECRET_METADATA, secret),) if secret else None
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.wire_bytes = 0  # serialized request + response bytes of every call
+        self.slow_calls = 0  # calls that outlasted a probe interval while the worker answered its health check
+        self._probe: asyncio.Future | None = None
 
-    async def _invoke(self, method, message, timeout_s: float | None = None):
+    async def _invoke(self, method, message):
+        call = asyncio.ensure_future(_awaited(method(message, timeout=self.max_call_s, metadata=self.metadata)))
         try:
-            response = await method(message, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+            slow = False
+            while not (await asyncio.wait({call}, timeout=self.timeout_s / 3))[0]:
+                if not await self.alive():
+                    raise WorkerUnavailable(f"{self.address}: a call unanswered and no answer to its health check "
+                                            f"within {self.timeout_s / 2:.1f} s")  # fmt: skip
+                if not slow:
+                    slow = True
+                    self.slow_calls += 1
+            response = call.result()
             self.wire_bytes += message.ByteSize() + response.ByteSize()
             return response
         except grpc.aio.AioRpcError as e:
@@ -51,6 +73,22 @@ class _Client:
             if e.code() in _DOWN:
                 raise WorkerUnavailable(f"{self.address}: {e.code().name}: {e.details()}") from None
             raise
+        finally:
+            call.cancel()  # a no-op once answered; else the worker is told to drop the call
+
+    async def alive(self) -> bool:
+        """Whether the worker answers its health check, healthy, within half of `timeout_s`. Concurrent askers share
+        one probe."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._health_probe())
+        return await asyncio.shield(self._probe)
+
+    async def _health_probe(self) -> bool:
+        try:
+            reply = await self.stub.Health(pb.HealthRequest(), timeout=self.timeout_s / 2, metadata=self.metadata)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.healthy
 
     async def release(self, request_id: str) -> bool:
         """The request ended: the worker frees its state (False: it held none)."""
@@ -58,19 +96,25 @@ class _Client:
 
     async def health(self, want_costs: bool = False) -> pb.HealthResponse:
         """Liveness and capacity; with want_costs also the worker's measured costs (the first time, the worker measures
-        them after the work queued on it, so the deadline is longer)."""
-        if not want_costs:
-            return await self._invoke(self.stub.Health, pb.HealthRequest())
-        request = pb.HealthRequest(want_costs=True)
-        return await self._invoke(self.stub.Health, request, max(self.timeout_s, COSTS_TIMEOUT_S))
+        them on its model thread, after the work queued there: a long call of a live worker)."""
+        return await self._invoke(self.stub.Health, pb.HealthRequest(want_costs=want_costs))
+
+    def replacement(self, address: str) -> _Client:
+        """A client of the same kind and settings for the worker's restarted replacement."""
+        return type(self)(address, self.timeout_s, self.secret, self.max_call_s)
 
     async def close(self) -> None:
         await self.channel.close()
 
 
+async def _awaited(call):
+    return await call
+
+
 class DraftClient(_Client):
-    def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None):
-        super().__init__(address, timeout_s, secret)
+    def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None,
+                 max_call_s: float = MAX_CALL_S):  # fmt: skip
+        super().__init__(address, timeout_s, secret, max_call_s)
         self.stub = pb_grpc.DraftWorkerStub(self.channel)
 
     async def propose(self, call: Call, params: SamplingParams) -> ProposeResult:
@@ -101,8 +145,9 @@ class DraftClient(_Client):
 
 
 class TargetClient(_Client):
-    def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None):
-        super().__init__(address, timeout_s, secret)
+    def __init__(self, address: str, timeout_s: float = 30.0, secret: str | None = None,
+                 max_call_s: float = MAX_CALL_S):  # fmt: skip
+        super().__init__(address, timeout_s, secret, max_call_s)
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
     async def verify(self, call: Call, params: SamplingParams) -> VerifyResult:

@@ -164,7 +164,7 @@ def test_restarted_workers_are_reconnected_with_identical_output(models, referen
 
     results, pipeline, served = asyncio.run(main())
     assert [r.state.generated for r in results] == list(reference.values())
-    assert pipeline.restarts == 2 and not pipeline.scheduler.unhealthy
+    assert pipeline.faults.restarts == 2 and not pipeline.scheduler.unhealthy
     assert served == {"draft-0": 0, "target-0": 0}  # the replacements served the rest, then released everything
 
 

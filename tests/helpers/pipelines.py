@@ -9,11 +9,14 @@ from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClien
 from tests.helpers.workers import LocalWorkers
 
 
-async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, reconnect=None):
-    """Generate every (prompt, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers."""
-    drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
-    targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
-    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect)
+async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, reconnect=None, timeout_s=30.0,
+                       worker_wait_s=600.0):  # fmt: skip
+    """Generate every (prompt, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers (clients
+    with `timeout_s`; a request whose target failed waits `worker_wait_s` for one)."""
+    drafts = {n: DraftClient(a, timeout_s=timeout_s) for n, a in w.draft_addresses.items()}
+    targets = {n: TargetClient(a, timeout_s=timeout_s) for n, a in w.target_addresses.items()}
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect,
+                        worker_wait_s=worker_wait_s)  # fmt: skip
     tokenizer = next(iter(w.targets.values())).verifier.runner.loaded.tokenizer
     eos = frozenset({tokenizer.eos_token_id})
     jobs = [pipeline.generate(tokenizer(p)["input_ids"], params, spec, eos) for p, params, spec in requests]
@@ -21,7 +24,7 @@ async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, re
         jobs.append(during(pipeline))
     results = await asyncio.gather(*jobs)
     await pipeline.drain_releases()  # releases leave after each reply: wait for them before looking at the workers
-    for client in (*drafts.values(), *targets.values()):
+    for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
         await client.close()
     return results[: len(requests)], pipeline
 
