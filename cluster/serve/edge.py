@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -46,6 +47,8 @@ MAX_NAME_CHARS = 256  # a model name (served names are at most 128 characters)
 MAX_N = 16  # choices per request (OpenAI's n)
 _SHOWN_CHARS = 64  # of a client's own key or value, in an error message
 _OTHERS_SHOWN = 3
+_IGNORED_KEPT = 16  # names of ignored unknown fields collected per request (for the log)
+_KNOWN_KEYS: dict[type, frozenset[str]] = {}  # an EdgeModel -> the keys it takes
 
 
 class PayloadTooLargeError(InvalidRequestError):
@@ -123,13 +126,24 @@ IdKeyedBias = Annotated[dict[Annotated[int, Field(ge=0)], Bias], BeforeValidator
 class EdgeModel(BaseModel):
     """What a client sent: strict types (no "5" for 5, no true for 1, no 1.0 for an integer), no unknown fields.
     Lists in these models are `fail_fast` and objects refuse many unknown keys at once: pydantic's errors cost
-    hundreds of bytes each, and a 4 MB body of bad elements would otherwise make a million of them."""
+    hundreds of bytes each, and a 4 MB body of bad elements would otherwise make a million of them.
+
+    Parsed leniently (`parse(..., ignored=[...])`, vLLM's behaviour), unknown keys at any depth are dropped before
+    validation and their names collected instead."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _few_unknown_keys(cls, data: Any) -> Any:
+    def _few_unknown_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        ignored = info.context.get("ignored") if isinstance(info.context, dict) else None
+        if ignored is not None and isinstance(data, dict):
+            known = cls._known_keys()
+            if any(k not in known for k in data):
+                for key in data:
+                    if key not in known and len(ignored) < _IGNORED_KEPT:
+                        ignored.append(shown(str(key)))
+                return {k: v for k, v in data.items() if k in known}
         if isinstance(data, dict) and len(data) > len(cls.model_fields):
             unknown = [k for k in data if k not in cls.model_fields]
             if len(unknown) > _OTHERS_SHOWN:
@@ -137,6 +151,14 @@ class EdgeModel(BaseModel):
                 raise PydanticCustomError("unknown_fields", "{n} unknown fields ({names}, ...): specserve does not "
                                           "take them", {"n": len(unknown), "names": names})  # fmt: skip
         return data
+
+    @classmethod
+    def _known_keys(cls) -> frozenset[str]:
+        """The keys a client may send: the fields' names, as aliased."""
+        known = _KNOWN_KEYS.get(cls)
+        if known is None:
+            known = _KNOWN_KEYS[cls] = frozenset(f.alias or name for name, f in cls.model_fields.items())
+        return known
 
 
 def _valid_unicode(text: str) -> str:
@@ -214,11 +236,12 @@ _MESSAGES = {
 }
 
 
-def parse(model: type[EdgeModel], data: Any) -> Any:
+def parse(model: type[EdgeModel], data: Any, ignored: list[str] | None = None) -> Any:
     """Validate what a client sent into `model`; an InvalidRequestError naming the first bad field as the client
-    wrote it (a few others after it)."""
+    wrote it (a few others after it). With `ignored` (a list), unknown fields are not errors: they are dropped and
+    their names appended to it (the first few)."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=None if ignored is None else {"ignored": ignored})
     except ValidationError as e:
         by_field: dict[str, list[str]] = {}
         for err in e.errors(include_url=False, include_input=False):

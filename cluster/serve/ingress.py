@@ -5,6 +5,7 @@ openai_api.py), checked against the model and tokenized here (prepare.py), and h
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -24,6 +25,7 @@ from specserve.cluster.serve.choices import after, indexed, per_choice, started
 from specserve.cluster.serve.edge import REQUEST_ID_HEADER, PayloadTooLargeError, client_message, request_id
 from specserve.cluster.serve.error_mapping import call_scheduler, http_error, scheduler_error, set_grpc_error
 from specserve.cluster.serve.health import Readiness
+from specserve.cluster.serve.ignored_fields import IgnoredFields
 from specserve.cluster.serve.openai_endpoints import parse_detokenize, parse_tokenize
 from specserve.cluster.serve.openai_logprobs import LogprobsShaper, TokenTexts
 from specserve.cluster.serve.openai_tools import ToolStream, with_tool_calls
@@ -56,6 +58,7 @@ class SpecServeIngress:
         self.preparer = RequestPreparer(self.config, {m.name: resolve_paths(m) for m in self.config.models})
         self.scheduler = scheduler
         self.created = int(time.time())
+        self._ignored = IgnoredFields()  # unknown request fields, said in the log (rate-limited)
         self._token_texts: dict[str, TokenTexts] = {}  # model -> its tokens' texts, for OpenAI's logprobs
         env = self.config.auth.api_key_env
         self._api_key = (os.environ.get(env) or None) if env else None
@@ -173,18 +176,23 @@ class SpecServeIngress:
 
     @http_app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
-        return await self._json_call(request, "/tokenize", lambda body: self.preparer.tokenize(*parse_tokenize(body)))
+        answer = lambda body, ignored: self.preparer.tokenize(*parse_tokenize(body, ignored))  # noqa: E731
+        return await self._json_call(request, "/tokenize", answer)
 
     @http_app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
-        answer = lambda body: self.preparer.detokenize(*parse_detokenize(body))  # noqa: E731
+        answer = lambda body, ignored: self.preparer.detokenize(*parse_detokenize(body, ignored))  # noqa: E731
         return await self._json_call(request, "/detokenize", answer)
 
     async def _json_call(self, request: Request, route: str, answer) -> JSONResponse:
-        """A small JSON endpoint: the key checked, the body read within the limit, `answer(body)` or an OpenAI error."""
+        """A small JSON endpoint: the key checked, the body read within the limit, `answer(body, ignored)` (unknown
+        fields ignored into the list, unless strict) or an OpenAI error."""
         try:
             self._check_key(request.headers.get("authorization"))
-            return JSONResponse(answer(await _json_body(request, self.config.limits.max_request_bytes)))
+            ignored = None if self.config.http.strict else []
+            out = answer(await _json_body(request, self.config.limits.max_request_bytes), ignored)
+            self._ignored.note(route, ignored, request.headers.get(REQUEST_ID_HEADER))
+            return JSONResponse(out)
         except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
             return self._refuse(route, e)
 
@@ -239,14 +247,18 @@ class SpecServeIngress:
             prepared_id = request_id(sent)
             self._check_key(request.headers.get("authorization"))
             body = await _json_body(request, self.config.limits.max_request_bytes)
-            parsed = oai.parse_chat(body) if chat else oai.parse_completion(body)
+            strict = self.config.http.strict
+            parsed = oai.parse_chat(body, strict) if chat else oai.parse_completion(body, strict)
+            self._ignored.note(route, parsed.ignored, prepared_id)
             prepared = self.preparer.prepare(parsed.request, prepared_id)
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{prepared_id}"
             shaper = self._logprobs_shaper(prepared, chat)
+            if parsed.echo:
+                parsed = dataclasses.replace(parsed, echo_text=self._prompt_text(parsed, prepared))
             if parsed.n > 1:
                 return await self._choices(rid, per_choice(prepared, parsed.n), parsed, chat, shaper)
             if not parsed.stream:
-                out = _shaped(await self._generate(prepared), shaper)
+                out = _echoed(_shaped(await self._generate(prepared), shaper), parsed)
                 return JSONResponse(_answer(parsed, oai.completion_response(rid, prepared.model, out, chat)))
             # The first round's chunk before the 200 and its headers are sent: a refusal (over capacity, no
             # workers) is still an HTTP status, with no round trip to ask for admission first.
@@ -261,7 +273,7 @@ class SpecServeIngress:
         """`n` choices: each its own request, answered together or streamed as their rounds come."""
         if not parsed.stream:
             outs = await asyncio.gather(*(self._generate(p) for p in prepared))
-            outs = [_shaped(out, shaper, i) for i, out in enumerate(outs)]
+            outs = [_echoed(_shaped(out, shaper, i), parsed) for i, out in enumerate(outs)]
             return JSONResponse(_answer(parsed, oai.completion_response(rid, prepared[0].model, outs, chat)))
         chunks = await started([self._run(p) for p in prepared])  # refusals before the 200, as for one
         return StreamingResponse(self._sse(rid, prepared[0], chunks, parsed, chat, shaper),
@@ -276,6 +288,11 @@ class SpecServeIngress:
             texts = self._token_texts[prepared.model] = TokenTexts(self.preparer.models[prepared.model].tokenizer)
         return LogprobsShaper(texts, chat)
 
+    def _prompt_text(self, parsed, prepared: Prepared) -> str:
+        """What `echo` puts before a completion's text: its prompt as sent, a prompt of token ids decoded (vLLM's)."""
+        prompt = parsed.request.prompt
+        return prompt if isinstance(prompt, str) else self.preparer.models[prepared.model].tokenizer.decode(prompt)
+
     def _refuse(self, route: str, error: BaseException, rid: str | None = None) -> JSONResponse:
         """The error response; counted when the client caused it (4xx)."""
         self._refused(route, error, refused_status(error, http=True), rid)
@@ -285,20 +302,24 @@ class SpecServeIngress:
                    shaper: LogprobsShaper | None) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events of one choice or several (chunks by choice index); the tool calls a chat answer makes
         parsed per choice (openai_tools.ToolStream)."""
-        generated, stats, calls, sent = 0, {}, {}, set()
+        generated, stats, calls, sent, counts = 0, {}, {}, set(), {}
         tools = parsed.request.tool_calls
         try:
             async with contextlib.aclosing(chunks):
                 async for i, chunk in chunks:
                     generated += len(chunk.token_ids)
+                    counts[i] = counts.get(i, 0) + len(chunk.token_ids)
                     stats = chunk.stats if parsed.n == 1 else {}  # one request's
                     text, finish, tool_calls = chunk.text, chunk.finish_reason, None
                     if tools is not None:
                         text, finish, tool_calls = calls.setdefault(i, ToolStream(tools)).step(text, finish)
+                    if parsed.echo_text and i not in sent:  # the prompt's text first (completions' echo)
+                        text = parsed.echo_text + text
                     if text or finish or chunk.logprobs:  # a chunk's text may be held back
                         logprobs = shaper.shape(chunk.token_ids, chunk.logprobs, i) if shaper else None
+                        usage = (len(prepared.prompt_ids), counts[i]) if parsed.continuous_usage else None
                         yield oai.stream_chunk(rid, prepared.model, text, finish, chat, i not in sent, index=i,
-                                               logprobs=logprobs, tool_calls=tool_calls)  # fmt: skip
+                                               logprobs=logprobs, tool_calls=tool_calls, usage=usage)  # fmt: skip
                         sent.add(i)  # the role goes with a choice's first event
             if parsed.include_usage:
                 yield oai.usage_chunk(rid, prepared.model, len(prepared.prompt_ids), generated, stats, chat)
@@ -318,6 +339,11 @@ def _answer(parsed, response: dict) -> dict:
     """A chat answer whose tool calls (forced, or written under tool_choice "auto") become `tool_calls`
     (openai_tools.py)."""
     return response if parsed.request.tool_calls is None else with_tool_calls(response, parsed.request.tool_calls)
+
+
+def _echoed(out: dict, parsed) -> dict:
+    """A whole completion with its prompt's text first, when it asks (`echo`)."""
+    return {**out, "text": parsed.echo_text + out["text"]} if parsed.echo_text else out
 
 
 def _shaped(out: dict, shaper: LogprobsShaper | None, index: int = 0) -> dict:

@@ -3,11 +3,14 @@ functions over dicts: the HTTP routes in cluster/serve/ingress.py call them, tes
 
 Requests are validated once, here, by strict pydantic models of OpenAI's bodies (field names as OpenAI spells them,
 so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `Request` that `RequestPreparer.prepare`
-takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`). Extensions beyond OpenAI's
-fields: `top_k`, and `speculation: {"method": "draft"|"eagle"|"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|
-"none", "k": 1..16|"auto"}` (pass them with the openai package's `extra_body=`). OpenAI fields that would change the
-output in ways specserve does not implement (best_of, echo, suffix, tools on completions) are accepted only at their
-neutral value (chat's tools: openai_tools.py); `logprobs` / `top_logprobs`: openai_logprobs.py. The logits controls
+takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`; unset sampling fields stay None,
+for the model's generation_config.json defaults). Unknown fields are ignored and named (vLLM's leniency), or refused
+with `strict`. Extensions beyond OpenAI's fields: `top_k` (-1: off), `speculation: {"method": "draft"|"eagle"|
+"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|"none", "k": 1..16|"auto"}` (pass them with the openai
+package's `extra_body=`), and vLLM's `chat_template_kwargs`, `stream_options.continuous_usage_stats` and completions'
+`echo`. OpenAI fields that would change the output in ways specserve does not implement (best_of, suffix, tools on
+completions; the prompt's logprobs: `prompt_logprobs`, `echo` with `logprobs`) are accepted only at their neutral
+value (chat's tools: openai_tools.py); `logprobs` / `top_logprobs`: openai_logprobs.py. The logits controls
 (`presence_penalty`, `frequency_penalty`, `logit_bias`, and vLLM's `repetition_penalty`, `min_p`, `min_tokens`) apply
 at every verified position (workers/speculation/logits_controls.py); `response_format` (json_object, json_schema)
 through the grammar engine (response_formats.py, workers/speculation/grammar.py). Every response carries `specserve`
@@ -97,6 +100,7 @@ Prompt = one_of("must be a string or a list of token ids", string=NonEmptyText, 
 
 class StreamOptions(EdgeModel):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, usage on every chunk too
     include_obfuscation: bool | None = None  # no effect here
 
 
@@ -116,7 +120,6 @@ def _metadata(value: dict) -> dict:
 # Accepted only at these values (anything else would silently change the output): field -> (values, as shown).
 _NEUTRAL: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "1"),
-    "echo": ((False,), "false"),
     "suffix": (("",), '""'),
     "tools": (([],), "[]"),
     "tool_choice": (("none",), '"none"'),
@@ -147,6 +150,7 @@ class _Body(EdgeModel):
     min_tokens: MinTokens | None = None
     logit_bias: TextKeyedBias | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # chat's, with logprobs: true
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's: refused (PROMPT_LOGPROBS)
     # neutral only (_NEUTRAL)
     stop: one_of("must be a string or a list of strings", string=text(max_length=MAX_STOP_CHARS), null=None,
                  array=Annotated[list[StopText], Field(max_length=MAX_STOPS, fail_fast=True)]) = None  # fmt: skip
@@ -203,13 +207,13 @@ def _check_neutral(name: str, value: Any) -> Any:
 class CompletionBody(_Body):
     prompt: Prompt
     best_of: int | None = None
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt's text before the output's (with logprobs: refused, PROMPT_LOGPROBS)
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: Text | None = None
     tools: list | None = None  # chat's only
     tool_choice: one_of("must be a string or an object", string=Text, object=dict, null=None) = None
 
-    @field_validator("best_of", "echo", "suffix", "tools", "tool_choice")
+    @field_validator("best_of", "suffix", "tools", "tool_choice")
     @classmethod
     def _neutral_here(cls, value: Any, info) -> Any:
         return _check_neutral(info.field_name, value)
@@ -218,6 +222,7 @@ class CompletionBody(_Body):
 class ChatBody(_Body):
     messages: Messages  # text turns and a tool loop's (openai_messages.py)
     logprobs: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: to the chat template (enable_thinking, ...)
     tools: Tools | None = None  # forced calls: openai_tools.py
     tool_choice: ToolChoice = None
 
@@ -227,30 +232,51 @@ class ParsedRequest:
     request: Request
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # usage on every streamed chunk (vLLM's stream_options.continuous_usage_stats)
+    echo: bool = False  # completions: the prompt's text before the output's
+    echo_text: str = ""  # that text (the ingress's, from the prompt as it was sent)
+    ignored: tuple[str, ...] = ()  # unknown fields ignored (not strict)
 
     @property
     def n(self) -> int:
         return self.request.n
 
 
-def _parsed(body: _Body, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str) -> ParsedRequest:
-    usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage)
+# What the prompt's logprobs need and specserve's workers do not compute yet: refused rather than answered without.
+PROMPT_LOGPROBS = ("needs the target's logprobs of the prompt's tokens, which specserve does not compute yet (omit it; "
+                   "the generated tokens' logprobs are served: logprobs)")  # fmt: skip
 
 
-def parse_completion(body: Any) -> ParsedRequest:
-    """A /v1/completions body (parsed JSON) -> the typed request; InvalidRequestError naming the bad field."""
-    parsed: CompletionBody = parse(CompletionBody, body)
-    return _parsed(parsed, parsed.prompt, "prompt")
+def _parsed(body: _Body, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str,
+            ignored: list[str] | None) -> ParsedRequest:  # fmt: skip
+    if body.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs", PROMPT_LOGPROBS)
+    options = body.stream_options or StreamOptions()
+    usage = bool(options.include_usage)
+    return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage,
+                         continuous_usage=usage and bool(options.continuous_usage_stats),
+                         ignored=tuple(ignored or ()))  # fmt: skip
 
 
-def parse_chat(body: Any) -> ParsedRequest:
+def parse_completion(body: Any, strict: bool = False) -> ParsedRequest:
+    """A /v1/completions body (parsed JSON) -> the typed request; InvalidRequestError naming the bad field. Unknown
+    fields are refused when `strict`, else ignored (ParsedRequest.ignored names them), as vLLM ignores them."""
+    ignored = None if strict else []
+    parsed: CompletionBody = parse(CompletionBody, body, ignored)
+    if parsed.echo and parsed.logprobs is not None:
+        raise InvalidRequestError("echo", f"with logprobs {PROMPT_LOGPROBS}")
+    return replace(_parsed(parsed, parsed.prompt, "prompt", ignored), echo=bool(parsed.echo))
+
+
+def parse_chat(body: Any, strict: bool = False) -> ParsedRequest:
     """A /v1/chat/completions body -> the typed request; the messages become a ChatPrompt, rendered with the served
-    model's own chat template by `RequestPreparer.prepare` (workers/models/chat.py)."""
-    parsed: ChatBody = parse(ChatBody, body)
+    model's own chat template (and the request's chat_template_kwargs) by `RequestPreparer.prepare`
+    (workers/models/chat.py). Unknown fields: as parse_completion."""
+    ignored = None if strict else []
+    parsed: ChatBody = parse(ChatBody, body, ignored)
     tools, calls, forced_format = forced(parsed.tools, parsed.tool_choice)
-    prompt = ChatPrompt(tuple(m.chat() for m in parsed.messages), tools)
-    out = _parsed(parsed, prompt, "messages")
+    prompt = ChatPrompt(tuple(m.chat() for m in parsed.messages), tools, dict(parsed.chat_template_kwargs or {}))
+    out = _parsed(parsed, prompt, "messages", ignored)
     if calls is not None:
         out = replace(out, request=with_forced_call(out.request, calls, forced_format))
     return out
@@ -307,10 +333,11 @@ def completion_response(rid: str, model: str, result: dict | list[dict], chat: b
 
 
 def stream_chunk(rid: str, model: str, text: str, finish_reason: str | None, chat: bool, first: bool,
-                 index: int = 0, logprobs: dict | None = None,
-                 tool_calls: list[dict] | None = None) -> str:  # fmt: skip
+                 index: int = 0, logprobs: dict | None = None, tool_calls: list[dict] | None = None,
+                 usage: tuple[int, int] | None = None) -> str:  # fmt: skip
     """logprobs: the chunk's tokens' in OpenAI's shape (openai_logprobs.LogprobsShaper), or None; tool_calls: chat's
-    deltas of calls (openai_tools.ToolStream)."""
+    deltas of calls (openai_tools.ToolStream); usage: (prompt tokens, the choice's tokens so far) on every chunk
+    (vLLM's continuous_usage_stats), or None."""
     if chat:
         delta = {"content": text or None} if tool_calls else {"content": text}
         if tool_calls:
@@ -322,6 +349,8 @@ def stream_chunk(rid: str, model: str, text: str, finish_reason: str | None, cha
         choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
            "model": model, "choices": [choice]}  # fmt: skip
+    if usage is not None:
+        obj["usage"] = _usage(*usage)
     return sse(obj)
 
 

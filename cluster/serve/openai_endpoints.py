@@ -22,6 +22,7 @@ class TokenizeBody(EdgeModel):
     prompt: Text | None = None
     messages: Messages | None = None
     tools: Tools | None = None  # rendered with the messages, as a chat completion's
+    chat_template_kwargs: dict[str, Any] | None = None  # likewise
     add_generation_prompt: Literal[True] | None = None  # the chat completion's rendering, always
 
 
@@ -32,19 +33,21 @@ class DetokenizeBody(EdgeModel):
     tokens: Annotated[list[int], Field(fail_fast=True)]
 
 
-def parse_tokenize(body: Any) -> tuple[str, str | ChatPrompt]:
-    """(model, the prompt or conversation); exactly one of prompt and messages."""
-    parsed: TokenizeBody = parse(TokenizeBody, body)
+def parse_tokenize(body: Any, ignored: list[str] | None = None) -> tuple[str, str | ChatPrompt]:
+    """(model, the prompt or conversation); exactly one of prompt and messages. Unknown fields are refused, or
+    ignored into `ignored` when it is a list."""
+    parsed: TokenizeBody = parse(TokenizeBody, body, ignored)
     if (parsed.prompt is None) == (parsed.messages is None):
         raise InvalidRequestError("prompt", "send exactly one of prompt and messages")
     if parsed.tools and parsed.messages is None:
         raise InvalidRequestError("tools", "go with messages")
     if parsed.messages is not None:
         tools = tuple(t.model_dump(exclude_none=True) for t in parsed.tools or ())
-        return parsed.model or "", ChatPrompt(tuple(m.chat() for m in parsed.messages), tools)
+        kwargs = dict(parsed.chat_template_kwargs or {})
+        return parsed.model or "", ChatPrompt(tuple(m.chat() for m in parsed.messages), tools, kwargs)
     return parsed.model or "", parsed.prompt
 
 
-def parse_detokenize(body: Any) -> tuple[str, list[int]]:
-    parsed: DetokenizeBody = parse(DetokenizeBody, body)
+def parse_detokenize(body: Any, ignored: list[str] | None = None) -> tuple[str, list[int]]:
+    parsed: DetokenizeBody = parse(DetokenizeBody, body, ignored)
     return parsed.model or "", parsed.tokens

@@ -1,8 +1,9 @@
 """OpenAI's log-probabilities: what a request asks for (chat `logprobs` + `top_logprobs` 0..20, completions `logprobs`
-0..5: SamplingParams.logprobs, the number of alternatives), and the target's TokenLogprobs (workers/speculation/
-logprobs.py: raw, before temperature and every other control, as vLLM's default `logprobs_mode`) in OpenAI's shapes:
-chat `{"content": [{token, logprob, bytes, top_logprobs}]}`, completions `{tokens, token_logprobs, top_logprobs,
-text_offset}` (whose top_logprobs maps each alternative's text to its logprob, the chosen token included, as OpenAI's).
+0..20, vLLM's bound: SamplingParams.logprobs, the number of alternatives), and the target's TokenLogprobs
+(workers/speculation/logprobs.py: raw, before temperature and every other control, as vLLM's default
+`logprobs_mode`) in OpenAI's shapes: chat `{"content": [{token, logprob, bytes, top_logprobs}]}`, completions
+`{tokens, token_logprobs, top_logprobs, text_offset}` (whose top_logprobs maps each alternative's text to its
+logprob, the chosen token included, as OpenAI's).
 
 A token's text is its id decoded alone (special tokens as written); its `bytes` that text's UTF-8, so a token that
 is part of a multi-byte character shows U+FFFD, as vLLM shows it. Logprobs below -9999 are reported as -9999 (vLLM's
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.logprobs import MAX_LOGPROBS, TokenLogprob
 
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on completions' logprobs
+MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS  # vLLM's bound on completions' logprobs (OpenAI's is 5)
 FLOOR = -9999.0
 
 

@@ -205,4 +205,4 @@ def _chat_ids(model: ModelTokenizer, prompt: ChatPrompt) -> list[int]:
     if prompt.tools and not takes_tools(model.tokenizer):
         raise InvalidRequestError("tools", "this model's chat template takes no tools (omit them, or serve a "
                                   "model whose template renders tools)")  # fmt: skip
-    return chat_prompt_ids(model.tokenizer, prompt.messages, prompt.tools)
+    return chat_prompt_ids(model.tokenizer, prompt.messages, prompt.tools, prompt.template_kwargs)

@@ -109,7 +109,7 @@ def test_bad_http_response_formats_are_refused_naming_the_field(preparer, value,
     for parse, body in ((oai.parse_chat, {"messages": [{"role": "user", "content": "x"}]}),
                         (oai.parse_completion, {"prompt": "x"})):  # fmt: skip
         with pytest.raises(InvalidRequestError) as e:
-            parse({**body, "response_format": value})
+            parse({**body, "response_format": value}, strict=True)  # unknown keys refused (else ignored)
         assert e.value.field == field, e.value
 
 

@@ -1,6 +1,7 @@
-"""Logprobs at the edges: OpenAI's fields (chat logprobs + top_logprobs 0..20, completions logprobs 0..5) and gRPC's
-sampling.logprobs into SamplingParams.logprobs, OpenAI's response shapes, and the ingress's public gRPC and HTTP
-paths on a real scheduler service over gRPC workers (no Ray): values equal target-only's, streamed and not."""
+"""Logprobs at the edges: OpenAI's fields (chat logprobs + top_logprobs 0..20, completions logprobs 0..20, vLLM's
+bound) and gRPC's sampling.logprobs into SamplingParams.logprobs, OpenAI's response shapes, and the ingress's public
+gRPC and HTTP paths on a real scheduler service over gRPC workers (no Ray): values equal target-only's, streamed and
+not."""
 
 import asyncio
 import json
@@ -36,6 +37,7 @@ def test_the_fields_become_sampling_params_logprobs():
     assert oai.parse_chat(chat(logprobs=True, top_logprobs=20)).request.logprobs == 20
     assert oai.parse_completion({"prompt": "x", "logprobs": 0}).request.logprobs == 0
     assert oai.parse_completion({"prompt": "x", "logprobs": 5}).request.logprobs == 5
+    assert oai.parse_completion({"prompt": "x", "logprobs": 20}).request.logprobs == 20  # vLLM's most (OpenAI's: 5)
     assert oai.parse_completion({"prompt": "x"}).request.logprobs is None
     grpc_request = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(logprobs=0))
     assert request_from_proto(grpc_request).logprobs == 0

@@ -4,6 +4,7 @@ SchedulerService runs it against real gRPC workers, its streamed text adding up 
 
 import asyncio
 import json
+import logging
 
 import pytest
 from starlette.requests import Request as HttpRequest
@@ -115,7 +116,9 @@ def test_the_ingress_tokenizes_without_a_service_and_sends_one_typed_request(ing
     ((name, prepared),) = ingress.scheduler.calls
     tokenizer = ingress.preparer.models["tiny"].tokenizer
     assert name == "generate" and isinstance(prepared, Prepared)
-    assert prepared.prompt_ids == tokenizer(PROMPT)["input_ids"] and prepared.params.max_new_tokens == 256
+    context = ingress.preparer.models["tiny"].max_positions  # an unset max_tokens: up to the context's end
+    assert prepared.prompt_ids == tokenizer(PROMPT)["input_ids"]
+    assert prepared.params.max_new_tokens == context - len(prepared.prompt_ids)
 
 
 def test_a_stream_is_one_scheduler_call_with_no_admission_round_trip(ingress):
@@ -180,3 +183,48 @@ def test_the_service_runs_a_prepared_request_losslessly_and_its_text_adds_up(tin
     assert chunks and chunks[-1].finish_reason and all(c.finish_reason is None for c in chunks[:-1])
     assert chunks[-1].stats["rounds"] == len(chunks) and service.active == 0
     assert service.models["tiny"].scheduler.requests == {}  # released on the workers, forgotten here
+
+
+def _events(body: str) -> list[dict]:
+    return [json.loads(e.removeprefix("data: ")) for e in body.split("\n\n") if e and e != "data: [DONE]"]
+
+
+def test_echo_and_continuous_usage_through_the_ingress(ingress):
+    """Completions' echo puts the prompt's text first (streamed: in each choice's first event; a prompt of token ids
+    decoded); continuous_usage_stats puts the usage so far on every streamed chunk (vLLM's)."""
+
+    async def main(body: dict):
+        response = await ingress._openai(http_request(body), "/v1/completions")
+        return response, (await body_of(response) if body.get("stream") else json.loads(response.body))
+
+    _, out = asyncio.run(main({"prompt": "x", "echo": True, "max_tokens": 3}))
+    assert out["choices"][0]["text"] == "xhello" and out["usage"]["completion_tokens"] == 3
+    tokenizer = ingress.preparer.models["tiny"].tokenizer
+    ids = tokenizer("def")["input_ids"]
+    _, out = asyncio.run(main({"prompt": ids, "echo": True, "max_tokens": 3, "n": 2}))
+    assert [c["text"] for c in out["choices"]] == [tokenizer.decode(ids) + "hello"] * 2
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    _, body = asyncio.run(main({"prompt": "x", "echo": True, "stream": True, "stream_options": options}))
+    events = _events(body)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "xhello"
+    assert [e["usage"]["completion_tokens"] for e in events] == [2, 3, 3]  # the last: the usage chunk
+    assert all(e["usage"]["prompt_tokens"] == 1 for e in events)
+
+
+def test_unknown_fields_are_ignored_and_logged_or_refused_when_strict(tiny_target, monkeypatch, caplog):
+    monkeypatch.setattr("specserve.cluster.serve.metrics.IngressMetrics", lambda: None)
+    lenient = ingress_module.SpecServeIngress(app_args(tiny_target), FakeScheduler(CHUNKS))
+    strict = ingress_module.SpecServeIngress({**app_args(tiny_target), "http": {"strict": True}},
+                                             FakeScheduler(CHUNKS))  # fmt: skip
+    body = {"prompt": "x", "max_tokens": 3, "foo_bar": 1, "stream_options": {"continuous_usage_stats": True}}
+    with caplog.at_level(logging.WARNING, logger="specserve.cluster.serve.ignored_fields"):
+        response = asyncio.run(lenient._openai(http_request(body), "/v1/completions"))
+        again = asyncio.run(lenient._openai(http_request(body), "/v1/completions"))
+    assert response.status_code == again.status_code == 200
+    assert json.loads(response.body)["choices"][0]["text"] == "hello"
+    warned = [r.getMessage() for r in caplog.records if r.name.endswith("ignored_fields")]
+    assert len(warned) == 1 and "ignored unknown fields foo_bar" in warned[0]  # the second: counted, not said
+    strict.metrics = type("M", (), {"refuse": lambda *a: None})()
+    response = asyncio.run(strict._openai(http_request(body), "/v1/completions"))
+    assert response.status_code == 400 and json.loads(response.body)["error"]["param"] == "foo_bar"
+    assert strict.scheduler.calls == []

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from specserve.workers.errors import InvalidRequestError
 
@@ -43,6 +43,7 @@ class ChatPrompt:
 
     messages: tuple[ChatMessage, ...]
     tools: tuple[dict, ...] = ()  # OpenAI's tool definitions, for a template that takes them (takes_tools)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # to the template (vLLM's chat_template_kwargs)
 
 
 def _template(tokenizer) -> str:
@@ -108,16 +109,34 @@ def _row(m: ChatMessage, parsed_arguments: bool) -> dict:
     return row
 
 
-def chat_text(tokenizer, messages: Sequence[ChatMessage], tools: Sequence[dict] = ()) -> str:
+def _template_kwargs(tokenizer, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A request's chat_template_kwargs, the template's variables; InvalidRequestError naming one that is
+    apply_chat_template's own argument (the conversation, tools, tokenizing, another template), which specserve
+    sets."""
+    import inspect
+
+    own = inspect.signature(tokenizer.apply_chat_template).parameters
+    for key in kwargs:
+        if key in own and own[key].kind is not inspect.Parameter.VAR_KEYWORD:
+            raise InvalidRequestError(f"chat_template_kwargs.{key}", "is an argument of apply_chat_template that "
+                                      "specserve sets, not a template variable")  # fmt: skip
+    return dict(kwargs)
+
+
+def chat_text(tokenizer, messages: Sequence[ChatMessage], tools: Sequence[dict] = (),
+              template_kwargs: dict[str, Any] | None = None) -> str:  # fmt: skip
     """The conversation rendered by the tokenizer's chat template, ending with the assistant's generation prompt (with
-    `tools`, their definitions as the template writes them). A tokenizer without a template (the demo family's, tiny
-    test models) gets a plain 'role: content' transcript. A template that raises (its own checks: roles out of
-    order, a turn it cannot render) refuses the messages."""
+    `tools`, their definitions as the template writes them; `template_kwargs`, variables the template reads, as
+    Qwen3's `enable_thinking`). A tokenizer without a template (the demo family's, tiny test models) gets a plain
+    'role: content' transcript. A template that raises (its own checks: roles out of order, a turn it cannot render)
+    refuses the messages."""
     from jinja2 import TemplateError
 
     if not getattr(tokenizer, "chat_template", None):
         return "\n".join(f"{m.role}: {m.content}" for m in messages) + "\nassistant:"
-    extra = {"tools": list(tools)} if tools else {}
+    extra = _template_kwargs(tokenizer, template_kwargs or {})
+    if tools:
+        extra["tools"] = list(tools)
     try:
         try:
             rows = [_row(m, parsed_arguments=True) for m in messages]
@@ -131,11 +150,13 @@ def chat_text(tokenizer, messages: Sequence[ChatMessage], tools: Sequence[dict] 
         raise InvalidRequestError("messages", f"the model's chat template refused them: {e}") from None
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], tools: Sequence[dict] = ()) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], tools: Sequence[dict] = (),
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
     """Token ids of the rendered conversation. A template writes any special tokens itself (`<|im_start|>`, a BOS),
     so encoding adds none, as `apply_chat_template(tokenize=True)` does; a plain transcript is encoded like any text
     prompt."""
     check_messages(messages)
     check_tool_turns(tokenizer, messages)
     templated = bool(getattr(tokenizer, "chat_template", None))
-    return list(tokenizer(chat_text(tokenizer, messages, tools), add_special_tokens=not templated)["input_ids"])
+    text = chat_text(tokenizer, messages, tools, template_kwargs)
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
