@@ -149,7 +149,7 @@ def test_openai_chat_models_and_errors(oai, server):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="tiny", prompt="x", temperature=-0.5)
     assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
-    bad = [(b'{"prompt": "x", "temperature": NaN}', "temperature"), (b'{"prompt": "x", "bogus": 1}', "bogus"),
+    bad = [(b'{"prompt": "x", "temperature": NaN}', "temperature"), (b'{"prompt": "x", "top_k": -2}', "top_k"),
            (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens"), (b"[1, 2]", "body")]  # fmt: skip
     for body, param in bad:
         raw = urllib.request.Request(server["http"] + "/v1/completions", data=body, method="POST")
