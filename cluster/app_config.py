@@ -195,18 +195,34 @@ class LimitsConfig(_Strict):
     )  # fmt: skip
 
 
+REFUSAL_ROOM = 64  # requests past a replica's queue that Serve still routes to it, to be answered 429 at once
+
+
 class SchedulerDeploymentConfig(_Strict):
     """The scheduler deployment (and the ingress deployment in front of it, which has as many replicas)."""
 
     replicas: int = Field(1, gt=0, le=64, description="Scheduler replicas (and as many ingress replicas, which "
                           "hold no state and reserve no CPU).")  # fmt: skip
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per scheduler replica.")
-    max_ongoing_requests: int = Field(256, gt=0, description="Requests Serve routes to one ingress or scheduler "
-                                      "replica.")  # fmt: skip
-    max_active_requests: int = Field(
-        128, gt=0, description="Requests one scheduler replica runs at once; more get RESOURCE_EXHAUSTED / 429 with a "
-        "retry hint instead of queueing without bound."
+    max_ongoing_requests: int | None = Field(
+        None, gt=0, description="Requests Serve routes to one ingress or scheduler replica. None (the default): "
+        "derived from max_active_requests + max_queued_requests, with room for the refusals past them, so that no "
+        "request waits in Serve's own queues, where status() and the metrics cannot see it."
     )  # fmt: skip
+    max_active_requests: int = Field(
+        128, gt=0, description="Requests one scheduler replica runs at once; more wait in its queue (in arrival order)."
+    )  # fmt: skip
+    max_queued_requests: int = Field(
+        4096, ge=0, description="Requests one scheduler replica holds waiting beyond max_active_requests; past it "
+        "RESOURCE_EXHAUSTED / 429 with Retry-After. Queued requests hold only their prompt's token ids."
+    )  # fmt: skip
+
+    @property
+    def serve_max_ongoing_requests(self) -> int:
+        """What Serve routes to a replica: the queue's bound and room for answering 429 past it."""
+        bound = self.max_active_requests + self.max_queued_requests + REFUSAL_ROOM
+        return self.max_ongoing_requests or bound
+
     call_timeout_s: float = Field(
         60.0, gt=0, description="Within it a worker that stopped answering is known to be down: a scheduler -> worker "
         "call unanswered for a third of it asks the worker's health check (answered off the model thread), which must "

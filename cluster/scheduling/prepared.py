@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.stops import StopSpec
 from specserve.workers.config import SamplingParams, SpecParams
@@ -20,6 +21,7 @@ class Prepared:
     spec: SpecParams
     request_id: str = ""  # the client's x-request-id (or the ingress's): in every log line about the request
     stop: StopSpec = StopSpec()
+    arrived_at: float = field(default_factory=time.time)  # prepared at the ingress: queue times count from here
 
 
 @dataclass

@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from specserve.cluster.app_config import AppConfig
+from specserve.cluster.scheduling.admission import Admission
 from specserve.cluster.scheduling.detokenize import IncrementalText
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.scheduling.scheduler import NoTargetWorker
 from specserve.cluster.scheduling.serving import ModelServing
 from specserve.cluster.scheduling.stops import StopCut, StopMatcher
 from specserve.workers.errors import (
-    DrainingError,
     InvalidRequestError,
     OverloadedError,
     SpecServeError,
@@ -42,11 +42,24 @@ class SchedulerService:
         self.app = app
         self.metrics = metrics
         self.secret: str | None = None  # the workers' shared secret, sent with every worker call
-        self.active = 0  # requests running now (admission control)
-        self.draining = False  # the app is stopping (the registry says so): finish what runs, admit nothing
+        self.admission = Admission(app.scheduler.max_active_requests, app.scheduler.max_queued_requests)
         self.models = {
             m.name: ModelServing.load(m, resolved_paths[m.name][0], app.scheduler.worker_wait_s) for m in app.models
         }
+
+    @property
+    def draining(self) -> bool:
+        """The app is stopping (the registry says so): finish what runs and waits, admit nothing new."""
+        return self.admission.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.admission.draining = value
+
+    @property
+    def active(self) -> int:
+        """Requests admitted here, running or queued: what a drain waits for."""
+        return self.admission.running + self.admission.queued
 
     # -- membership ----------------------------------------------------------------------------------------------
 
@@ -88,38 +101,32 @@ class SchedulerService:
                 "planner": {w: b.summary() for w, b in s.scheduler.batches.items()},
                 "head_acceptance": list(s.scheduler.head_acceptance.known_rates()),  # by position, recent rounds
                 **s.scheduler.feature_traffic.to_dict(),
+                "admission": self.admission.summary(),  # this replica's, over every model it serves
             }
             for name, s in self.models.items()
         }
 
     # -- requests --------------------------------------------------------------------------------------------------
 
-    def check_capacity(self, model: str, request_id: str = "") -> None:
-        """Admission control: OverloadedError (RESOURCE_EXHAUSTED / 429 with a retry hint) at the replica's limit;
-        DrainingError (UNAVAILABLE / 503 with a retry hint) once the app is stopping."""
-        if self.draining:
-            log.info("model %r: refused request %s: the server is draining", model, request_id)
-            raise DrainingError()
-        limit = self.app.scheduler.max_active_requests
-        if self.active >= limit:
-            if self.metrics:
-                self.metrics.request_rejected(model)
-            log.info("model %r: refused request %s: %d requests are running (max_active_requests)", model, request_id,
-                     limit)  # fmt: skip
-            raise OverloadedError(f"{self.active} requests are running, the limit of this replica is {limit}")
-
     async def run(self, req: Prepared) -> AsyncIterator[Chunk]:
         """Run a prepared request; yields one Chunk per round (the last one carries finish_reason)."""
         serving = self.models[req.model]
-        self.check_capacity(req.model, req.request_id)
-        self.active += 1
-        status = "error"
-        track = self.metrics.request(req.model, len(req.prompt_ids)) if self.metrics else None  # RequestMetrics
+        what = f"{req.request_id} (model {req.model!r})"
         try:
-            await self.wait_ready(req.model)
-            async with contextlib.aclosing(self._rounds(serving, req, track)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            self.admission.check(what)
+        except OverloadedError:
+            if self.metrics:
+                self.metrics.request_rejected(req.model)
+            raise
+        status = "error"
+        # RequestMetrics, from the request's arrival at the ingress: its queue time includes the hop here
+        track = self.metrics.request(req.model, len(req.prompt_ids), req.arrived_at) if self.metrics else None
+        try:
+            async with self.admission.slot(what):
+                await self.wait_ready(req.model)
+                async with contextlib.aclosing(self._rounds(serving, req, track)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
             status = "ok"
         except InvalidRequestError:
             status = "invalid"
@@ -138,7 +145,6 @@ class SchedulerService:
             log.error("model %r: request %s failed", req.model, req.request_id, exc_info=True)
             raise
         finally:
-            self.active -= 1
             if track:
                 track.finished(status)
 

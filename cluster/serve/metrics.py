@@ -108,9 +108,10 @@ class SchedulerMetrics:
             m,
         )
 
-    def request(self, model: str, prompt_tokens: int) -> RequestMetrics:
-        """A request arrived (admitted): its metrics until it ends."""
-        return RequestMetrics(self, model, prompt_tokens)
+    def request(self, model: str, prompt_tokens: int, arrived_at: float | None = None) -> RequestMetrics:
+        """A request arrived (admitted, perhaps to wait in the queue; `arrived_at`: time.time() at the ingress): its
+        metrics until it ends."""
+        return RequestMetrics(self, model, prompt_tokens, arrived_at)
 
     def request_rejected(self, model: str) -> None:
         self.rejected.inc(1, tags={"model_name": model})
@@ -159,10 +160,12 @@ class RequestMetrics:
     time), then running its rounds (`round`: TTFT at the first token, inter-token latency at each later round), then
     `finished` (end-to-end latency, time per output token, its finished_reason)."""
 
-    def __init__(self, metrics: SchedulerMetrics, model: str, prompt_tokens: int):
+    def __init__(self, metrics: SchedulerMetrics, model: str, prompt_tokens: int, arrived_at: float | None = None):
         self.metrics, self.model, self.prompt_tokens = metrics, model, prompt_tokens
         self.tags = {"model_name": model}
-        self.arrived = time.perf_counter()
+        # The ingress's wall clock to this process's monotonic one (the hop's seconds, never negative)
+        ago = max(0.0, time.time() - arrived_at) if arrived_at is not None else 0.0
+        self.arrived = time.perf_counter() - ago
         self.first_token: float | None = None
         self.last_token = self.arrived
         self.generated = 0

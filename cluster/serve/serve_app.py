@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from specserve.cluster.app_config import AppConfig, app_config
+from specserve.cluster.app_config import REFUSAL_ROOM, AppConfig, app_config
 from specserve.cluster.serve.ingress import IngressDeployment
 from specserve.cluster.serve.pool_worker import PoolWorker
 from specserve.cluster.serve.prepare import MAX_NEW_TOKENS
@@ -67,7 +67,8 @@ def build_app(args: dict | AppConfig | None = None):
     scheduler = serve.deployment(SchedulerReplica).options(
         name="scheduler",
         num_replicas=app.scheduler.replicas,
-        max_ongoing_requests=app.scheduler.max_ongoing_requests,
+        max_ongoing_requests=app.scheduler.serve_max_ongoing_requests,
+        max_queued_requests=REFUSAL_ROOM,  # past it Serve refuses (BackPressureError: 429), it does not hold them
         ray_actor_options={"num_cpus": app.scheduler.num_cpus},
         graceful_shutdown_timeout_s=app.scheduler.drain_timeout_s,  # a stopping replica finishes its streams
         graceful_shutdown_wait_loop_s=1.0,
@@ -76,7 +77,8 @@ def build_app(args: dict | AppConfig | None = None):
     ingress = serve.deployment(IngressDeployment).options(
         name="ingress",
         num_replicas=app.scheduler.replicas,
-        max_ongoing_requests=app.scheduler.max_ongoing_requests,
+        max_ongoing_requests=app.scheduler.serve_max_ongoing_requests,
+        max_queued_requests=REFUSAL_ROOM,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=app.scheduler.drain_timeout_s,
         graceful_shutdown_wait_loop_s=1.0,

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specserve.cluster.cli.main import main
 from specserve.cluster.cli import local
+from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig
 from specserve.workers.models import packaged_heads
 from specserve.workers.runtime.loading import load_model

@@ -30,7 +30,8 @@ def test_load_within_capacity_then_a_burst_above_it(tiny_target, tiny_draft):
         {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_draft, "device": "cpu",
                      "target_pool": {"num_cpus": 0.25, "kv_cache": {"capacity_tokens": CAPACITY_TOKENS}},
                      "draft_pool": {"num_cpus": 0.25, "kv_cache": {"capacity_tokens": CAPACITY_TOKENS}}}],
-         "scheduler": {"num_cpus": 0.25, "max_active_requests": STREAMS}}
+         "scheduler": {"num_cpus": 0.25, "max_active_requests": STREAMS,
+                       "max_queued_requests": STREAMS // 2}}
     )  # fmt: skip
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)
@@ -89,7 +90,8 @@ def test_load_within_capacity_then_a_burst_above_it(tiny_target, tiny_draft):
             f"latency p50 {p50 * 1e3:.0f} ms p99 {p99 * 1e3:.0f} ms, KV peak {max(kv_peak.values())} tokens"
         )
 
-        # A burst above capacity: twice the streams at once; the excess is told to retry, nothing hangs.
+        # A burst above capacity: twice the streams at once; half of the excess queues, the rest is told to retry,
+        # nothing hangs.
         burst: list = []
 
         def one(i):
@@ -109,6 +111,7 @@ def test_load_within_capacity_then_a_burst_above_it(tiny_target, tiny_draft):
         rejected = [b for b in burst if isinstance(b, tuple)]
         assert rejected and all(c == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in d for c, d in rejected)
         assert all(b is True for b in burst if not isinstance(b, tuple))  # served ones complete
+        assert len(burst) - len(rejected) >= STREAMS + STREAMS // 2  # running and queued ones
         print(f"burst: {2 * STREAMS} at once: {len(burst) - len(rejected)} served, {len(rejected)} RESOURCE_EXHAUSTED")
     finally:
         stop({**info, "started_ray": False})
