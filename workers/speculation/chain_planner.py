@@ -171,8 +171,8 @@ class ChainPlanner:
 
 # A head's features under load: after this many re-plans in a row that drafted nothing, the worker's k='auto' chains
 # stop asking for them (every verify reply carries them, and at 16 streams on the 2-core CPU that alone cost 4-5% of
-# the throughput: docs/performance.md), until the worker's requests fall below 3/4 of the fewest there were then, or
-# after this many verify calls, when the planner looks again with the head's features back.
+# the throughput: results/2026-11-26-1523-smollm2-load/README.md), until the worker's requests fall below 3/4 of the
+# fewest there were then, or after this many verify calls, when the planner looks again with the head's features back.
 QUIET_AFTER_PLANS = 8
 QUIET_CALLS = 4096
 
