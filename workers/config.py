@@ -53,6 +53,11 @@ class SamplingParams(_Strict):
         None, ge=0, le=20, description="Also return the target's log-probability of every generated token (raw: "
         "before temperature and every other control) and this many most likely alternatives; None = none."
     )  # fmt: skip
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="Also return the target's log-probability of the prompt's tokens 1..P-1 (raw, "
+        "with their ranks) and this many most likely alternatives, from the forward that prefills the prompt (vLLM's "
+        "prompt_logprobs); None = none. Asked of the target on the request's first verify call only."
+    )  # fmt: skip
     # Controls applied to the target's logits at every verified position (workers/speculation/logits_controls.py),
     # with vLLM's ranges and semantics.
     presence_penalty: float = Field(

@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.costs import measured_costs
 from specserve.cluster.scheduling.faults import WorkerFaults
-from specserve.cluster.scheduling.scheduler import FALLBACK_K, Call, PreDraft, SchedRequest, Scheduler
+from specserve.cluster.scheduling.scheduler import FALLBACK_K, SchedRequest, Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.service.results import ProposeResult, VerifyResult
@@ -276,6 +277,8 @@ class Pipeline:
                 self.scheduler.planner_costs.observe_batch(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
             self.verify_calls += 1
             self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
+        if call.prompt_logprobs is not None and reply.prompt_logprobs is not None:  # the prompt's tokens 1..P-1's
+            req.state.prompt_logprobs = reply.prompt_logprobs[: req.state.prompt_len - 1]
         return reply, pre_task
 
     async def _next_predraft(

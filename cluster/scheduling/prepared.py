@@ -28,10 +28,12 @@ class Prepared:
 class Chunk:
     """What one round committed. text: the new text (incrementally detokenized, so chunks concatenate to the full
     completion); stats: cumulative RequestStats so far; logprobs: one per token id, when the request asks
-    (params.logprobs), cut with them at a stop."""
+    (params.logprobs), cut with them at a stop; prompt_logprobs: on the first chunk of a request that asks
+    (params.prompt_logprobs), those of the prompt's tokens 1..P-1 (with their ranks)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stats: dict
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None

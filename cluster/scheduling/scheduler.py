@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
@@ -38,34 +39,6 @@ from specserve.workers.speculation.wire_format import slice_rows
 log = logging.getLogger(__name__)
 
 FALLBACK_K = 3  # k='auto' when the workers could not report their costs: a chain length that pays on most hardware
-
-
-@dataclass
-class Call:
-    """One worker call: the KV state protocol's fields plus what to do."""
-
-    worker: str
-    request_id: str
-    committed_len: int
-    new_tokens: list[int]
-    k: int = 0  # draft calls
-    drafted: list[int] = field(default_factory=list)  # verify calls
-    draft_probs: bytes = b""  # verify calls
-    features: bytes = b""  # EAGLE-3 draft calls: the target's features of the newly committed positions (encoded)
-    want_features: bool = False  # EAGLE-3 verify calls: return the committed positions' features
-    tree: bool = False  # draft calls: a tree of up to k nodes
-    parents: list[int] | None = None  # verify calls: `drafted` is a tree with these parents
-    # The whole sequence committed_len counts (never sent unless the worker lost the request). Kept on the call
-    # because a concurrent restart may clear what the scheduler remembers telling the worker.
-    sequence: list[int] = field(default_factory=list, repr=False)
-
-
-@dataclass
-class PreDraft:
-    """Tokens drafted ahead for round r + 1, continuing the drafted tokens of round r."""
-
-    after: list[int]  # the committed + drafted sequence they continue
-    draft: ProposeResult
 
 
 @dataclass
@@ -92,6 +65,11 @@ class SchedRequest:
     @property
     def method(self) -> Method:
         return METHODS[self.spec.method]  # what it drafts with and can do (workers/speculation/methods.py)
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The prompt's logprobs still to ask the target for (top-n), until a verify reply brought them; else None."""
+        return self.params.prompt_logprobs if self.state.prompt_logprobs is None else None
 
 
 class NoTargetWorker(RuntimeError):
@@ -277,6 +255,8 @@ class Scheduler:
         head = req.method.needs_head
         if head and (req.draft_worker is None or req.features.pending is None) or not req.state.draft_budget(1):
             return 0
+        if req.prompt_logprobs is not None:  # the call that brings the prompt's logprobs is a chain's (a plain step)
+            return 0
         if req.spec.k != "auto":
             return req.spec.k
         if req.pruning is None and self.planner_costs is not None:
@@ -329,7 +309,7 @@ class Scheduler:
         if req.features is not None and not want:
             req.features.drop()  # the head starts again later, from the features of a later round
         return self._call(req, req.target_worker, req.state.tokens, drafted=drafted, draft_probs=draft_probs,
-                          want_features=want, parents=parents)  # fmt: skip
+                          want_features=want, parents=parents, prompt_logprobs=req.prompt_logprobs)  # fmt: skip
 
     # -- applying results -------------------------------------------------------------------------------------------
 

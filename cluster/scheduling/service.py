@@ -160,6 +160,7 @@ class SchedulerService:
         text = IncrementalText(serving.tokens.tokenizer, serving.byte_pieces)
         stops = StopMatcher(req.stop, text.delta) if req.stop else None
         prev = sched_req.state.stats.to_dict()
+        prompt_logprobs = req.params.prompt_logprobs is not None  # still to send: with the first chunk
         try:
             async with contextlib.aclosing(serving.pipeline.rounds(sched_req)) as rounds:
                 async for committed in rounds:
@@ -177,8 +178,10 @@ class SchedulerService:
                         serving.finished.add(state.stats)
                     start = len(state.generated) - len(committed)  # the round's first token: its logprob's index
                     logprobs = state.logprobs[start : start + cut.tokens] if req.params.logprobs is not None else None
+                    prompt = state.prompt_logprobs if prompt_logprobs else None
+                    prompt_logprobs = False
                     yield Chunk(text=cut.text, token_ids=committed[: cut.tokens], finish_reason=finish, stats=stats,
-                                logprobs=logprobs)  # fmt: skip
+                                logprobs=logprobs, prompt_logprobs=prompt)  # fmt: skip
                     if cut.stopped:
                         return  # a stop sequence ended it: the rest of the round is dropped, the workers released
                     prev = stats
@@ -187,10 +190,11 @@ class SchedulerService:
 
     async def generate(self, req: Prepared) -> dict:
         """The whole completion: the CLI's JSON contract (text, token_ids, finish_reason, stats) plus usage, and the
-        tokens' logprobs (TokenLogprobs) when the request asks."""
-        text, tokens, chunk = [], [], None
+        tokens' logprobs and the prompt's (TokenLogprobs: `logprobs`, `prompt_logprobs`) when the request asks."""
+        text, tokens, chunk, prompt_logprobs = [], [], None, None
         logprobs = [] if req.params.logprobs is not None else None
         async for chunk in self.run(req):
+            prompt_logprobs = prompt_logprobs or chunk.prompt_logprobs
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
             if logprobs is not None:
@@ -205,4 +209,6 @@ class SchedulerService:
         }
         if logprobs is not None:
             out["logprobs"] = logprobs
+        if req.params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs or []
         return out

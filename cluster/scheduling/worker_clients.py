@@ -15,7 +15,7 @@ import asyncio
 
 import grpc
 
-from specserve.cluster.scheduling.scheduler import Call
+from specserve.cluster.scheduling.calls import Call
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.protos.wire import GRPC_OPTIONS, SECRET_METADATA
@@ -164,6 +164,7 @@ class TargetClient(_Client):
                 parents=call.parents or [],
                 prompt_len=params.prompt_len,
                 end_token_ids=params.end_token_ids,
+                prompt_logprobs=call.prompt_logprobs,
             ),
         )
         return VerifyResult(
@@ -175,4 +176,5 @@ class TargetClient(_Client):
             features=response.features,
             path=list(response.path),
             logprobs=list(from_proto(response.logprobs)) if response.HasField("logprobs") else None,
+            prompt_logprobs=from_proto(response.prompt_logprobs) if response.HasField("prompt_logprobs") else None,
         )

@@ -30,7 +30,7 @@ from specserve.workers.service.results import VerifyResult
 from specserve.workers.service.sampling_wire import sampling_from_proto
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
 from specserve.workers.speculation.codec import decode_probs
-from specserve.workers.speculation.logprobs import to_proto
+from specserve.workers.speculation.logprobs import MAX_LOGPROBS, to_proto
 from specserve.workers.speculation.wire_format import decode_features
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
                 _with_history(self.sampling.get(request.request_id, request.sampling), request, self.worker.vocab_size),
                 request.want_features,
                 list(request.parents) if request.parents else None,
+                _prompt_logprobs(request),
             )
         except ValueError as e:
             await self._abort(context, e)
@@ -221,7 +222,17 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             features=result.features,
             path=result.path or [],
             logprobs=to_proto(result.logprobs) if result.logprobs is not None else None,
+            prompt_logprobs=to_proto(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
         )
+
+
+def _prompt_logprobs(request: pb.VerifyRequest) -> int | None:
+    """The call's prompt_logprobs (0..MAX_LOGPROBS alternatives), or None when it asks none."""
+    if not request.HasField("prompt_logprobs"):
+        return None
+    if request.prompt_logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError("prompt_logprobs", f"at most {MAX_LOGPROBS}, got {request.prompt_logprobs}")
+    return request.prompt_logprobs
 
 
 def _with_history(

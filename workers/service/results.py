@@ -44,3 +44,4 @@ class VerifyResult:
     features: bytes = b""  # EAGLE-3: the committed positions' features (codec.encode_features), when the call asked
     path: list[int] | None = None  # a tree's accepted nodes, root-down; a chain: None ([] off the wire)
     logprobs: list[TokenLogprob] | None = None  # the accepted tokens' and next_token's, when params.logprobs asks
+    prompt_logprobs: list[TokenLogprob] | None = None  # committed tokens 1..'s (the prompt's) with ranks, when asked

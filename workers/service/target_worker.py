@@ -39,6 +39,7 @@ class VerifyCall:
     params: SamplingParams
     want_features: bool = False  # EAGLE-3: return the features of the positions this call commits
     parents: list[int] | None = None  # the drafted tokens form a tree (ROOT or an earlier node each); None: a chain
+    prompt_logprobs: int | None = None  # the committed tokens' logprobs too (the prompt's), with this many alternatives
 
 
 @dataclass
@@ -91,7 +92,8 @@ class TargetWorker:
             _check_tree(call)  # before the call's tokens are taken as committed
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
-            verify = VerifyRow(call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator)
+            verify = VerifyRow(call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator,
+                               call.prompt_logprobs)  # fmt: skip
             tree = None
             if call.parents is not None:
                 tree = TreeCall(TreeRow(call.request_id, tokens, call.drafted, call.parents), call.params, generator)
@@ -124,7 +126,8 @@ class TargetWorker:
         out = []
         for v, row in zip(verdicts, rows, strict=True):
             features = encode_features(v.feature_start, v.features) if row.want_features else b""
-            out.append(VerifyResult(v.accepted, v.next_token, features=features, logprobs=v.logprobs))
+            out.append(VerifyResult(v.accepted, v.next_token, features=features, logprobs=v.logprobs,
+                                    prompt_logprobs=v.prompt_logprobs))  # fmt: skip
         return out
 
     def release(self, request_id: str) -> bool:
@@ -176,6 +179,8 @@ def _check_tree(call: VerifyCall) -> None:
     field."""
     if call.parents is None:
         return
+    if call.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs", "a tree call cannot keep the prompt's logits: ask on a chain call")
     if call.draft_probs is not None:
         raise InvalidRequestError("draft_probs", "a tree's candidates are deterministic: it takes no draft probs")
     try:

@@ -84,6 +84,7 @@ class RequestState:
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when the request asks
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens 1..'s, once the target sent them
 
     @property
     def generated(self) -> list[int]:

@@ -32,6 +32,9 @@ class VerifyRow(NamedTuple):
     draft_probs: torch.Tensor | None
     params: SamplingParams
     generator: torch.Generator
+    # The logprobs of committed tokens 1.. with this many alternatives (the prompt's, on the call that prefills it):
+    # the forward computes the whole sequence and keeps every position's logits; None: not asked
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Verdict:
     feature_start: int
     logprobs: list[TokenLogprob] | None = None  # of the accepted tokens and next_token, when params.logprobs is set
     path: list[int] | None = None  # a tree's accepted nodes, root-down (accepted of them); None for a chain
+    prompt_logprobs: list[TokenLogprob] | None = None  # of committed tokens 1.. with ranks, when the row asks
 
 
 @dataclass(frozen=True)
@@ -88,17 +92,30 @@ class TargetVerifier:
         tokens are now committed: all but the drafted tokens it rejected (the position of the bonus or recovered
         token is not among them: the next pass computes it); else None. For rows whose params ask (`params.logprobs`)
         the committed tokens' logprobs, from the same raw logits. A row with a response_format verifies its drafted
-        tokens up to the grammar's first forbidden one, under the grammar's mask (accepted counts within them)."""
+        tokens up to the grammar's first forbidden one, under the grammar's mask (accepted counts within them). A row
+        that asks for its prompt's logprobs (`prompt_logprobs`) runs in a forward pass of its own: a batch keeps the
+        logits of as many positions in every row as its widest row keeps."""
+        alone = [i for i, row in enumerate(rows) if row.prompt_logprobs is not None]
+        if not alone or len(rows) == 1:
+            return self._verify_batch(rows, capture)
+        rest = [i for i in range(len(rows)) if i not in set(alone)]
+        verdicts: list[Verdict | None] = [None] * len(rows)
+        for group in [[i] for i in alone] + ([rest] if rest else []):
+            for i, verdict in zip(group, self._verify_batch([rows[i] for i in group], capture), strict=True):
+                verdicts[i] = verdict
+        return verdicts
+
+    def _verify_batch(self, rows: Sequence[VerifyRow], capture: bool) -> list[Verdict]:
         constrained = [constrain_chain(self.grammars, row) for row in rows]
         rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
-        sequences = [ForwardRow(row.request_id, [*row.tokens, *row.drafted], len(row.drafted) + 1) for row in rows]
+        sequences = [ForwardRow(row.request_id, [*row.tokens, *row.drafted], _kept(row)) for row in rows]
         # Without capture through logits_for_batch: a tensor-parallel runner mirrors that one on its other ranks.
         outputs = self.runner.forward_batch(sequences, capture=True) if capture else None
         all_logits = [out.logits for out in outputs] if outputs else self.runner.logits_for_batch(sequences)
         verdicts = []
         for i, row in enumerate(rows):
             tokens, drafted, params = row.tokens, row.drafted, row.params
-            raw = all_logits[i]  # [k + 1, V]
+            raw = all_logits[i][-(len(drafted) + 1) :]  # [k + 1, V]
             logits = apply_mask(controlled_logits(raw, params, tokens, drafted), raw, masks[i])
             out = self._verify_row(list(drafted), row.draft_probs, params, row.generator, logits)
             accepted, token = int(out.accepted[0]), int(out.next_token[0])
@@ -109,7 +126,10 @@ class TargetVerifier:
             logprobs = None
             if params.logprobs is not None:  # raw logits rows 0..accepted chose the accepted tokens and the next one
                 logprobs = token_logprobs(raw[: accepted + 1], list(drafted[:accepted]) + [token], params.logprobs)
-            verdicts.append(Verdict(accepted, token, features, start, logprobs))
+            prompt = None
+            if row.prompt_logprobs is not None:  # rows 0..L-2 chose committed tokens 1..L-1
+                prompt = token_logprobs(all_logits[i][: len(tokens) - 1], tokens[1:], row.prompt_logprobs, ranks=True)
+            verdicts.append(Verdict(accepted, token, features, start, logprobs, prompt_logprobs=prompt))
         return verdicts
 
     def verify_trees(self, calls: Sequence[TreeCall], capture: bool = False) -> list[Verdict]:
@@ -182,3 +202,9 @@ class TargetVerifier:
     def release(self, request_id: str) -> bool:
         self.grammars.release(request_id)
         return self.runner.release(request_id)
+
+
+def _kept(row: VerifyRow) -> int:
+    """The positions whose logits the row's forward keeps: the drafted ones and the one before them, or with
+    prompt_logprobs every position (so the cache keeps nothing: the whole sequence is computed)."""
+    return len(row.tokens) + len(row.drafted) if row.prompt_logprobs is not None else len(row.drafted) + 1
