@@ -36,6 +36,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from specserve.cluster.bench.burst import BurstRow
+
 OFF, DEFAULT = "off", "default"
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1-15)
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
@@ -51,10 +53,11 @@ class LoadConfig:
     segment_s: float = 7.5
     settle_s: float = 10.0
     new_tokens: int = 32  # max_new_tokens per request, on average (see request_length)
+    burst: int = 512  # then this many requests at once, new_tokens each (burst.py); 0: none
 
 
 # For SmolLM2-135M on 2 cores the full run takes ~25-30 min (the drains at 16 streams are long), this one ~5 min.
-QUICK_LOAD = LoadConfig(pairs=2, fixed_k_pairs=2, segment_s=4.0, settle_s=4.0, new_tokens=16)
+QUICK_LOAD = LoadConfig(pairs=2, fixed_k_pairs=2, segment_s=4.0, settle_s=4.0, new_tokens=16, burst=256)
 
 
 def _segment_order(pairs: int) -> list[bool]:
@@ -270,12 +273,14 @@ def load_rows(
     dtype: str = "float32",
     progress: bool = True,
     then: Callable[..., None] | None = None,
-) -> tuple[list[LevelRow], str]:
-    """Start the Serve application (and a Ray, unless one is connected), run every level (and `then`, with the
-    client, while the app still runs), stop them; returns (rows, the drafting the model was served with)."""
+) -> tuple[list[LevelRow], str, BurstRow | None]:
+    """Start the Serve application (and a Ray, unless one is connected), run every level, then the burst (and
+    `then`, with the client, while the app still runs), stop them; returns (rows, the drafting the model was served
+    with, the burst's row or None)."""
     from tqdm import tqdm
 
     from specserve.client import SpecServeClient
+    from specserve.cluster.bench.burst import run_burst
     from specserve.cluster.serve.server import start, stop
 
     config = bench_app(target, draft, device, dtype)
@@ -288,14 +293,16 @@ def load_rows(
             with tqdm(total=segment_count(cfg), desc="load bench", unit="segment", disable=not progress,
                       file=sys.stderr) as bar:  # fmt: skip
                 rows = [row for streams in cfg.levels for row in _level(client, prompts, streams, cfg, bar)]
+            burst = run_burst(info["grpc"], info["http"], prompts, cfg.burst, cfg.new_tokens) if cfg.burst else None
             if then is not None:
                 then(client)
     finally:
         stop(info)
-    return rows, drafting
+    return rows, drafting, burst
 
 
-def load_meta(rows: list[LevelRow], cfg: LoadConfig, drafting: str, tax: dict | None = None) -> dict:
+def load_meta(rows: list[LevelRow], cfg: LoadConfig, drafting: str, tax: dict | None = None,
+              burst: BurstRow | None = None) -> dict:  # fmt: skip
     """The bench's JSON entry: the run's settings, the levels, and the orchestration tax (cluster/bench/
     orchestration.py: served speculation-off at one stream beside in-process target-only decoding) when measured."""
     off_1 = next((r.tokens_per_s for r in rows if r.streams == 1 and r.speculation == OFF), None)
@@ -305,6 +312,7 @@ def load_meta(rows: list[LevelRow], cfg: LoadConfig, drafting: str, tax: dict | 
         "served_off_1_stream_tok_s": off_1,
         "orchestration": tax,
         "levels": levels_json(rows),
+        "burst": burst.to_dict() if burst is not None else None,
     }
 
 

@@ -344,9 +344,10 @@ def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: 
     def tax_of(client) -> None:
         tax.append(measure_tax(client, engine, prompts, max_new_tokens, threads, target_only.tokens_per_s))
 
-    levels, drafting = load_rows(target, draft, prompts, cfg, args.device, args.dtype, then=tax_of)
-    meta["load"] = load_meta(levels, cfg, drafting, tax[0].to_dict() if tax else None)
+    levels, drafting, burst = load_rows(target, draft, prompts, cfg, args.device, args.dtype, then=tax_of)
+    meta["load"] = load_meta(levels, cfg, drafting, tax[0].to_dict() if tax else None, burst)
     meta["load"]["orchestration_line"] = tax[0].line() if tax else None
+    meta["load"]["burst_line"] = burst.line() if burst else None
     return levels
 
 
@@ -362,8 +363,9 @@ def _report(args, rows: list[Row], meta: dict, levels: list, machine: dict) -> N
               f"{lengths} new tokens per request, closed-loop streams; per level: the default settles, unmeasured, "
               "then off and each mode alternate in pairs; every ratio is to off at the same streams):")  # fmt: skip
         print(format_levels(levels))
-        if load["orchestration_line"]:
-            print(load["orchestration_line"])
+        for line in (load["orchestration_line"], load["burst_line"]):
+            if line:
+                print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(to_json(rows, meta, machine), f, indent=2)

@@ -6,8 +6,11 @@ A request whose client leaves while it waits gives its place up."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import logging
+import math
 import statistics
 from collections import deque
 from collections.abc import AsyncIterator
@@ -15,6 +18,11 @@ from collections.abc import AsyncIterator
 from specserve.workers.errors import DrainingError, OverloadedError
 
 log = logging.getLogger(__name__)
+
+# Queue-time histogram bounds (seconds), cumulative counts as Prometheus keeps them: a reader diffs two readings and
+# interpolates its percentiles (cluster/bench/burst.py), as histogram_quantile does.
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0,
+                   20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, math.inf)  # fmt: skip
 
 
 class Admission:
@@ -27,6 +35,7 @@ class Admission:
         self.draining = False  # the app is stopping: admit nothing new (queued requests still run)
         self._waiting: deque[asyncio.Future] = deque()
         self.queue_times = deque(maxlen=4096)  # seconds each admitted request waited here, recent ones
+        self.queue_histogram = [0] * len(QUEUE_BUCKETS_S)  # every admitted request's, by bucket (not cumulative)
         self.refused = 0
 
     @property
@@ -68,7 +77,9 @@ class Admission:
                 with contextlib.suppress(ValueError):
                     self._waiting.remove(turn)
                 raise
-        self.queue_times.append(loop.time() - start)
+        waited = loop.time() - start
+        self.queue_times.append(waited)
+        self.queue_histogram[bisect.bisect_left(QUEUE_BUCKETS_S, waited)] += 1
         try:
             yield
         finally:
@@ -92,4 +103,8 @@ class Admission:
             "refused_requests": self.refused,
             "queue_time_s_p50": statistics.median(recent) if recent else 0.0,
             "queue_time_s_max": max(recent, default=0.0),
+            # Every admitted request's queue time: cumulative counts at each bound ("inf": all admitted)
+            "queue_time_buckets": dict(
+                zip(map(str, QUEUE_BUCKETS_S), itertools.accumulate(self.queue_histogram), strict=True)
+            ),
         }

@@ -163,15 +163,19 @@ def test_load_bench_on_the_demo_family(tmp_path):
     held_out = [f"{root}/{p}" for p in family.manifest["held_out_files"]]
     prompts, _ = bench_prompts(AutoTokenizer.from_pretrained(family.target), QUICK, None, held_out)
     cfg = LoadConfig(levels=(1, 2), fixed_k_levels=(1,), fixed_ks=(1, 2), pairs=2, fixed_k_pairs=1, segment_s=1.5,
-                     settle_s=0.5, new_tokens=8)  # fmt: skip
+                     settle_s=0.5, new_tokens=8, burst=24)  # fmt: skip
     engine = SpecEngine(load_model(ModelConfig(path=family.target, device="cpu")))
     taxes = []
 
     def tax_of(client):
         taxes.append(measure_tax(client, engine, prompts, 8, 1, all_cores_tok_s=50.0))
 
-    rows, drafting = load_rows("demo", "demo", prompts, cfg, device="cpu", progress=False, then=tax_of)
+    rows, drafting, burst = load_rows("demo", "demo", prompts, cfg, device="cpu", progress=False, then=tax_of)
     assert drafting == "demo"
+    # the burst: every request answered, none refused or lost; the server's queue-time percentiles from its histogram
+    assert burst.requests == burst.answered == 24 and burst.refused == {} and burst.lost == 0
+    assert 0 < burst.most_running <= 24 and burst.ttft_s["p99"] >= burst.ttft_s["p50"] > 0
+    assert burst.queue_s["p99"] >= burst.queue_s["p50"] >= 0 and "24 requests at once: 24 answered" in burst.line()
     (tax,) = taxes  # measured while the app ran: served off at one stream, greedy, gives in-process's tokens
     assert tax.identical and tax.served_threads == 1 and tax.served_off_tok_s > 0
     assert tax.vs_same_threads == pytest.approx(tax.served_off_tok_s / tax.in_process_same_threads_tok_s)
@@ -191,9 +195,21 @@ def test_load_bench_on_the_demo_family(tmp_path):
             assert any(ratio == pytest.approx(tok_s / o) for o in off.segment_tokens_per_s)
         assert min(r.pair_ratios) <= r.vs_off <= max(r.pair_ratios)
         assert (r.ratio_ci95 is not None) == (len(r.pair_ratios) >= 2)  # 2 default pairs, 1 fixed-k pair
-    meta = load_meta(rows, cfg, drafting)
+    meta = load_meta(rows, cfg, drafting, burst=burst)
+    assert meta["burst"]["answered"] == 24
     (tmp_path / "load.json").write_text(json.dumps(meta))
     assert json.loads((tmp_path / "load.json").read_text())["served_off_1_stream_tok_s"] == by[(1, OFF)].tokens_per_s
     plot_levels(rows, str(tmp_path / "load.png"))
     assert (tmp_path / "load.png").stat().st_size > 1000
     assert "k=2" in format_levels(rows)
+
+
+def test_the_bursts_queue_time_percentiles_interpolate_within_the_servers_buckets():
+    from specserve.cluster.bench.burst import histogram_quantile
+
+    cumulative = {"0.5": 2, "1.0": 6, "2.0": 10, "inf": 10}  # 2 at or below 0.5 s, 4 in (0.5, 1], 4 in (1, 2]
+    assert histogram_quantile(0.5, cumulative) == pytest.approx(0.875)  # rank 5: 3 of the 4 in (0.5, 1]
+    assert histogram_quantile(0.9, cumulative) == pytest.approx(1.75)
+    assert histogram_quantile(0.1, cumulative) == pytest.approx(0.25)
+    assert histogram_quantile(0.99, {"1.0": 1, "inf": 2}) == 1.0  # in the +inf bucket: its last finite bound
+    assert histogram_quantile(0.5, {"1.0": 0, "inf": 0}) == 0.0

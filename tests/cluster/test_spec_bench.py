@@ -288,7 +288,7 @@ def test_cli_spec_bench_with_load_feeds_the_first_turns_to_the_load_bench(chat_t
 
     def load_rows(target, draft, prompts, cfg, device, dtype, then=None):  # the served load bench, not started here
         seen.update(target=target, prompts=prompts, cfg=cfg)
-        return [], "ngram"
+        return [], "ngram", None
 
     monkeypatch.setattr(concurrency, "load_rows", load_rows)
     path = _write(tmp_path / "question.jsonl")
