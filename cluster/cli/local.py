@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from specserve.cluster.app_config import DEFAULT_MODEL, DEMO
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams, validate
-from specserve.workers.errors import InvalidRequestError
+from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.chat import chat_prompt_ids, conversation
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import GenerationResult, SpecEngine
@@ -49,12 +49,22 @@ def _target(args: argparse.Namespace) -> str:
     return args.target or DEFAULT_MODEL
 
 
+def _resolve(flag: str, ref: str) -> str:
+    """resolve_model, its error naming the flag that gave the reference (a missing path says which of --target and
+    --draft it came from)."""
+    from specserve.workers.models.catalog import resolve_model
+
+    try:
+        return resolve_model(ref)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{flag}: {e}") from None
+
+
 def local_models(args: argparse.Namespace) -> LocalModels:
     """The target, and what drafts for it: names and .gguf files resolved (pulled and converted on first use); the
     demo family's pair for `--target demo`; --draft 'eagle' (the head packaged for the target) or an EAGLE-3 head
     directory; no --draft: the demo family's draft, else the target's packaged head when it has one, else n-gram
     drafting (no directory)."""
-    from specserve.workers.models.catalog import resolve_model
     from specserve.workers.models.packaged_heads import default_head_for
     from specserve.workers.speculation.eagle.config import resolve_eagle_head
 
@@ -65,7 +75,7 @@ def local_models(args: argparse.Namespace) -> LocalModels:
         family = ensure_demo_family()
         target_dir, default_draft = family.target, family.draft
     else:
-        target_dir, default_draft = resolve_model(target), None
+        target_dir, default_draft = _resolve("--target", target), None
     if args.no_spec or args.draft == "ngram":
         return LocalModels(target_dir)
     if args.draft is None:
@@ -73,10 +83,13 @@ def local_models(args: argparse.Namespace) -> LocalModels:
         return LocalModels(target_dir, default_draft, str(head) if head else None)
     if args.draft == DEMO:
         raise InvalidRequestError("draft", "'demo' drafts only for --target demo")
-    head = resolve_eagle_head(args.draft, target_dir)
+    try:
+        head = resolve_eagle_head(args.draft, target_dir)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"--draft: {e}") from None
     if head is not None:
         return LocalModels(target_dir, eagle_head=head)
-    return LocalModels(target_dir, resolve_model(args.draft))
+    return LocalModels(target_dir, _resolve("--draft", args.draft))
 
 
 def prompt_ids_or_text(args: argparse.Namespace, tokenizer) -> str | list[int]:

@@ -91,3 +91,13 @@ def test_the_head_drafts_with_eagle_ngram_unless_no_spec(pair):
     assert local.request_params(flags, local.LocalModels(pair.target))[1].method == "ngram"
     flags.no_spec = True
     assert local.request_params(flags, models)[1].method == "none"
+
+
+def test_a_missing_model_path_names_its_flag(pair, tmp_path, capsys):
+    missing = str(tmp_path / "nonexistent" / "model")
+    code = main(["generate", PROMPT, "--local", "--target", missing, "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--target: no such local path {missing!r}" in err, err
+    code = main(["generate", PROMPT, "--local", "--target", pair.target, "--draft", missing, "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--draft: no such local path {missing!r}" in err, err
