@@ -88,6 +88,7 @@ class Request:
     min_tokens: int = 0
     controls_prefix: str = ""  # how the client names the controls' fields: "sampling." on gRPC
     logprobs: int | None = None  # the target's logprobs of every token and this many alternatives; None: not asked
+    prompt_logprobs: int | None = None  # the prompt's tokens' too (vLLM's prompt_logprobs, echo), with as many
     response_format: ResponseFormat | None = None  # structured output, its schema checked by the grammar engine
     tool_calls: Any = None  # a chat request's forced tool call (openai_tools.ForcedCalls): its output parsed into calls
     n: int = 1  # choices, each its own request (cluster/serve/choices.py)

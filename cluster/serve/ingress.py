@@ -26,6 +26,7 @@ from specserve.cluster.serve.edge import REQUEST_ID_HEADER, PayloadTooLargeError
 from specserve.cluster.serve.error_mapping import call_scheduler, http_error, scheduler_error, set_grpc_error
 from specserve.cluster.serve.health import Readiness
 from specserve.cluster.serve.ignored_fields import IgnoredFields
+from specserve.cluster.serve.openai_echo import streamed, whole
 from specserve.cluster.serve.openai_endpoints import parse_detokenize, parse_tokenize
 from specserve.cluster.serve.openai_logprobs import LogprobsShaper, TokenTexts
 from specserve.cluster.serve.openai_tools import ToolStream, with_tool_calls
@@ -258,7 +259,7 @@ class SpecServeIngress:
             if parsed.n > 1:
                 return await self._choices(rid, per_choice(prepared, parsed.n), parsed, chat, shaper)
             if not parsed.stream:
-                out = _echoed(_shaped(await self._generate(prepared), shaper), parsed)
+                out = whole(await self._generate(prepared), parsed, shaper, prepared.prompt_ids)
                 return JSONResponse(_answer(parsed, oai.completion_response(rid, prepared.model, out, chat)))
             # The first round's chunk before the 200 and its headers are sent: a refusal (over capacity, no
             # workers) is still an HTTP status, with no round trip to ask for admission first.
@@ -273,15 +274,16 @@ class SpecServeIngress:
         """`n` choices: each its own request, answered together or streamed as their rounds come."""
         if not parsed.stream:
             outs = await asyncio.gather(*(self._generate(p) for p in prepared))
-            outs = [_echoed(_shaped(out, shaper, i), parsed) for i, out in enumerate(outs)]
+            outs = [whole(out, parsed, shaper, prepared[i].prompt_ids, i) for i, out in enumerate(outs)]
             return JSONResponse(_answer(parsed, oai.completion_response(rid, prepared[0].model, outs, chat)))
         chunks = await started([self._run(p) for p in prepared])  # refusals before the 200, as for one
         return StreamingResponse(self._sse(rid, prepared[0], chunks, parsed, chat, shaper),
                                  media_type="text/event-stream")  # fmt: skip
 
     def _logprobs_shaper(self, prepared: Prepared, chat: bool) -> LogprobsShaper | None:
-        """OpenAI's shapes of the logprobs of a request that asks for them (token texts by its model's tokenizer)."""
-        if prepared.params.logprobs is None:
+        """OpenAI's shapes of the logprobs of a request that asks for them, the prompt's too (token texts by its
+        model's tokenizer)."""
+        if prepared.params.logprobs is None and prepared.params.prompt_logprobs is None:
             return None
         texts = self._token_texts.get(prepared.model)
         if texts is None:
@@ -307,14 +309,14 @@ class SpecServeIngress:
         try:
             async with contextlib.aclosing(chunks):
                 async for i, chunk in chunks:
-                    generated += len(chunk.token_ids)
-                    counts[i] = counts.get(i, 0) + len(chunk.token_ids)
+                    new = 0 if parsed.echo_only else len(chunk.token_ids)  # max_tokens 0: the prompt alone
+                    chunk = streamed(chunk, parsed, prepared.prompt_ids, i not in sent)  # echo (openai_echo.py)
+                    generated += new
+                    counts[i] = counts.get(i, 0) + new
                     stats = chunk.stats if parsed.n == 1 else {}  # one request's
                     text, finish, tool_calls = chunk.text, chunk.finish_reason, None
                     if tools is not None:
                         text, finish, tool_calls = calls.setdefault(i, ToolStream(tools)).step(text, finish)
-                    if parsed.echo_text and i not in sent:  # the prompt's text first (completions' echo)
-                        text = parsed.echo_text + text
                     if text or finish or chunk.logprobs:  # a chunk's text may be held back
                         logprobs = shaper.shape(chunk.token_ids, chunk.logprobs, i) if shaper else None
                         usage = (len(prepared.prompt_ids), counts[i]) if parsed.continuous_usage else None
@@ -339,18 +341,6 @@ def _answer(parsed, response: dict) -> dict:
     """A chat answer whose tool calls (forced, or written under tool_choice "auto") become `tool_calls`
     (openai_tools.py)."""
     return response if parsed.request.tool_calls is None else with_tool_calls(response, parsed.request.tool_calls)
-
-
-def _echoed(out: dict, parsed) -> dict:
-    """A whole completion with its prompt's text first, when it asks (`echo`)."""
-    return {**out, "text": parsed.echo_text + out["text"]} if parsed.echo_text else out
-
-
-def _shaped(out: dict, shaper: LogprobsShaper | None, index: int = 0) -> dict:
-    """A whole result with its logprobs (when asked) in OpenAI's shape."""
-    if shaper is None:
-        return out
-    return {**out, "logprobs": shaper.shape(out["token_ids"], out.get("logprobs"), index)}
 
 
 def _grpc_request_id(grpc_context) -> str:

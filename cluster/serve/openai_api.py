@@ -7,10 +7,11 @@ takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tok
 for the model's generation_config.json defaults). Unknown fields are ignored and named (vLLM's leniency), or refused
 with `strict`. Extensions beyond OpenAI's fields: `top_k` (-1: off), `speculation: {"method": "draft"|"eagle"|
 "eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|"none", "k": 1..16|"auto"}` (pass them with the openai
-package's `extra_body=`), and vLLM's `chat_template_kwargs`, `stream_options.continuous_usage_stats` and completions'
-`echo`. OpenAI fields that would change the output in ways specserve does not implement (best_of, suffix, tools on
-completions; the prompt's logprobs: `prompt_logprobs`, `echo` with `logprobs`) are accepted only at their neutral
-value (chat's tools: openai_tools.py); `logprobs` / `top_logprobs`: openai_logprobs.py. The logits controls
+package's `extra_body=`), and vLLM's `chat_template_kwargs`, `stream_options.continuous_usage_stats`, completions'
+`echo` (with `logprobs` too, and `max_tokens: 0`: the prompt alone) and `prompt_logprobs` (not streamed, as vLLM).
+OpenAI fields that would change the output in ways specserve does not implement (best_of, suffix, tools on
+completions) are accepted only at their neutral value (chat's tools: openai_tools.py); `logprobs` / `top_logprobs` /
+`prompt_logprobs`: openai_logprobs.py, echo's shapes: openai_echo.py. The logits controls
 (`presence_penalty`, `frequency_penalty`, `logit_bias`, and vLLM's `repetition_penalty`, `min_p`, `min_tokens`) apply
 at every verified position (workers/speculation/logits_controls.py); `response_format` (json_object, json_schema)
 through the grammar engine (response_formats.py, workers/speculation/grammar.py). Every response carries `specserve`
@@ -150,7 +151,7 @@ class _Body(EdgeModel):
     min_tokens: MinTokens | None = None
     logit_bias: TextKeyedBias | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # chat's, with logprobs: true
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's: refused (PROMPT_LOGPROBS)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's: not streamed
     # neutral only (_NEUTRAL)
     stop: one_of("must be a string or a list of strings", string=text(max_length=MAX_STOP_CHARS), null=None,
                  array=Annotated[list[StopText], Field(max_length=MAX_STOPS, fail_fast=True)]) = None  # fmt: skip
@@ -192,6 +193,7 @@ class _Body(EdgeModel):
             logit_bias=self.logit_bias or {},
             min_tokens=self.min_tokens or 0,
             logprobs=requested(self.logprobs, self.top_logprobs, chat=isinstance(self, ChatBody)),
+            prompt_logprobs=self.prompt_logprobs,
             response_format=from_openai(self.response_format),
             n=self.n or 1,
         )
@@ -206,8 +208,9 @@ def _check_neutral(name: str, value: Any) -> Any:
 
 class CompletionBody(_Body):
     prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: with echo, the prompt alone (vLLM's)
     best_of: int | None = None
-    echo: bool | None = None  # the prompt's text before the output's (with logprobs: refused, PROMPT_LOGPROBS)
+    echo: bool | None = None  # the prompt's text (and with logprobs its tokens' logprobs) before the output's
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: Text | None = None
     tools: list | None = None  # chat's only
@@ -233,8 +236,10 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool = False  # usage on every streamed chunk (vLLM's stream_options.continuous_usage_stats)
-    echo: bool = False  # completions: the prompt's text before the output's
+    echo: bool = False  # completions: the prompt's text before the output's (with logprobs, its tokens' too)
     echo_text: str = ""  # that text (the ingress's, from the prompt as it was sent)
+    echo_only: bool = False  # completions' max_tokens 0 with echo: the prompt alone (one token is run, and dropped)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs list with this many alternatives; None: not shown
     ignored: tuple[str, ...] = ()  # unknown fields ignored (not strict)
 
     @property
@@ -242,20 +247,15 @@ class ParsedRequest:
         return self.request.n
 
 
-# What the prompt's logprobs need and specserve's workers do not compute yet: refused rather than answered without.
-PROMPT_LOGPROBS = ("needs the target's logprobs of the prompt's tokens, which specserve does not compute yet (omit it; "
-                   "the generated tokens' logprobs are served: logprobs)")  # fmt: skip
-
-
 def _parsed(body: _Body, prompt: str | tuple[int, ...] | ChatPrompt, prompt_field: str,
             ignored: list[str] | None) -> ParsedRequest:  # fmt: skip
-    if body.prompt_logprobs is not None:
-        raise InvalidRequestError("prompt_logprobs", PROMPT_LOGPROBS)
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidRequestError("prompt_logprobs", "is not streamed (as vLLM): send stream: false, or omit it")
     options = body.stream_options or StreamOptions()
     usage = bool(options.include_usage)
     return ParsedRequest(body.request(prompt, prompt_field), bool(body.stream), usage,
                          continuous_usage=usage and bool(options.continuous_usage_stats),
-                         ignored=tuple(ignored or ()))  # fmt: skip
+                         prompt_logprobs=body.prompt_logprobs, ignored=tuple(ignored or ()))  # fmt: skip
 
 
 def parse_completion(body: Any, strict: bool = False) -> ParsedRequest:
@@ -263,9 +263,15 @@ def parse_completion(body: Any, strict: bool = False) -> ParsedRequest:
     fields are refused when `strict`, else ignored (ParsedRequest.ignored names them), as vLLM ignores them."""
     ignored = None if strict else []
     parsed: CompletionBody = parse(CompletionBody, body, ignored)
-    if parsed.echo and parsed.logprobs is not None:
-        raise InvalidRequestError("echo", f"with logprobs {PROMPT_LOGPROBS}")
-    return replace(_parsed(parsed, parsed.prompt, "prompt", ignored), echo=bool(parsed.echo))
+    only = parsed.max_tokens == 0 and parsed.max_completion_tokens is None
+    if only and not parsed.echo:
+        raise InvalidRequestError("max_tokens", "must be at least 1 (0 only with echo: the prompt alone)")
+    out = _parsed(parsed.model_copy(update={"max_tokens": 1}) if only else parsed, parsed.prompt, "prompt", ignored)
+    if parsed.echo and parsed.logprobs is not None:  # the prompt's tokens' logprobs too (vLLM's prompt_logprobs)
+        shown = parsed.logprobs if parsed.prompt_logprobs is None else parsed.prompt_logprobs
+        request = replace(out.request, prompt_logprobs=max(parsed.logprobs, shown))
+        out = replace(out, request=request, prompt_logprobs=shown)
+    return replace(out, echo=bool(parsed.echo), echo_only=only)
 
 
 def parse_chat(body: Any, strict: bool = False) -> ParsedRequest:
@@ -316,7 +322,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def completion_response(rid: str, model: str, result: dict | list[dict], chat: bool) -> dict:
     """One result, or a list of them for `n` choices (usage: the prompt once, every choice's tokens; `specserve`:
-    one choice's stats, or a list)."""
+    one choice's stats, or a list); vLLM's `prompt_logprobs`, where a result has them: each completions choice's,
+    the chat response's."""
     results = result if isinstance(result, list) else [result]
     usage = _usage(results[0]["usage"]["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in results))
     choices = []
@@ -326,10 +333,15 @@ def completion_response(rid: str, model: str, result: dict | list[dict], chat: b
                             "finish_reason": r["finish_reason"], "logprobs": r.get("logprobs")})  # fmt: skip
         else:
             choices.append({"index": i, "text": r["text"], "finish_reason": r["finish_reason"],
-                            "logprobs": r.get("logprobs")})  # fmt: skip
+                            "logprobs": r.get("logprobs")} | _prompt_logprobs(r))  # fmt: skip
     stats = result["stats"] if isinstance(result, dict) else [r["stats"] for r in results]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage, "specserve": stats}  # fmt: skip
+            "model": model, "choices": choices, "usage": usage, "specserve": stats,
+            **(_prompt_logprobs(results[0]) if chat else {})}  # fmt: skip
+
+
+def _prompt_logprobs(result: dict) -> dict:
+    return {"prompt_logprobs": result["prompt_logprobs"]} if "prompt_logprobs" in result else {}
 
 
 def stream_chunk(rid: str, model: str, text: str, finish_reason: str | None, chat: bool, first: bool,

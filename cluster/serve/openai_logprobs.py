@@ -5,6 +5,10 @@
 `{tokens, token_logprobs, top_logprobs, text_offset}` (whose top_logprobs maps each alternative's text to its
 logprob, the chosen token included, as OpenAI's).
 
+vLLM's `prompt_logprobs` (0..20, the prompt's tokens 1..P-1 from the forward that prefills it): a list, None for the
+first token (nothing precedes it), then per token `{token id: {logprob, rank, decoded_token}}`, the token's own first,
+then its position's likeliest.
+
 A token's text is its id decoded alone (special tokens as written); its `bytes` that text's UTF-8, so a token that
 is part of a multi-byte character shows U+FFFD, as vLLM shows it. Logprobs below -9999 are reported as -9999 (vLLM's
 floor: JSON has no -Infinity)."""
@@ -57,8 +61,11 @@ class LogprobsShaper:
         self.chat = chat
         self.offsets: dict[int, int] = {}  # choice index -> characters of its tokens' texts so far
 
-    def shape(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None, index: int = 0) -> dict | None:
-        """The logprobs of these tokens (a whole choice, or one chunk of its stream); None when not asked."""
+    def shape(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None] | None, index: int = 0,
+              top: int | None = None) -> dict | None:  # fmt: skip
+        """The logprobs of these tokens (a whole choice, or one chunk of its stream); None when not asked.
+        Completions' echo: a None entry (the prompt's first token) shows as null, and `top` cuts each token's
+        alternatives (the prompt's may carry more)."""
         if logprobs is None:
             return None
         if self.chat:
@@ -71,13 +78,29 @@ class LogprobsShaper:
         self.offsets[index] = at
         return {
             "tokens": tokens,
-            "token_logprobs": [_value(lp.logprob) for lp in logprobs],
+            "token_logprobs": [None if lp is None else _value(lp.logprob) for lp in logprobs],
             "top_logprobs": [
-                {text: _value(lp.logprob), **{self.texts(a): _value(v) for a, v in lp.top}}
+                None
+                if lp is None
+                else {text: _value(lp.logprob), **{self.texts(a): _value(v) for a, v in lp.top[:top]}}
                 for text, lp in zip(tokens, logprobs, strict=True)
             ],
             "text_offset": offsets,
         }
+
+    def prompt_list(self, prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprob], n: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs` of the prompt's tokens 1..P-1 (`logprobs`, with ranks), n alternatives each (the
+        token once where it is among them)."""
+        out: list[dict | None] = [None]
+        for token, lp in zip(prompt_ids[1:], logprobs, strict=True):
+            entry = {token: self._ranked(token, lp.logprob, lp.rank)}
+            for rank, (alt, value) in enumerate(lp.top[:n], start=1):
+                entry.setdefault(alt, self._ranked(alt, value, rank))
+            out.append(entry)
+        return out
+
+    def _ranked(self, token: int, logprob: float, rank: int) -> dict:
+        return {"logprob": _value(logprob), "rank": rank, "decoded_token": self.texts(token)}
 
     def _chat_entry(self, token: int, logprob: TokenLogprob) -> dict:
         entry = self._token(token, logprob.logprob)

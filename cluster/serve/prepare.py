@@ -75,6 +75,7 @@ class RequestPreparer:
             seed=request.seed,
             stop_at_eos=not request.ignore_eos,
             logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
             response_format=request.response_format,
             **_controls(request, max_new_tokens, model.vocab_size),
         )
