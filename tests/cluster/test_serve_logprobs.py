@@ -1,5 +1,6 @@
 """Logprobs through the real Serve application and the `openai` package (issue 43 item 2): chat logprobs and
-top_logprobs, completions logprobs, streamed and not, speculating with a draft model; every value equals what
+top_logprobs, completions logprobs, streamed and not, the prompt's (echo with logprobs, vLLM's prompt_logprobs; issue 55
+item 3), speculating with a draft model; every value equals what
 target-only decoding computes for the same tokens (a teacher-forced forward, ATOL in float32), and bad values are 400
 naming the field."""
 
@@ -99,3 +100,25 @@ def test_completions_logprobs_over_twenty_are_400_naming_the_field(oai):  # vLLM
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=21)
     assert e.value.status_code == 400 and e.value.body["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_and_prompt_logprobs_as_lm_eval_sends_them(oai, target, max_tokens):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens 0 or 1) and vLLM's prompt_logprobs
+    (extra_body): the prompt's logprobs equal a teacher-forced forward, the token after it target-only decoding's."""
+    out = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0, echo=True,
+                                 logprobs=1, extra_body={**SPEC, "prompt_logprobs": 2})  # fmt: skip
+    ids = target.tokenizer(PROMPT)["input_ids"]
+    new = SpecEngine(target).generate(ids, SamplingParams(max_new_tokens=1), SpecParams(method="none")).token_ids
+    tokens = ids + new[:max_tokens]
+    expected = target_logprobs(target.model, ids[:1], tokens[1:])
+    choice = out.choices[0]
+    assert choice.text == target.tokenizer.decode(tokens) and out.usage.completion_tokens == max_tokens
+    assert choice.logprobs.tokens == [target.tokenizer.decode([t]) for t in tokens]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert _close(choice.logprobs.token_logprobs[1:], [float(expected[i, t]) for i, t in enumerate(tokens[1:])])
+    prompt = choice.prompt_logprobs  # vLLM's field, kept by the openai package
+    assert prompt[0] is None and len(prompt) == len(ids)
+    assert _close([p[str(t)]["logprob"] for p, t in zip(prompt[1:], ids[1:], strict=True)],
+                  [float(expected[i, t]) for i, t in enumerate(ids[1:])])  # fmt: skip
+    assert all(min(v["rank"] for v in p.values()) == 1 and len(p) in (2, 3) for p in prompt[1:])
