@@ -1,6 +1,7 @@
 """Incremental detokenization: per-round text deltas concatenate to decoding all tokens at once, for byte-level BPE
-(the tests' byte tokenizer, SmolLM2's real vocabulary when it is cached here) and a SentencePiece-style tokenizer
-(leading-space strip, byte fallback), on random ids and on multi-byte texts; and each step decodes only a window."""
+(the tests' byte tokenizer, and SmolLM2's real vocabulary, fetched once: tests/helpers/real_model.py) and a
+SentencePiece-style tokenizer (leading-space strip, byte fallback), on random ids and on multi-byte texts; and each
+step decodes only a window."""
 
 import random
 import string
@@ -10,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from specserve.cluster.scheduling.detokenize import IncrementalText, byte_pieces
+from tests.helpers.real_model import real_model_dir
 from tests.helpers.workers import byte_tokenizer
 
 TEXTS = [
@@ -39,12 +41,7 @@ def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def smollm2_tokenizer():
-    from specserve.workers.models.catalog import converted_path, known_models
-
-    path = converted_path(known_models()["smollm2-135m-instruct"])
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip("SmolLM2 is not cached on this machine (`specserve models pull smollm2-135m-instruct`)")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(real_model_dir(), local_files_only=True)
 
 
 TOKENIZERS = {"byte": byte_tokenizer, "sentencepiece": sentencepiece_tokenizer, "smollm2": smollm2_tokenizer}

