@@ -98,3 +98,14 @@ def test_slices_of_a_long_prompt_join_to_what_one_pass_computes(target, monkeypa
     prompt = [1] + [int(t) for t in torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(0))]
     monkeypatch.setattr(module, "SLICE_ROWS", 7)  # 40 positions in 6 slices
     check_prompt(target, prompt, worker_of(target).verify_batch([call("a", prompt, top=3)])[0].prompt_logprobs, 3)
+
+
+def test_a_prompt_another_request_left_cached_is_computed_whole(target):
+    """Whatever a worker keeps of other requests' prefixes (prefix caching), the asking call feeds its whole prompt."""
+    worker, prompt = worker_of(target), PROMPT * 3  # longer than the shortest prefix a cache would share
+    worker.verify_batch([call("a", prompt)])
+    worker.release("a")
+    fed = worker.verifier.runner.forward_positions
+    result = worker.verify_batch([call("b", prompt, top=2)])[0]
+    assert worker.verifier.runner.forward_positions - fed == len(prompt)
+    check_prompt(target, prompt, result.prompt_logprobs, 2)
