@@ -14,8 +14,29 @@ from specserve.workers.speculation.eagle.loading import load_eagle_drafter
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.workers import save_tiny_llama
 
-pytestmark = pytest.mark.skipif(not packing_works(torch.device("cpu"), torch.float32),
-                                reason="this torch build has no oneDNN packed linear")  # fmt: skip
+
+def _op_exists() -> bool:
+    """Whether this torch build has oneDNN's packed linear op at all. Only its absence skips the module: an op that
+    runs and computes something else than F.linear fails the tests below (packing_works also answers False then, so
+    it must not decide the skip)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        PackedLinear(nn.Linear(4, 4), keep_weight=False)(torch.randn(1, 4))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _op_exists(), reason="this torch build has no oneDNN packed linear")
+
+
+def test_packing_works_here_and_refuses_an_op_that_disagrees(monkeypatch):
+    assert packing_works(torch.device("cpu"), torch.float32)
+    forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: forward(self, x) * (1 + 1e-3))
+    assert not packing_works(torch.device("cpu"), torch.float32)
+    assert pack_linears(nn.Sequential(nn.Linear(4, 4))) == 0  # the model keeps PyTorch's modules
 
 
 @pytest.mark.parametrize("bias", [True, False])
