@@ -189,19 +189,40 @@ def test_only_what_loading_needs_is_fetched():
     }  # fmt: skip
 
 
-def test_online_the_download_asks_for_those_files(hf_cache, monkeypatch, tiny_models):
+def test_online_the_download_fetches_what_loading_needs_and_the_model_loads(hf_cache, monkeypatch, tiny_models):
+    """A hub stand-in that does what snapshot_download does with the arguments it is given: the repo's files that
+    pass allow_patterns / ignore_patterns, at the revision asked for, written into the cache as a snapshot. What
+    resolve_model returns is checked by what it holds and by loading it, not by the stand-in's return value."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    seen = {}
+    repo = {"v1.0": tiny_models["v1"], "main": tiny_models["main"]}  # each revision's files
+    extras = {"README.md": b"# card", "pytorch_model.bin": b"pickle", "onnx/model.safetensors": b"onnx copy"}
+    asked = []
 
-    def snapshot_download(repo_id, **kwargs):
-        seen.update(kwargs, repo_id=repo_id)
-        return str(tiny_models["main"])
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None, local_files_only=False,
+                          **kwargs):  # fmt: skip
+        asked.append((repo_id, revision, local_files_only))
+        source = repo[revision or "main"]
+        files = [str(f.relative_to(source)) for f in source.rglob("*") if f.is_file()] + list(extras)
+        staged = hf_cache.parent / "hub-side" / (revision or "main")
+        for name in filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)
+            (staged / name).write_bytes(extras[name] if name in extras else (source / name).read_bytes())
+        revision = revision or "main"
+        return str(cache_repo(hf_cache, repo_id, staged, V1 if revision == "v1.0" else MAIN, refs=(revision,)))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    assert resolve_model(f"{REPO}@v1.0", progress=False) == str(tiny_models["main"])
-    assert seen["repo_id"] == REPO and seen["revision"] == "v1.0" and not seen["local_files_only"]
-    assert seen["allow_patterns"] == hub.ALLOW_PATTERNS and seen["ignore_patterns"] == hub.IGNORE_PATTERNS
+    path = Path(resolve_model(f"{REPO}@v1.0", progress=False))
+    assert asked == [(REPO, "v1.0", False)]
+    assert path.is_relative_to(hf_cache) and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    assert not [f for f in ("README.md", "pytorch_model.bin", "onnx") if (path / f).exists()]
+    loaded = load_model(ModelConfig(path=str(path), device="cpu"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        got = loaded.model(ids).logits
+        v1, main = (AutoModelForCausalLM.from_pretrained(tiny_models[r])(ids).logits for r in ("v1", "main"))
+    torch.testing.assert_close(got, v1, rtol=1e-4, atol=1e-4)  # the revision asked for
+    assert not torch.allclose(got, main, rtol=1e-2, atol=1e-2)  # not main's
 
 
 def _response(status: int) -> SimpleNamespace:
