@@ -186,7 +186,7 @@ class HealthRequest(_message.Message):
     def __init__(self, want_costs: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("healthy", "requests", "kv_used_tokens", "kv_capacity_tokens", "model", "verify_seconds_by_width", "draft_fixed_seconds", "draft_step_seconds", "verify_profile_rows", "verify_seconds_by_rows")
+    __slots__ = ("healthy", "requests", "kv_used_tokens", "kv_capacity_tokens", "model", "verify_seconds_by_width", "draft_fixed_seconds", "draft_step_seconds", "verify_profile_rows", "verify_seconds_by_rows", "kv_cached_tokens", "prefix_cache_queries", "prefix_cache_hits")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,9 @@ class HealthResponse(_message.Message):
     DRAFT_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_PROFILE_ROWS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_BY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     requests: int
     kv_used_tokens: int
@@ -207,7 +210,10 @@ class HealthResponse(_message.Message):
     draft_step_seconds: float
     verify_profile_rows: _containers.RepeatedScalarFieldContainer[int]
     verify_seconds_by_rows: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ..., verify_seconds_by_width: _Optional[_Iterable[float]] = ..., draft_fixed_seconds: _Optional[float] = ..., draft_step_seconds: _Optional[float] = ..., verify_profile_rows: _Optional[_Iterable[int]] = ..., verify_seconds_by_rows: _Optional[_Iterable[float]] = ...) -> None: ...
+    kv_cached_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ..., verify_seconds_by_width: _Optional[_Iterable[float]] = ..., draft_fixed_seconds: _Optional[float] = ..., draft_step_seconds: _Optional[float] = ..., verify_profile_rows: _Optional[_Iterable[int]] = ..., verify_seconds_by_rows: _Optional[_Iterable[float]] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("method", "k")

@@ -177,6 +177,11 @@ class KVCacheConfig(_Strict):
     capacity_tokens: int = Field(
         262_144, gt=0, description="Total cached positions across all requests held by one worker."
     )
+    prefix_caching: bool = Field(
+        True, description="Keep a finished request's cache for later requests that start with the same tokens (a "
+        "conversation's next turn, a shared system prompt), as vLLM's enable_prefix_caching: within the capacity, "
+        "least recently used first out."
+    )  # fmt: skip
 
 
 def _field_name(loc: tuple, model: type[BaseModel]) -> str:

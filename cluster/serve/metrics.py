@@ -216,13 +216,21 @@ class WorkerMetrics:
     """Worker-side metrics: the KV cache of each worker replica (`kind` target or draft), reported at its heartbeat."""
 
     def __init__(self):
-        from ray.util.metrics import Gauge
+        from ray.util.metrics import Counter, Gauge
 
         keys = ("model_name", "kind", "worker")
         self.usage = Gauge("specserve_kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", tag_keys=keys)
         self.used = Gauge("specserve_kv_cache_used_tokens", "Cached positions held.", tag_keys=keys)
         self.capacity = Gauge("specserve_kv_cache_capacity_tokens", "Configured KV capacity.", tag_keys=keys)
         self.requests = Gauge("specserve_kv_cache_requests", "Requests with a cache on the worker.", tag_keys=keys)
+        self.cached = Gauge("specserve_kv_cache_cached_tokens", "Positions released requests left for later "
+                            "prefixes.", tag_keys=keys)  # fmt: skip
+        # vLLM's prefix cache counters (tokens), counted up by what the store's totals grew since the last report
+        self.queries = Counter("specserve_prefix_cache_queries_total", "Prompt positions new requests brought.",
+                               tag_keys=keys)  # fmt: skip
+        self.hits = Counter("specserve_prefix_cache_hits_total", "Of those, positions found in the prefix cache.",
+                            tag_keys=keys)  # fmt: skip
+        self._reported: dict[str, tuple[int, int]] = {}
 
     def report(self, model: str, kind: str, worker: str, store) -> None:
         tags = {"model_name": model, "kind": kind, "worker": worker}
@@ -231,6 +239,13 @@ class WorkerMetrics:
         self.used.set(store.used_tokens, tags=tags)
         self.capacity.set(capacity, tags=tags)
         self.requests.set(len(store), tags=tags)
+        self.cached.set(store.cached_tokens, tags=tags)
+        queries, hits = self._reported.get(worker, (0, 0))
+        if store.prefix_queries > queries:
+            self.queries.inc(store.prefix_queries - queries, tags=tags)
+        if store.prefix_hits > hits:
+            self.hits.inc(store.prefix_hits - hits, tags=tags)
+        self._reported[worker] = (store.prefix_queries, store.prefix_hits)
 
 
 class IngressMetrics:

@@ -69,7 +69,7 @@ def test_names_are_vllms_under_specserves_prefix(metrics):
                  "e2e_request_latency_seconds", "request_queue_time_seconds", "time_to_first_token_seconds",
                  "inter_token_latency_seconds", "request_time_per_output_token_seconds", "prompt_tokens_total",
                  "generation_tokens_total", "request_success_total", "num_requests_running", "num_requests_waiting",
-                 "kv_cache_usage_perc"):  # fmt: skip
+                 "kv_cache_usage_perc", "prefix_cache_queries_total", "prefix_cache_hits_total"):  # fmt: skip
         assert f"specserve_{vllm}" in names
     for made in Recorder.made.values():
         assert "model_name" in made.tag_keys and ":" not in made.name  # Ray drops names with ':'
@@ -150,12 +150,18 @@ def test_failed_requests_are_counted_by_vllms_finished_reason(metrics, status, r
 
 def test_worker_kv_cache_usage_is_a_fraction(metrics):
     class Store:
-        used_tokens, capacity_tokens = 64, 256
+        used_tokens, capacity_tokens, cached_tokens = 64, 256, 32
+        prefix_queries, prefix_hits = 100, 40
 
         def __len__(self):
             return 2
 
-    worker = WorkerMetrics()
-    worker.report("a", "target", "target-a-1", Store())
+    worker, store = WorkerMetrics(), Store()
+    worker.report("a", "target", "target-a-1", store)
     labels = {"kind": "target", "worker": "target-a-1"}
     assert last(worker.usage, **labels) == 0.25 and last(worker.capacity, **labels) == 256
+    assert last(worker.cached, **labels) == 32
+    # the prefix cache counters count up by what the store's totals grew between heartbeats
+    store.prefix_queries, store.prefix_hits = 150, 40
+    worker.report("a", "target", "target-a-1", store)
+    assert values(worker.queries, **labels) == [100, 50] and values(worker.hits, **labels) == [40]

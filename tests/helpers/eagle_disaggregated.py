@@ -50,11 +50,13 @@ def prompts_of(target, pair_name: str) -> list[list[int]]:
 
 def generate_recording_features(target, head_dir: str, requests) -> tuple[list, Pipeline, dict]:
     """Run `requests` on two head draft workers and two targets; also returns request id -> [(start, features)] as
-    each head got them."""
+    each head got them. The targets cache no prefixes across requests, so that every request's every position is
+    computed and handed to a head (prefix hits: tests/cluster/test_prefix_caching.py)."""
     handed = {}
 
     async def main():
-        async with LocalWorkers(target, [], n_targets=2, eagle_head=head_dir, eagle_drafts=2) as w:
+        async with LocalWorkers(target, [], n_targets=2, eagle_head=head_dir, eagle_drafts=2,
+                                prefix_caching=False) as w:  # fmt: skip
             for worker in w.drafts.values():
                 add = worker.drafter.add_features
                 worker.drafter.add_features = lambda rid, start, f, add=add: (

@@ -123,7 +123,7 @@ class LocalWorkers:
     """
 
     def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000, batching=None,
-                 eagle_head: str | None = None, eagle_drafts: int = 1):  # fmt: skip
+                 eagle_head: str | None = None, eagle_drafts: int = 1, prefix_caching: bool = True):  # fmt: skip
         from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
         from specserve.workers.service.assembly import WorkerSpec, build_worker
 
@@ -137,7 +137,7 @@ class LocalWorkers:
                               eagle_head=eagle_head)  # fmt: skip
             built[f"draft-{i}"] = build_worker(spec)
         spec = WorkerSpec(
-            "target", ModelConfig(path=target.path), KVCacheConfig(capacity_tokens=target_capacity), batching,
+            "target", ModelConfig(path=target.path), KVCacheConfig(capacity_tokens=target_capacity, prefix_caching=prefix_caching), batching,
             eagle_head=eagle_head,
         )  # fmt: skip
         for i in range(n_targets):

@@ -4,6 +4,13 @@ A cache entry remembers the token ids whose keys/values it holds, so a caller ca
 stale cache: `sync` keeps only the longest prefix that agrees with the sequence the caller names and rolls the rest
 back. Each entry owns one slot of a shared `SlotKVCache`; its length is the number of tokens it holds, so rolling back
 copies nothing. Memory is accounted per request in cached positions against a configured capacity.
+
+Prefix caching (`KVCacheConfig.prefix_caching`, on by default as in vLLM): a released entry is retained, not freed,
+and a new request whose tokens start with what a retained entry holds takes that entry over (its slot, nothing
+copied), rolled back to the shared prefix.
+Retained entries give way, least recently used first, to running requests' positions and past `RETAINED_MAX`. The
+keys and values reused are those the same tokens would get computed again (a causal model's prefix does not depend
+on what follows it), so outputs do not change.
 """
 
 from __future__ import annotations
@@ -17,6 +24,12 @@ from specserve.workers.config import KVCacheConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
 from specserve.workers.runtime.slot_cache import SlotKVCache
 from specserve.workers.runtime.worker_state import common_prefix_length
+
+PREFIX_MIN_TOKENS = 16  # a shorter shared prefix (a chat template's first tokens) is computed again
+RETAINED_MAX = 64  # released entries kept for their prefixes
+# A released entry is retained less its newest positions: computing them again costs little, and a draft worker's
+# cache (an EAGLE-3 head's), which the last rounds of the request did not reach, then still covers what is reused.
+RETAIN_LESS = 32
 
 
 @dataclass
@@ -41,6 +54,12 @@ class KVCacheStore:
         self.cache = SlotKVCache()
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self.prefix_caching = config.prefix_caching
+        self._retained: OrderedDict[int, CacheEntry] = OrderedDict()  # released entries, least recently used first
+        self._retained_count = 0  # keys of retained entries
+        self._retained_tokens = 0
+        self.prefix_queries = 0  # new requests' tokens looked up, and of those found cached (vLLM's counters)
+        self.prefix_hits = 0
 
     @property
     def used_tokens(self) -> int:
@@ -49,6 +68,11 @@ class KVCacheStore:
     @property
     def used_bytes(self) -> int:
         return self._used * self.bytes_per_token
+
+    @property
+    def cached_tokens(self) -> int:
+        """Positions held by retained entries, for later requests' prefixes (given up when room is needed)."""
+        return self._retained_tokens
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._entries
@@ -67,16 +91,22 @@ class KVCacheStore:
 
     def get_or_create(self, request_id: str) -> CacheEntry:
         if request_id not in self._entries:
-            if self._free_slots:
-                slot = min(self._free_slots)  # low slots first: keeps the live slots dense, and shrinkable
-                self._free_slots.remove(slot)
-            else:
-                slot, self._next_slot = self._next_slot, self._next_slot + 1
-            self._entries[request_id] = CacheEntry(slot=slot)
+            self._entries[request_id] = CacheEntry(slot=self._new_slot())
         return self.get(request_id)
 
+    def _new_slot(self) -> int:
+        if self._free_slots:
+            slot = min(self._free_slots)  # low slots first: keeps the live slots dense, and shrinkable
+            self._free_slots.remove(slot)
+            return slot
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        return slot
+
     def sync(self, request_id: str, sequence: Sequence[int], keep_at_most: int) -> CacheEntry:
-        """Roll the request's cache back to the longest prefix it shares with `sequence`, at most `keep_at_most`."""
+        """Roll the request's cache back to the longest prefix it shares with `sequence`, at most `keep_at_most`; a
+        request new here starts from the longest cached prefix of `sequence` (prefix caching)."""
+        if request_id not in self._entries and self.prefix_caching:
+            self._start_from_prefix(request_id, sequence, keep_at_most)
         entry = self.get_or_create(request_id)
         keep = min(common_prefix_length(entry.tokens, sequence), keep_at_most)
         self.rollback(request_id, keep)
@@ -90,8 +120,45 @@ class KVCacheStore:
             del entry.tokens[length:]  # the slot's positions beyond its length are dead: nothing to copy
             self._used -= drop
 
+    def _start_from_prefix(self, request_id: str, sequence: Sequence[int], keep_at_most: int) -> None:
+        """Give the new request the retained entry that holds the longest prefix of `sequence` (taken over, nothing
+        copied), when that prefix is at least PREFIX_MIN_TOKENS long. Running requests' caches are not shared: an
+        EAGLE-3 head's worker reuses released caches the same way, and a prefix the target skips is one the head must
+        already hold (else its drafts start from nothing there)."""
+        self.prefix_queries += len(sequence)
+        best, hit = None, 0
+        for key, entry in self._retained.items():
+            n = min(common_prefix_length(entry.tokens, sequence), keep_at_most)
+            if n > hit:
+                best, hit = key, n
+        if hit < PREFIX_MIN_TOKENS:
+            return
+        entry = self._retained.pop(best)
+        self._retained_tokens -= entry.length
+        self._used += entry.length  # rolled back to the shared prefix by the caller
+        self._entries[request_id] = entry
+        self.prefix_hits += hit
+
+    def _make_room(self, new_tokens: int) -> None:
+        """Give up retained entries, least recently used first, until `new_tokens` more positions fit beside them, and
+        until the slots they keep, each as long as the longest entry (the shared buffers' shape), fit the capacity."""
+        while self._retained and (self._used + self._retained_tokens + new_tokens > self.capacity_tokens
+                                  or self._footprint() > self.capacity_tokens):  # fmt: skip
+            self._forget_retained()
+
+    def _footprint(self) -> int:
+        """Positions the shared buffers need for the live and retained entries: slots x the longest."""
+        entries = (*self._entries.values(), *self._retained.values())
+        return len(entries) * max((e.length for e in entries), default=0)
+
+    def _forget_retained(self) -> None:
+        _, entry = self._retained.popitem(last=False)
+        self._retained_tokens -= entry.length
+        self._free_slots.append(entry.slot)
+
     def reserve(self, request_id: str, new_tokens: int) -> None:
-        """Check that `new_tokens` more positions fit; raise KVCapacityError otherwise."""
+        """Check that `new_tokens` more positions fit (retained prefixes give way); raise KVCapacityError otherwise."""
+        self._make_room(new_tokens)
         if self._used + new_tokens > self.capacity_tokens:
             raise KVCapacityError(
                 f"KV cache capacity exceeded: request {request_id!r} needs {new_tokens} more positions, "
@@ -100,6 +167,7 @@ class KVCacheStore:
 
     def reserve_batch(self, request_ids: Sequence[str], new_tokens: Sequence[int]) -> None:
         """Check that a batch's new positions fit together; KVCapacityError names the first row that does not."""
+        self._make_room(sum(new_tokens))
         used = self._used
         for rid, n in zip(request_ids, new_tokens, strict=False):
             if used + n > self.capacity_tokens:
@@ -113,17 +181,27 @@ class KVCacheStore:
         self._used += len(tokens)
 
     def release(self, request_id: str) -> bool:
+        """The request ended: its entry is retained for later requests' prefixes (prefix caching), else freed."""
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return False
         self._used -= entry.length
-        self._free_slots.append(entry.slot)
+        if self.prefix_caching and entry.length - RETAIN_LESS >= PREFIX_MIN_TOKENS:
+            del entry.tokens[entry.length - RETAIN_LESS :]  # the slot's positions beyond are dead: nothing copied
+            self._retained[self._retained_count] = entry
+            self._retained_count += 1
+            self._retained_tokens += entry.length
+            while len(self._retained) > RETAINED_MAX:
+                self._forget_retained()
+            self._make_room(0)
+        else:
+            self._free_slots.append(entry.slot)
         self._give_back_memory()
         return True
 
     def _give_back_memory(self) -> None:
-        """Shrink the shared buffers when the live requests use a quarter of them or less."""
-        if not self._entries:
+        """Shrink the shared buffers when the live and retained entries use a quarter of them or less."""
+        if not self._entries and not self._retained:
             self.cache.reset()
             self._free_slots.clear()
             self._next_slot = 0
@@ -132,7 +210,7 @@ class KVCacheStore:
             self._free_slots.remove(self._next_slot - 1)
             self._next_slot -= 1
         slots, length = self.cache.capacity
-        longest = max(e.length for e in self._entries.values())
+        longest = max(e.length for e in (*self._entries.values(), *self._retained.values()))
         while slots >= 8 and self._next_slot * 4 <= slots:
             slots //= 2
         while length >= 512 and longest * 4 <= length:

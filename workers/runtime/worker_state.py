@@ -54,6 +54,10 @@ class CommittedTokens:
     def release(self, request_id: str) -> bool:
         return self._tokens.pop(request_id, None) is not None
 
+    def tokens(self, request_id: str) -> list[int] | None:
+        """The request's committed tokens (None: not held)."""
+        return self._tokens.get(request_id)
+
     def least_recent(self) -> list[str]:
         return list(self._tokens)
 

@@ -134,7 +134,10 @@ class DraftWorker:
             )
 
     def release(self, request_id: str) -> bool:
-        self.drafter.release(request_id)
+        if isinstance(self.drafter, EagleDrafter):  # the head's cache is kept for later prefixes (a model's: its store)
+            self.drafter.release(request_id, self.committed.tokens(request_id))
+        else:
+            self.drafter.release(request_id)
         return self.committed.release(request_id)
 
     def draft_cost(self) -> DraftCost | None:
@@ -143,6 +146,16 @@ class DraftWorker:
         if self._draft_cost is None:
             self._draft_cost = drafter_cost(self.drafter, MAX_AUTO_K)
         return self._draft_cost
+
+    def _prefix_cache(self) -> dict:
+        """A draft model's store's prefix cache counters, or an EAGLE-3 head's (positions a new request's target did
+        not send features for, and of those found in a released request's head cache)."""
+        if self.store is not None:
+            return {"kv_cached_tokens": self.store.cached_tokens, "prefix_cache_queries": self.store.prefix_queries,
+                    "prefix_cache_hits": self.store.prefix_hits}  # fmt: skip
+        if isinstance(self.drafter, EagleDrafter):
+            return {"prefix_cache_queries": self.drafter.prefix_queries, "prefix_cache_hits": self.drafter.prefix_hits}
+        return {}
 
     def health(self, costs: bool = False) -> dict:
         """Liveness and capacity; with `costs`, also the drafting cost (measured on first use: call it on the
@@ -153,6 +166,7 @@ class DraftWorker:
             "kv_used_tokens": self.store.used_tokens if self.store is not None else 0,
             "kv_capacity_tokens": self.store.capacity_tokens if self.store is not None else 0,
             "model": self.model_name,
+            **self._prefix_cache(),
         }
         cost = self.draft_cost() if costs else None
         if cost is not None:

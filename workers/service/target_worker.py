@@ -164,6 +164,9 @@ class TargetWorker:
             "requests": len(self.committed),
             "kv_used_tokens": store.used_tokens,
             "kv_capacity_tokens": store.capacity_tokens,
+            "kv_cached_tokens": store.cached_tokens,
+            "prefix_cache_queries": store.prefix_queries,
+            "prefix_cache_hits": store.prefix_hits,
             "model": self.model_name,
         }
         if costs and failed is None:

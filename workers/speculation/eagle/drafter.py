@@ -16,15 +16,18 @@ exactly what was sampled from, so the target's rejection sampler stays lossless.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from specserve.workers.config import SamplingParams
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.runtime.kv_cache import PREFIX_MIN_TOKENS, RETAINED_MAX
+from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafter import DraftRow, Proposal, TreeDraftRow
-from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting
+from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting, RequestKV
 from specserve.workers.speculation.eagle.head import Eagle3Head
 from specserve.workers.speculation.eagle.tree import draft_trees
 from specserve.workers.speculation.sampling import draw_token
@@ -47,6 +50,14 @@ class EagleDrafter:
         self.max_support = max_support
         self._feature_size = 3 * head.config.target_hidden_size
         self._pending: dict[str, tuple[int, torch.Tensor]] = {}  # per request: features not yet in the head's cache
+        # Released requests' caches with the tokens they were built from, for a later request that starts with the
+        # same tokens: a target that served that request's prefix from its own cache sends no features for it.
+        self._retained: OrderedDict[int, tuple[list[int], RequestKV, tuple[int, torch.Tensor] | None]] = OrderedDict()
+        self._retained_count = 0
+        # positions new requests' targets sent no features for (served from their prefix caches), and of those found
+        # in a released request's head cache
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     @property
     def feature_size(self) -> int:
@@ -145,6 +156,9 @@ class EagleDrafter:
                 f"{request_id!r}: the head holds {length} entries and has features of positions {start}..{end - 1}, "
                 f"but {len(tokens)} committed tokens need entries 0..{committed - 1}",
             )
+        if start > length and length == 0:  # a new request whose target took the start from its prefix cache
+            self.prefix_queries += start
+            start, features, length = self._reuse(request_id, tokens, start, features)
         if start > length:
             log.debug("request %r: the head lost positions %d..%d: its cache starts again at %d", request_id, length,
                       start - 1, start)  # fmt: skip
@@ -172,6 +186,36 @@ class EagleDrafter:
                 out.append(draw_token(target_logits, params, position, self.max_support, before))
         return out
 
-    def release(self, request_id: str) -> None:
-        self.drafting.release(request_id)
-        self._pending.pop(request_id, None)
+    def release(self, request_id: str, tokens: Sequence[int] | None = None) -> None:
+        """Forget the request; with its committed `tokens`, its cache is retained for later requests that start with
+        them (prefix caching, as the target's KV cache store does)."""
+        state = self.drafting.release(request_id)
+        pending = self._pending.pop(request_id, None)  # the last rounds' features, never drafted from
+        if tokens is not None and state is not None and state.offset == 0 and state.count >= PREFIX_MIN_TOKENS:
+            self._retained[self._retained_count] = (list(tokens), state, pending)
+            self._retained_count += 1
+            while len(self._retained) > RETAINED_MAX:
+                self._retained.popitem(last=False)
+
+    def _reuse(
+        self, request_id: str, tokens: Sequence[int], start: int, features: torch.Tensor
+    ) -> tuple[int, torch.Tensor, int]:
+        """Install the retained cache that holds (with the features it was still to read) the entries of positions
+        before `start` for these tokens: entry i reads the target's features of position i, which depend on tokens
+        0..i, and token i + 1. Returns the (start, features) to extend it with and the entries it holds; (start,
+        features, 0) unchanged when none does."""
+        for key, (held, state, pending) in reversed(self._retained.items()):  # most recent first
+            reach = state.end
+            if pending is not None and pending[0] == state.end:
+                reach += pending[1].shape[0]
+            if reach < start or common_prefix_length(held, tokens) < start + 1:
+                continue
+            del self._retained[key]
+            self.drafting.install(request_id, state)
+            self.prefix_hits += start
+            if state.end >= start:
+                self.drafting.rollback(request_id, start)
+                return start, features, start
+            missing = pending[1][: start - state.end].to(features.dtype)
+            return state.end, torch.cat([missing, features]), state.end
+        return start, features, 0

@@ -31,7 +31,7 @@ class DraftStep:
     hidden: torch.Tensor  # [B, H]: the head's output before its final norm, what the next chained step takes
 
 
-class _RequestKV:
+class RequestKV:
     """One request's committed entries: keys/values [nkv, capacity, hd], grown by doubling. Entry i is that of
     position offset + i (offset 0 unless the cache was restarted later)."""
 
@@ -62,7 +62,7 @@ class _RequestKV:
         self.count = end
 
 
-def padded_kv(states: Sequence[_RequestKV]) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_kv(states: Sequence[RequestKV]) -> tuple[torch.Tensor, torch.Tensor]:
     """The requests' committed keys and values, right-padded with zeros: [B, nkv, most entries, hd] each."""
     longest = max(s.count for s in states)
     first = states[0].keys
@@ -85,7 +85,7 @@ class Eagle3Drafting:
     def __init__(self, head: Eagle3Head, embed_weight: torch.Tensor):
         self.head = head
         self.embed_weight = embed_weight
-        self._requests: dict[str, _RequestKV] = {}
+        self._requests: dict[str, RequestKV] = {}
 
     def length(self, request_id: str) -> int:
         """The position of the request's next entry (its entries are those of positions before it)."""
@@ -108,13 +108,18 @@ class Eagle3Drafting:
         state = self._state(request_id)
         state.offset, state.count, state.last_hidden = position, 0, None
 
-    def release(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+    def release(self, request_id: str) -> RequestKV | None:
+        """Forget the request; returns its cache (for prefix reuse), None when it held none."""
+        return self._requests.pop(request_id, None)
 
-    def _state(self, request_id: str) -> _RequestKV:
+    def install(self, request_id: str, state: RequestKV) -> None:
+        """Give the request a cache released by another (the caller rolls it back to the prefix they share)."""
+        self._requests[request_id] = state
+
+    def _state(self, request_id: str) -> RequestKV:
         if request_id not in self._requests:
             cfg, weight = self.head.config, self.head.fc.weight
-            self._requests[request_id] = _RequestKV(cfg.num_key_value_heads, cfg.head_dim, weight.dtype, weight.device)
+            self._requests[request_id] = RequestKV(cfg.num_key_value_heads, cfg.head_dim, weight.dtype, weight.device)
         return self._requests[request_id]
 
     @torch.no_grad()
@@ -139,7 +144,7 @@ class Eagle3Drafting:
         hidden = torch.stack([state.last_hidden for state in states])  # [B, H]
         return DraftStep(self.head.logits(hidden), hidden)
 
-    def _forward_new(self, rows, states: list[_RequestKV]) -> torch.Tensor:
+    def _forward_new(self, rows, states: list[RequestKV]) -> torch.Tensor:
         """The new entries of each row in one forward; appends their keys/values; returns the newest outputs [B, H]."""
         head, device = self.head, self.head.fc.weight.device
         counts = [features.shape[0] for _, features, _ in rows]
@@ -163,7 +168,7 @@ class Eagle3Drafting:
         out = head.finish(attend(q, keys, values, mask[:, None]), residual)  # [B, M, H]
         return out[torch.arange(len(rows), device=device), torch.tensor(counts, device=device) - 1]
 
-    def states(self, request_ids: Sequence[str]) -> list[_RequestKV]:
+    def states(self, request_ids: Sequence[str]) -> list[RequestKV]:
         """The requests' caches (read by the chain and tree drafting beyond them)."""
         return [self._requests[r] for r in request_ids]
 
@@ -187,7 +192,7 @@ class Eagle3Drafting:
 class DraftChain:
     """Drafting steps beyond the committed entries; the requests' caches are read, never changed."""
 
-    def __init__(self, drafting: Eagle3Drafting, states: list[_RequestKV], hidden: torch.Tensor):
+    def __init__(self, drafting: Eagle3Drafting, states: list[RequestKV], hidden: torch.Tensor):
         self.head, self.embed_weight = drafting.head, drafting.embed_weight
         device = hidden.device
         counts = torch.tensor([s.count for s in states], device=device)

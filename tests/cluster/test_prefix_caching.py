@@ -1,0 +1,81 @@
+"""Prefix caching over real gRPC workers: a conversation's second turn (its history, the first answer, a new
+question) takes the first turn's caches over on the target worker and on the draft worker (a draft model's KV, an
+EAGLE-3 head's cache), computes only what follows, and decodes exactly what target-only decoding does. The head is
+not hurt by the hit: its turn drafts and accepts as with no cache at all (the sglang #31600 failure: a target prefix
+hit without the head's cache)."""
+
+import asyncio
+
+import pytest
+
+from specserve.cluster.scheduling.worker_clients import TargetClient
+from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.runtime.kv_cache import RETAIN_LESS
+from specserve.workers.runtime.loading import load_model
+from tests.helpers.eagle_disaggregated import build_pairs, prompts_of
+from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.pipelines import generate_all
+from tests.helpers.workers import LocalWorkers, save_perturbed_copy
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, device) -> dict:
+    return build_pairs(tmp_path_factory.mktemp("prefix_pairs"), device)
+
+
+async def _two_turns(w: LocalWorkers, prompt: list[int], spec: SpecParams):
+    """Turn 1, then turn 2 over turn 1's history and answer plus a question; returns (turn 1, turn 2) requests."""
+    (first,), _ = await generate_all(w, [(prompt, SamplingParams(max_new_tokens=N), spec)])
+    history = prompt + first.state.generated + [ord(c) + 3 for c in "\nand then?"]  # byte tokens: ids are bytes + 3
+    (second,), _ = await generate_all(w, [(history, SamplingParams(max_new_tokens=N), spec)])
+    return first, second
+
+
+def test_a_second_turn_reuses_the_first_on_target_and_draft_model(models_dir, tiny_target, device):
+    target = load_model(ModelConfig(path=tiny_target, device=device))
+    draft = load_model(ModelConfig(path=save_perturbed_copy(tiny_target, models_dir / "prefix_draft", 0.05, 9),
+                                   device=device))  # fmt: skip
+    prompt = target.tokenizer("def fibonacci(n):\n    if n < 2:")["input_ids"]
+
+    async def main():
+        async with LocalWorkers(target, [draft]) as w:
+            first, second = await _two_turns(w, prompt, SpecParams(method="draft", k=3))
+            health = await TargetClient(w.target_addresses["target-0"]).health()  # over gRPC, as operators see it
+            return first, second, w.targets["target-0"].verifier.runner.store, w.drafts["draft-0"].store, health
+
+    first, second, target_store, draft_store, health = asyncio.run(main())
+    assert (health.prefix_cache_hits, health.prefix_cache_queries) == (target_store.prefix_hits,
+                                                                      target_store.prefix_queries)  # fmt: skip
+    assert 0 < health.prefix_cache_hits < health.prefix_cache_queries
+    for req in (first, second):
+        assert req.state.generated == own_greedy_loop(target.model, req.state.tokens[: req.state.prompt_len], N, set())
+    # turn 1's cache: its prompt and answer, less the last token (never fed back), less what release leaves out
+    kept = len(prompt) + N - 1 - RETAIN_LESS
+    assert kept >= 16 and target_store.prefix_hits >= kept - 4 and draft_store.prefix_hits >= kept - 4
+    assert second.state.stats.drafted > 0
+
+
+def test_a_heads_second_turn_takes_its_first_turns_cache_and_drafts_as_without_caching(pairs):
+    target, head_dir = pairs["byte"]
+    prompt = prompts_of(target, "byte")[2]  # the longest prompt
+
+    async def turns(prefix_caching: bool):
+        async with LocalWorkers(target, [], eagle_head=head_dir, prefix_caching=prefix_caching) as w:
+            first, second = await _two_turns(w, prompt, SpecParams(method="eagle", k=3))
+            return first, second, w.targets["target-0"].verifier.runner.store, w.drafts["draft-0"].drafter
+
+    first, second, store, head = asyncio.run(turns(True))
+    _, second_off, store_off, head_off = asyncio.run(turns(False))
+    history = second.state.prompt_len
+    assert second.state.generated == second_off.state.generated == own_greedy_loop(
+        target.model, second.state.tokens[:history], N, set()
+    )
+    assert store.prefix_hits > len(prompt) - RETAIN_LESS and store_off.prefix_hits == 0
+    assert head.prefix_hits == store.prefix_hits and head_off.prefix_hits == 0  # the head's cache came along
+    # the head drafted and accepted on turn 2 exactly as when everything was computed again
+    on, off = second.state.stats, second_off.state.stats
+    assert (on.rounds, on.drafted, on.accepted) == (off.rounds, off.drafted, off.accepted)
+    # only the new tokens' features travelled on turn 2
+    assert second.features.traffic.received_bytes < second_off.features.traffic.received_bytes / 2
