@@ -29,6 +29,7 @@ from specserve.cluster.bench.concurrency import (
     segment_count,
 )
 from specserve.cluster.cli.main import build_parser
+from tests.helpers.plots import error_bars, saved_figures, series
 
 
 @pytest.mark.parametrize("pairs", [4, 8])
@@ -114,7 +115,29 @@ def _rows() -> list[LevelRow]:
     return rows
 
 
-def test_the_report_table_json_and_plot(tmp_path):
+def assert_plot_draws(path, figures: list, rows: list[LevelRow]) -> None:
+    """plot_levels drew every mode's ratio to off at its streams with its CI, and default's and off's latencies."""
+    assert path.is_file() and len(figures) == 1
+    ratio_ax, latency_ax = figures[0].axes
+    drawn, bars = series(ratio_ax), error_bars(ratio_ax)
+    modes = list(dict.fromkeys(r.speculation for r in rows if r.speculation != OFF))
+    assert set(drawn) == set(modes)
+    for mode in modes:
+        sel = [r for r in rows if r.speculation == mode and r.vs_off is not None]
+        assert [y for _, y in drawn[mode]] == pytest.approx([r.vs_off for r in sel]), mode
+        assert [round(math.log2(x)) for x, _ in drawn[mode]] == [round(math.log2(r.streams)) for r in sel], mode
+        ends = [r.ratio_ci95 or (r.vs_off, r.vs_off) for r in sel]
+        assert [v for b in bars[mode] for v in b] == pytest.approx([v for e in ends for v in e]), mode
+    latency = series(latency_ax)
+    for mode in (DEFAULT, OFF):
+        sel = [r for r in rows if r.speculation == mode]
+        for name, field in (("TTFT p50", "ttft_ms_p50"), ("TPOT p50", "tpot_ms_p50"), ("TPOT p99", "tpot_ms_p99")):
+            points = latency[f"{name}, {mode}"]
+            assert [x for x, _ in points] == [r.streams for r in sel]
+            assert [y for _, y in points] == pytest.approx([getattr(r, field) for r in sel]), (name, mode)
+
+
+def test_the_report_table_json_and_plot(tmp_path, monkeypatch):
     rows = _rows()
     table = format_levels(rows)
     assert table.count("\n") == 1 + len(rows) and "| 2       | default" in table and "1.00x" in table
@@ -124,8 +147,9 @@ def test_the_report_table_json_and_plot(tmp_path):
     levels = json.loads(json.dumps(meta))["levels"]
     assert [(r["streams"], r["speculation"]) for r in levels] == [(1, OFF), (1, DEFAULT), (2, OFF), (2, DEFAULT)]
     assert "outputs" not in levels[0] and len(levels[1]["ratio_ci95"]) == 2
+    figures = saved_figures(monkeypatch)
     plot_levels(rows, str(tmp_path / "load.png"))
-    assert (tmp_path / "load.png").stat().st_size > 1000
+    assert_plot_draws(tmp_path / "load.png", figures, rows)
 
 
 def test_run_length_and_the_flags():
@@ -148,7 +172,7 @@ def test_the_bench_serves_the_model_as_specserve_serve_does():
 
 
 @pytest.mark.slow
-def test_load_bench_on_the_demo_family(tmp_path):
+def test_load_bench_on_the_demo_family(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     from specserve.cluster.bench.orchestration import measure_tax
@@ -199,8 +223,9 @@ def test_load_bench_on_the_demo_family(tmp_path):
     assert meta["burst"]["answered"] == 24
     (tmp_path / "load.json").write_text(json.dumps(meta))
     assert json.loads((tmp_path / "load.json").read_text())["served_off_1_stream_tok_s"] == by[(1, OFF)].tokens_per_s
+    figures = saved_figures(monkeypatch)
     plot_levels(rows, str(tmp_path / "load.png"))
-    assert (tmp_path / "load.png").stat().st_size > 1000
+    assert_plot_draws(tmp_path / "load.png", figures, rows)
     assert "k=2" in format_levels(rows)
 
 

@@ -11,6 +11,7 @@ from specserve.cluster.cli.main import main
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
+from tests.helpers.plots import saved_figures, series
 from tests.helpers.workers import save_tiny_llama
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [20, 21, 22, 23, 20, 21, 22], [30, 31, 32, 30, 31]]
@@ -226,17 +227,29 @@ FOOTER_META = {"cost_ratio_c": 0.0, "t_draft_ms": 0.0, "t_target_ms": 1.0, "dist
                "dtype": "float32"}  # fmt: skip
 
 
-def test_the_plot_shows_the_methods_rows_asked_for(tmp_path):
-    """`--methods eagle+ngram --k 3` rows are what the plot draws (it drew n-gram's, none there: an empty figure);
-    a draft model's sweep when there is one; n-gram's otherwise."""
+def test_the_plot_shows_the_methods_rows_asked_for(tmp_path, monkeypatch):
+    """`--methods eagle+ngram --k 3,5` rows are what the plot draws (it drew n-gram's, none there: an empty figure);
+    a draft model's sweep when there is one; n-gram's otherwise. Checked by the figure's series, point by point."""
     from specserve.cluster.bench.report import _plotted_method, plot
 
-    def row(method, k):
-        return Row(f"{method} k={k}", method, k, 0.0, speedup=1.5, acceptance_rate=0.4, mean_accepted_length=2.0)
+    def row(method, k, speedup=1.5):
+        n = k if isinstance(k, int) else 4
+        return Row(f"{method} k={k}", method, k, 0.0, speedup=speedup, acceptance_rate=0.4 * n / 3,
+                   mean_accepted_length=2.0 + n / 10, bound=speedup + 0.1, leviathan_bound=speedup + 0.2)  # fmt: skip
 
-    asked = [Row("target-only greedy", "target-only", None, 0.0), row("hf-prompt-lookup", 10), row("eagle+ngram", 3)]
+    asked = [Row("target-only greedy", "target-only", None, 0.0), row("hf-prompt-lookup", 10, 1.02),
+             row("eagle+ngram", 3), row("eagle+ngram", 5, 1.4), row("eagle+ngram", "auto", 1.45)]  # fmt: skip
     assert _plotted_method(asked) == "eagle+ngram"
     assert _plotted_method([*asked, row("draft", 2)]) == "draft"
     assert _plotted_method([row("ngram", 2), row("eagle", 3), row("ngram", 4)]) == "ngram"
+    figures = saved_figures(monkeypatch)
     plot(asked, {"prompts_kind": "chat"}, str(tmp_path / "p.png"))
-    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert (tmp_path / "p.png").is_file() and len(figures) == 1
+    speed, accept = (series(ax) for ax in figures[0].axes)
+    assert speed["measured speedup"] == [(3, 1.5), (5, 1.4)]  # the fixed k's rows of the method asked for
+    assert speed["bound B(k)"] == [(3, 1.6), (5, pytest.approx(1.5))]
+    assert speed["Leviathan S(k)"] == [(3, 1.7), (5, pytest.approx(1.6))]
+    assert {y for _, y in speed["HF prompt lookup k=10"]} == {1.02}  # a level line
+    assert accept["acceptance rate"] == [(3, pytest.approx(0.4)), (5, pytest.approx(2 / 3))]
+    assert accept["tokens per round"] == [(3, 2.3), (5, 2.5)]
+    assert "method eagle+ngram" in figures[0].get_suptitle()

@@ -105,8 +105,11 @@ def test_training_device_is_chosen_and_checked():
 
 
 @pytest.mark.slow  # 52 s: a whole quick bench, the load levels on the Serve app included
-def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
+def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys, monkeypatch):
     from specserve.cluster.cli.main import main
+    from tests.helpers.plots import saved_figures, series
+
+    figures = saved_figures(monkeypatch)
 
     corpus = stdlib_corpus(max_files=TINY_SPEC.max_files)
     files = [str(p) for p in corpus.train[:4]]
@@ -131,7 +134,15 @@ def test_bench_quick_runs_on_tiny_family(tiny_family, tmp_path, capsys):
         if row["method"] == "draft":
             assert row["bound"] > 0 and 0 <= row["acceptance_rate"] <= 1
     assert rows["target-only greedy"]["speedup"] == 1.0
-    assert out_png.stat().st_size > 1000
+    # The plot draws the run's rows: the draft model's fixed-k sweep (a load plot, where levels ran: test_bench_
+    # concurrency.py).
+    swept = sorted(((r["k"], r) for r in rows.values() if r["method"] == "draft" and isinstance(r["k"], int)
+                    and r["temperature"] == 0 and r["name"].startswith("specserve")), key=lambda kr: kr[0])  # fmt: skip
+    assert out_png.is_file() and len(figures) == 1 + ("load" in report["meta"])
+    speed, accept = (series(ax) for ax in figures[0].axes)
+    assert [x for x, _ in speed["measured speedup"]] == [k for k, _ in swept] and swept
+    assert [y for _, y in speed["measured speedup"]] == pytest.approx([r["speedup"] for _, r in swept])
+    assert [y for _, y in accept["acceptance rate"]] == pytest.approx([r["acceptance_rate"] for _, r in swept])
     # Tensor-parallel rows: lossless through a TP=2 replica, and the collectives' share of a sharded step.
     assert rows["TP=2 target-only greedy"]["identical"] is True and rows["TP=2 target k=4 greedy"]["identical"] is True
     tp = report["meta"]["tensor_parallel"]
