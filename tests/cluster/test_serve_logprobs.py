@@ -7,9 +7,11 @@ naming the field."""
 import grpc
 import openai
 import pytest
+import torch
 
 from specserve.client import SpecServeClient
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.models.chat import chat_prompt_ids, conversation
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.logprobs import TokenLogprob
@@ -77,8 +79,14 @@ def test_chat_logprobs_and_top_logprobs_equal_target_only_streamed_and_not(oai, 
                                       top_logprobs=5, extra_body=SPEC)  # fmt: skip
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens and all(len(c.top_logprobs) == 5 for c in content)
-    for c in content:  # the chosen token is the greedy one: the best alternative's logprob is its own
-        assert abs(c.top_logprobs[0].logprob - c.logprob) <= ATOL and c.logprob <= 0
+    # The oracle: target-only decoding of the templated prompt, and a teacher-forced forward over its tokens.
+    prompt_ids = chat_prompt_ids(target.tokenizer, conversation(PROMPT))
+    ids = SpecEngine(target).generate(prompt_ids, SamplingParams(max_new_tokens=N), SpecParams(method="none")).token_ids
+    expected = target_logprobs(target.model, prompt_ids, ids)
+    assert [c.token for c in content] == [target.tokenizer.decode([t]) for t in ids]
+    assert _close([c.logprob for c in content], [float(expected[i, t]) for i, t in enumerate(ids)])
+    for i, c in enumerate(content):  # each position's five alternatives, most likely first
+        assert _close([a.logprob for a in c.top_logprobs], torch.topk(expected[i], 5).values.tolist()), i
     stream = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=N, temperature=0, logprobs=True,
                                          top_logprobs=5, stream=True, extra_body=SPEC)  # fmt: skip
     streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
