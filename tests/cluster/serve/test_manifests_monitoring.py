@@ -12,7 +12,7 @@ import yaml
 from specserve.cluster.serve.manifests import VARIANTS, output_path
 from tests.helpers.crds import CRDS, strict
 
-PODMONITOR = Path(__file__).resolve().parents[2] / "manifests" / "monitoring" / "podmonitor.yaml"
+PODMONITOR = Path(__file__).resolve().parents[3] / "manifests" / "monitoring" / "podmonitor.yaml"
 
 
 @pytest.fixture(scope="module")
