@@ -1,5 +1,5 @@
 """The queries of dashboards/specserve.json and the metric names they read, for the dashboard's tests (static ones in
-test_dashboard.py, the live scrape in test_serve_app.py)."""
+tests/cluster/serve/test_metrics_dashboard.py, the live scrape in tests/integration/served/test_app.py)."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def prompts_of(target, pair_name: str) -> list[list[int]]:
 def generate_recording_features(target, head_dir: str, requests) -> tuple[list, Pipeline, dict]:
     """Run `requests` on two head draft workers and two targets; also returns request id -> [(start, features)] as
     each head got them. The targets cache no prefixes across requests, so that every request's every position is
-    computed and handed to a head (prefix hits: tests/cluster/test_prefix_caching.py)."""
+    computed and handed to a head (prefix hits: tests/integration/disaggregated/test_prefix_caching.py)."""
     handed = {}
 
     async def main():

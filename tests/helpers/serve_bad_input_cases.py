@@ -4,9 +4,9 @@ INVALID_ARGUMENT / 400 (413 for a body over the limit) with a message naming the
 a 5xx or UNKNOWN/INTERNAL, and the server answers the next valid request correctly. Odd but valid requests are
 served, and refused requests are counted.
 
-Collected through tests/cluster/test_serve_app.py, which star-imports these tests so that they run against its Serve
-app (its module-scoped `server`, `client` and `reference` fixtures) instead of starting another one (a Serve app takes
-~45 s to start on 2 cores); they live here, apart from that file, because they are some 150 cases of table."""
+Collected through tests/integration/served/test_app.py, which star-imports these tests so that they run against its
+Serve app (its module-scoped `server`, `client` and `reference` fixtures) instead of starting another one (a Serve app
+takes ~45 s to start on 2 cores); they live here, apart from that file, because they are some 150 cases of table."""
 
 import json
 import math
@@ -20,7 +20,7 @@ import pytest
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from tests.helpers.serve_app import PROMPTS  # test_serve_app.py's `reference` fixture holds their outputs
+from tests.helpers.serve_app import PROMPTS  # integration/served/test_app.py's `reference` fixture holds their outputs
 
 
 def g(prompt="def f(x):", ids=None, model="", method=None, k=None, messages=None, **sampling) -> pb.GenerateRequest:

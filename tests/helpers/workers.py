@@ -137,7 +137,8 @@ class LocalWorkers:
                               eagle_head=eagle_head)  # fmt: skip
             built[f"draft-{i}"] = build_worker(spec)
         spec = WorkerSpec(
-            "target", ModelConfig(path=target.path), KVCacheConfig(capacity_tokens=target_capacity, prefix_caching=prefix_caching), batching,
+            "target", ModelConfig(path=target.path),
+            KVCacheConfig(capacity_tokens=target_capacity, prefix_caching=prefix_caching), batching,
             eagle_head=eagle_head,
         )  # fmt: skip
         for i in range(n_targets):

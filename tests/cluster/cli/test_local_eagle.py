@@ -1,6 +1,6 @@
 """`specserve generate --local` with an EAGLE-3 head: --draft HEAD_DIR or 'eagle' (the target's packaged head), and
 the packaged head by default; method eagle+ngram in process. Greedy output identical to --no-spec. (The head on its own
-draft worker: tests/cluster/test_eagle_disaggregated.py, through the Serve app.)"""
+draft worker: tests/integration/disaggregated/test_eagle.py, through the Serve app.)"""
 
 import json
 from types import SimpleNamespace

@@ -1,6 +1,7 @@
 """dashboards/specserve.json without a server: Grafana's variables (`datasource`, `model_name`) as vLLM's dashboards
 have them, every query filtered by model and reading metrics that cluster/serve/metrics.py defines, the panels the
-issue asks for, a grid without overlaps. test_serve_app.py checks every query against a live scrape."""
+issue asks for, a grid without overlaps. tests/integration/served/test_app.py checks every query against a live
+scrape."""
 
 import pytest
 

@@ -1,5 +1,6 @@
 """The TLS gateway in front of a SpecServe gRPC server (here a small upstream servicer in the test, standing in for
-Serve's proxy; test_serve_security.py runs the gateway in front of the real app): messages and status codes pass
+Serve's proxy; tests/integration/served/test_security.py runs the gateway in front of the real app): messages and
+status codes pass
 through unchanged, metadata and deadlines are forwarded, plaintext and untrusted clients are refused, mutual TLS
 requires a client certificate, and an upstream that is down answers UNAVAILABLE."""
 

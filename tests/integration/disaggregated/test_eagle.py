@@ -3,7 +3,7 @@ committed positions carried by the verify reply to the scheduler and by the next
 against target-only decoding with concurrent requests, rejections, lost and restarted draft workers and dropped
 features; sampling draws from the target's distribution; the edge takes the head's methods only for a model served
 with a head; the scheduler keeps only undelivered features. Method "eagle+ngram" served, and the packaged
-head as the serving default: tests/cluster/test_eagle_ngram_disaggregated.py."""
+head as the serving default: tests/integration/disaggregated/test_eagle_ngram.py."""
 
 import asyncio
 
@@ -64,7 +64,8 @@ def tiny_vocab_pair(pairs):
 def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_name, monkeypatch):
     """Prompts of different lengths, k fixed and auto, two head draft workers and two targets, and requests of other
     methods in the same target batches (rows that want features beside rows that do not). Features never pause here
-    (every round's reach the head: counted below); test_head_features_under_load.py covers the pause."""
+    (every round's reach the head: counted below); tests/cluster/scheduling/test_scheduler_head_features.py covers
+    the pause."""
     monkeypatch.setattr(chain_planner, "QUIET_AFTER_PLANS", 10**9)
     target, head_dir = pairs[pair_name]
     prompts = prompts_of(target, pair_name)
@@ -255,7 +256,7 @@ def test_features_over_the_byte_limit_start_the_head_later_and_change_no_output(
 def test_sampling_through_the_workers_matches_the_targets_distribution(tiny_vocab_pair):
     """2,500 seeded requests (about 20 s on 2 cores), 64 at a time: top-p truncates both distributions and the head
     never proposes 3 of the 8 tokens (the target's mass there comes through recovered tokens only). The chi-square
-    test of tests/workers/test_engine_sampling.py against the exact joint of the next 3 tokens."""
+    test of tests/workers/speculation/test_engine_sampling.py against the exact joint of the next 3 tokens."""
     target, head_dir = tiny_vocab_pair
     samples = 2500
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)

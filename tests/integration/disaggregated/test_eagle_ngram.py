@@ -66,7 +66,7 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
     """k fixed and auto, two head draft workers, "eagle" requests in the same batches. Both chains win rounds; only
     the head's rounds call a draft worker; each head got every committed position's features once and in order,
     those of the n-gram rounds with its next call. (Features never pause here: with 11 requests the planner may plan
-    plain rounds long enough to pause them, which test_head_features_under_load.py covers.)"""
+    plain rounds long enough to pause them, which tests/cluster/scheduling/test_scheduler_head_features.py covers.)"""
     monkeypatch.setattr(chain_planner, "QUIET_AFTER_PLANS", 10**9)
     target, head_dir = pairs[pair_name]
     prompts = prompts_of(target, pair_name)
@@ -179,7 +179,7 @@ def test_every_requests_head_rounds_move_where_the_next_request_starts():
 
 @pytest.mark.slow
 def test_sampling_through_the_workers_matches_the_targets_distribution(pairs, plan_sources):
-    """2,500 seeded requests (about 20 s on 2 cores), 64 at a time, as tests/cluster/test_eagle_disaggregated.py's
+    """2,500 seeded requests (about 20 s on 2 cores), 64 at a time, as tests/integration/disaggregated/test_eagle.py's
     "eagle" test: the prompt's repeats give prompt lookup the prefill round and some later ones (one-hot drafts), the
     head the others."""
     target, head_dir = pairs["tiny_vocab"]

@@ -69,8 +69,10 @@ def test_a_heads_second_turn_takes_its_first_turns_cache_and_drafts_as_without_c
     first, second, store, head = asyncio.run(turns(True))
     _, second_off, store_off, head_off = asyncio.run(turns(False))
     history = second.state.prompt_len
-    assert second.state.generated == second_off.state.generated == own_greedy_loop(
-        target.model, second.state.tokens[:history], N, set()
+    assert (
+        second.state.generated
+        == second_off.state.generated
+        == own_greedy_loop(target.model, second.state.tokens[:history], N, set())
     )
     assert store.prefix_hits > len(prompt) - RETAIN_LESS and store_off.prefix_hits == 0
     assert head.prefix_hits == store.prefix_hits and head_off.prefix_hits == 0  # the head's cache came along

@@ -115,7 +115,7 @@ def test_forgetful_and_dead_draft_workers_change_no_output(pairs):
 @pytest.mark.slow
 def test_sampled_trees_through_the_workers_match_the_targets_distribution(pairs):
     """2,000 seeded requests with trees of 4 nodes (2 candidates a level), top-p truncating: the chi-square test of
-    tests/workers/test_engine_sampling.py against the exact joint of the next 3 tokens."""
+    tests/workers/speculation/test_engine_sampling.py against the exact joint of the next 3 tokens."""
     target, head_dir = pairs["tiny_vocab"]
     samples = 2000
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)

@@ -1,5 +1,5 @@
 """A slow call is not a dead worker, and a worker that recovers rejoins (real gRPC workers in this process; the
-SIGSTOP / SIGCONT of a served worker process is tests/cluster/test_serve_liveness.py): a call that outlasts the
+SIGSTOP / SIGCONT of a served worker process is tests/integration/served/test_liveness.py): a call that outlasts the
 client's `timeout_s` on a worker whose health check answers is waited for; a worker that went away is marked
 unhealthy, probed, and rejoins when it answers again, with the requests that waited for it going on. Every output
 stays identical to target-only decoding."""

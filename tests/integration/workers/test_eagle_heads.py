@@ -1,7 +1,7 @@
 """EAGLE-3 heads on workers: the float16 feature codec (cut, joined, strictly decoded), a head's cache that starts at
 a later position, the target's input embedding read alone, a target worker that captures features only for the calls
 that ask (in mixed batches), and the gRPC status codes of bad feature calls. The disaggregated generation itself is
-in tests/cluster/test_eagle_disaggregated.py."""
+in tests/integration/disaggregated/test_eagle.py."""
 
 import asyncio
 import contextlib

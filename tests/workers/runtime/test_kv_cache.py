@@ -95,7 +95,7 @@ def test_a_ragged_batch_gives_every_row_its_own_logits(target):
 
 
 def test_released_rows_give_their_memory_back(target):
-    runner = ModelRunner(target, KVCacheConfig(prefix_caching=False))  # retained prefixes: test_prefix_cache.py
+    runner = ModelRunner(target, KVCacheConfig(prefix_caching=False))  # retained prefixes: test_kv_cache_prefixes.py
     rows = [ForwardRow(f"r{i}", [3 + j % 200 for j in range(20 + 40 * i)], 1) for i in range(12)]
     runner.logits_for_batch(rows)
     slots, length = runner.store.cache.capacity

@@ -8,7 +8,7 @@ import torch
 from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.runtime import kv_cache
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.runtime.runner import ForwardRow, ModelRunner
+from specserve.workers.runtime.runner import ModelRunner
 
 TURN_1 = [3 + (7 * i) % 200 for i in range(80)]
 KEPT = len(TURN_1) - kv_cache.RETAIN_LESS  # what a released TURN_1 leaves for later requests

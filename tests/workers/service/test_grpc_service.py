@@ -1,5 +1,6 @@
 """Draft and target workers behind real gRPC servers (grpc.aio, port 0), called with raw stubs: the KV state
-protocol's status codes and bad calls. End-to-end generation through them is in tests/cluster/test_pipeline.py."""
+protocol's status codes and bad calls. End-to-end generation through them is in
+tests/cluster/scheduling/test_pipeline.py."""
 
 import asyncio
 

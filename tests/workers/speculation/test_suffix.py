@@ -1,6 +1,6 @@
 """Suffix drafting's structure (pure): the longest earlier match wins, drafts follow its support, caches are bounded.
-Identity with target-only: tests/workers/test_engine_greedy.py, test_engine_sampling.py and
-tests/cluster/test_pipeline.py."""
+Identity with target-only: tests/workers/speculation/test_engine_greedy.py, test_engine_sampling.py and
+tests/cluster/scheduling/test_pipeline.py."""
 
 import pytest
 
