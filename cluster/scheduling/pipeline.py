@@ -24,62 +24,32 @@ may be worse for a while). Outputs never change.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import statistics
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.costs import measured_costs
 from specserve.cluster.scheduling.faults import WorkerFaults
+from specserve.cluster.scheduling.round_times import RoundClock, RoundTimes
 from specserve.cluster.scheduling.scheduler import FALLBACK_K, SchedRequest, Scheduler
-from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
+from specserve.cluster.scheduling.worker_clients import (
+    DraftClient,
+    TargetClient,
+    WorkerFull,
+    WorkerLostRequest,
+    WorkerUnavailable,
+)
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
+from specserve.workers.errors import KVCapacityError
 from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.ngram import NgramDrafter
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundTimes:
-    orchestration_s: float = 0.0  # round wall time not spent awaiting workers: the scheduler's own overhead
-    rounds: int = 0
-    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # per-round orchestration seconds
-
-    def add(self, overhead_s: float) -> None:
-        self.orchestration_s += overhead_s
-        self.recent.append(overhead_s)
-        self.rounds += 1
-
-    def p50_ms(self) -> float:
-        return 1e3 * statistics.median(self.recent) if self.recent else 0.0
-
-
-class _RoundClock:
-    """One round's wall time, less the time spent awaiting workers."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.waited = 0.0
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        w0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.waited += time.perf_counter() - w0
-
-    def overhead(self) -> float:
-        return time.perf_counter() - self.start - self.waited
 
 
 class Pipeline:
@@ -103,6 +73,7 @@ class Pipeline:
         self.targets = targets
         self.predraft = predraft
         self.faults = WorkerFaults(scheduler, drafts, targets, reconnect, worker_wait_s)
+        self.preempted = 0  # requests a full worker cache made wait and re-send
         self.ngram = NgramDrafter(scheduler.ngram)  # prompt lookup needs no model: here, next to the committed tokens
         self.times = RoundTimes()
         self._releasing: set[asyncio.Task] = set()  # releases sent after the request's reply left
@@ -111,15 +82,34 @@ class Pipeline:
 
     async def _call(self, req: SchedRequest, call: Call, fn, resends: int = 3):
         """A call; when the worker lost the request (restarted, or evicted it for room), the same call with the whole
-        sequence, again if a full cache evicted the re-sent request too (a few times, then the error stands)."""
-        for _ in range(resends):
+        sequence, again if a full cache evicted the re-sent request too (a few times, then the error stands). When
+        the worker's cache cannot hold it beside the requests running there, the request is preempted: what it holds
+        there is released, it waits (backing off to a second) while they finish, and is re-sent whole, for up to
+        `worker_wait_s`; then KVCapacityError (429, retry), never a lost request."""
+        waited, pause = 0.0, 0.05
+        while True:
             try:
                 return await fn(call)
             except WorkerLostRequest as e:
+                if resends == 0:
+                    raise
+                resends -= 1
                 log.info("worker %s lost request %s (%s): re-sending its %d tokens", call.worker, req.request_id, e,
                          len(call.sequence))  # fmt: skip
-                call = self.scheduler.resend(req, call)
-        return await fn(call)
+            except WorkerFull as e:
+                if call.worker in self.drafts:
+                    raise  # a full draft worker: this round runs target-only
+                if waited >= self.faults.worker_wait_s:
+                    raise KVCapacityError(f"no KV cache room for request {req.request_id} in "
+                                          f"{self.faults.worker_wait_s:.0f} s: {e}") from None  # fmt: skip
+                if waited == 0:
+                    log.info("worker %s is full (%s): request %s is preempted, waits and re-sends its %d tokens",
+                             call.worker, e, req.request_id, len(call.sequence))  # fmt: skip
+                self.preempted += waited == 0
+                await self._release_one(req.request_id, call.worker)
+                await asyncio.sleep(pause)
+                waited, pause = waited + pause, min(1.0, 2 * pause)
+            call = self.scheduler.resend(req, call)
 
     async def _propose(self, req: SchedRequest, call: Call) -> ProposeResult:
         return await self._call(req, call, lambda c: self.drafts[c.worker].propose(c, req.params))
@@ -134,7 +124,7 @@ class Pipeline:
             if self.scheduler.wants_costs(req):
                 await self._fetch_costs(req)
             while not req.state.finished:
-                clock = _RoundClock()
+                clock = RoundClock()
                 if req.method.tree:
                     committed = await self._tree_round(req, clock)
                     if committed is not None:  # None: the target failed, the round is re-planned
@@ -194,7 +184,7 @@ class Pipeline:
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
 
-    async def _draft(self, req: SchedRequest, k: int, pre: PreDraft | None, clock: _RoundClock) -> ProposeResult:
+    async def _draft(self, req: SchedRequest, k: int, pre: PreDraft | None, clock: RoundClock) -> ProposeResult:
         """This round's drafted tokens and their probabilities: the pre-draft when its assumption held, else prompt
         lookup or the draft worker, as the method (and for "eagle+ngram" the round's plan) says (nothing when k is
         0, or the draft worker failed: this round is target-only)."""
@@ -214,10 +204,12 @@ class Pipeline:
             except WorkerUnavailable as e:  # this round: target-only; later: the restarted or another drafter
                 await self.faults.failed(call.worker, client, e)
                 return ProposeResult([])
+            except WorkerFull:
+                return ProposeResult([])
         self.scheduler.drafted(req, call)
         return proposal
 
-    async def _tree_round(self, req: SchedRequest, clock: _RoundClock) -> list[int] | None:
+    async def _tree_round(self, req: SchedRequest, clock: RoundClock) -> list[int] | None:
         """Draft the round's tree, prompt lookup's here or the head's on the draft worker (none when the round plans
         no nodes, nothing matches or the worker failed: a plain step), verify it on the target worker, commit the
         accepted path. None when the target failed."""
@@ -233,6 +225,8 @@ class Pipeline:
                     proposal = await self._propose(req, call)
                 except WorkerUnavailable as e:
                     await self.faults.failed(call.worker, client, e)
+                    proposal = None
+                except WorkerFull:
                     proposal = None
             if proposal is not None:
                 self.scheduler.drafted(req, call)
@@ -250,7 +244,7 @@ class Pipeline:
         k: int,
         drafted: list[int],
         probs: bytes,
-        clock: _RoundClock,
+        clock: RoundClock,
         parents: list[int] | None = None,
     ) -> tuple[VerifyResult | None, asyncio.Future | None]:
         """Verify the drafted tokens (with `parents`: a tree), pre-drafting the next round meanwhile (chains). (None,
@@ -282,7 +276,7 @@ class Pipeline:
         return reply, pre_task
 
     async def _next_predraft(
-        self, req: SchedRequest, pre_task: asyncio.Future | None, all_accepted: bool, clock: _RoundClock
+        self, req: SchedRequest, pre_task: asyncio.Future | None, all_accepted: bool, clock: RoundClock
     ) -> PreDraft | None:
         """The pre-draft for the next round when this one accepted every drafted token (else it is dropped)."""
         if pre_task is None:
@@ -293,7 +287,7 @@ class Pipeline:
         with clock.waiting():
             try:
                 draft = await pre_task
-            except (WorkerUnavailable, WorkerLostRequest) as e:
+            except (WorkerUnavailable, WorkerLostRequest, WorkerFull) as e:
                 log.debug("pre-draft for request %s failed (%s): the next round drafts afresh", req.request_id, e)
                 return None
         return PreDraft(after=req.state.tokens[:-1], draft=draft)
@@ -348,7 +342,7 @@ async def _cancel(task: asyncio.Future | None) -> None:
     task.cancel()
     await asyncio.wait([task])
     error = None if task.cancelled() else task.exception()
-    if isinstance(error, WorkerUnavailable | WorkerLostRequest):
+    if isinstance(error, WorkerUnavailable | WorkerLostRequest | WorkerFull):
         log.debug("a dropped pre-draft had failed: %s", error)
     elif error is not None:
         raise error

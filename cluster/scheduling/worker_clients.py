@@ -20,6 +20,7 @@ from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.protos.wire import GRPC_OPTIONS, SECRET_METADATA
 from specserve.workers.config import SamplingParams
+from specserve.workers.errors import InvalidRequestError
 from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.service.sampling_wire import sampling_to_proto
 from specserve.workers.speculation.logprobs import from_proto
@@ -33,6 +34,11 @@ class WorkerLostRequest(Exception):
 
 class WorkerUnavailable(Exception):
     """The worker cannot be reached or failed the call; its requests must move elsewhere."""
+
+
+class WorkerFull(Exception):
+    """The worker's KV cache cannot hold the call's rows now (every other request there is running): the request
+    waits and is re-sent whole (preemption by recompute)."""
 
 
 _LOST = {grpc.StatusCode.NOT_FOUND}
@@ -70,6 +76,11 @@ class _Client:
         except grpc.aio.AioRpcError as e:
             if e.code() in _LOST:
                 raise WorkerLostRequest(e.details()) from None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise WorkerFull(f"{self.address}: {e.details()}") from None
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the worker's InvalidRequestError: "invalid FIELD: ..."
+                field, _, message = e.details().removeprefix("invalid ").partition(": ")
+                raise InvalidRequestError(field, message) from None
             if e.code() in _DOWN:
                 raise WorkerUnavailable(f"{self.address}: {e.code().name}: {e.details()}") from None
             raise

@@ -90,6 +90,7 @@ class TargetWorker:
                 raise InvalidRequestError("want_features", "this target worker captures no features: its model is "
                                           "served without an EAGLE-3 head")  # fmt: skip
             _check_tree(call)  # before the call's tokens are taken as committed
+            _check_fits(call.committed_len + len(call.drafted), self.verifier.runner.store.capacity_tokens)
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
             verify = VerifyRow(call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator,
@@ -175,6 +176,14 @@ class TargetWorker:
             report["verify_profile_rows"] = list(profile)
             report["verify_seconds_by_rows"] = [t for row in profile.values() for t in row]
         return report
+
+
+def _check_fits(positions: int, capacity: int) -> None:
+    """A request that cannot fit the KV cache even alone is the client's to shorten (INVALID_ARGUMENT, 400), not a
+    full cache to wait for."""
+    if positions > capacity:
+        raise InvalidRequestError("prompt", f"the request needs {positions} KV cache positions, more than a target "
+                                  f"worker holds ({capacity}, kv_cache.capacity_tokens)")  # fmt: skip
 
 
 def _check_tree(call: VerifyCall) -> None:
