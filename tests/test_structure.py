@@ -266,6 +266,66 @@ def test_tests_take_free_ports_from_the_product():
     assert not copies, copies
 
 
+# -- tests mirror the tree (tests/README.md) --------------------------------------------------------------------------
+
+# A test module's folder under tests/ names the source folder whose module it tests (tests/ itself mirrors
+# src/specserve); tests across modules live only in these named folders of tests/integration/.
+MIRRORS = {"": "src/specserve", "protos": "protos", "workers": "workers", "cluster": "cluster"}
+INTEGRATION = ("served", "disaggregated", "workers", "bench", "real_model")
+ACROSS_THE_TREE = ("test_structure.py",)  # the house rules themselves, over every folder
+
+
+def _test_modules() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("test_*.py") if "helpers" not in p.relative_to(TESTS).parts)
+
+
+def _subject(path: Path) -> Path | None:
+    """The source module a test module's path names: test_X.py or test_X_<aspect>.py in tests/<folder>/<sub>/ ->
+    <folder>/<sub>/X.py (the longest X that exists), None where there is none."""
+    parts = path.relative_to(TESTS).parts
+    top = parts[0] if len(parts) > 1 else ""
+    if top not in MIRRORS:
+        return None
+    folder = ROOT / MIRRORS[top] / Path(*parts[1:-1])
+    words = path.stem.removeprefix("test_").split("_")
+    for n in range(len(words), 0, -1):
+        if (folder / ("_".join(words[:n]) + ".py")).is_file():
+            return folder / ("_".join(words[:n]) + ".py")
+    return None
+
+
+def _misplaced(paths: list[Path]) -> list[str]:
+    wrong = []
+    for path in paths:
+        parts = path.relative_to(TESTS).parts
+        if parts[0] == "integration":
+            if len(parts) != 3 or parts[1] not in INTEGRATION:
+                wrong.append(f"{path.relative_to(ROOT)}: tests across modules go in tests/integration/{INTEGRATION}")
+        elif not (len(parts) == 1 and parts[0] in ACROSS_THE_TREE) and _subject(path) is None:
+            wrong.append(f"{path.relative_to(ROOT)}: no source module at its mirrored path (test_X[_aspect] -> X.py)")
+    return wrong
+
+
+def test_every_test_module_sits_at_its_source_modules_mirrored_path():
+    """tests/cluster/scheduling/test_admission.py tests cluster/scheduling/admission.py; test_kv_cache_prefixes.py in
+    tests/workers/runtime/ tests workers/runtime/kv_cache.py; nothing sits flat in tests/cluster or tests/workers but
+    the tests of cluster/*.py and workers/*.py."""
+    assert len(_test_modules()) > 100
+    wrong = _misplaced(_test_modules())
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_mirror_check_refuses_a_test_in_the_wrong_place():
+    stray = [
+        TESTS / "cluster" / "test_admission.py",  # flat: admission.py is in cluster/scheduling/
+        TESTS / "workers" / "runtime" / "test_nothing_here.py",
+        TESTS / "integration" / "test_everything.py",  # across modules, but in no named folder
+        TESTS / "integration" / "elsewhere" / "test_app.py",
+    ]
+    assert len(_misplaced(stray)) == len(stray)
+    assert not _misplaced([TESTS / "workers" / "runtime" / "test_kv_cache_prefixes.py"])
+
+
 def _requirement_names(requirements: list[str]) -> set[str]:
     return {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r).group(0)).lower() for r in requirements}
 
