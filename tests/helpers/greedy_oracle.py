@@ -18,3 +18,9 @@ def own_greedy_loop(model, prompt_ids, max_new, eos_ids):
             if token in eos_ids:
                 break
     return out
+
+
+def full_logits(model, seq) -> torch.Tensor:
+    """Logits [len(seq), vocab] of one cache-free forward over `seq`, float32."""
+    with torch.no_grad():
+        return model(torch.tensor([seq], device=model.device)).logits[0].float()

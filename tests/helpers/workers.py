@@ -241,3 +241,14 @@ def sample_in_processes(
     with ctx.Pool(len(chunks), initializer=_start_sampler, initargs=initargs) as pool:
         results = pool.map(_sample_seeds, [(prompt, params, spec, chunk) for chunk in chunks])
     return [o for outputs, _ in results for o in outputs], sum(accepted for _, accepted in results)
+
+
+def load_pair(tiny_target: str, models_dir, device: str, name: str):
+    """The tiny target and a draft perturbed from it (agreeing on some tokens only), loaded: (target, draft)."""
+    from specserve.workers.config import ModelConfig
+    from specserve.workers.runtime.loading import load_model
+
+    draft_path = save_perturbed_copy(tiny_target, Path(models_dir) / name, 0.05, seed=9)
+    return load_model(ModelConfig(path=tiny_target, device=device)), load_model(
+        ModelConfig(path=draft_path, device=device)
+    )

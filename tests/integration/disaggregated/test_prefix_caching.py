@@ -9,13 +9,12 @@ import asyncio
 import pytest
 
 from specserve.cluster.scheduling.worker_clients import TargetClient
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.runtime.kv_cache import RETAIN_LESS
-from specserve.workers.runtime.loading import load_model
 from tests.helpers.eagle_disaggregated import build_pairs, prompts_of
 from tests.helpers.greedy_oracle import own_greedy_loop
 from tests.helpers.pipelines import generate_all
-from tests.helpers.workers import LocalWorkers, save_perturbed_copy
+from tests.helpers.workers import LocalWorkers, load_pair
 
 N = 24
 
@@ -34,9 +33,7 @@ async def _two_turns(w: LocalWorkers, prompt: list[int], spec: SpecParams):
 
 
 def test_a_second_turn_reuses_the_first_on_target_and_draft_model(models_dir, tiny_target, device):
-    target = load_model(ModelConfig(path=tiny_target, device=device))
-    draft = load_model(ModelConfig(path=save_perturbed_copy(tiny_target, models_dir / "prefix_draft", 0.05, 9),
-                                   device=device))  # fmt: skip
+    target, draft = load_pair(tiny_target, models_dir, device, "prefix_draft")
     prompt = target.tokenizer("def fibonacci(n):\n    if n < 2:")["input_ids"]
 
     async def main():

@@ -9,12 +9,11 @@ import time
 
 import pytest
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
-from specserve.workers.runtime.loading import load_model
+from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.service.assembly import start_worker_server
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.pipelines import run_pipeline
-from tests.helpers.workers import LocalWorkers, save_perturbed_copy
+from tests.helpers.workers import LocalWorkers, load_pair
 
 PROMPTS = ["def add(a, b):\n    return", "class Stack:\n    def push(self, x):", "for i in range(3):"]
 N = 24
@@ -22,10 +21,7 @@ N = 24
 
 @pytest.fixture(scope="module")
 def models(models_dir, tiny_target, device):
-    draft_path = save_perturbed_copy(tiny_target, models_dir / "liveness_draft", 0.05, seed=9)
-    return load_model(ModelConfig(path=tiny_target, device=device)), load_model(
-        ModelConfig(path=draft_path, device=device)
-    )
+    return load_pair(tiny_target, models_dir, device, "liveness_draft")
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,12 @@ from specserve.workers.errors import KVCapacityError, RequestNotFoundError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.runtime.worker_state import common_prefix_length
+from tests.helpers.greedy_oracle import full_logits
 
 
 @pytest.fixture(scope="module")
 def target(tiny_target):
     return load_model(ModelConfig(path=tiny_target, device="cpu"))
-
-
-def _full_logits(model, seq):
-    with torch.no_grad():
-        return model(torch.tensor([seq])).logits[0].float()
 
 
 def test_rollback_after_rejection_matches_full_recompute(target):
@@ -29,7 +25,7 @@ def test_rollback_after_rejection_matches_full_recompute(target):
     seq = committed + drafted[:2] + [33]
     next_drafts = [44, 55]
     logits = runner.logits_for("r", seq + next_drafts, len(next_drafts) + 1)
-    expected = _full_logits(target.model, seq + next_drafts)[-(len(next_drafts) + 1) :]
+    expected = full_logits(target.model, seq + next_drafts)[-(len(next_drafts) + 1) :]
     assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
     # Only the new positions were computed: the cache kept the 7 agreeing positions.
     assert runner.forward_positions == 9 + 3
@@ -44,7 +40,7 @@ def test_explicit_rollback_then_extend_matches_full_recompute(target):
     assert runner.store.get("r").length == 20
     assert runner.store.used_tokens == 20
     logits = runner.logits_for("r", seq[:20] + [7, 8, 9], 3)
-    assert torch.allclose(logits, _full_logits(target.model, seq[:20] + [7, 8, 9])[-3:], atol=1e-5, rtol=0)
+    assert torch.allclose(logits, full_logits(target.model, seq[:20] + [7, 8, 9])[-3:], atol=1e-5, rtol=0)
 
 
 def test_capacity_is_enforced_and_release_frees(target):
@@ -89,7 +85,7 @@ def test_a_ragged_batch_gives_every_row_its_own_logits(target):
     assert runner.forward_calls == before + 1
     for row, logits in zip(rows, out, strict=True):
         assert logits.shape == (row.n, runner.vocab_size)
-        assert torch.allclose(logits, _full_logits(target.model, row.sequence)[-row.n :], atol=1e-5, rtol=0), row
+        assert torch.allclose(logits, full_logits(target.model, row.sequence)[-row.n :], atol=1e-5, rtol=0), row
         assert runner.store.get(row.request_id).tokens == row.sequence
     assert runner.store.used_tokens == sum(len(row.sequence) for row in rows)
 
@@ -107,5 +103,5 @@ def test_released_rows_give_their_memory_back(target):
     # The survivor's cache is intact after the buffers shrank.
     survivor = list(rows[0].sequence)
     logits = runner.logits_for("r0", survivor + [7], 1)
-    assert torch.allclose(logits, _full_logits(target.model, survivor + [7])[-1:], atol=1e-5, rtol=0)
+    assert torch.allclose(logits, full_logits(target.model, survivor + [7])[-1:], atol=1e-5, rtol=0)
     assert runner.forward_positions == sum(len(row.sequence) for row in rows) + 1

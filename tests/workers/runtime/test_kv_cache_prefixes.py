@@ -9,6 +9,7 @@ from specserve.workers.config import KVCacheConfig, ModelConfig
 from specserve.workers.runtime import kv_cache
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
+from tests.helpers.greedy_oracle import full_logits
 
 TURN_1 = [3 + (7 * i) % 200 for i in range(80)]
 KEPT = len(TURN_1) - kv_cache.RETAIN_LESS  # what a released TURN_1 leaves for later requests
@@ -19,11 +20,6 @@ def target(tiny_target):
     return load_model(ModelConfig(path=tiny_target, device="cpu"))
 
 
-def _full_logits(model, seq):
-    with torch.no_grad():
-        return model(torch.tensor([seq])).logits[0].float()
-
-
 def test_a_next_turn_computes_only_what_follows_its_history(target):
     runner = ModelRunner(target, KVCacheConfig())
     runner.logits_for("turn-1", TURN_1, 1)
@@ -32,7 +28,7 @@ def test_a_next_turn_computes_only_what_follows_its_history(target):
     before = runner.forward_positions
     logits = runner.logits_for("turn-2", turn_2, 2)
     assert runner.forward_positions - before == len(turn_2) - KEPT  # the rest came from turn 1's cache
-    assert torch.allclose(logits, _full_logits(target.model, turn_2)[-2:], atol=1e-5, rtol=0)
+    assert torch.allclose(logits, full_logits(target.model, turn_2)[-2:], atol=1e-5, rtol=0)
     assert runner.store.prefix_hits == KEPT and runner.store.prefix_queries == len(TURN_1) + len(turn_2)
     assert runner.store.cached_tokens == 0 and runner.store.used_tokens == len(turn_2)  # taken over, not copied
 
@@ -45,7 +41,7 @@ def test_a_request_that_shares_part_of_a_history_rolls_back_to_it(target):
     before = runner.forward_positions
     logits = runner.logits_for("b", other, 1)
     assert runner.forward_positions - before == 3 and runner.store.prefix_hits == 30  # within what was kept
-    assert torch.allclose(logits, _full_logits(target.model, other)[-1:], atol=1e-5, rtol=0)
+    assert torch.allclose(logits, full_logits(target.model, other)[-1:], atol=1e-5, rtol=0)
 
 
 def test_short_prefixes_and_a_store_without_prefix_caching_compute_everything(target):
