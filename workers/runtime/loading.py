@@ -13,7 +13,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from specserve.workers.config import ModelConfig
 from specserve.workers.errors import ModelLoadError
-from specserve.workers.runtime.attention import use_gqa_attention
 from specserve.workers.runtime.eos import eos_ids
 from specserve.workers.runtime.packed_linear import pack_linears
 
@@ -98,7 +97,6 @@ def load_model(config: ModelConfig, distributed_config=None) -> LoadedModel:
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not load causal LM weights from {config.path!r}: {e}") from None
     model.to(device).eval().requires_grad_(False)
-    use_gqa_attention(model)
     packed = 0
     if config.packed_linears and distributed_config is None:  # a tensor-parallel shard's layers are transformers'
         output = model.get_output_embeddings()  # kept whole: it may be tied to the input embedding
