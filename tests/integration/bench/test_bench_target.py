@@ -68,6 +68,7 @@ def test_with_a_draft_the_draft_and_hf_assisted_rows_are_added(tiny_target, tmp_
     assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
 
 
+@pytest.mark.slow  # 17 s: the fast loop must stay under 5 minutes; CI runs it
 def test_with_a_head_the_eagle_rows_are_added_with_acceptance_by_position(tmp_path):
     from tests.helpers.eagle_heads import random_head
 
@@ -98,6 +99,7 @@ def test_hf_assisted_rows_are_skipped_with_a_reason_when_the_draft_vocabulary_is
     assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
 
 
+@pytest.mark.slow  # 11 s: as above
 def test_cli_quick_bench_on_a_target_with_a_chat_prompts_file(tiny_target, tmp_path, capsys):
     questions = tmp_path / "questions.txt"
     questions.write_text("# questions\nWhat is two plus two?\n\nName a red fruit.\nHow do I sort a list?\n"

@@ -71,6 +71,7 @@ def test_greedy_under_a_grammar_is_identical_to_constrained_target_only(engine, 
         assert drafted > accepted > 0
 
 
+@pytest.mark.slow  # 31 s: the fast loop must stay under 5 minutes; CI runs it
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_outputs_parse_and_validate_against_their_schema(engine, temperature):
     finished = 0
