@@ -113,6 +113,11 @@ class ModelPairConfig(_Strict):
     )  # fmt: skip
     ngram: NgramConfig = Field(default_factory=NgramConfig, description="Prompt lookup's n-gram sizes.")
     predraft: bool = Field(True, description="Draft round r + 1 while round r verifies.")
+    prefill_chunk_tokens: int | None = Field(
+        256, ge=16, description="A prompt longer than this prefills in chunks of it, each its own target call, so a "
+        "long prompt shares the target with the other requests' rounds instead of stalling them (vLLM's chunked "
+        "prefill, max_num_batched_tokens). None: one call, however long."
+    )  # fmt: skip
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(
         default_factory=lambda: WorkerPoolConfig(num_cpus=0.5), description="Draft workers (unused for ngram/none)."

@@ -123,6 +123,8 @@ class Pipeline:
         try:
             if self.scheduler.wants_costs(req):
                 await self._fetch_costs(req)
+            while (chunk := self.scheduler.plan_prefill_chunk(req)) is not None:
+                await self._prefill_chunk(req, chunk)
             while not req.state.finished:
                 clock = RoundClock()
                 if req.method.tree:
@@ -144,6 +146,19 @@ class Pipeline:
                 yield committed
         finally:
             self.release_soon(req)
+
+    async def _prefill_chunk(self, req: SchedRequest, call: Call) -> None:
+        """One chunk of a long prompt's prefill: a verify of no drafted tokens whose token is not committed (only the
+        last chunk's round commits one); a failed target is handled as a round's."""
+        client = self.targets[call.worker]
+        try:
+            reply = await self._verify(req, call)
+        except WorkerUnavailable as e:
+            await self.faults.failed(call.worker, client, e)
+            if self.scheduler.stranded(req):
+                await self.faults.await_target(req)
+            return
+        self.scheduler.prefilled(req, reply.features)
 
     async def _fetch_costs(self, req: SchedRequest | None = None) -> None:
         """Ask a target worker, then a draft worker if there is one, for their measured costs (costs.py), once per
@@ -357,6 +372,7 @@ def build_pipeline(
     max_k: int | None = None,
     ngram: NgramConfig | None = None,
     worker_wait_s: float = 600.0,
+    prefill_chunk: int | None = None,
 ) -> Pipeline:
     """A model's scheduler and pipelined driver over its workers' clients, for every caller (the Serve app's scheduler
     replica, the plain-actor path, the bench). head: the EAGLE-3 head directory the draft workers run, whose recorded
@@ -364,6 +380,5 @@ def build_pipeline(
     from specserve.workers.speculation.eagle.config import head_acceptance
 
     prior = head_acceptance(head) if head is not None else None
-    return Pipeline(
-        Scheduler(list(drafts), list(targets), prior, max_k, ngram), drafts, targets, predraft, reconnect, worker_wait_s
-    )
+    scheduler = Scheduler(list(drafts), list(targets), prior, max_k, ngram, prefill_chunk)
+    return Pipeline(scheduler, drafts, targets, predraft, reconnect, worker_wait_s)

@@ -83,9 +83,11 @@ class Scheduler:
 
     def __init__(self, draft_workers: list[str], target_workers: list[str],
                  head_prior: tuple[float, ...] | None = None, max_k: int | None = None,
-                 ngram: NgramConfig | None = None):  # fmt: skip
+                 ngram: NgramConfig | None = None, prefill_chunk: int | None = None):  # fmt: skip
         """Workers may also join later (`add_worker`). head_prior: the EAGLE-3 head's measured acceptance by position,
-        where planning starts; max_k: the most k='auto' drafts a round (None: the planner's caps); ngram: lookup's."""
+        where planning starts; max_k: the most k='auto' drafts a round (None: the planner's caps); ngram: lookup's;
+        prefill_chunk: a longer prompt prefills in calls of this many tokens (None: one call)."""
+        self.prefill_chunk = prefill_chunk
         self.head_acceptance = model_head_acceptance(head_prior)  # every request's, where new ones start
         self.max_chain = min(MAX_AUTO_K, max_k or MAX_AUTO_K)
         self.max_tree_nodes = min(MAX_TREE_NODES, max_k or MAX_TREE_NODES)
@@ -288,6 +290,23 @@ class Scheduler:
         req.resent += 1
         req.told[call.worker] = call.sequence
         return dataclasses.replace(call, new_tokens=list(call.sequence))
+
+    def plan_prefill_chunk(self, req: SchedRequest) -> Call | None:
+        """The next chunk of a long prompt's prefill on its target worker, before its first round; None once the rest
+        fits a round's call (and for a request that asks for its prompt's logprobs, which one call computes)."""
+        held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
+        if not self.prefill_chunk or req.state.generated or req.prompt_logprobs is not None:
+            return None
+        if req.state.prompt_len - held <= self.prefill_chunk:
+            return None
+        want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
+        return self._call(req, req.target_worker, req.state.tokens[: held + self.prefill_chunk], drafted=[],
+                          draft_probs=b"", want_features=want)  # fmt: skip
+
+    def prefilled(self, req: SchedRequest, features: bytes) -> None:
+        """A prefill chunk's reply: its features wait for the head's first draft call (its token is not committed)."""
+        if req.features is not None and features:
+            req.features.received(features)
 
     def plan_draft(self, req: SchedRequest, k: int) -> Call:
         features = req.features.to_send() if req.features is not None else b""

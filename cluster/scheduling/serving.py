@@ -48,7 +48,7 @@ class ModelServing:
         tokens = ModelTokenizer(target_path)
         head = resolve_eagle_head(config.draft, target_path)
         pipeline = build_pipeline({}, {}, head, predraft=config.predraft, max_k=config.max_k, ngram=config.ngram,
-                                  worker_wait_s=worker_wait_s)  # fmt: skip
+                                  worker_wait_s=worker_wait_s, prefill_chunk=config.prefill_chunk_tokens)  # fmt: skip
         eos = directory_eos_ids(target_path, tokens.tokenizer)
         serving = cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
         pipeline.faults.wait_changed, pipeline.faults.on_rejoin = serving.wait_changed, serving.notify_changed

@@ -173,7 +173,7 @@ class TargetClient(_Client):
                 sampling=sampling_to_proto(params),
                 want_features=call.want_features,
                 parents=call.parents or [],
-                prompt_len=params.prompt_len,
+                prompt_len=min(params.prompt_len, call.committed_len),  # a prefill chunk holds part of the prompt
                 end_token_ids=params.end_token_ids,
                 prompt_logprobs=call.prompt_logprobs,
             ),

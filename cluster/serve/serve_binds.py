@@ -69,7 +69,7 @@ def bind_serve_sockets() -> None:
         from ray.serve._private import default_impl, replica
 
         proxy_add, replica_add = default_impl.add_grpc_address, replica.add_port_to_grpc_server
-    except (ImportError, AttributeError) as e:  # a Ray whose internals moved: tests/cluster/serve/test_serve_binds.py fails
+    except (ImportError, AttributeError) as e:  # Ray's internals moved: tests/cluster/serve/test_serve_binds.py fails
         log.warning("cannot bind Serve's gRPC servers to %s (%s): they listen on every interface", host, e)
         return
 

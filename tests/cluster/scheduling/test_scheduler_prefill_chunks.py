@@ -1,0 +1,42 @@
+"""The scheduler's chunked prefill alone (no I/O): a prompt longer than the chunk goes to its target worker in calls
+of the chunk's size before its first round, each told only its new tokens; short prompts, a request that asks for its
+prompt's logprobs and a scheduler without chunking send the prompt with the first round."""
+
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.workers.config import SamplingParams, SpecParams
+
+SPEC = SpecParams(method="ngram", k=3)
+
+
+def _chunks(s: Scheduler, req) -> list[tuple[int, int]]:
+    out = []
+    while (call := s.plan_prefill_chunk(req)) is not None:
+        out.append((call.committed_len, len(call.new_tokens)))
+        assert call.drafted == [] and not call.want_features
+    return out
+
+
+def test_a_long_prompt_goes_in_chunks_and_the_first_round_sends_the_rest():
+    s = Scheduler([], ["t1"], prefill_chunk=32)
+    req = s.add(list(range(3, 103)), SamplingParams(max_new_tokens=4), SPEC, frozenset())  # 100 tokens
+    assert _chunks(s, req) == [(32, 32), (64, 32)]  # 36 left: one round's call takes them
+    first = s.plan_verify(req, [], b"")
+    assert first.committed_len == 100 and len(first.new_tokens) == 36
+
+
+def test_short_prompts_prompt_logprobs_and_no_chunking_send_the_prompt_with_the_first_round():
+    s = Scheduler([], ["t1"], prefill_chunk=32)
+    assert _chunks(s, s.add(list(range(3, 35)), SamplingParams(max_new_tokens=4), SPEC, frozenset())) == []
+    logprobs = SamplingParams(max_new_tokens=4, prompt_logprobs=2)
+    assert _chunks(s, s.add(list(range(3, 103)), logprobs, SPEC, frozenset())) == []
+    plain = Scheduler([], ["t1"])
+    assert _chunks(plain, plain.add(list(range(3, 103)), SamplingParams(max_new_tokens=4), SPEC, frozenset())) == []
+
+
+def test_a_resent_chunk_carries_its_whole_prefix():
+    s = Scheduler([], ["t1"], prefill_chunk=32)
+    req = s.add(list(range(3, 103)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+    s.plan_prefill_chunk(req)
+    second = s.plan_prefill_chunk(req)
+    again = s.resend(req, second)  # the worker lost the request (evicted, restarted)
+    assert again.committed_len == 64 and again.new_tokens == list(range(3, 67))

@@ -1,0 +1,72 @@
+"""Chunked prefill over real gRPC workers: a long prompt reaches the target in chunks, each its own call that
+batches with other requests' rounds, and decodes exactly what target-only decoding does, with a draft model, with
+prompt lookup and with an EAGLE-3 head (which reads the prompt's features from every chunk)."""
+
+import asyncio
+
+import pytest
+
+from specserve.cluster.scheduling.pipeline import Pipeline
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
+from specserve.workers.config import SamplingParams, SpecParams
+from tests.helpers.eagle_disaggregated import build_pairs
+from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.workers import LocalWorkers, load_pair
+
+CHUNK, N = 32, 16
+LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
+
+
+async def _generate(w: LocalWorkers, requests) -> tuple[list, list[int]]:
+    """Every (ids, spec) at once on a pipeline that chunks prefills; returns the requests and the new tokens of each
+    target call, in order."""
+    fed = []
+    for worker in w.targets.values():
+        verify_batch = worker.verify_batch
+        worker.verify_batch = lambda calls, v=verify_batch: fed.extend(len(c.new_tokens) for c in calls) or v(calls)
+    drafts = {n: DraftClient(a) for n, a in w.draft_addresses.items()}
+    targets = {n: TargetClient(a) for n, a in w.target_addresses.items()}
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets), prefill_chunk=CHUNK), drafts, targets)
+    reqs = await asyncio.gather(*(pipeline.generate(ids, SamplingParams(max_new_tokens=N), spec, frozenset())
+                                  for ids, spec in requests))  # fmt: skip
+    await pipeline.drain_releases()
+    return reqs, fed
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_a_long_prompt_prefills_in_chunks_beside_a_short_one_and_decodes_as_target_only(
+    models_dir, tiny_target, device, method
+):
+    target, draft = load_pair(tiny_target, models_dir, device, "chunked_draft")
+    long, short = target.tokenizer(LONG)["input_ids"], target.tokenizer("import json")["input_ids"]
+    assert len(long) > 4 * CHUNK
+
+    async def main():
+        async with LocalWorkers(target, [draft]) as w:
+            return await _generate(w, [(long, SpecParams(method=method, k=3)), (short, SpecParams(method=method, k=3))])
+
+    reqs, fed = asyncio.run(main())
+    for req in reqs:
+        assert req.state.generated == own_greedy_loop(target.model, req.state.tokens[: req.state.prompt_len], N, set())
+    assert max(fed) <= CHUNK + 4 and fed.count(CHUNK) >= len(long) // CHUNK - 1  # no call took the whole prompt
+
+
+def test_a_heads_request_reads_every_chunks_features(tmp_path_factory, device):
+    target, head_dir = build_pairs(tmp_path_factory.mktemp("chunked_pairs"), device)["byte"]
+    long = target.tokenizer(LONG)["input_ids"]
+
+    async def main():
+        async with LocalWorkers(target, [], eagle_head=head_dir) as w:
+            handed = []
+            add = w.drafts["draft-0"].drafter.add_features
+            w.drafts["draft-0"].drafter.add_features = lambda rid, start, f: (
+                handed.append((start, len(f))) or add(rid, start, f)
+            )
+            (req,), fed = await _generate(w, [(long, SpecParams(method="eagle", k=3))])
+            return req, fed, handed
+
+    req, fed, handed = asyncio.run(main())
+    assert req.state.generated == own_greedy_loop(target.model, long, N, set())
+    assert max(fed) <= CHUNK + 4 and req.state.stats.drafted > 0
+    assert handed[0][0] == 0 and handed[0][1] >= len(long) - 1 - CHUNK  # the chunks' features, from position 0
