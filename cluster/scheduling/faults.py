@@ -15,7 +15,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from specserve.cluster.scheduling.scheduler import NoTargetWorker, SchedRequest, Scheduler
+from specserve.cluster.scheduling.sched_request import SchedRequest
+from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.costs import measured_costs
 from specserve.cluster.scheduling.faults import WorkerFaults
 from specserve.cluster.scheduling.round_times import RoundClock, RoundTimes
-from specserve.cluster.scheduling.scheduler import FALLBACK_K, SchedRequest, Scheduler
+from specserve.cluster.scheduling.sched_request import SchedRequest
+from specserve.cluster.scheduling.scheduler import FALLBACK_K, Scheduler
 from specserve.cluster.scheduling.worker_clients import (
     DraftClient,
     TargetClient,

@@ -17,10 +17,10 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
+from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
@@ -28,9 +28,9 @@ from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.chain_planner import BatchWidth, ChainPlanner, PlannerCosts, model_head_acceptance
 from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RoundForecast, RowChoice, choose_row
+from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
 from specserve.workers.speculation.logprobs import TokenLogprob
-from specserve.workers.speculation.methods import METHODS, Method
+from specserve.workers.speculation.methods import METHODS
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
@@ -39,37 +39,6 @@ from specserve.workers.speculation.wire_format import slice_rows
 log = logging.getLogger(__name__)
 
 FALLBACK_K = 3  # k='auto' when the workers could not report their costs: a chain length that pays on most hardware
-
-
-@dataclass
-class SchedRequest:
-    state: RequestState
-    params: SamplingParams
-    spec: SpecParams
-    draft_worker: str | None
-    target_worker: str
-    features: FeatureRelay | None = None  # a head's methods: the target's features on their way to the draft worker
-    planner: ChainPlanner | None = None  # chain methods: what its drafters offer each round, and their acceptance
-    choice: RowChoice | None = None  # chain methods and "none": this round's row for the goodput planner
-    plan: ChainPlan | None = None  # the planner's for this round, until its verify is applied
-    forecast: RoundForecast | None = None  # k='auto' chains: what the round was planned to take, until applied
-    pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
-    told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
-    pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
-    resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request
-
-    @property
-    def request_id(self) -> str:
-        return self.state.request_id
-
-    @property
-    def method(self) -> Method:
-        return METHODS[self.spec.method]  # what it drafts with and can do (workers/speculation/methods.py)
-
-    @property
-    def prompt_logprobs(self) -> int | None:
-        """The prompt's logprobs still to ask the target for (top-n), until a verify reply brought them; else None."""
-        return self.params.prompt_logprobs if self.state.prompt_logprobs is None else None
 
 
 class NoTargetWorker(RuntimeError):
@@ -219,7 +188,7 @@ class Scheduler:
     def _plan_chain(self, req: SchedRequest) -> ChainPlan:
         """This round's chain: a fixed k's, or for 'auto' the goodput planner's for the request's target worker."""
         # A model drafts only on a draft worker, and a head only from features that came since it last drafted.
-        model = req.draft_worker is not None and (req.features is None or req.features.pending is not None)
+        model = req.draft_worker is not None and (req.features is None or req.head_ready)
         fixed = None if req.spec.k == "auto" else req.spec.k
         if fixed is None and self.planner_costs is None:
             fixed = FALLBACK_K
@@ -255,7 +224,7 @@ class Scheduler:
         """Nodes to draft this round: k, or for 'auto' max_tree_nodes (pruned once drafted); none when the round can
         commit one token only, for a head without a draft worker or new features, or in 'auto''s plain rounds."""
         head = req.method.needs_head
-        if head and (req.draft_worker is None or req.features.pending is None) or not req.state.draft_budget(1):
+        if head and (req.draft_worker is None or not req.head_ready) or not req.state.draft_budget(1):
             return 0
         if req.prompt_logprobs is not None:  # the call that brings the prompt's logprobs is a chain's (a plain step)
             return 0

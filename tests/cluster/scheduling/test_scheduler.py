@@ -3,7 +3,8 @@ requests moving off a worker that left, re-attaching to a draft worker that came
 
 import pytest
 
-from specserve.cluster.scheduling.scheduler import NoTargetWorker, SchedRequest, Scheduler
+from specserve.cluster.scheduling.sched_request import SchedRequest
+from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import PlannerCosts
 from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance

@@ -4,7 +4,8 @@ for the features every verify reply would carry, and ask again when the load fal
 import pytest
 import torch
 
-from specserve.cluster.scheduling.scheduler import SchedRequest, Scheduler
+from specserve.cluster.scheduling.sched_request import SchedRequest
+from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config import SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import QUIET_AFTER_PLANS, QUIET_CALLS, BatchWidth, PlannerCosts
 from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance

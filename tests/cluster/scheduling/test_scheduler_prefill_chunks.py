@@ -19,9 +19,9 @@ def _chunks(s: Scheduler, req) -> list[tuple[int, int]]:
 def test_a_long_prompt_goes_in_chunks_and_the_first_round_sends_the_rest():
     s = Scheduler([], ["t1"], prefill_chunk=32)
     req = s.add(list(range(3, 103)), SamplingParams(max_new_tokens=4), SPEC, frozenset())  # 100 tokens
-    assert _chunks(s, req) == [(32, 32), (64, 32)]  # 36 left: one round's call takes them
+    assert _chunks(s, req) == [(32, 32), (64, 32), (96, 32)]  # 4 left: the first round's call takes them
     first = s.plan_verify(req, [], b"")
-    assert first.committed_len == 100 and len(first.new_tokens) == 36
+    assert first.committed_len == 100 and len(first.new_tokens) == 4
 
 
 def test_short_prompts_prompt_logprobs_and_no_chunking_send_the_prompt_with_the_first_round():

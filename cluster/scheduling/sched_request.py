@@ -1,0 +1,52 @@
+"""The scheduler's record of one request (`SchedRequest`): its committed state, its workers, what each was told, its
+drafting plan for the round under way. Plain data: scheduler.py plans and applies, pipeline.py carries the calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.cluster.scheduling.features import FeatureRelay
+from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.speculation.chain_planner import ChainPlanner
+from specserve.workers.speculation.goodput import ChainPlan, RoundForecast, RowChoice
+from specserve.workers.speculation.methods import METHODS, Method
+from specserve.workers.speculation.request import RequestState
+from specserve.workers.speculation.tree_policy import TreePruning
+
+
+@dataclass
+class SchedRequest:
+    state: RequestState
+    params: SamplingParams
+    spec: SpecParams
+    draft_worker: str | None
+    target_worker: str
+    features: FeatureRelay | None = None  # a head's methods: the target's features on their way to the draft worker
+    planner: ChainPlanner | None = None  # chain methods: what its drafters offer each round, and their acceptance
+    choice: RowChoice | None = None  # chain methods and "none": this round's row for the goodput planner
+    plan: ChainPlan | None = None  # the planner's for this round, until its verify is applied
+    forecast: RoundForecast | None = None  # k='auto' chains: what the round was planned to take, until applied
+    pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
+    told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
+    pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
+    resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def method(self) -> Method:
+        return METHODS[self.spec.method]  # what it drafts with and can do (workers/speculation/methods.py)
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The prompt's logprobs still to ask the target for (top-n), until a verify reply brought them; else None."""
+        return self.params.prompt_logprobs if self.state.prompt_logprobs is None else None
+
+    @property
+    def head_ready(self) -> bool:
+        """A head's features came since it last drafted, up to the newest committed position (a prompt's prefill
+        chunks bring its first positions' only: the round that verifies the rest of the prompt is a plain step)."""
+        pending = self.features.pending if self.features is not None else None
+        return pending is not None and pending.end >= len(self.state.tokens) - 1
