@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from specserve.cluster.app_config import REFUSAL_ROOM, AppConfig, app_config
+from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.serve.ingress import IngressDeployment
 from specserve.cluster.serve.pool_worker import PoolWorker
 from specserve.cluster.serve.prepare import MAX_NEW_TOKENS
@@ -68,7 +68,9 @@ def build_app(args: dict | AppConfig | None = None):
         name="scheduler",
         num_replicas=app.scheduler.replicas,
         max_ongoing_requests=app.scheduler.serve_max_ongoing_requests,
-        max_queued_requests=REFUSAL_ROOM,  # past it Serve refuses (BackPressureError: 429), it does not hold them
+        # Serve's caller-side queue holds requests while its router picks a replica: a burst of 512 at once overran a
+        # queue of 64 there (2 spurious 429s); as large as the replica's bound, it refuses only past it.
+        max_queued_requests=app.scheduler.serve_max_ongoing_requests,
         ray_actor_options={"num_cpus": app.scheduler.num_cpus},
         graceful_shutdown_timeout_s=app.scheduler.drain_timeout_s,  # a stopping replica finishes its streams
         graceful_shutdown_wait_loop_s=1.0,
@@ -78,7 +80,7 @@ def build_app(args: dict | AppConfig | None = None):
         name="ingress",
         num_replicas=app.scheduler.replicas,
         max_ongoing_requests=app.scheduler.serve_max_ongoing_requests,
-        max_queued_requests=REFUSAL_ROOM,
+        max_queued_requests=app.scheduler.serve_max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=app.scheduler.drain_timeout_s,
         graceful_shutdown_wait_loop_s=1.0,
