@@ -117,8 +117,7 @@ class ModelPairConfig(_Strict):
         None, ge=16, description="A prompt longer than this prefills in chunks of it, each its own target call, so a "
         "long prompt shares the target with the other requests' rounds instead of stalling them (vLLM's chunked "
         "prefill, max_num_batched_tokens). Off (None) by default for now: a chunk takes over a cached prefix only "
-        "up to its own end, so chunks lose prefix caching past the first (a repeated 4K prompt: 22 s to its first "
-        "token chunked, 0.9 s not)."
+        "up to its own end, so a chunked prompt loses prefix caching past its first chunk."
     )  # fmt: skip
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(

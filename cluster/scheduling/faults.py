@@ -89,7 +89,7 @@ class WorkerFaults:
         (the registry dropped it, or Serve replaced it under another id)."""
         kind = "draft" if worker in self.drafts else "target"
         clients = self._clients(worker)
-        while clients.get(worker) is client and worker in self.scheduler.unhealthy:
+        while True:
             await asyncio.sleep(REJOIN_PROBE_S)
             if clients.get(worker) is not client or worker not in self.scheduler.unhealthy:
                 return

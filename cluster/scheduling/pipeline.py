@@ -106,7 +106,7 @@ class Pipeline:
                 if waited == 0:
                     log.info("worker %s is full (%s): request %s is preempted, waits and re-sends its %d tokens",
                              call.worker, e, req.request_id, len(call.sequence))  # fmt: skip
-                self.preempted += waited == 0
+                    self.preempted += 1
                 await self._release_one(req.request_id, call.worker)
                 await asyncio.sleep(pause)
                 waited, pause = waited + pause, min(1.0, 2 * pause)
