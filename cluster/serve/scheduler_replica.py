@@ -25,49 +25,48 @@ REJOIN_S = 2 * HEARTBEAT_S + POLL_S
 
 
 class SchedulerReplica:
-    """A replica of the Serve deployment "scheduler": hosts the app's `SchedulerService`
-    (cluster/scheduling/service.py), which holds one `Scheduler` state machine and its `Pipeline` per served model.
-    The ingress calls it through a deployment handle, so when a scheduler replica dies the ingress sees it and
-    answers UNAVAILABLE (Serve's proxy would report a dead replica as INTERNAL). Pool handles are passed in only so
-    Serve deploys the pools with the app; requests go to the workers over their own gRPC servers."""
+    """A replica of the Serve deployment "scheduler": feeds the registry's workers to the app's `ModelServing`
+    (cluster/scheduling/model_serving.py: requests, admission, each model's workers), which runs each served model's
+    rounds through its `Pipeline` and `Scheduler` state machine. The ingress calls it through a deployment handle, so
+    when a scheduler replica dies the ingress sees it and answers UNAVAILABLE (Serve's proxy would report a dead
+    replica as INTERNAL). Pool handles are passed in only so Serve deploys the pools with the app; requests go to the
+    workers over their own gRPC servers."""
 
     def __init__(self, app_args: dict, *pools: Any):
-        from specserve.cluster.scheduling.service import SchedulerService
+        from specserve.cluster.scheduling.model_serving import ModelServing
         from specserve.cluster.serve.metrics import SchedulerMetrics
 
         use_serve_log_files()
         self.config: AppConfig = app_config(app_args)
         paths = {m.name: resolve_paths(m) for m in self.config.models}
-        self.service = SchedulerService(
-            self.config, paths, metrics=SchedulerMetrics([m.name for m in self.config.models])
-        )
+        self.serving = ModelServing(self.config, paths, metrics=SchedulerMetrics([m.name for m in self.config.models]))
         self._poller: asyncio.Task | None = None
         self._seen: tuple[str, int] | None = None  # (registry incarnation, version) last applied
         self._rows: list[dict] = []
         self.replica = uuid.uuid4().hex  # how the registry counts this replica's running requests while draining
-        log.info("scheduler replica started: models %s", ", ".join(self.service.models))
+        log.info("scheduler replica started: models %s", ", ".join(self.serving.models))
 
     # -- worker membership ---------------------------------------------------------------------------------------
 
     async def _ensure_polling(self) -> None:
         if self._poller is None or self._poller.done():
             self.registry = registry_actor(app_name())
-            self.service.secret = await self.registry.secret.remote()
+            self.serving.secret = await self.registry.secret.remote()
             await self._poll_once()
             self._poller = asyncio.get_running_loop().create_task(every(POLL_S, self._poll_once, "registry poll"))
 
     async def _poll_once(self) -> None:
-        snap = await self.registry.snapshot.remote(self.replica, self.service.active)
-        if snap["draining"] != self.service.draining:
+        snap = await self.registry.snapshot.remote(self.replica, self.serving.active)
+        if snap["draining"] != self.serving.draining:
             log.info("the app is %s", "draining: no new requests" if snap["draining"] else "admitting requests again")
-            self.service.draining = snap["draining"]
+            self.serving.draining = snap["draining"]
         rows, seen = snap["members"], (snap["incarnation"], snap["version"])
         if snap["uptime_s"] < REJOIN_S:  # a restarted registry: workers it has not heard from yet are still there
             known = {r["worker_id"] for r in rows}
             rows = rows + [r for r in self._rows if r["worker_id"] not in known]
             seen = None  # merged, not the registry's own: apply again next time
         if seen is None or seen != self._seen:
-            self.service.sync_workers(rows)
+            self.serving.sync_workers(rows)
         self._seen, self._rows = seen, rows
 
     async def check_health(self) -> None:
@@ -75,27 +74,27 @@ class SchedulerReplica:
 
     async def status(self) -> dict:
         await self._ensure_polling()
-        return self.service.status()
+        return self.serving.status()
 
     async def readiness(self) -> Readiness:
         """Whether this replica takes requests: not draining, and every served model has a healthy target worker."""
         await self._ensure_polling()
-        return Readiness.of(self.service.status(), self.service.draining)
+        return Readiness.of(self.serving.status(), self.serving.draining)
 
     async def wait_ready(self, timeout_s: float | None = None, model: str | None = None) -> None:
         await self._ensure_polling()
         for m in self.config.models:
             if model is None or m.name == model:
-                await self.service.wait_ready(m.name, timeout_s, costs=True)
+                await self.serving.wait_ready(m.name, timeout_s, costs=True)
 
     # -- requests, as the ingress prepared them ----------------------------------------------------------------------
 
     async def generate(self, prepared: Prepared) -> dict:
         await self._ensure_polling()
-        return await self.service.generate(prepared)
+        return await self.serving.generate(prepared)
 
     async def run(self, prepared: Prepared) -> AsyncIterator[Chunk]:
         """The request's chunks, one per round (a streaming handle method)."""
         await self._ensure_polling()
-        async for chunk in self.service.run(prepared):
+        async for chunk in self.serving.run(prepared):
             yield chunk

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from specserve.cluster.app_config import AppConfig
+from specserve.cluster.scheduling.model_serving import ModelServing
 from specserve.cluster.scheduling.pipeline import Pipeline
 from specserve.cluster.scheduling.prepared import Prepared
 from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.cluster.scheduling.service import SchedulerService
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
@@ -119,7 +119,7 @@ class ServedRun:
 def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int, speculation: dict | None = None) -> ServedRun:
     """What the Serve app runs for the first model of `app`, without Ray: the pool replicas' worker bodies (the draft
     pool runs the head, the target pool captures its features), the ingress's RequestPreparer (a greedy request,
-    without a method unless `speculation` says) and the scheduler replica's SchedulerService."""
+    without a method unless `speculation` says) and the scheduler replica's ModelServing."""
     from specserve.cluster.serve.pool_worker import _worker_body
     from specserve.cluster.serve.replica_env import resolve_paths
 
@@ -134,16 +134,16 @@ def run_the_serving_path(app: AppConfig, prompt: str, max_tokens: int, speculati
     async def main():
         rows = [{"model": name, "kind": kind, "worker_id": f"{kind}-0", "address": await body.start()}
                 for kind, body in bodies.items()]  # fmt: skip
-        service = SchedulerService(app, paths)
-        service.sync_workers(rows)
-        out = await service.generate(prepared)
-        pipeline = service.models[name].pipeline
+        serving = ModelServing(app, paths)
+        serving.sync_workers(rows)
+        out = await serving.generate(prepared)
+        pipeline = serving.models[name].pipeline
         await pipeline.drain_releases()
         for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
             await client.close()
         for body in bodies.values():
             await body.server.stop(None)
-        return out, service.status()[name]
+        return out, serving.status()[name]
 
     out, status = asyncio.run(main())
     return ServedRun(paths[name], prepared, out, status)

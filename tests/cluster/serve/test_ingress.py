@@ -1,6 +1,6 @@
-"""One request path without Ray: the ingress tokenizes with a RequestPreparer (no SchedulerService) and hands the
+"""One request path without Ray: the ingress tokenizes with a RequestPreparer (no ModelServing) and hands the
 scheduler one typed `Prepared` per request in one call, with no admission round trip before a stream; the scheduler's
-SchedulerService runs it against real gRPC workers, its streamed text adding up to the decode of its tokens."""
+ModelServing runs it against real gRPC workers, its streamed text adding up to the decode of its tokens."""
 
 import asyncio
 import json
@@ -10,8 +10,8 @@ import pytest
 from starlette.requests import Request as HttpRequest
 
 from specserve.cluster.app_config import AppConfig
+from specserve.cluster.scheduling.model_serving import ModelServing
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
-from specserve.cluster.scheduling.service import SchedulerService
 from specserve.cluster.serve import ingress as ingress_module
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
@@ -163,26 +163,26 @@ def test_the_service_runs_a_prepared_request_losslessly_and_its_text_adds_up(tin
 
     async def main():
         async with LocalWorkers(target, [target] if method == "draft" else []) as w:
-            service = SchedulerService(app, {"tiny": (tiny_target, tiny_target)})
+            serving = ModelServing(app, {"tiny": (tiny_target, tiny_target)})
             rows = [{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
                     for n, a in w.addresses.items()]  # fmt: skip
-            service.sync_workers(rows)
-            chunks = [c async for c in service.run(prepared)]
-            whole = await service.generate(prepared)
+            serving.sync_workers(rows)
+            chunks = [c async for c in serving.run(prepared)]
+            whole = await serving.generate(prepared)
             for client in (
-                *service.models["tiny"].pipeline.drafts.values(),
-                *service.models["tiny"].pipeline.targets.values(),
+                *serving.models["tiny"].pipeline.drafts.values(),
+                *serving.models["tiny"].pipeline.targets.values(),
             ):
                 await client.close()
-            return chunks, whole, service
+            return chunks, whole, serving
 
-    chunks, whole, service = asyncio.run(main())
+    chunks, whole, serving = asyncio.run(main())
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == reference.token_ids == whole["token_ids"]
     assert "".join(c.text for c in chunks) == whole["text"] == target.tokenizer.decode(tokens, skip_special_tokens=True)
     assert chunks and chunks[-1].finish_reason and all(c.finish_reason is None for c in chunks[:-1])
-    assert chunks[-1].stats["rounds"] == len(chunks) and service.active == 0
-    assert service.models["tiny"].scheduler.requests == {}  # released on the workers, forgotten here
+    assert chunks[-1].stats["rounds"] == len(chunks) and serving.active == 0
+    assert serving.models["tiny"].scheduler.requests == {}  # released on the workers, forgotten here
 
 
 def _events(body: str) -> list[dict]:

@@ -1,6 +1,6 @@
 """vLLM's prompt_logprobs and completions' echo with logprobs (what lm-evaluation-harness's loglikelihood tasks send:
 echo, logprobs N, max_tokens 0 or 1), through the real ingress (its HTTP handler, no Ray) and a scheduler replica's
-SchedulerService on real gRPC workers, speculating with a draft model: the prompt's logprobs equal a teacher-forced
+ModelServing on real gRPC workers, speculating with a draft model: the prompt's logprobs equal a teacher-forced
 forward of the target (tests/helpers/logprobs_oracle.py, ATOL in float32), shaped as vLLM shapes them, and the
 generated tokens stay target-only decoding's."""
 
@@ -11,7 +11,7 @@ import pytest
 from starlette.requests import Request as HttpRequest
 
 from specserve.cluster.app_config import AppConfig
-from specserve.cluster.scheduling.service import SchedulerService
+from specserve.cluster.scheduling.model_serving import ModelServing
 from specserve.cluster.serve import ingress as ingress_module
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
@@ -36,10 +36,10 @@ class _Remote:
 
 
 class ServiceHandle:
-    """The scheduler deployment's handle as the ingress calls it, over a SchedulerService in this process."""
+    """The scheduler deployment's handle as the ingress calls it, over a ModelServing in this process."""
 
-    def __init__(self, service: SchedulerService):
-        self.generate, self.run = _Remote(service.generate), _Remote(service.run)
+    def __init__(self, serving: ModelServing):
+        self.generate, self.run = _Remote(serving.generate), _Remote(serving.run)
 
     def options(self, stream: bool = False):
         return self
@@ -68,10 +68,10 @@ def ask(models, tiny_target, tiny_draft, monkeypatch, bodies: list[dict], chat: 
 
     async def main():
         async with LocalWorkers(models[0], [models[1]]) as w:
-            service = SchedulerService(ingress_module.app_config(args), {"tiny": (tiny_target, tiny_draft)})
-            service.sync_workers([{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
+            serving = ModelServing(ingress_module.app_config(args), {"tiny": (tiny_target, tiny_draft)})
+            serving.sync_workers([{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
                                   for n, a in w.addresses.items()])  # fmt: skip
-            ingress = ingress_module.SpecServeIngress(args, ServiceHandle(service))
+            ingress = ingress_module.SpecServeIngress(args, ServiceHandle(serving))
             out = []
             for body in bodies:
                 response = await ingress._openai(http_request(body, route), route)
@@ -81,7 +81,7 @@ def ask(models, tiny_target, tiny_draft, monkeypatch, bodies: list[dict], chat: 
                     out.append((200, events))
                 else:
                     out.append((response.status_code, json.loads(response.body)))
-            pipeline = service.models["tiny"].pipeline
+            pipeline = serving.models["tiny"].pipeline
             await pipeline.drain_releases()
             for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
                 await client.close()

@@ -1,6 +1,6 @@
 """Logprobs at the edges: OpenAI's fields (chat logprobs + top_logprobs 0..20, completions logprobs 0..20, vLLM's
 bound) and gRPC's sampling.logprobs into SamplingParams.logprobs, OpenAI's response shapes, and the ingress's public
-gRPC and HTTP paths on a real scheduler service over gRPC workers (no Ray): values equal target-only's, streamed and
+gRPC and HTTP paths on a real ModelServing over gRPC workers (no Ray): values equal target-only's, streamed and
 not."""
 
 import asyncio
@@ -10,7 +10,7 @@ import pytest
 from starlette.requests import Request as HttpRequest
 
 from specserve.cluster.app_config import AppConfig
-from specserve.cluster.scheduling.service import SchedulerService
+from specserve.cluster.scheduling.model_serving import ModelServing
 from specserve.cluster.serve import ingress as ingress_module
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.openai_logprobs import FLOOR, LogprobsShaper, TokenTexts
@@ -70,10 +70,10 @@ class _Call:
 
 
 class ServiceHandle:
-    """The scheduler deployment's handle, calling a SchedulerService in this process."""
+    """The scheduler deployment's handle, calling a ModelServing in this process."""
 
-    def __init__(self, service: SchedulerService):
-        self.generate, self.run = _Call(service.generate), _Call(service.run)
+    def __init__(self, serving: ModelServing):
+        self.generate, self.run = _Call(serving.generate), _Call(serving.run)
 
     def options(self, stream: bool = False):
         return self
@@ -99,7 +99,7 @@ def _events(body: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def answers(tiny_target):
-    """The ingress on a real service over gRPC workers (the target drafting for itself: multi-token rounds)."""
+    """The ingress on a real ModelServing over gRPC workers (the target drafting for itself: multi-token rounds)."""
     args = {"models": [{"name": "tiny", "target": tiny_target, "draft": tiny_target, "device": "cpu"}],
             "auth": {"api_key_env": None}}  # fmt: skip
     target = load_model(ModelConfig(path=tiny_target, device="cpu"))
@@ -119,17 +119,17 @@ def answers(tiny_target):
 
     async def main():
         async with LocalWorkers(target, [target]) as w:
-            service = SchedulerService(AppConfig.model_validate(args), {"tiny": (tiny_target, tiny_target)})
-            service.sync_workers([{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
+            serving = ModelServing(AppConfig.model_validate(args), {"tiny": (tiny_target, tiny_target)})
+            serving.sync_workers([{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
                                   for n, a in w.addresses.items()])  # fmt: skip
-            ingress = ingress_module.SpecServeIngress(args, ServiceHandle(service))
+            ingress = ingress_module.SpecServeIngress(args, ServiceHandle(serving))
             out = {"grpc": await ingress.Generate(calls["grpc"], None)}
             out["grpc_stream"] = [r async for r in ingress.GenerateStream(calls["grpc"], None)]
             for name, (route, body) in list(calls.items())[1:]:
                 response = await ingress._openai(http_request(body), route)
                 out[name] = _events(await _body(response)) if body.get("stream") else json.loads(response.body)
-            for client in (*service.models["tiny"].pipeline.drafts.values(),
-                           *service.models["tiny"].pipeline.targets.values()):  # fmt: skip
+            for client in (*serving.models["tiny"].pipeline.drafts.values(),
+                           *serving.models["tiny"].pipeline.targets.values()):  # fmt: skip
                 await client.close()
             return out, ingress.preparer.models["tiny"].tokenizer
 

@@ -109,7 +109,7 @@ def test_scheduler_keeps_its_workers_while_a_restarted_registry_relearns_them(ti
     clock = Clock()
     args = {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu"}]}
     replica = SchedulerReplica(args)
-    addresses = replica.service.models["tiny"].addresses
+    addresses = replica.serving.models["tiny"].addresses
 
     async def main():
         before = WorkerRegistry(secret="s", clock=clock)

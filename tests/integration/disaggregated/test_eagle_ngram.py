@@ -151,7 +151,7 @@ def test_k_auto_weighs_the_workers_costs_once_they_are_known():
 
 
 def test_the_heads_recorded_acceptance_is_where_planning_starts():
-    """The scheduler's eagle+ngram planners start from the head's recorded acceptance (ModelServing reads it from
+    """The scheduler's eagle+ngram planners start from the head's recorded acceptance (ServedModel.load reads it from
     the head's config), else from the generic prior."""
     prompt, params, spec = [1, 2, 3, 1, 2], SamplingParams(max_new_tokens=20), SpecParams(method="eagle+ngram", k=3)
     measured = Scheduler(["d1"], ["t1"], head_prior=(0.1, 0.1))

@@ -1,5 +1,5 @@
 """Log-probabilities on the disaggregated path, without Ray: the target worker returns them from its verify forward
-(VerifyResponse.logprobs), the scheduler keeps those of the committed tokens, and a scheduler replica's SchedulerService
+(VerifyResponse.logprobs), the scheduler keeps those of the committed tokens, and a scheduler replica's ModelServing
 streams them with its chunks, cut with the tokens at a stop string. Every value equals what target-only decoding
 computes for the same tokens (tests/helpers/logprobs_oracle.py: ATOL in float32)."""
 
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from specserve.cluster.app_config import AppConfig
-from specserve.cluster.scheduling.service import SchedulerService
+from specserve.cluster.scheduling.model_serving import ModelServing
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
@@ -92,12 +92,12 @@ def test_a_stop_string_inside_a_multi_token_round_cuts_the_logprobs_with_the_tok
 
     async def main(prepared_list):
         async with LocalWorkers(target, [target]) as w:
-            service = SchedulerService(app, {"tiny": (tiny_target, tiny_target)})
-            service.sync_workers([{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
+            serving = ModelServing(app, {"tiny": (tiny_target, tiny_target)})
+            serving.sync_workers([{"model": "tiny", "kind": n.split("-")[0], "worker_id": n, "address": a}
                                   for n, a in w.addresses.items()])  # fmt: skip
-            out = [[c async for c in service.run(p)] for p in prepared_list]
-            for client in (*service.models["tiny"].pipeline.drafts.values(),
-                           *service.models["tiny"].pipeline.targets.values()):  # fmt: skip
+            out = [[c async for c in serving.run(p)] for p in prepared_list]
+            for client in (*serving.models["tiny"].pipeline.drafts.values(),
+                           *serving.models["tiny"].pipeline.targets.values()):  # fmt: skip
                 await client.close()
             return out
 

@@ -1,8 +1,11 @@
-"""A scheduler replica's service: runs the requests an ingress prepared through the model's scheduler and pipelined
-driver, and streams what each round commits (text detokenized incrementally).
+"""The serving of a scheduler replica's models (`ModelServing`): the requests an ingress prepared, admitted or refused
+(admission control, draining), run through their model's round pipeline and streamed back a chunk per round (text
+detokenized incrementally, cut at stop sequences); and each model's workers, attached and detached as the registry's
+rows say (`sync_workers`), so pools can scale while requests run.
 
-Framework-free: cluster/serve/scheduler_replica.py wraps it in a Serve deployment, tests drive it directly. Workers
-join and leave through `sync_workers` (fed from the registry), so pools can scale while requests run.
+Framework-free: cluster/serve/scheduler_replica.py wraps it in a Serve deployment, tests drive it directly. Below it,
+per model: the round pipeline (pipeline.py: `Pipeline`, rounds over gRPC) and the round state machine (scheduler.py:
+`Scheduler`).
 """
 
 from __future__ import annotations
@@ -13,28 +16,84 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
-from specserve.cluster.app_config import AppConfig
+from specserve.cluster.app_config import AppConfig, ModelPairConfig
 from specserve.cluster.scheduling.admission import Admission
-from specserve.cluster.scheduling.detokenize import IncrementalText
+from specserve.cluster.scheduling.detokenize import IncrementalText, byte_pieces
+from specserve.cluster.scheduling.pipeline import Pipeline, build_pipeline
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
-from specserve.cluster.scheduling.scheduler import NoTargetWorker
-from specserve.cluster.scheduling.serving import ModelServing
+from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.scheduling.stops import StopCut, StopMatcher
+from specserve.cluster.scheduling.tokens import ModelTokenizer
+from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.workers.errors import (
     InvalidRequestError,
     OverloadedError,
     SpecServeError,
     UnavailableError,
 )
+from specserve.workers.runtime.eos import directory_eos_ids
+from specserve.workers.speculation.eagle.config import resolve_eagle_head
+from specserve.workers.speculation.request import RequestStats
 
 log = logging.getLogger(__name__)
 
 
-class SchedulerService:
-    """The served models of one scheduler replica: their workers (as the registry lists them), readiness, admission
-    control and the requests running here."""
+@dataclass
+class ServedModel:
+    """One served model as a replica holds it: its tokenizer, its round pipeline (and the scheduler in it) and the
+    workers attached to them. Data, plus the event that wakes what waits on its workers."""
+
+    config: ModelPairConfig
+    tokens: ModelTokenizer
+    eos: frozenset[int]
+    byte_pieces: frozenset[int]  # held back by the detokenizer until a run of them ends
+    pipeline: Pipeline
+    addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Summed over the requests that finished here (a cancelled one is not counted)
+    finished: RequestStats = field(default_factory=RequestStats)
+
+    @classmethod
+    def load(cls, config: ModelPairConfig, target_path: str, worker_wait_s: float = 600.0) -> ServedModel:
+        """The model's tokenizer (from its target directory) and an empty scheduler: no workers until they attach.
+        worker_wait_s: how long a request whose target worker failed waits for a healthy one."""
+        tokens = ModelTokenizer(target_path)
+        head = resolve_eagle_head(config.draft, target_path)
+        pipeline = build_pipeline({}, {}, head, predraft=config.predraft, max_k=config.max_k, ngram=config.ngram,
+                                  worker_wait_s=worker_wait_s, prefill_chunk=config.prefill_chunk_tokens)  # fmt: skip
+        eos = directory_eos_ids(target_path, tokens.tokenizer)
+        model = cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
+        pipeline.faults.wait_changed, pipeline.faults.on_rejoin = model.wait_changed, model.notify_changed
+        return model
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.pipeline.scheduler
+
+    @property
+    def ready(self) -> bool:
+        """A healthy target worker (and a draft worker, if the model drafts with one)."""
+        if not self.scheduler.healthy("target"):
+            return False
+        return not self.config.drafts_with_model or bool(self.scheduler.healthy("draft"))
+
+    def notify_changed(self) -> None:
+        """Wake whatever waits on membership (readiness, requests waiting for a target worker)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def wait_changed(self, deadline: float) -> None:
+        """Until the membership changes or the deadline (re-checked at least every second)."""
+        timeout = max(0.0, min(1.0, deadline - time.monotonic()))
+        with contextlib.suppress(TimeoutError):  # the deadline is the caller's to judge
+            await asyncio.wait_for(self.changed.wait(), timeout)
+
+
+class ModelServing:
+    """The served models of one scheduler replica: the requests running here (admission control, draining, each
+    round's chunk), readiness, and each model's workers as the registry lists them."""
 
     def __init__(self, app: AppConfig, resolved_paths: dict[str, tuple[str, str | None]], metrics=None):
         """resolved_paths: model name -> (target directory, draft directory or None), demo paths already resolved.
@@ -44,7 +103,7 @@ class SchedulerService:
         self.secret: str | None = None  # the workers' shared secret, sent with every worker call
         self.admission = Admission(app.scheduler.max_active_requests, app.scheduler.max_queued_requests)
         self.models = {
-            m.name: ModelServing.load(m, resolved_paths[m.name][0], app.scheduler.worker_wait_s) for m in app.models
+            m.name: ServedModel.load(m, resolved_paths[m.name][0], app.scheduler.worker_wait_s) for m in app.models
         }
 
     @property
@@ -65,22 +124,45 @@ class SchedulerService:
 
     def sync_workers(self, members: list[dict]) -> None:
         """Make each model's workers match the registry's members (rows of model, kind, worker_id, address)."""
-        for name, serving in self.models.items():
+        for name, model in self.models.items():
             rows = {r["worker_id"]: r for r in members if r["model"] == name}
-            serving.sync(rows, self.app.scheduler.call_timeout_s, self.secret, self.app.scheduler.max_call_s)
+            for worker_id in [w for w in model.addresses if w not in rows]:
+                self._detach(model, worker_id)
+            for row in rows.values():
+                if model.addresses.get(row["worker_id"]) != row["address"]:
+                    self._attach(model, row["kind"], row["worker_id"], row["address"])
+            model.notify_changed()
+
+    def _attach(self, model: ServedModel, kind: str, worker_id: str, address: str) -> None:
+        settings, pipeline = self.app.scheduler, model.pipeline
+        model.addresses[worker_id] = address
+        clients, client = (pipeline.drafts, DraftClient) if kind == "draft" else (pipeline.targets, TargetClient)
+        clients[worker_id] = client(address, settings.call_timeout_s, self.secret, settings.max_call_s)
+        model.scheduler.add_worker(kind, worker_id)
+        if model.ready:  # measure the costs now (a draft worker's too), not when the first request waits for them
+            with contextlib.suppress(RuntimeError):  # no event loop: the first request with k='auto' asks
+                pipeline.fetch_costs_soon()
+        log.info("model %r: %s worker %s attached at %s", model.config.name, kind, worker_id, address)
+
+    def _detach(self, model: ServedModel, worker_id: str) -> None:
+        model.addresses.pop(worker_id)
+        model.scheduler.remove_worker(worker_id)
+        model.pipeline.drafts.pop(worker_id, None)
+        model.pipeline.targets.pop(worker_id, None)
+        log.info("model %r: worker %s detached (it left the registry)", model.config.name, worker_id)
 
     async def wait_ready(self, model: str, timeout_s: float | None = None, costs: bool = False) -> None:
         """Until the model has a healthy target worker (and a draft worker, if it drafts with a model); with `costs`,
         also until its workers' costs are measured (a server's start: its first request is then planned at once,
         not after seconds of profiling)."""
-        serving = self.models[model]
+        served = self.models[model]
         deadline = time.monotonic() + (self.app.scheduler.worker_wait_s if timeout_s is None else timeout_s)
-        while not serving.ready:
+        while not served.ready:
             if time.monotonic() >= deadline:
                 raise UnavailableError(f"model {model!r} has no healthy target worker yet; retry later")
-            await serving.wait_changed(deadline)
+            await served.wait_changed(deadline)
         if costs:
-            await serving.pipeline.measure_costs()
+            await served.pipeline.measure_costs()
 
     def status(self) -> dict:
         return {
@@ -110,7 +192,7 @@ class SchedulerService:
 
     async def run(self, req: Prepared) -> AsyncIterator[Chunk]:
         """Run a prepared request; yields one Chunk per round (the last one carries finish_reason)."""
-        serving = self.models[req.model]
+        model = self.models[req.model]
         what = f"{req.request_id} (model {req.model!r})"
         try:
             self.admission.check(what)
@@ -124,7 +206,7 @@ class SchedulerService:
         try:
             async with self.admission.slot(what):
                 await self.wait_ready(req.model)
-                async with contextlib.aclosing(self._rounds(serving, req, track)) as chunks:
+                async with contextlib.aclosing(self._rounds(model, req, track)) as chunks:
                     async for chunk in chunks:
                         yield chunk
             status = "ok"
@@ -148,21 +230,21 @@ class SchedulerService:
             if track:
                 track.finished(status)
 
-    async def _rounds(self, serving: ModelServing, req: Prepared, track=None) -> AsyncIterator[Chunk]:
+    async def _rounds(self, model: ServedModel, req: Prepared, track=None) -> AsyncIterator[Chunk]:
         try:
             # The client's id names the request on the workers too, made unique: two clients may send the same one.
             internal = f"{req.request_id}.{uuid.uuid4().hex[:8]}" if req.request_id else None
-            sched_req = serving.scheduler.add(req.prompt_ids, req.params, req.spec, serving.eos, request_id=internal)
+            sched_req = model.scheduler.add(req.prompt_ids, req.params, req.spec, model.eos, request_id=internal)
         except NoTargetWorker as e:
             raise UnavailableError(str(e)) from None
         if track:
             track.scheduled()
-        text = IncrementalText(serving.tokens.tokenizer, serving.byte_pieces)
+        text = IncrementalText(model.tokens.tokenizer, model.byte_pieces)
         stops = StopMatcher(req.stop, text.delta) if req.stop else None
         prev = sched_req.state.stats.to_dict()
         prompt_logprobs = req.params.prompt_logprobs is not None  # still to send: with the first chunk
         try:
-            async with contextlib.aclosing(serving.pipeline.rounds(sched_req)) as rounds:
+            async with contextlib.aclosing(model.pipeline.rounds(sched_req)) as rounds:
                 async for committed in rounds:
                     state = sched_req.state
                     stats = state.stats.to_dict()
@@ -175,7 +257,7 @@ class SchedulerService:
                     if track:
                         track.round(prev, stats, cut.tokens, finish)
                     if finish:  # counted before the last chunk leaves: a caller's next status() includes it
-                        serving.finished.add(state.stats)
+                        model.finished.add(state.stats)
                     start = len(state.generated) - len(committed)  # the round's first token: its logprob's index
                     logprobs = state.logprobs[start : start + cut.tokens] if req.params.logprobs is not None else None
                     prompt = state.prompt_logprobs if prompt_logprobs else None
