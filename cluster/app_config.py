@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from specserve.cluster.speculative_config import apply_speculative_config
 from specserve.protos.wire import APP_NAME
-from specserve.workers.config import MAX_K, BatchingConfig, KVCacheConfig, NgramConfig, validate
+from specserve.workers.config.request import MAX_K
+from specserve.workers.config.settings import BatchingConfig, KVCacheConfig, NgramConfig
+from specserve.workers.config.strict import StrictModel, validate
 from specserve.workers.errors import InvalidRequestError
 
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
@@ -30,11 +32,7 @@ GRPC_SERVICER = "specserve.cluster.serve.public_proto.add_servicer_to_server"
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class AutoscalingConfig(_Strict):
+class AutoscalingConfig(StrictModel):
     """Ray Serve's autoscaling_config for one pool (the fields specserve sets; Serve validates the rest)."""
 
     min_replicas: int = Field(1, ge=0, description="Fewest replicas.")
@@ -52,7 +50,7 @@ class AutoscalingConfig(_Strict):
         return self
 
 
-class WorkerPoolConfig(_Strict):
+class WorkerPoolConfig(StrictModel):
     """One pool of model workers (a Serve deployment)."""
 
     replicas: int = Field(1, gt=0, le=1024, description="Fixed replica count (ignored when autoscaling is set).")
@@ -75,7 +73,7 @@ class WorkerPoolConfig(_Strict):
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Continuous batching per replica.")
 
 
-class ModelPairConfig(_Strict):
+class ModelPairConfig(StrictModel):
     """One served model: a target and how it is drafted for."""
 
     name: str = Field(
@@ -171,7 +169,7 @@ def demo_model() -> ModelPairConfig:
     return ModelPairConfig(name=DEMO, target=DEMO, draft=DEMO)
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(StrictModel):
     """Per-request limits, enforced at the ingress before any model work."""
 
     max_prompt_tokens: int = Field(
@@ -204,7 +202,7 @@ class LimitsConfig(_Strict):
 REFUSAL_ROOM = 64  # requests past a replica's queue that Serve still routes to it, to be answered 429 at once
 
 
-class SchedulerDeploymentConfig(_Strict):
+class SchedulerDeploymentConfig(StrictModel):
     """The scheduler deployment (and the ingress deployment in front of it, which has as many replicas)."""
 
     replicas: int = Field(1, gt=0, le=64, description="Scheduler replicas (and as many ingress replicas, which "
@@ -249,7 +247,7 @@ class SchedulerDeploymentConfig(_Strict):
     )  # fmt: skip
 
 
-class AuthConfig(_Strict):
+class AuthConfig(StrictModel):
     """Who may call the public endpoints."""
 
     api_key_env: str | None = Field(
@@ -259,7 +257,7 @@ class AuthConfig(_Strict):
     )  # fmt: skip
 
 
-class HttpConfig(_Strict):
+class HttpConfig(StrictModel):
     """The OpenAI-compatible HTTP API's leniency."""
 
     strict: bool = Field(
@@ -269,7 +267,7 @@ class HttpConfig(_Strict):
     )  # fmt: skip
 
 
-class AppConfig(_Strict):
+class AppConfig(StrictModel):
     """Everything `build_app` needs: the served models, their pools, limits and the scheduler deployment."""
 
     models: list[ModelPairConfig] = Field(default_factory=lambda: [ModelPairConfig()], min_length=1)

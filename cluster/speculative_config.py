@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from specserve.workers.config import MAX_K
+from specserve.workers.config.request import MAX_K
+from specserve.workers.config.strict import StrictModel
 
 METHODS = ("eagle3", "ngram", "draft_model")
 
 
-class VllmSpeculativeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class VllmSpeculativeConfig(StrictModel):
+    """The keys of vLLM's speculative_config that specserve takes."""
 
     method: Literal["eagle3", "ngram", "draft_model"] | None = None
     model: str | None = Field(None, min_length=1)

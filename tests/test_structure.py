@@ -188,6 +188,22 @@ def test_no_function_is_over_the_limit():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
+def test_one_strict_base():
+    """Every model that refuses unknown fields gets it from StrictModel (workers/config/strict.py), never its own
+    ConfigDict: one base, so the rule cannot drift apart between configs, requests and edges."""
+    base = MODULES["specserve.workers.config.strict"]
+    own = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in _product_files()
+        if path != base
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "ConfigDict"
+        and any(k.arg == "extra" and getattr(k.value, "value", None) == "forbid" for k in node.keywords)
+    ]
+    assert not own, f"subclass StrictModel instead: {own}"
+
+
 def test_each_folder_says_its_job():
     for path in MODULES.values():
         if path.name == "__init__.py":
@@ -426,7 +442,8 @@ def test_each_proposer_module_holds_one_proposer():
 TORCH_FREE = (  # imported without torch: the CPU-only scheduler, the edges' last step, what they read of the workers
     *(m for m in MODULES if m.startswith("specserve.cluster.scheduling")),
     "specserve.cluster.serve.prepare",
-    "specserve.workers.config",
+    "specserve.workers.config.request",
+    "specserve.workers.config.settings",
     "specserve.workers.speculation.methods",
     "specserve.workers.speculation.drafter",
     "specserve.workers.speculation.ngram",

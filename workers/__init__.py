@@ -1,1 +1,1 @@
-"""Workers: the floor (configs, errors) and the rooms below it: models, runtime, speculation, service, training."""
+"""Workers: the floor (config/, errors) and the rooms below it: models, runtime, speculation, service, training."""

@@ -10,7 +10,7 @@ from specserve.cluster.bench.rows import SAMPLED_NGRAM_K, BenchConfig, Row, best
 from specserve.cluster.bench.serve import serve_rows, served_model
 from specserve.cluster.bench.timing import finish_stream_rows
 from specserve.cluster.scheduling.features import FeatureTraffic
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.speculation.methods import HEAD_CHAIN_METHODS, TREE_METHODS
 
 EAGLE_STREAMS = 6  # a head's disaggregated rows: 1 stream, and this many at once (issue 36's comparison)

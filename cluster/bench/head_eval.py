@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, question_prompt_ids
 from specserve.workers.speculation.engine import SpecEngine
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Literal, get_args
 
 import torch
 
-from specserve.workers.config import MAX_K, SamplingParams, SpecMethod, SpecParams
+from specserve.workers.config.request import MAX_K, SamplingParams, SpecMethod, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, question_prompt_ids, read_questions
 from specserve.workers.speculation.engine import SpecEngine

@@ -45,7 +45,8 @@ from specserve.cluster.bench.spec_bench import (
 )
 from specserve.cluster.bench.structured import json_prompts, valid_outputs, warm_formats, with_formats
 from specserve.cluster.bench.timing import Costs, CostSampler, distinct_ngram_fraction, fill_bounds, measure
-from specserve.workers.config import ModelConfig, ResponseFormat, SamplingParams
+from specserve.workers.config.request import ResponseFormat, SamplingParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.methods import TREE_METHODS
@@ -272,7 +273,7 @@ def _eagle_head(args, target_path: str):
 
 
 def main_bench(args) -> int:
-    from specserve.workers.config import validate
+    from specserve.workers.config.strict import validate
     from specserve.workers.runtime.loading import load_model
 
     spec = questions_for(args)  # bad files and flags fail before any model loads

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from specserve.cluster.bench.rows import BenchConfig, Row, RowFn
 from specserve.cluster.bench.timing import RoundCounts
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
 

@@ -9,7 +9,7 @@ import json
 from collections.abc import Sequence
 
 from specserve.cluster.bench.rows import RowFn
-from specserve.workers.config import ResponseFormat, SamplingParams
+from specserve.workers.config.request import ResponseFormat, SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
 from specserve.workers.speculation.grammar import Grammars

@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass, field
 
 from specserve.cluster.bench.rows import BenchConfig, Row, RowFn
-from specserve.workers.config import KVCacheConfig, SamplingParams
+from specserve.workers.config.request import SamplingParams
+from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.runtime.cost_probe import time_forward
 from specserve.workers.runtime.loading import LoadedModel
 from specserve.workers.runtime.runner import ModelRunner

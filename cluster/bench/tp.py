@@ -10,7 +10,7 @@ import multiprocessing as mp
 from specserve.cluster.bench.rows import Row
 from specserve.cluster.bench.serve import SMALL_POOL, served_model
 from specserve.cluster.bench.timing import finish_stream_rows
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.service.local_processes import free_port, wait_ready
 from specserve.workers.service.tensor_parallel import Rendezvous, profile_forward
 

@@ -80,7 +80,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from specserve.cluster.bench.head_eval import format_acceptance, held_out_acceptance
-    from specserve.workers.config import ModelConfig
+    from specserve.workers.config.settings import ModelConfig
     from specserve.workers.models.catalog import resolve_model
     from specserve.workers.models.packaged_heads import resolve_head
     from specserve.workers.runtime.loading import load_model

@@ -7,7 +7,9 @@ import argparse
 from dataclasses import dataclass
 
 from specserve.cluster.app_config import DEFAULT_MODEL, DEMO
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams, validate
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
+from specserve.workers.config.strict import validate
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.chat import chat_prompt_ids, conversation
 from specserve.workers.runtime.loading import load_model

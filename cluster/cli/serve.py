@@ -99,7 +99,7 @@ def _int_flag(flag: str, value: str) -> int:
 
 def _gateway_config(**fields):
     from specserve.cluster.serve.tls_gateway import GatewayConfig
-    from specserve.workers.config import validate
+    from specserve.workers.config.strict import validate
 
     return validate(GatewayConfig, {k: v for k, v in fields.items() if v is not None})
 

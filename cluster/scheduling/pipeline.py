@@ -43,7 +43,8 @@ from specserve.cluster.scheduling.worker_clients import (
     WorkerLostRequest,
     WorkerUnavailable,
 )
-from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import KVCapacityError
 from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.stops import StopSpec
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.speculation.logprobs import TokenLogprob
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.features import FeatureRelay
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import ChainPlanner
 from specserve.workers.speculation.goodput import ChainPlan, RoundForecast, RowChoice
 from specserve.workers.speculation.methods import METHODS, Method

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.cluster.scheduling.sched_request import SchedRequest
-from specserve.workers.config import NgramConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.service.results import ProposeResult

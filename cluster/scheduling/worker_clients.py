@@ -19,7 +19,7 @@ from specserve.cluster.scheduling.calls import Call
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.protos.wire import GRPC_OPTIONS, SECRET_METADATA
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.service.sampling_wire import sampling_to_proto

@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Discriminator,
@@ -28,13 +27,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from specserve.workers.config import (
+from specserve.workers.config.request import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
     MAX_REPETITION_PENALTY,
     ResponseFormat,
     SpecMethod,
 )
+from specserve.workers.config.strict import StrictModel
 from specserve.workers.errors import InvalidRequestError, SpecServeError
 from specserve.workers.models.chat import ChatPrompt
 
@@ -124,7 +124,7 @@ TextKeyedBias = Annotated[dict[str, Bias], BeforeValidator(_few_biases), AfterVa
 IdKeyedBias = Annotated[dict[Annotated[int, Field(ge=0)], Bias], BeforeValidator(_few_biases)]  # gRPC's map
 
 
-class EdgeModel(BaseModel):
+class EdgeModel(StrictModel):
     """What a client sent: strict types (no "5" for 5, no true for 1, no 1.0 for an integer), no unknown fields.
     Lists in these models are `fail_fast` and objects refuse many unknown keys at once: pydantic's errors cost
     hundreds of bytes each, and a 4 MB body of bad elements would otherwise make a million of them.
@@ -132,7 +132,7 @@ class EdgeModel(BaseModel):
     Parsed leniently (`parse(..., ignored=[...])`, vLLM's behaviour), unknown keys at any depth are dropped before
     validation and their names collected instead."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(strict=True)  # and StrictModel's: no unknown fields, frozen
 
     @model_validator(mode="before")
     @classmethod

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from specserve.cluster.serve.edge import Request
-from specserve.workers.config import MAX_REPETITION_PENALTY
+from specserve.workers.config.request import MAX_REPETITION_PENALTY
 
 log = logging.getLogger(__name__)
 

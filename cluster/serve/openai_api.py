@@ -56,7 +56,7 @@ from specserve.cluster.serve.openai_logprobs import MAX_COMPLETION_LOGPROBS, MAX
 from specserve.cluster.serve.openai_messages import SHORT, Messages
 from specserve.cluster.serve.openai_tools import ToolChoice, Tools, forced, with_forced_call
 from specserve.cluster.serve.response_formats import OpenAIResponseFormat, from_openai
-from specserve.workers.config import MAX_K, SpecMethod
+from specserve.workers.config.request import MAX_K, SpecMethod
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatPrompt
 

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from specserve.cluster.serve.edge import EdgeModel, Request, Text, one_of
 from specserve.cluster.serve.response_formats import enforceable
-from specserve.workers.config import ResponseFormat
+from specserve.workers.config.request import ResponseFormat
 from specserve.workers.errors import InvalidRequestError
 
 MAX_TOOLS = 128

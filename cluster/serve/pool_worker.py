@@ -90,7 +90,7 @@ def _worker_body(cfg: ModelPairConfig, kind: str):
     workers draft with the head (reading only the target's config and input embedding) and target workers capture the
     features it reads."""
     from specserve.cluster.serve.worker_body import DraftWorkerBody, TargetWorkerBody
-    from specserve.workers.config import ModelConfig
+    from specserve.workers.config.settings import ModelConfig
     from specserve.workers.speculation.eagle.config import resolve_eagle_head
 
     target_path, draft_path = resolve_paths(cfg)

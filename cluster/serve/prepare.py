@@ -14,7 +14,7 @@ from specserve.cluster.scheduling.tokens import ModelTokenizer
 from specserve.cluster.serve.edge import Request
 from specserve.cluster.serve.generation_defaults import load_generation_defaults
 from specserve.cluster.serve.openai_tools import check_auto
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatPrompt, chat_prompt_ids, takes_tools, writes_hermes_calls
 from specserve.workers.runtime.worker_state import check_token_ids

@@ -31,7 +31,7 @@ from specserve.cluster.serve.edge import (
 from specserve.cluster.serve.response_formats import GrpcResponseFormat
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos.wire import SERVICE_NAME
-from specserve.workers.config import MAX_K, MAX_REPETITION_PENALTY
+from specserve.workers.config.request import MAX_K, MAX_REPETITION_PENALTY
 from specserve.workers.errors import (
     InvalidRequestError,
     KVCapacityError,

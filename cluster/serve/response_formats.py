@@ -12,7 +12,7 @@ from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from specserve.cluster.serve.edge import EdgeModel, Text, text
-from specserve.workers.config import MAX_SCHEMA_CHARS, ResponseFormat
+from specserve.workers.config.request import MAX_SCHEMA_CHARS, ResponseFormat
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.grammar_formats import check_format
 

@@ -19,19 +19,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
+from pydantic import Field, FilePath, model_validator
 
 from specserve.cluster.app_config import APP_NAME
 from specserve.protos.wire import SERVICE_NAME
+from specserve.workers.config.strict import StrictModel
 
 SERVICE = SERVICE_NAME
 _DROPPED = ("user-agent", "content-type", "te", "grpc-", ":")  # transport headers: the upstream call sets its own
 
 
-class GatewayConfig(BaseModel):
+class GatewayConfig(StrictModel):
     """One TLS gateway in front of Serve's gRPC proxy."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     listen: str = Field("0.0.0.0:9443", min_length=1, description="host:port the TLS server binds (port 0: any).")
     upstream: str = Field("127.0.0.1:9000", min_length=1, description="host:port of Serve's gRPC proxy.")

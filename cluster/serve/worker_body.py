@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 
 from specserve.cluster.app_config import WorkerPoolConfig
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 
 
 def _host() -> str:

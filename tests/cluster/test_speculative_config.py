@@ -9,7 +9,7 @@ import pytest
 from specserve.cluster.app_config import ModelPairConfig, app_config
 from specserve.cluster.cli import serve as serve_cli
 from specserve.cluster.serve.server import prepare_config
-from specserve.workers.config import validate
+from specserve.workers.config.strict import validate
 from specserve.workers.errors import InvalidRequestError, SpecServeError
 
 

@@ -71,7 +71,7 @@ def served_models(root):
     and a random head, for run_keyed."""
     import torch
 
-    from specserve.workers.config import ModelConfig
+    from specserve.workers.config.settings import ModelConfig
     from specserve.workers.runtime.loading import load_model
     from specserve.workers.speculation.eagle.checkpoint import save_head
     from tests.helpers.eagle_heads import random_head

@@ -124,7 +124,7 @@ class LocalWorkers:
 
     def __init__(self, target, drafts, n_targets: int = 1, target_capacity: int = 100_000, batching=None,
                  eagle_head: str | None = None, eagle_drafts: int = 1, prefix_caching: bool = True):  # fmt: skip
-        from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
+        from specserve.workers.config.settings import BatchingConfig, KVCacheConfig, ModelConfig
         from specserve.workers.service.assembly import WorkerSpec, build_worker
 
         batching = batching or BatchingConfig()
@@ -181,7 +181,7 @@ def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results
     logits and whether its runner took the lean forward path in `results` (a multiprocessing queue)."""
     import torch.distributed as dist
 
-    from specserve.workers.config import KVCacheConfig, ModelConfig
+    from specserve.workers.config.settings import KVCacheConfig, ModelConfig
     from specserve.workers.runtime.runner import ModelRunner
     from specserve.workers.service.tensor_parallel import TensorParallelRunner, follow, init_rank, load_sharded
 
@@ -205,7 +205,7 @@ _SAMPLER = None  # the engine of a `sample_in_processes` worker process
 
 def _start_sampler(target_path: str, draft_path: str | None, device: str, eagle_head: str | None = None) -> None:
     global _SAMPLER
-    from specserve.workers.config import ModelConfig
+    from specserve.workers.config.settings import ModelConfig
     from specserve.workers.runtime.loading import load_model
     from specserve.workers.speculation.engine import SpecEngine
 
@@ -245,7 +245,7 @@ def sample_in_processes(
 
 def load_pair(tiny_target: str, models_dir, device: str, name: str):
     """The tiny target and a draft perturbed from it (agreeing on some tokens only), loaded: (target, draft)."""
-    from specserve.workers.config import ModelConfig
+    from specserve.workers.config.settings import ModelConfig
     from specserve.workers.runtime.loading import load_model
 
     draft_path = save_perturbed_copy(tiny_target, Path(models_dir) / name, 0.05, seed=9)

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 from tqdm import tqdm
 
+from specserve.workers.config.strict import StrictModel
 from specserve.workers.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,10 @@ _CHUNK = 1 << 20
 _STALE_PART_S = 3600.0  # a .part file this old is a crashed pull's leftover, not a running one's
 
 
-class _Entry(BaseModel):
+class _Entry(StrictModel):
     """One row of known_models.json (the name is its key)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(strict=True)  # and StrictModel's: no unknown keys, frozen
 
     description: str = Field(min_length=1)
     upstream: str = Field(min_length=1, description="Where the weights come from (a Hugging Face repo id).")

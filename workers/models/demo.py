@@ -20,18 +20,17 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from specserve.workers.config.strict import StrictModel
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.models.home import specserve_home
 
 PACKAGED = Path(__file__).parent / "demo_family"
 
 
-class DemoSpec(BaseModel):
+class DemoSpec(StrictModel):
     """Everything that determines the demo family. Changing any field builds a new family."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field("demo", description="Family name, part of the cache directory.")
     vocab_size: int = Field(4096, gt=256, description="BPE vocabulary size, specials included.")

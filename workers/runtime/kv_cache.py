@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specserve.workers.config import KVCacheConfig
+from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
 from specserve.workers.runtime.slot_cache import SlotKVCache
 from specserve.workers.runtime.worker_state import common_prefix_length

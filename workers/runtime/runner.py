@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.workers.config import KVCacheConfig
+from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.lean_forward import CaptureForward, capture_forward, full_forward, lean_forward
 from specserve.workers.runtime.loading import LoadedModel

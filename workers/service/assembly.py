@@ -11,7 +11,7 @@ from typing import Literal
 
 import grpc
 
-from specserve.workers.config import BatchingConfig, KVCacheConfig, ModelConfig
+from specserve.workers.config.settings import BatchingConfig, KVCacheConfig, ModelConfig
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import LoadedModel, load_model
 from specserve.workers.runtime.runner import ModelRunner

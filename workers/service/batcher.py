@@ -20,7 +20,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.workers.config import BatchingConfig
+from specserve.workers.config.settings import BatchingConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ keeps the request's grammar matcher next to its KV cache (workers/speculation/gr
 from __future__ import annotations
 
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.config import ResponseFormat
+from specserve.workers.config.request import ResponseFormat
 
 
 def format_from_proto(msg: pb.SamplingParams) -> dict:

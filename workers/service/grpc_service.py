@@ -20,7 +20,8 @@ import grpc
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.protos.wire import GRPC_OPTIONS, MAX_MESSAGE_BYTES, SECRET_METADATA  # noqa: F401 (importable from here too)
-from specserve.workers.config import MAX_K, BatchingConfig, SamplingParams
+from specserve.workers.config.request import MAX_K, SamplingParams
+from specserve.workers.config.settings import BatchingConfig
 from specserve.workers.errors import InvalidRequestError, KVCapacityError, RequestNotFoundError, UnavailableError
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.runtime.worker_state import check_token_ids

@@ -5,7 +5,8 @@ and pydantic only, so a client imports it without the servers (or torch)."""
 from __future__ import annotations
 
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.config import SamplingParams, validate
+from specserve.workers.config.request import SamplingParams
+from specserve.workers.config.strict import validate
 from specserve.workers.service.format_wire import format_from_proto, format_to_proto
 
 

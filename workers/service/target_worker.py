@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.cost_probe import batch_verify_seconds, probe_context, verify_seconds
 from specserve.workers.runtime.tree_rows import TreeRow, check_parents

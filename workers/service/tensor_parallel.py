@@ -23,7 +23,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, ModelLoadError, UnavailableError
 from specserve.workers.runtime.loading import LoadedModel, load_model, resolve_device
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner, RowOutput

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specserve.workers.config import NgramConfig
+from specserve.workers.config.settings import NgramConfig
 from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance, VerifyCosts
 from specserve.workers.speculation.goodput import (
     NO_DRAFT,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.speculation.drafter import DraftRow, Proposal
 from specserve.workers.speculation.sampling import draw_token

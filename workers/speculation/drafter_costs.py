@@ -9,7 +9,7 @@ import uuid
 
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.runtime.cost_probe import probe_context, probe_tokens, verify_seconds
 from specserve.workers.speculation.chain_policy import DraftCost
 from specserve.workers.speculation.draft_model import ModelDrafter

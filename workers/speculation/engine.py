@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.workers.config import KVCacheConfig, NgramConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import KVCacheConfig, NgramConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
 from specserve.workers.runtime.loading import LoadedModel, check_compatible

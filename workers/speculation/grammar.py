@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.workers.config import ResponseFormat
+from specserve.workers.config.request import ResponseFormat
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.grammar_formats import FIELD, MAX_WHITESPACE, not_enforceable, schema_text, xgrammar
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from specserve.workers.config import ResponseFormat
+from specserve.workers.config.request import ResponseFormat
 from specserve.workers.errors import InvalidRequestError
 
 FIELD = "response_format"

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.runtime.tree_rows import ROOT, TreeRow
 from specserve.workers.speculation.grammar import Grammars
 

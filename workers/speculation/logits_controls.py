@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ head's or prompt lookup's (`TreeRounds`)."""
 
 from __future__ import annotations
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES, ChainPlanner
 from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape

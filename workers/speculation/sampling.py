@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.speculation.codec import sparsify
 from specserve.workers.speculation.logits_controls import controlled_logits, min_p_filter
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.speculation.codec import normalise

@@ -177,7 +177,7 @@ def test_load_bench_on_the_demo_family(tmp_path, monkeypatch):
 
     from specserve.cluster.bench.orchestration import measure_tax
     from specserve.cluster.bench.rows import QUICK, bench_prompts
-    from specserve.workers.config import ModelConfig
+    from specserve.workers.config.settings import ModelConfig
     from specserve.workers.models.demo import ensure_demo_family
     from specserve.workers.runtime.loading import load_model
     from specserve.workers.speculation.engine import SpecEngine

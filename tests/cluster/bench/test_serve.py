@@ -5,7 +5,8 @@ import ray
 
 from specserve.cluster.bench.rows import BenchConfig, Row
 from specserve.cluster.bench.serve import serve_rows
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 

@@ -20,7 +20,7 @@ from specserve.cluster.bench.spec_bench import (
     spec_bench_prompts,
 )
 from specserve.cluster.cli.main import main
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
@@ -208,7 +208,7 @@ def test_methods_and_k_select_the_rows_and_keep_target_only_and_hf(tiny_target):
 
 def test_a_registry_method_without_a_sweep_runs_when_named_and_each_suffix_row_has_its_own_cache(tiny_target):
     from specserve.cluster.bench.rows import spec_fn
-    from specserve.workers.config import SamplingParams
+    from specserve.workers.config.request import SamplingParams
 
     engine = SpecEngine(load_model(ModelConfig(path=tiny_target, device="cpu")))
     cfg = BenchConfig(suite="target", sampled=False, methods=("suffix",), only_ks=(4,))

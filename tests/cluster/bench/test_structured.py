@@ -8,7 +8,8 @@ import pytest
 
 from specserve.cluster.bench.structured import SCHEMAS, json_prompts, valid_outputs, with_formats
 from specserve.cluster.cli.main import main
-from specserve.workers.config import ModelConfig, SamplingParams
+from specserve.workers.config.request import SamplingParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 
 

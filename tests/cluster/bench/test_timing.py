@@ -3,7 +3,7 @@ import statistics
 import pytest
 
 from specserve.cluster.bench.timing import Costs, CostSampler
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 
 

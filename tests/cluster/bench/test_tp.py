@@ -4,7 +4,8 @@ pool, target-only and drafting, against the single-process target-only row."""
 import pytest
 
 from specserve.cluster.bench.rows import Row
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 

@@ -10,7 +10,7 @@ import torch
 
 from specserve.cluster.cli import local
 from specserve.cluster.cli.main import main
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.models import packaged_heads
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.eagle.checkpoint import save_head

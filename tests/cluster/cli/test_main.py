@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from specserve.cluster.cli.main import main
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 

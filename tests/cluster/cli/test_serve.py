@@ -14,7 +14,8 @@ import yaml
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, load_serve_config, serve_config
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.service.local_processes import free_port

@@ -8,7 +8,8 @@ import pytest
 from specserve.cluster.scheduling.pipeline import Pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.pipelines import run_pipeline

@@ -5,7 +5,7 @@ import pytest
 
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import PlannerCosts
 from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance
 from tests.helpers.cost_surfaces import cpu_surface

@@ -6,7 +6,7 @@ import torch
 
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import QUIET_AFTER_PLANS, QUIET_CALLS, BatchWidth, PlannerCosts
 from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance
 from specserve.workers.speculation.codec import feature_block

@@ -3,7 +3,7 @@ of the chunk's size before its first round, each told only its new tokens; short
 prompt's logprobs and a scheduler without chunking send the prompt with the first round."""
 
 from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 
 SPEC = SpecParams(method="ngram", k=3)
 

@@ -15,7 +15,8 @@ from specserve.cluster.scheduling.model_serving import ModelServing
 from specserve.cluster.serve import ingress as ingress_module
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.logprobs_oracle import ATOL, target_logprobs

@@ -16,7 +16,7 @@ from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.openai_logprobs import FLOOR, LogprobsShaper, TokenTexts
 from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.logprobs import TokenLogprob, from_proto
 from tests.helpers.logprobs_oracle import ATOL, assert_logprobs_match, target_logprobs

@@ -16,7 +16,7 @@ from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.openai_endpoints import parse_tokenize
 from specserve.cluster.serve.openai_tools import ForcedCalls, ToolStream, hermes_calls, with_tool_calls
 from specserve.cluster.serve.prepare import RequestPreparer
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat import ChatMessage, ToolCall, chat_text
 from specserve.workers.runtime.loading import load_model

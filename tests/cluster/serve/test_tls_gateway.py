@@ -14,7 +14,7 @@ from specserve.client import SpecServeClient
 from specserve.cluster.serve.tls_gateway import GatewayConfig, GatewayThread
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.config import validate
+from specserve.workers.config.strict import validate
 from specserve.workers.errors import InvalidRequestError
 from tests.helpers.tls_certs import CertAuthority
 

@@ -8,7 +8,8 @@ import pytest
 from specserve.cluster.bench.rows import EAGLE_KS, NGRAM_KS, PROMPT_LOOKUP_N, TREE_KS, BenchConfig, Row
 from specserve.cluster.bench.runner import format_table, run_bench
 from specserve.cluster.cli.main import main
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.plots import saved_figures, series

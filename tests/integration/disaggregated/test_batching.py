@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from specserve.workers.config import BatchingConfig, ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import BatchingConfig, ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.pipelines import run_pipeline

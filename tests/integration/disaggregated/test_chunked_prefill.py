@@ -9,7 +9,7 @@ import pytest
 from specserve.cluster.scheduling.pipeline import Pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from tests.helpers.eagle_disaggregated import build_pairs
 from tests.helpers.greedy_oracle import own_greedy_loop
 from tests.helpers.workers import LocalWorkers, load_pair

@@ -12,7 +12,7 @@ from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from tests.helpers.controls_oracle import hf_controlled_greedy
 from tests.helpers.greedy_oracle import PROMPTS

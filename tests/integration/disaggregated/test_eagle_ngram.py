@@ -16,7 +16,7 @@ from specserve.cluster.app_config import ModelPairConfig, app_config
 from specserve.cluster.cli.main import main as cli_main
 from specserve.cluster.scheduling.scheduler import FALLBACK_K, Scheduler
 from specserve.cluster.serve import server
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
 from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import InvalidRequestError, KVCapacityError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine

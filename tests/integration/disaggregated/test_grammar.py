@@ -14,7 +14,7 @@ from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.config import ResponseFormat, SamplingParams, SpecParams
+from specserve.workers.config.request import ResponseFormat, SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
 from tests.helpers.greedy_oracle import PROMPTS

@@ -11,7 +11,8 @@ from specserve.cluster.app_config import AppConfig
 from specserve.cluster.scheduling.model_serving import ModelServing
 from specserve.cluster.serve import openai_api as oai
 from specserve.cluster.serve.prepare import RequestPreparer
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from tests.helpers.eagle_disaggregated import build_pairs, prompts_of
 from tests.helpers.logprobs_oracle import assert_logprobs_match, target_logprobs

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from specserve.cluster.scheduling.worker_clients import TargetClient
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.runtime.kv_cache import RETAIN_LESS
 from tests.helpers.eagle_disaggregated import build_pairs, prompts_of
 from tests.helpers.greedy_oracle import own_greedy_loop

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve.cluster.scheduling.scheduler import Scheduler
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.chain_planner import PlannerCosts

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from specserve.workers.config import SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.service.assembly import start_worker_server
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.pipelines import run_pipeline

@@ -7,7 +7,8 @@ import pytest
 
 from specserve.cluster.app_config import DEFAULT_MODEL
 from specserve.cluster.bench.head_eval import held_out_acceptance
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, question_prompt_ids
 from specserve.workers.models.packaged_heads import packaged_head_for
 from specserve.workers.runtime.loading import load_model

@@ -17,7 +17,8 @@ import ray
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, serve_config
 from specserve.cluster.serve.server import start, stop
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.service.local_processes import free_port
 from specserve.workers.speculation.engine import SpecEngine

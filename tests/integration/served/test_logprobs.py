@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specserve.client import SpecServeClient
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.models.chat import chat_prompt_ids, conversation
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine

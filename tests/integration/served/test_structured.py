@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from specserve.client import SpecServeClient
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
 from tests.helpers.serve_app import tiny_app_info

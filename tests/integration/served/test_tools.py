@@ -14,7 +14,8 @@ import pytest
 
 from specserve.client import SpecServeClient
 from specserve.cluster.serve.openai_tools import hermes_calls
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine

@@ -7,7 +7,8 @@ extra fields are taken; the context error says "maximum context length"."""
 import openai
 import pytest
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.generation_models import THINKING_TEMPLATE, save_with_defaults

@@ -4,7 +4,8 @@ in the KV cache falls back to rows one at a time instead of failing them all."""
 import pytest
 import torch
 
-from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams
+from specserve.workers.config.request import SamplingParams
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.errors import InvalidRequestError, RequestNotFoundError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner

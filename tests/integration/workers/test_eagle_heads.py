@@ -16,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams
+from specserve.workers.config.request import SamplingParams
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models import packaged_heads
 from specserve.workers.runtime.loading import load_model

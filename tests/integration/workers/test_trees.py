@@ -12,7 +12,8 @@ import torch
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams
+from specserve.workers.config.request import SamplingParams
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import ROOT

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.models import demo
 from specserve.workers.models.demo import TINY_SPEC, DemoSpec, find_demo_family, stdlib_root

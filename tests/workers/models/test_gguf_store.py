@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.models import gguf_store
 from specserve.workers.models.gguf_store import MARKER, converted_dir, file_sha256, is_gguf_file

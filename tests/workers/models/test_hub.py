@@ -17,7 +17,7 @@ from huggingface_hub import constants, errors
 from huggingface_hub.utils import filter_repo_objects
 from transformers import AutoModelForCausalLM
 
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.models import catalog, gguf_store, hub
 from specserve.workers.models.catalog import resolve_model

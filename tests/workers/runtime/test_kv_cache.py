@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner

@@ -5,7 +5,7 @@ full forward. Retained caches give way to running requests, past RETAINED_MAX an
 import pytest
 import torch
 
-from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime import kv_cache
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.lean_forward import _agrees, _lean, full_forward, lean_forward
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import check_compatible, load_model
 from specserve.workers.speculation.engine import SpecEngine

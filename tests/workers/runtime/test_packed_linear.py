@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.workers.config import ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.packed_linear import PackedLinear, pack_linears, packing_works
 from specserve.workers.speculation.eagle.loading import load_eagle_drafter

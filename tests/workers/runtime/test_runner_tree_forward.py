@@ -8,7 +8,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import ROOT, TreeRow

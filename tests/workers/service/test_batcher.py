@@ -6,7 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from specserve.workers.config import BatchingConfig
+from specserve.workers.config.settings import BatchingConfig
 from specserve.workers.service.batcher import Batcher
 
 

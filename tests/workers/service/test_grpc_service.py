@@ -9,7 +9,7 @@ import pytest
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.config import KVCacheConfig, ModelConfig
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.service.assembly import WorkerSpec, build_worker, start_worker_server
 from tests.helpers.workers import LocalWorkers

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams
+from specserve.workers.config.request import SamplingParams
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner

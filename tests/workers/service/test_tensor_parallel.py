@@ -14,7 +14,8 @@ from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner

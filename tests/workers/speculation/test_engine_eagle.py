@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.errors import InvalidRequestError, ModelLoadError
 from specserve.workers.models.identity import target_identity
 from specserve.workers.runtime.lean_forward import full_forward

@@ -8,7 +8,8 @@ from fewer samples. (The pure rejection sampler is tested on 200k rows in test_v
 
 import pytest
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv

@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 import torch
 
-from specserve.workers.config import ModelConfig, ResponseFormat, SamplingParams, SpecParams
+from specserve.workers.config.request import ResponseFormat, SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.tree_rows import ROOT, TreeRow

@@ -7,7 +7,9 @@ with penalties draws from the controlled target distribution (exact joint, chi-s
 import pytest
 import torch
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams, validate
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
+from specserve.workers.config.strict import validate
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.chain_policy import VerifyCosts

@@ -6,7 +6,9 @@ computed for requests that do not ask; the wire form round-trips."""
 import pytest
 import torch
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams, validate
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
+from specserve.workers.config.strict import validate
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation import logprobs as logprobs_module

@@ -6,7 +6,7 @@ from typing import get_args
 import pytest
 
 from specserve.cluster.serve.public_proto import GrpcSpeculation
-from specserve.workers.config import SpecMethod, SpecParams
+from specserve.workers.config.request import SpecMethod, SpecParams
 from specserve.workers.speculation import methods
 from specserve.workers.speculation.methods import METHODS, NAMES, REGISTRY
 

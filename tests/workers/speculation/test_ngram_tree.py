@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from specserve.workers.config import ModelConfig, SamplingParams, SpecParams
+from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.engine import SpecEngine

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.speculation.sampling import (
     exponential_noise,
     logits_to_probs,

@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from specserve.workers.config import KVCacheConfig, ModelConfig, SamplingParams
+from specserve.workers.config.request import SamplingParams
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import ROOT, TreeRow

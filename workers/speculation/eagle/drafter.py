@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.workers.config import SamplingParams
+from specserve.workers.config.request import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import PREFIX_MIN_TOKENS, RETAINED_MAX
 from specserve.workers.runtime.worker_state import common_prefix_length

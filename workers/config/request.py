@@ -1,32 +1,24 @@
-"""Validated configuration objects for the speculative core.
-
-Each component gets one pydantic model; raw dicts are validated where they enter (CLI, gRPC, HTTP) and the
-workers only ever see these objects. Validation failures become :class:`InvalidRequestError` naming the field.
-"""
+"""What one request asks for: how its tokens are sampled (`SamplingParams`, with structured output's
+`ResponseFormat`) and how it is speculated (`SpecParams`), with the limits the edges enforce. Validated where a
+request enters (CLI, gRPC, HTTP: `strict.validate`); the scheduler and the workers only ever see these objects."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from specserve.workers.errors import InvalidRequestError
+from specserve.workers.config.strict import StrictModel
 from specserve.workers.speculation.methods import DEFAULT_METHOD, NAMES, described
 
 MAX_K = 16
 MAX_LOGIT_BIAS = 1024  # entries of one logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's and vLLM's range: [-100, 100]
 MAX_REPETITION_PENALTY = 1e6
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 MAX_SCHEMA_CHARS = 1 << 20  # a response_format's JSON schema, as text
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """Structured output (workers/speculation/grammar.py): the output is a JSON object (json_object), or JSON valid
     against a schema (json_schema), enforced on the target's distribution at every verified position."""
 
@@ -36,7 +28,7 @@ class ResponseFormat(_Strict):
                              "only).")  # fmt: skip
 
 
-class SamplingParams(_Strict):
+class SamplingParams(StrictModel):
     """How the target's distribution is turned into tokens. temperature == 0 means greedy."""
 
     temperature: float = Field(
@@ -139,96 +131,10 @@ class SamplingParams(_Strict):
 SpecMethod = Literal[NAMES]  # the registry's (workers/speculation/methods.py)
 
 
-class SpecParams(_Strict):
+class SpecParams(StrictModel):
     """Speculation options for one request."""
 
     method: SpecMethod = Field(DEFAULT_METHOD, description=described())
     k: Annotated[int, Field(ge=1, le=MAX_K)] | Literal["auto"] = Field(
         "auto", description=f"Tokens drafted per round, 1..{MAX_K}, or 'auto': the goodput planner's per round."
-    )
-
-
-class NgramConfig(_Strict):
-    """Prompt-lookup drafting: match the last n tokens against earlier text and propose what followed."""
-
-    max_ngram: int = Field(4, gt=0, le=16, description="Longest suffix n-gram to look up.")
-    min_ngram: int = Field(1, gt=0, le=16, description="Shortest suffix n-gram to look up.")
-
-
-class ModelConfig(_Strict):
-    """Where a model lives and how to host it."""
-
-    path: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM and its tokenizer.")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="Weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA."
-    )
-    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
-    packed_linears: bool = Field(
-        True,
-        description="float32 on a CPU: run the linear layers on oneDNN's prepacked weights (faster for the one- and "
-        "few-position forwards of decoding and verification; the model's parameters then omit the packed layers' "
-        "original weights); false: PyTorch's default kernels.",
-    )
-
-
-class KVCacheConfig(_Strict):
-    """Capacity of a worker's per-request KV caches."""
-
-    capacity_tokens: int = Field(
-        262_144, gt=0, description="Total cached positions across all requests held by one worker."
-    )
-    prefix_caching: bool = Field(
-        True, description="Keep a finished request's cache for later requests that start with the same tokens (a "
-        "conversation's next turn, a shared system prompt), as vLLM's enable_prefix_caching: within the capacity, "
-        "least recently used first out."
-    )  # fmt: skip
-
-
-def _field_name(loc: tuple, model: type[BaseModel]) -> str:
-    # Union members add segments such as "constrained-int" or "literal['auto']": not field names.
-    parts = [str(p) for p in loc if not (isinstance(p, str) and ("-" in p or "[" in p))]
-    return ".".join(parts) or model.__name__
-
-
-def validate(model: type[BaseModel], data: dict) -> BaseModel:
-    """Validate raw user data into `model`, turning pydantic's errors into one InvalidRequestError naming the
-    first bad field (alternatives of a union are joined with 'or'; other bad fields are listed after it)."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        by_field: dict[str, list[str]] = {}
-        for err in e.errors():
-            by_field.setdefault(_field_name(err["loc"], model), []).append(err["msg"].removeprefix("Value error, "))
-        (first, msgs), *others = by_field.items()
-        message = ", or ".join(msgs)
-        if others:
-            message += " (also: " + "; ".join(f"{name}: {', or '.join(m)}" for name, m in others) + ")"
-        raise InvalidRequestError(first, message) from None
-
-
-class BatchingConfig(_Strict):
-    """Continuous batching on a worker: calls that arrive while a forward pass runs join the next one."""
-
-    max_batch_size: int = Field(32, gt=0, le=4096, description="Most requests in one forward pass.")
-    max_batch_tokens: int = Field(
-        4096,
-        gt=0,
-        description="Most new positions one batch may feed (prefills count their whole uncached prompt); a single "
-        "call larger than this still runs, alone.",
-    )
-    max_padding_per_row: int = Field(
-        8,
-        ge=0,
-        description="Rows are left-padded to the batch's widest row, so a pass computes rows x widest positions: a "
-        "call joins a batch only while the padding stays within this many positions per row or half the batch's real "
-        "positions. Keeps a prompt's prefill (hundreds of positions) out of a batch of decoding rows (a few each), "
-        "whose work it would multiply by the batch size.",
-    )
-    max_wait_ms: float = Field(
-        50.0,
-        ge=0,
-        description="How long a batch may wait for the requests expected back with their next round (by their "
-        "measured return times: a plain step's few ms, a draft call's tens), at most the previous batch's run time; 0 "
-        "runs whatever is queued at once. Without it, requests that once fell out of step split into batches that "
-        "alternate for good.",
     )

@@ -1,0 +1,75 @@
+"""Settings, as opposed to a request's parameters (request.py): how a worker hosts its model (`ModelConfig`), its KV
+cache (`KVCacheConfig`) and continuous batching (`BatchingConfig`), and prompt lookup's n-gram sizes (`NgramConfig`).
+The Serve app's settings (cluster/app_config.py) hold them per pool and per model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from specserve.workers.config.strict import StrictModel
+
+
+class ModelConfig(StrictModel):
+    """Where a model lives and how to host it."""
+
+    path: str = Field(..., min_length=1, description="Local directory of a Hugging Face causal LM and its tokenizer.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA."
+    )
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
+    packed_linears: bool = Field(
+        True,
+        description="float32 on a CPU: run the linear layers on oneDNN's prepacked weights (faster for the one- and "
+        "few-position forwards of decoding and verification; the model's parameters then omit the packed layers' "
+        "original weights); false: PyTorch's default kernels.",
+    )
+
+
+class KVCacheConfig(StrictModel):
+    """Capacity of a worker's per-request KV caches."""
+
+    capacity_tokens: int = Field(
+        262_144, gt=0, description="Total cached positions across all requests held by one worker."
+    )
+    prefix_caching: bool = Field(
+        True, description="Keep a finished request's cache for later requests that start with the same tokens (a "
+        "conversation's next turn, a shared system prompt), as vLLM's enable_prefix_caching: within the capacity, "
+        "least recently used first out."
+    )  # fmt: skip
+
+
+class BatchingConfig(StrictModel):
+    """Continuous batching on a worker: calls that arrive while a forward pass runs join the next one."""
+
+    max_batch_size: int = Field(32, gt=0, le=4096, description="Most requests in one forward pass.")
+    max_batch_tokens: int = Field(
+        4096,
+        gt=0,
+        description="Most new positions one batch may feed (prefills count their whole uncached prompt); a single "
+        "call larger than this still runs, alone.",
+    )
+    max_padding_per_row: int = Field(
+        8,
+        ge=0,
+        description="Rows are left-padded to the batch's widest row, so a pass computes rows x widest positions: a "
+        "call joins a batch only while the padding stays within this many positions per row or half the batch's real "
+        "positions. Keeps a prompt's prefill (hundreds of positions) out of a batch of decoding rows (a few each), "
+        "whose work it would multiply by the batch size.",
+    )
+    max_wait_ms: float = Field(
+        50.0,
+        ge=0,
+        description="How long a batch may wait for the requests expected back with their next round (by their "
+        "measured return times: a plain step's few ms, a draft call's tens), at most the previous batch's run time; 0 "
+        "runs whatever is queued at once. Without it, requests that once fell out of step split into batches that "
+        "alternate for good.",
+    )
+
+
+class NgramConfig(StrictModel):
+    """Prompt-lookup drafting: match the last n tokens against earlier text and propose what followed."""
+
+    max_ngram: int = Field(4, gt=0, le=16, description="Longest suffix n-gram to look up.")
+    min_ngram: int = Field(1, gt=0, le=16, description="Shortest suffix n-gram to look up.")
