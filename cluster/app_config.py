@@ -112,10 +112,9 @@ class ModelPairConfig(StrictModel):
     ngram: NgramConfig = Field(default_factory=NgramConfig, description="Prompt lookup's n-gram sizes.")
     predraft: bool = Field(True, description="Draft round r + 1 while round r verifies.")
     prefill_chunk_tokens: int | None = Field(
-        None, ge=16, description="A prompt longer than this prefills in chunks of it, each its own target call, so a "
+        256, ge=16, description="A prompt longer than this prefills in chunks of it, each its own target call, so a "
         "long prompt shares the target with the other requests' rounds instead of stalling them (vLLM's chunked "
-        "prefill, max_num_batched_tokens). Off (None) by default for now: a chunk takes over a cached prefix only "
-        "up to its own end, so a chunked prompt loses prefix caching past its first chunk."
+        "prefill, max_num_batched_tokens). A chunk over a cached prefix computes nothing it holds. None: one call."
     )  # fmt: skip
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(

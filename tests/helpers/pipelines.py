@@ -29,12 +29,14 @@ async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, re
     return results[: len(requests)], pipeline
 
 
-async def generate_all(w: LocalWorkers, requests, during=None, reconnect=None, predraft=True):
+async def generate_all(w: LocalWorkers, requests, during=None, reconnect=None, predraft=True, prefill_chunk=None):
     """Generate every (prompt ids, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers, with
-    no stop token (so every position the target commits is one the request keeps)."""
+    no stop token (so every position the target commits is one the request keeps); prompts longer than
+    `prefill_chunk` prefill in chunks of it."""
     drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
     targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
-    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect)
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets), prefill_chunk=prefill_chunk), drafts, targets,
+                        predraft=predraft, reconnect=reconnect)  # fmt: skip
     jobs = [pipeline.generate(ids, params, spec, frozenset()) for ids, params, spec in requests]
     if during is not None:
         jobs.append(during(pipeline))

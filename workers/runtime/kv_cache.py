@@ -8,6 +8,9 @@ copies nothing. Memory is accounted per request in cached positions against a co
 Prefix caching (`KVCacheConfig.prefix_caching`, on by default as in vLLM): a released entry is retained, not freed,
 and a new request whose tokens start with what a retained entry holds takes that entry over (its slot, nothing
 copied), rolled back to the shared prefix.
+Positions rolled back stay behind as the entry's `spare` until something is written over them: a later call whose
+sequence goes on with the same tokens gets them back without computing them (a chunked prompt's later chunks over a
+cached prefix; a draft model's own accepted drafts).
 Retained entries give way, least recently used first, to running requests' positions and past `RETAINED_MAX`. The
 keys and values reused are those the same tokens would get computed again (a causal model's prefix does not depend
 on what follows it), so outputs do not change.
@@ -36,11 +39,18 @@ RETAIN_LESS = 32
 class CacheEntry:
     slot: int  # the request's row of the shared SlotKVCache
     tokens: list[int] = field(default_factory=list)  # token ids whose K/V the cache holds, in order
+    spare: list[int] = field(default_factory=list)  # tokens rolled back whose K/V still follow `tokens` in the slot
+    queried: int = 0  # the request's positions counted in the store's prefix_queries (all before this one)
     last_used: float = field(default_factory=time.monotonic)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def extent(self) -> int:
+        """Positions of the slot in use: held and spare."""
+        return len(self.tokens) + len(self.spare)
 
 
 class KVCacheStore:
@@ -104,28 +114,55 @@ class KVCacheStore:
 
     def sync(self, request_id: str, sequence: Sequence[int], keep_at_most: int) -> CacheEntry:
         """Roll the request's cache back to the longest prefix it shares with `sequence`, at most `keep_at_most`; a
-        request new here starts from the longest cached prefix of `sequence` (prefix caching)."""
-        if request_id not in self._entries and self.prefix_caching:
+        request new here starts from the longest cached prefix of `sequence` (prefix caching), and one that goes on
+        past its length holds its spare positions again where they agree with `sequence`.
+
+        Counts (vLLM's prefix_cache_queries / hits, per position): every position a request asks for, once; and of
+        those, every one served from cache (a retained prefix taken over, spare positions held again)."""
+        fresh = request_id not in self._entries
+        if fresh and self.prefix_caching:
             self._start_from_prefix(request_id, sequence, keep_at_most)
         entry = self.get_or_create(request_id)
-        keep = min(common_prefix_length(entry.tokens, sequence), keep_at_most)
+        held = 0 if fresh else common_prefix_length(entry.tokens, sequence)
+        keep = min(common_prefix_length(entry.tokens + entry.spare, sequence), keep_at_most)
+        if keep > entry.length:  # computed before, rolled back since, never written over: held again
+            self._restore(entry, keep - entry.length)
         self.rollback(request_id, keep)
+        self.prefix_hits += max(0, keep - max(held, entry.queried))
+        self.prefix_queries += max(0, len(sequence) - entry.queried)
+        entry.queried = max(entry.queried, len(sequence))
         return entry
+
+    def _restore(self, entry: CacheEntry, n: int) -> None:
+        self._make_room(n)
+        entry.tokens.extend(entry.spare[:n])
+        del entry.spare[:n]
+        self._used += n
 
     def rollback(self, request_id: str, length: int) -> None:
         """Drop cached positions beyond `length` (rejected draft tokens)."""
         entry = self.get(request_id)
         drop = entry.length - length
         if drop > 0:
-            del entry.tokens[length:]  # the slot's positions beyond its length are dead: nothing to copy
+            entry.spare[:0] = entry.tokens[length:]  # nothing copied: still in the slot, until written over
+            del entry.tokens[length:]
             self._used -= drop
+
+    def written(self, request_id: str, tokens: Sequence[int], overwrote: bool = False) -> None:
+        """A forward pass wrote `tokens` at the entry's next positions (committed with `commit`); `overwrote`: it
+        wrote past them too (a drafted tree's nodes), so nothing spare is left."""
+        entry = self.get(request_id)
+        n = len(tokens)
+        if overwrote or entry.spare[:n] != [int(t) for t in tokens]:
+            entry.spare.clear()
+        else:
+            del entry.spare[:n]  # the same tokens after the same prefix: the same keys/values
 
     def _start_from_prefix(self, request_id: str, sequence: Sequence[int], keep_at_most: int) -> None:
         """Give the new request the retained entry that holds the longest prefix of `sequence` (taken over, nothing
         copied), when that prefix is at least PREFIX_MIN_TOKENS long. Running requests' caches are not shared: an
         EAGLE-3 head's worker reuses released caches the same way, and a prefix the target skips is one the head must
         already hold (else its drafts start from nothing there)."""
-        self.prefix_queries += len(sequence)
         best, hit = None, 0
         for key, entry in self._retained.items():
             n = min(common_prefix_length(entry.tokens, sequence), keep_at_most)
@@ -136,8 +173,8 @@ class KVCacheStore:
         entry = self._retained.pop(best)
         self._retained_tokens -= entry.length
         self._used += entry.length  # rolled back to the shared prefix by the caller
+        entry.queried = 0
         self._entries[request_id] = entry
-        self.prefix_hits += hit
 
     def _make_room(self, new_tokens: int) -> None:
         """Give up retained entries, least recently used first, until `new_tokens` more positions fit beside them, and
@@ -145,11 +182,14 @@ class KVCacheStore:
         while self._retained and (self._used + self._retained_tokens + new_tokens > self.capacity_tokens
                                   or self._footprint() > self.capacity_tokens):  # fmt: skip
             self._forget_retained()
+        if self._footprint() > self.capacity_tokens:
+            for entry in self._entries.values():
+                entry.spare.clear()
 
     def _footprint(self) -> int:
         """Positions the shared buffers need for the live and retained entries: slots x the longest."""
         entries = (*self._entries.values(), *self._retained.values())
-        return len(entries) * max((e.length for e in entries), default=0)
+        return len(entries) * max((e.extent for e in entries), default=0)
 
     def _forget_retained(self) -> None:
         _, entry = self._retained.popitem(last=False)
@@ -186,6 +226,7 @@ class KVCacheStore:
         if entry is None:
             return False
         self._used -= entry.length
+        entry.spare.clear()
         if self.prefix_caching and entry.length - RETAIN_LESS >= PREFIX_MIN_TOKENS:
             del entry.tokens[entry.length - RETAIN_LESS :]  # the slot's positions beyond are dead: nothing copied
             self._retained[self._retained_count] = entry
@@ -210,7 +251,7 @@ class KVCacheStore:
             self._free_slots.remove(self._next_slot - 1)
             self._next_slot -= 1
         slots, length = self.cache.capacity
-        longest = max(e.length for e in (*self._entries.values(), *self._retained.values()))
+        longest = max(e.extent for e in (*self._entries.values(), *self._retained.values()))
         while slots >= 8 and self._next_slot * 4 <= slots:
             slots //= 2
         while length >= 512 and longest * 4 <= length:

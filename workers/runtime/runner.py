@@ -11,7 +11,7 @@ from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.lean_forward import CaptureForward, capture_forward, full_forward, lean_forward
 from specserve.workers.runtime.loading import LoadedModel
-from specserve.workers.runtime.slot_cache import BatchPlan, batch_mask, single_row_mask, tree_mask
+from specserve.workers.runtime.slot_cache import BatchPlan, ScatterPlan, batch_mask, single_row_mask, tree_mask
 from specserve.workers.runtime.tree_rows import TreeRow
 
 
@@ -98,6 +98,7 @@ class ModelRunner:
         outputs = self._run(input_ids, positions, mask, news, starts, [row.n for row in rows], capture)
         for rid, new in zip(ids, news, strict=True):
             self.store.commit(rid, new)
+            self.store.written(rid, new)
         return outputs
 
     @torch.inference_mode()
@@ -129,6 +130,7 @@ class ModelRunner:
         outputs = self._run(input_ids, positions, mask, news, starts, [len(row.tokens) + 1 for row in rows], capture)
         for row, tail, start in zip(rows, tails, starts, strict=True):
             self.store.commit(row.request_id, tail)
+            self.store.written(row.request_id, tail, overwrote=True)
             self._trees[row.request_id] = (start + len(tail), list(row.tokens))
         return outputs
 
@@ -160,7 +162,7 @@ class ModelRunner:
             start = starts[0]
             input_ids = torch.tensor([news[0]], device=self.device)  # [1, T]
             positions = torch.arange(start, start + width, device=self.device).unsqueeze(0)  # [1, T]
-            plan = BatchPlan(slots=None, write_positions=None, kv_len=kv_len, contiguous=slice(slots[0], slots[0] + 1),
+            plan = BatchPlan(slots=None, write=None, kv_len=kv_len, contiguous=slice(slots[0], slots[0] + 1),
                              single_start=start)  # fmt: skip
             mask = single_row_mask(start, width, self.model.dtype, self.device)
             self.store.cache.plan(plan, max_slot=slots[0], max_position=start + width - 1)
@@ -176,19 +178,19 @@ class ModelRunner:
         self, starts: list[int], news: list[list[int]], slots: list[int]
     ) -> tuple[torch.Tensor, list[int], BatchPlan]:
         """Left-padded rows, built as lists and converted once: input_ids [B, T], each row's padding, and the cache
-        planned for them (padding columns write to dead positions past their row's end)."""
+        planned for them (padding columns write nothing: a row's positions past its end may be spare, kv_cache.py)."""
         width = max(len(new) for new in news)
         pads = [width - len(new) for new in news]
         input_ids = torch.tensor([[0] * p + new for p, new in zip(pads, news, strict=True)], device=self.device)
-        writes = torch.tensor(
-            [list(range(st + len(new), st + width)) + list(range(st, st + len(new)))
-             for st, new in zip(starts, news, strict=True)],
-            device=self.device,
-        )  # fmt: skip
+        rows, columns, positions = [], [], []
+        for b, (st, new, pad) in enumerate(zip(starts, news, pads, strict=True)):
+            rows += [b] * len(new)
+            columns += range(pad, width)
+            positions += range(st, st + len(new))
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         plan = BatchPlan(
             slots=torch.tensor(slots, device=self.device),
-            write_positions=writes,
+            write=ScatterPlan.of(rows, columns, [slots[b] for b in rows], positions, self.device),
             kv_len=max(st + len(new) for st, new in zip(starts, news, strict=True)),
             contiguous=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
         )

@@ -19,11 +19,26 @@ from transformers.cache_utils import Cache
 
 
 @dataclass
+class ScatterPlan:
+    """The N input columns whose keys/values a batched forward pass keeps (a padding column's are not kept)."""
+
+    rows: torch.Tensor  # [N] long: the column's row of the batch
+    columns: torch.Tensor  # [N] long: its column
+    slots: torch.Tensor  # [N] long: the slot its keys/values go to
+    positions: torch.Tensor  # [N] long: and the position
+
+    @classmethod
+    def of(cls, rows: list[int], columns: list[int], slots: list[int], positions: list[int], device) -> ScatterPlan:
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(rows), as_tensor(columns), as_tensor(slots), as_tensor(positions))
+
+
+@dataclass
 class BatchPlan:
     """Where the next forward pass reads and writes. B rows, T input columns (left-padded)."""
 
     slots: torch.Tensor | None  # [B] long: each row's slot (None: a single row, see single_start)
-    write_positions: torch.Tensor | None  # [B, T] long: cache position each input column's keys/values go to
+    write: ScatterPlan | None  # where the kept columns' keys/values go (None: a single row, see single_start)
     kv_len: int  # attend over positions [0, kv_len) of each row's slot
     contiguous: slice | None  # the slots as a slice when they are consecutive (reads are views, not copies)
     single_start: int | None = None  # one row, unpadded: its T new positions start here (plain slice writes)
@@ -93,8 +108,8 @@ class SlotKVCache(Cache):
                 start, T = plan.single_start, states.shape[2]
                 buffer[plan.contiguous, start : start + T] = states.transpose(1, 2)  # [1, T, H_kv, D]
             else:
-                rows = plan.slots.unsqueeze(1)  # [B, 1]
-                buffer[rows, plan.write_positions] = states.transpose(1, 2)  # [B, T, H_kv, D]
+                w = plan.write
+                buffer[w.slots, w.positions] = states.transpose(1, 2)[w.rows, w.columns]  # [N, H_kv, D]
             if plan.contiguous is not None:
                 read = buffer[plan.contiguous, : plan.kv_len]  # a view
             else:

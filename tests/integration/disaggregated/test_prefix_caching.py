@@ -24,11 +24,12 @@ def pairs(tmp_path_factory, device) -> dict:
     return build_pairs(tmp_path_factory.mktemp("prefix_pairs"), device)
 
 
-async def _two_turns(w: LocalWorkers, prompt: list[int], spec: SpecParams):
+async def _two_turns(w: LocalWorkers, prompt: list[int], spec: SpecParams, prefill_chunk: int | None = None):
     """Turn 1, then turn 2 over turn 1's history and answer plus a question; returns (turn 1, turn 2) requests."""
-    (first,), _ = await generate_all(w, [(prompt, SamplingParams(max_new_tokens=N), spec)])
+    (first,), _ = await generate_all(w, [(prompt, SamplingParams(max_new_tokens=N), spec)], prefill_chunk=prefill_chunk)
     history = prompt + first.state.generated + [ord(c) + 3 for c in "\nand then?"]  # byte tokens: ids are bytes + 3
-    (second,), _ = await generate_all(w, [(history, SamplingParams(max_new_tokens=N), spec)])
+    (second,), _ = await generate_all(w, [(history, SamplingParams(max_new_tokens=N), spec)],
+                                      prefill_chunk=prefill_chunk)  # fmt: skip
     return first, second
 
 
@@ -78,3 +79,31 @@ def test_a_heads_second_turn_takes_its_first_turns_cache_and_drafts_as_without_c
     assert (on.rounds, on.drafted, on.accepted) == (off.rounds, off.drafted, off.accepted)
     # only the new tokens' features travelled on turn 2
     assert second.features.traffic.received_bytes < second_off.features.traffic.received_bytes / 2
+
+
+def test_a_chunked_second_turn_keeps_its_whole_cached_history_and_the_heads(pairs):
+    """Chunks of 24 over a cached history: the first chunk takes the history over and each later one holds its spare
+    positions again (kv_cache.py), computing only its last position; decoding and drafting as without caching."""
+    target, head_dir = pairs["byte"]
+    prompt = prompts_of(target, "byte")[2]
+
+    async def turns(prefix_caching: bool):
+        async with LocalWorkers(target, [], eagle_head=head_dir, prefix_caching=prefix_caching) as w:
+            runner = w.targets["target-0"].verifier.runner
+            (first,), _ = await generate_all(w, [(prompt, SamplingParams(max_new_tokens=N), SpecParams(method="eagle", k=3))],
+                                          prefill_chunk=24)  # fmt: skip
+            history = prompt + first.state.generated + [ord(c) + 3 for c in "\nand then?"]
+            before = runner.forward_positions
+            (second,), _ = await generate_all(w, [(history, SamplingParams(max_new_tokens=N), SpecParams(method="eagle", k=3))],
+                                              prefill_chunk=24)  # fmt: skip
+            return second, runner.forward_positions - before, runner.store.prefix_hits
+
+    second, computed, hits = asyncio.run(turns(True))
+    second_off, computed_off, _ = asyncio.run(turns(False))
+    assert second.state.prompt_len > 3 * 24
+    assert second.state.generated == second_off.state.generated == own_greedy_loop(
+        target.model, second.state.tokens[: second.state.prompt_len], N, set())
+    assert hits >= len(prompt) - RETAIN_LESS  # the whole kept history, not the first chunk's share of it
+    assert computed < computed_off - hits + second.state.prompt_len // 24 + 1
+    on, off = second.state.stats, second_off.state.stats
+    assert (on.rounds, on.drafted, on.accepted) == (off.rounds, off.drafted, off.accepted)
