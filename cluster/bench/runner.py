@@ -272,6 +272,9 @@ def _eagle_head(args, target_path: str):
     return resolve_head(choice, target_path) if choice else packaged_head_for(target_path)
 
 
+WORKLOADS = ("multi-turn", "long-prompt")  # served traffic workloads that run alone (workloads.py)
+
+
 def main_bench(args) -> int:
     from specserve.workers.config.strict import validate
     from specserve.workers.runtime.loading import load_model
@@ -280,6 +283,10 @@ def main_bench(args) -> int:
     questions = None if spec else bench_questions(args)
     methods, ks = _row_selection(args)
     target_path, draft_path, cfg, held_out = _models(args)
+    if args.load in WORKLOADS:
+        from specserve.cluster.bench.workloads import main_workload
+
+        return main_workload(args, target_path)
     cfg = replace(cfg, methods=methods, only_ks=ks)
     structured = _structured(args, bool(spec))
     cfg = replace(cfg, hf_rows=False) if structured else cfg  # transformers' generate takes no response_format

@@ -28,7 +28,7 @@ class ServedModel:
     new_tokens: int
 
     def status(self) -> dict:
-        """The scheduler replica's status of the model (cluster/scheduling/service.py: rounds, wire_bytes, finished,
+        """The scheduler replica's status of the model (cluster/scheduling/model_serving.py: rounds, wire_bytes, finished,
         feature traffic, ...)."""
         from ray import serve
 

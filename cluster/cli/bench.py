@@ -85,13 +85,19 @@ def _add_extras(p: argparse.ArgumentParser) -> None:
         "--load",
         "--concurrency",
         dest="load",
-        action=argparse.BooleanOptionalAction,
+        nargs="?",
+        const="chat",
+        choices=["chat", "multi-turn", "long-prompt"],
         default=None,
-        help="add the served load bench: the Serve app with the target's default drafting and k, closed-loop streams "
-        "at 1, 2, 4, 8, 16 through the gRPC client, default speculation vs off (and fixed k = 1..4 at 1 and 4 "
-        "streams) in paired segments; tokens/s as a ratio to off at the same streams, TTFT and TPOT (default: on "
-        "for the demo family, off with --quick or --target; for SmolLM2 on 2 cores it adds ~25 min, ~5 with --quick)",
+        help="add the served load bench (the Serve app with the target's default drafting and k, through the gRPC "
+        "client). chat (the default): closed-loop streams at 1, 2, 4, 8, 16, default speculation vs off (and fixed "
+        "k = 1..4 at 1 and 4 streams) in paired segments; tokens/s as a ratio to off at the same streams, TTFT and "
+        "TPOT (on by default for the demo family, off with --quick or --target; for SmolLM2 on 2 cores ~25 min, ~5 "
+        "with --quick). multi-turn: conversations of 4 turns over a ~1.4K-token document, prefix caching on vs off "
+        "(cluster/bench/multi_turn.py). long-prompt: 4 chat streams while 4K-token prompts arrive, chunked prefill "
+        "on vs off (cluster/bench/long_prompt.py). multi-turn and long-prompt run alone, without the in-process rows",
     )
+    p.add_argument("--no-load", "--no-concurrency", dest="load", action="store_false", help="no served load bench")
     p.add_argument(
         "--tensor-parallel",
         type=int,

@@ -156,8 +156,10 @@ def test_run_length_and_the_flags():
     cfg = LoadConfig()
     assert segment_count(cfg) == 5 * (1 + 16) + 2 * 4 * 4 * 2  # settles, off/default pairs, off/fixed-k pairs
     parser = build_parser()
-    assert parser.parse_args(["bench", "--load"]).load is True
-    assert parser.parse_args(["bench", "--concurrency"]).load is True  # the old flag's name
+    assert parser.parse_args(["bench", "--load"]).load == "chat"
+    assert parser.parse_args(["bench", "--concurrency"]).load == "chat"  # the old flag's name
+    assert parser.parse_args(["bench", "--load", "multi-turn"]).load == "multi-turn"
+    assert parser.parse_args(["bench", "--no-load"]).load is False
     assert parser.parse_args(["bench", "--no-concurrency"]).load is False
     assert parser.parse_args(["bench"]).load is None  # decided by the run (on for the demo family's full run)
 

@@ -1,0 +1,147 @@
+"""The long-prompt workload of `specserve bench --load long-prompt`: chat streams while long prompts arrive, with
+chunked prefill on (the default chunk) and off.
+
+Per arm (a Serve app with that `prefill_chunk_tokens`): the long prompt alone (its TTFT alone); the chat streams alone
+for a window (their inter-token latency alone: gaps between streamed chunks, as vLLM's benchmark measures it on a
+stream); then the same streams while a long prompt arrives every `interval_s`, `arrivals` times (their inter-token
+latency beside it, and each long prompt's TTFT). Every long prompt is a different document (traffic.document) that
+shares only the chat template's opening with the others, so no prefix cache serves it.
+
+`interval_s` is `every_s` (10 s), or 1.5x the long prompt's TTFT alone where that is longer: a machine that prefills
+a long prompt more slowly than one arrives could never keep up (its queue would grow without end), whatever the
+scheduler did; the JSON says which interval ran.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from specserve.cluster.bench.traffic import Timed, document, percentiles, served, timed_stream
+from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
+
+DEFAULT_CHUNK = "default"
+
+
+@dataclass(frozen=True)
+class LongPromptConfig:
+    streams: int = 4  # chat streams, closed loops
+    chat_tokens: int = 32  # max_tokens of a chat request
+    long_tokens: int = 4096  # a long prompt's document
+    long_new_tokens: int = 16
+    every_s: float = 10.0
+    arrivals: int = 3  # long prompts per mixed window
+    chunks: tuple[str | None, ...] = (DEFAULT_CHUNK, None)  # the arms: the app's default chunk, and no chunking
+
+
+QUICK_LONG_PROMPT = LongPromptConfig(arrivals=2, chunks=(DEFAULT_CHUNK,))
+
+
+class _Chat:
+    """Closed-loop chat streams over the chat prompts until stopped; every request's timing kept."""
+
+    def __init__(self, client, prompts: list[list[int]], cfg: LongPromptConfig):
+        self.client, self.prompts, self.cfg = client, prompts, cfg
+        self.done: list[tuple[int, Timed]] = []  # (prompt index, its request)
+        self._stop = threading.Event()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                i, self._next = self._next, self._next + 1
+            i %= len(self.prompts)
+            self.done.append((i, timed_stream(self.client, self.prompts[i], self.cfg.chat_tokens)))
+
+    def run_while(self, work) -> list[float]:
+        """Run the streams while `work()` runs (it returns when the window ends); the gaps of requests sent within."""
+        start = time.perf_counter()
+        with ThreadPoolExecutor(self.cfg.streams) as pool:
+            futures = [pool.submit(self._loop) for _ in range(self.cfg.streams)]
+            work()
+            self._stop.set()
+            for f in futures:
+                f.result()
+        self._stop.clear()
+        return [g for _, t in self.done if t.sent_at >= start for g in t.gaps()]
+
+
+def _long_prompts(tokenizer, cfg: LongPromptConfig):
+    n = 0
+
+    def make() -> list[int]:
+        nonlocal n
+        n += 1
+        doc = document(tokenizer, cfg.long_tokens, start=11 * n)
+        return chat_prompt_ids(tokenizer, [ChatMessage("user", f"Report {n}.\n\n{doc}\n\nSummarize the report.")])
+
+    return make
+
+
+def _arm(target, draft, device, dtype, tokenizer, chat_prompts, cfg: LongPromptConfig, chunk) -> dict:
+    fields = {} if chunk == DEFAULT_CHUNK else {"prefill_chunk_tokens": chunk}
+    make_long = _long_prompts(tokenizer, cfg)
+    with served(target, draft, device, dtype, **fields) as client:
+        timed_stream(client, chat_prompts[0], 8)  # the first request waits for the workers' cost measurement
+        first = make_long()
+        alone = timed_stream(client, first, cfg.long_new_tokens)
+        interval = max(cfg.every_s, 1.5 * alone.ttft_s)
+        chat = _Chat(client, chat_prompts, cfg)
+        chat_alone = chat.run_while(lambda: time.sleep(interval * cfg.arrivals))
+        longs: list[Timed] = []
+
+        def arrivals() -> None:
+            with ThreadPoolExecutor(cfg.arrivals) as pool:
+                futures = []
+                for a in range(cfg.arrivals):
+                    futures.append(pool.submit(timed_stream, client, make_long(), cfg.long_new_tokens))
+                    if a + 1 < cfg.arrivals:
+                        time.sleep(interval)
+                longs.extend(f.result() for f in futures)
+
+        chat_mixed = chat.run_while(arrivals)
+    outputs: dict[int, list[int]] = {}
+    identical = all(outputs.setdefault(i, t.token_ids) == t.token_ids for i, t in chat.done)
+    alone_p, mixed_p = percentiles(chat_alone), percentiles(chat_mixed)
+    return {
+        "prefill_chunk_tokens": chunk,
+        "long_prompt_tokens": len(first),
+        "interval_s": interval,
+        "long_ttft_alone_s": alone.ttft_s,
+        "long_ttft_s": [t.ttft_s for t in longs],
+        "long_ttft_vs_alone": max(t.ttft_s for t in longs) / alone.ttft_s,
+        "chat_gap_alone_s": alone_p,
+        "chat_gap_s": mixed_p,
+        "chat_p99_vs_alone": mixed_p["p99"] / alone_p["p99"],
+        "chat_requests": len(chat.done),
+        "chat_identical": identical,
+    }
+
+
+def run_long_prompt(target: str, draft: str | None, device: str, dtype: str, tokenizer, chat_prompts: list[list[int]],
+                    cfg: LongPromptConfig = LongPromptConfig(), progress: bool = True) -> dict:  # fmt: skip
+    """Every arm; the JSON entry (meta['long_prompt'])."""
+    arms = []
+    for i, chunk in enumerate(cfg.chunks):
+        if progress:
+            print(f"long-prompt: arm {i + 1} of {len(cfg.chunks)} (prefill_chunk_tokens {chunk})", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        arms.append(_arm(target, draft, device, dtype, tokenizer, chat_prompts, cfg, chunk))
+    return {"config": asdict(cfg), "arms": arms}
+
+
+def format_long_prompt(entry: dict) -> str:
+    lines = [f"{'chunk':>8} {'prompt':>6} {'every s':>7} {'TTFT alone s':>12} {'TTFT max s':>10} {'vs alone':>8} "
+             f"{'chat gap p50/p99 alone ms':>25} {'beside it ms':>14} {'p99 vs alone':>12}"]  # fmt: skip
+    for a in entry["arms"]:
+        lines.append(
+            f"{str(a['prefill_chunk_tokens']):>8} {a['long_prompt_tokens']:>6} {a['interval_s']:>7.1f} "
+            f"{a['long_ttft_alone_s']:>12.2f} {max(a['long_ttft_s']):>10.2f} {a['long_ttft_vs_alone']:>7.2f}x "
+            f"{1e3 * a['chat_gap_alone_s']['p50']:>12.0f} / {1e3 * a['chat_gap_alone_s']['p99']:<10.0f} "
+            f"{1e3 * a['chat_gap_s']['p50']:>6.0f} / {1e3 * a['chat_gap_s']['p99']:<6.0f} {a['chat_p99_vs_alone']:>11.2f}x"
+        )
+    return "\n".join(lines)
