@@ -186,7 +186,7 @@ class HealthRequest(_message.Message):
     def __init__(self, want_costs: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("healthy", "requests", "kv_used_tokens", "kv_capacity_tokens", "model", "verify_seconds_by_width", "draft_fixed_seconds", "draft_step_seconds", "verify_profile_rows", "verify_seconds_by_rows", "kv_cached_tokens", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("healthy", "requests", "kv_used_tokens", "kv_capacity_tokens", "model", "verify_seconds_by_width", "draft_fixed_seconds", "draft_step_seconds", "verify_profile_rows", "verify_seconds_by_rows", "kv_cached_tokens", "prefix_cache_queries", "prefix_cache_hits", "kv_capacity_bytes", "kv_allocated_bytes")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,8 @@ class HealthResponse(_message.Message):
     KV_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     requests: int
     kv_used_tokens: int
@@ -213,7 +215,9 @@ class HealthResponse(_message.Message):
     kv_cached_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ..., verify_seconds_by_width: _Optional[_Iterable[float]] = ..., draft_fixed_seconds: _Optional[float] = ..., draft_step_seconds: _Optional[float] = ..., verify_profile_rows: _Optional[_Iterable[int]] = ..., verify_seconds_by_rows: _Optional[_Iterable[float]] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    kv_capacity_bytes: int
+    kv_allocated_bytes: int
+    def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ..., verify_seconds_by_width: _Optional[_Iterable[float]] = ..., draft_fixed_seconds: _Optional[float] = ..., draft_step_seconds: _Optional[float] = ..., verify_profile_rows: _Optional[_Iterable[int]] = ..., verify_seconds_by_rows: _Optional[_Iterable[float]] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_allocated_bytes: _Optional[int] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("method", "k")

@@ -142,6 +142,7 @@ def format_long_prompt(entry: dict) -> str:
             f"{str(a['prefill_chunk_tokens']):>8} {a['long_prompt_tokens']:>6} {a['interval_s']:>7.1f} "
             f"{a['long_ttft_alone_s']:>12.2f} {max(a['long_ttft_s']):>10.2f} {a['long_ttft_vs_alone']:>7.2f}x "
             f"{1e3 * a['chat_gap_alone_s']['p50']:>12.0f} / {1e3 * a['chat_gap_alone_s']['p99']:<10.0f} "
-            f"{1e3 * a['chat_gap_s']['p50']:>6.0f} / {1e3 * a['chat_gap_s']['p99']:<6.0f} {a['chat_p99_vs_alone']:>11.2f}x"
+            f"{1e3 * a['chat_gap_s']['p50']:>6.0f} / {1e3 * a['chat_gap_s']['p99']:<6.0f} "
+            f"{a['chat_p99_vs_alone']:>11.2f}x"
         )
     return "\n".join(lines)

@@ -28,8 +28,8 @@ class ServedModel:
     new_tokens: int
 
     def status(self) -> dict:
-        """The scheduler replica's status of the model (cluster/scheduling/model_serving.py: rounds, wire_bytes, finished,
-        feature traffic, ...)."""
+        """The scheduler replica's status of the model (cluster/scheduling/model_serving.py: rounds, wire_bytes,
+        finished, feature traffic, ...)."""
         from ray import serve
 
         return serve.get_deployment_handle("scheduler", APP_NAME).status.remote().result(timeout_s=60)[MODEL]

@@ -37,6 +37,25 @@ def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
                    help="with --model: weights' dtype (default auto: bfloat16 on CUDA, float32 on a CPU)")  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=int, metavar="N", help="with --model: target ranks per replica")
     p.add_argument("--k", help="with --model: tokens drafted per round, 1..16, or 'auto' (the default)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help="with --model: the share of each GPU "
+        "a worker may use; its KV cache gets what is left after the weights and activations (default 0.9)",
+    )
+    p.add_argument("--kv-cache-memory-bytes", type=int, metavar="N",
+                   help="with --model: each worker's KV cache budget in bytes, on any device")  # fmt: skip
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --model: reuse cached prompt prefixes across requests (default: on)")  # fmt: skip
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --model: prefill long prompts in chunks between other requests' rounds (default: on)",
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                   help="with --model: the prefill chunk, in tokens (default 256)")  # fmt: skip
     p.add_argument("--speculative-config", metavar="JSON",
                    help="with --model: vLLM's speculative config, e.g. '{\"method\": \"eagle3\", "
                    "\"num_speculative_tokens\": 3}' (docs/speculative-config.md)")  # fmt: skip
@@ -64,8 +83,9 @@ def _serve(args: argparse.Namespace) -> int:
                               keyfile=args.grpc_tls_key, client_ca=args.grpc_tls_client_ca)  # fmt: skip
     overrides = _model_overrides(args)
     if args.config and (args.model or args.draft or overrides):
-        raise SpecServeError("--model, --draft, --device, --dtype, --tensor-parallel-size, --k and "
-                             "--speculative-config apply without --config (the config names its models)")  # fmt: skip
+        raise SpecServeError("--model, --draft and the model's flags (--device, --dtype, --tensor-parallel-size, --k, "
+                             "--speculative-config, the KV cache's and chunked prefill's) apply without --config "
+                             "(the config names its models)")  # fmt: skip
     return serve_forever(args.config, args.grpc_port, args.http_port, args.metrics_port, grpc_tls=tls,
                          model=args.model, draft=args.draft, host=args.host, overrides=overrides)  # fmt: skip
 
@@ -78,8 +98,20 @@ def _model_overrides(args: argparse.Namespace) -> dict:
     for flag in ("device", "dtype"):
         if getattr(args, flag) is not None:
             out[flag] = getattr(args, flag)
+    named = {
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "prefix_caching": args.enable_prefix_caching,
+    }
+    kv = {key: value for key, value in named.items() if value is not None}
+    if kv:
+        out["target_pool"], out["draft_pool"] = {"kv_cache": kv}, {"kv_cache": dict(kv)}
     if args.tensor_parallel_size is not None:
-        out["target_pool"] = {"tensor_parallel_size": args.tensor_parallel_size}
+        out.setdefault("target_pool", {})["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.enable_chunked_prefill is False:
+        out["prefill_chunk_tokens"] = None
+    elif args.max_num_batched_tokens is not None:
+        out["prefill_chunk_tokens"] = args.max_num_batched_tokens
     if args.k is not None:
         out["k"] = args.k if args.k == "auto" else _int_flag("--k", args.k)
     if args.speculative_config is not None:

@@ -51,6 +51,7 @@ class ServedModel:
     byte_pieces: frozenset[int]  # held back by the detokenizer until a run of them ends
     pipeline: Pipeline
     addresses: dict[str, str] = field(default_factory=dict)  # worker id -> address
+    kv_capacity: dict[str, dict[str, int]] = field(default_factory=dict)  # worker id -> its KV tokens and bytes
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Summed over the requests that finished here (a cancelled one is not counted)
     finished: RequestStats = field(default_factory=RequestStats)
@@ -129,6 +130,8 @@ class ModelServing:
             for worker_id in [w for w in model.addresses if w not in rows]:
                 self._detach(model, worker_id)
             for row in rows.values():
+                model.kv_capacity[row["worker_id"]] = {"tokens": row.get("kv_capacity_tokens", 0),
+                                                       "bytes": row.get("kv_capacity_bytes", 0)}  # fmt: skip
                 if model.addresses.get(row["worker_id"]) != row["address"]:
                     self._attach(model, row["kind"], row["worker_id"], row["address"])
             model.notify_changed()
@@ -146,6 +149,7 @@ class ModelServing:
 
     def _detach(self, model: ServedModel, worker_id: str) -> None:
         model.addresses.pop(worker_id)
+        model.kv_capacity.pop(worker_id, None)
         model.scheduler.remove_worker(worker_id)
         model.pipeline.drafts.pop(worker_id, None)
         model.pipeline.targets.pop(worker_id, None)
@@ -183,6 +187,7 @@ class ModelServing:
                 "planner": {w: b.summary() for w, b in s.scheduler.batches.items()},
                 "head_acceptance": list(s.scheduler.head_acceptance.known_rates()),  # by position, recent rounds
                 **s.scheduler.feature_traffic.to_dict(),
+                "kv_capacity": dict(s.kv_capacity),  # per worker, as it registered (memory_budget.py)
                 "admission": self.admission.summary(),  # this replica's, over every model it serves
             }
             for name, s in self.models.items()

@@ -221,7 +221,10 @@ class WorkerMetrics:
         keys = ("model_name", "kind", "worker")
         self.usage = Gauge("specserve_kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", tag_keys=keys)
         self.used = Gauge("specserve_kv_cache_used_tokens", "Cached positions held.", tag_keys=keys)
-        self.capacity = Gauge("specserve_kv_cache_capacity_tokens", "Configured KV capacity.", tag_keys=keys)
+        self.capacity = Gauge("specserve_kv_cache_capacity_tokens", "KV capacity in positions (sized from the "
+                              "memory budget).", tag_keys=keys)  # fmt: skip
+        self.capacity_bytes = Gauge("specserve_kv_cache_capacity_bytes", "KV cache memory budget.", tag_keys=keys)
+        self.allocated_bytes = Gauge("specserve_kv_cache_allocated_bytes", "KV buffers' memory now.", tag_keys=keys)
         self.requests = Gauge("specserve_kv_cache_requests", "Requests with a cache on the worker.", tag_keys=keys)
         self.cached = Gauge("specserve_kv_cache_cached_tokens", "Positions released requests left for later "
                             "prefixes.", tag_keys=keys)  # fmt: skip
@@ -238,6 +241,8 @@ class WorkerMetrics:
         self.usage.set(store.used_tokens / capacity if capacity else 0.0, tags=tags)
         self.used.set(store.used_tokens, tags=tags)
         self.capacity.set(capacity, tags=tags)
+        self.capacity_bytes.set(store.capacity_bytes, tags=tags)
+        self.allocated_bytes.set(store.allocated_bytes, tags=tags)
         self.requests.set(len(store), tags=tags)
         self.cached.set(store.cached_tokens, tags=tags)
         queries, hits = self._reported.get(worker, (0, 0))

@@ -44,7 +44,10 @@ class PoolWorker:
         log.info("%s worker %s of model %r serving at %s", kind, self.worker_id, cfg.name, self.address)
 
     async def _register(self) -> None:
-        await self.registry.register.remote(self.model, self.kind, self.worker_id, self.address)
+        store = self.store
+        await self.registry.register.remote(self.model, self.kind, self.worker_id, self.address,
+                                            store.capacity_tokens if store is not None else 0,
+                                            store.capacity_bytes if store is not None else 0)  # fmt: skip
         if self.store is not None:
             self.metrics.report(self.model, self.kind, self.worker_id, self.store)
 

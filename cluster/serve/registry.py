@@ -27,6 +27,8 @@ class Member:
     kind: str  # "draft" | "target"
     worker_id: str  # the Serve replica id: stable for the replica's life, new for its replacement
     address: str  # host:port of its gRPC server
+    kv_capacity_tokens: int = 0  # its KV cache's capacity (fixed once it serves; 0: none, an n-gram worker)
+    kv_capacity_bytes: int = 0
 
 
 class WorkerRegistry:
@@ -50,10 +52,11 @@ class WorkerRegistry:
         config file."""
         return self._secret
 
-    def register(self, model: str, kind: str, worker_id: str, address: str) -> int:
+    def register(self, model: str, kind: str, worker_id: str, address: str, kv_capacity_tokens: int = 0,
+                 kv_capacity_bytes: int = 0) -> int:  # fmt: skip
         if kind not in ("draft", "target"):
             raise ValueError(f"kind must be 'draft' or 'target', got {kind!r}")
-        member = Member(model, kind, worker_id, address)
+        member = Member(model, kind, worker_id, address, kv_capacity_tokens, kv_capacity_bytes)
         self._seen[worker_id] = self._clock()
         if self._members.get(worker_id) != member:
             self._members[worker_id] = member

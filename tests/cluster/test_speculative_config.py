@@ -84,6 +84,33 @@ def test_serve_flags_set_the_served_models_fields():
     assert default.dtype == "auto"  # bfloat16 on CUDA, float32 on a CPU
 
 
+def test_serve_flags_with_vllms_names_set_the_kv_cache_and_chunked_prefill():
+    args = _serve_args(
+        "--model",
+        "x",
+        "--gpu-memory-utilization",
+        "0.8",
+        "--kv-cache-memory-bytes",
+        "1000000",
+        "--no-enable-prefix-caching",
+        "--max-num-batched-tokens",
+        "512",
+        "--tensor-parallel-size",
+        "2",
+    )
+    (served,) = app_config(
+        prepare_config(None, None, None, args.model, args.draft, None, serve_cli._model_overrides(args))[
+            "applications"
+        ][0]["args"]
+    ).models
+    for pool in (served.target_pool, served.draft_pool):
+        assert (pool.kv_cache.gpu_memory_utilization, pool.kv_cache.kv_cache_memory_bytes) == (0.8, 1_000_000)
+        assert pool.kv_cache.prefix_caching is False
+    assert served.target_pool.tensor_parallel_size == 2 and served.prefill_chunk_tokens == 512
+    off = serve_cli._model_overrides(_serve_args("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"))
+    assert off == {"prefill_chunk_tokens": None}
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -28,11 +28,25 @@ class ModelConfig(StrictModel):
 
 
 class KVCacheConfig(StrictModel):
-    """Capacity of a worker's per-request KV caches."""
+    """The memory of a worker's KV cache, and prefix caching."""
 
-    capacity_tokens: int = Field(
-        262_144, gt=0, description="Total cached positions across all requests held by one worker."
-    )
+    capacity_tokens: int | None = Field(
+        None, gt=0, description="Positions the worker's KV buffers may hold, in all (every request's slot counts as "
+        "long as the longest): unset, as many as the memory budget holds (below)."
+    )  # fmt: skip
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0, description="The KV cache's memory budget in bytes on any device, as vLLM's "
+        "kv_cache_memory_bytes (overrides gpu_memory_utilization and cpu_kv_cache_space_gib)."
+    )  # fmt: skip
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="On CUDA, the share of the GPU's memory this worker may use (vLLM's): the KV "
+        "cache gets what is left of it after the weights, other processes' use and the largest batch's activations "
+        "(measured once after loading)."
+    )  # fmt: skip
+    cpu_kv_cache_space_gib: float = Field(
+        4.0, gt=0, description="On a CPU, the KV cache's budget in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE), at most a "
+        "quarter of the memory available when the worker starts."
+    )  # fmt: skip
     prefix_caching: bool = Field(
         True, description="Keep a finished request's cache for later requests that start with the same tokens (a "
         "conversation's next turn, a shared system prompt), as vLLM's enable_prefix_caching: within the capacity, "

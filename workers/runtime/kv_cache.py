@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
-from specserve.workers.runtime.slot_cache import SlotKVCache
+from specserve.workers.runtime.slot_cache import BatchPlan, SlotKVCache
 from specserve.workers.runtime.worker_state import common_prefix_length
 
 PREFIX_MIN_TOKENS = 16  # a shorter shared prefix (a chat template's first tokens) is computed again
@@ -56,8 +56,10 @@ class CacheEntry:
 class KVCacheStore:
     """Request id -> CacheEntry, with capacity accounting (in cached positions) and LRU order."""
 
-    def __init__(self, config: KVCacheConfig, bytes_per_token: int = 0):
-        self.capacity_tokens = config.capacity_tokens
+    def __init__(self, config: KVCacheConfig, bytes_per_token: int, capacity_tokens: int):
+        """capacity_tokens: the positions the shared buffers may hold (memory_budget.py), every slot as long as the
+        longest."""
+        self.capacity_tokens = capacity_tokens
         self.bytes_per_token = bytes_per_token
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self._used = 0
@@ -78,6 +80,55 @@ class KVCacheStore:
     @property
     def used_bytes(self) -> int:
         return self._used * self.bytes_per_token
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_tokens * self.bytes_per_token
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the shared buffers hold now (they grow by doubling within the capacity, and shrink)."""
+        slots, length = self.cache.capacity
+        return slots * length * self.bytes_per_token if self.cache.allocated else 0
+
+    def fit_buffers(self, request_ids: Sequence[str], max_position: int) -> None:
+        """Before a forward pass of these requests that writes up to `max_position`: make sure the shared buffers can
+        hold it within the capacity. Retained prefixes and spare positions give way first, then the live requests move
+        to the lowest slots; KVCapacityError (the caller evicts or preempts) when even that does not fit. Slots may
+        change: read them after this."""
+        max_slot = max(self._entries[r].slot for r in request_ids)
+        if self.cache.fits(max_slot, max_position, self.capacity_tokens):
+            return
+        while True:
+            self._compact()
+            max_slot = max(self._entries[r].slot for r in request_ids)
+            if self.cache.fits(max_slot, max_position, self.capacity_tokens) or not self._retained:
+                break
+            self._forget_retained()  # least recently used first
+        if not self.cache.fits(max_slot, max_position, self.capacity_tokens):
+            raise KVCapacityError(
+                f"KV cache capacity exceeded: a forward pass needs buffers of {max_slot + 1} slots x "
+                f"{max_position + 1} positions, over the capacity of {self.capacity_tokens} positions "
+                f"({self.capacity_bytes} bytes; raise kv_cache's budget or lower load)"
+            )
+
+    def _compact(self) -> None:
+        """Live and retained entries into slots 0..n-1 (their held positions copied, lowest first), nothing spare;
+        the buffers shrunk to fit."""
+        entries = sorted((*self._entries.values(), *self._retained.values()), key=lambda e: e.slot)
+        for target, entry in enumerate(entries):
+            entry.spare.clear()
+            if entry.slot != target:
+                if entry.length:
+                    self.cache.copy_slot(entry.slot, target, entry.length)
+                entry.slot = target
+        self._free_slots.clear()
+        self._next_slot = len(entries)
+        self._give_back_memory(tight=True)
+
+    def plan_buffers(self, plan: BatchPlan, max_slot: int, max_position: int) -> None:
+        """Set the shared buffers for the forward pass `fit_buffers` made room for."""
+        self.cache.plan(plan, max_slot, max_position, self.capacity_tokens)
 
     @property
     def cached_tokens(self) -> int:
@@ -240,8 +291,9 @@ class KVCacheStore:
         self._give_back_memory()
         return True
 
-    def _give_back_memory(self) -> None:
-        """Shrink the shared buffers when the live and retained entries use a quarter of them or less."""
+    def _give_back_memory(self, tight: bool = False) -> None:
+        """Shrink the shared buffers when the live and retained entries use a quarter of them or less (`tight`: to
+        exactly what they use)."""
         if not self._entries and not self._retained:
             self.cache.reset()
             self._free_slots.clear()
@@ -252,6 +304,8 @@ class KVCacheStore:
             self._next_slot -= 1
         slots, length = self.cache.capacity
         longest = max(e.extent for e in (*self._entries.values(), *self._retained.values()))
+        if tight:
+            slots, length = min(slots, self._next_slot), min(length, longest)
         while slots >= 8 and self._next_slot * 4 <= slots:
             slots //= 2
         while length >= 512 and longest * 4 <= length:

@@ -11,8 +11,11 @@ from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.lean_forward import CaptureForward, capture_forward, full_forward, lean_forward
 from specserve.workers.runtime.loading import LoadedModel
+from specserve.workers.runtime.memory_budget import kv_budget
 from specserve.workers.runtime.slot_cache import BatchPlan, ScatterPlan, batch_mask, single_row_mask, tree_mask
 from specserve.workers.runtime.tree_rows import TreeRow
+
+PROFILE_TOKENS = 4096  # BatchingConfig.max_batch_tokens' default: the most positions one pass feeds
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,6 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.vocab_size = vocab_size or loaded.vocab_size  # logits are cut/padded to this width
-        self.store = KVCacheStore(kv_config, bytes_per_token=loaded.kv_bytes_per_token)
         lean = lean_forward(self.model)
         self.lean = lean is not None  # transformers' wrappers skipped, same logits (workers/runtime/lean_forward.py)
         self._forward = lean or full_forward(self.model)
@@ -63,6 +65,16 @@ class ModelRunner:
         self.forward_calls = 0
         self.forward_positions = 0
         self._trees: dict[str, tuple[int, list[int]]] = {}  # request -> (its tree's first position, its tokens)
+        bytes_per_token = loaded.kv_bytes_per_token
+        self.store = KVCacheStore(kv_config, bytes_per_token, PROFILE_TOKENS)  # for the profiling forward only
+        self.budget = kv_budget(kv_config, self.device, bytes_per_token, profile=self._profile_forward)
+        self.store = KVCacheStore(kv_config, bytes_per_token, self.budget.capacity_tokens)
+        self.forward_calls = self.forward_positions = 0
+
+    def _profile_forward(self) -> None:
+        """The largest forward a worker runs (a batch's token budget of prompt), for the activations' peak memory."""
+        n = min(PROFILE_TOKENS, self.loaded.max_positions or PROFILE_TOKENS)
+        self.forward_batch([ForwardRow("memory-profile", [3 + (7 * i) % 100 for i in range(n)], 1)])
 
     def capture_features(self, layers: Sequence[int]) -> None:
         """Let `forward_batch(..., capture=True)` return the residual stream entering `layers` (Hugging Face's
@@ -94,6 +106,7 @@ class ModelRunner:
         news = [list(row.sequence[start:]) for row, start in zip(rows, starts, strict=True)]
         lengths = [len(new) for new in news]
         self.store.reserve_batch(ids, lengths)
+        self.store.fit_buffers(ids, max(start + n for start, n in zip(starts, lengths, strict=True)) - 1)
         input_ids, positions, mask = self._plan(starts, news, [e.slot for e in entries])
         outputs = self._run(input_ids, positions, mask, news, starts, [row.n for row in rows], capture)
         for rid, new in zip(ids, news, strict=True):
@@ -117,6 +130,7 @@ class ModelRunner:
         tails = [list(row.sequence[start:]) for row, start in zip(rows, starts, strict=True)]
         news = [tail + list(row.tokens) for tail, row in zip(tails, rows, strict=True)]
         self.store.reserve_batch(ids, [len(new) for new in news])  # the tree's positions, while it is verified
+        self.store.fit_buffers(ids, max(start + len(new) for start, new in zip(starts, news, strict=True)) - 1)
         input_ids, pads, plan = self._left_padded(starts, news, [e.slot for e in entries])
         positions = torch.tensor(
             [
@@ -165,7 +179,7 @@ class ModelRunner:
             plan = BatchPlan(slots=None, write=None, kv_len=kv_len, contiguous=slice(slots[0], slots[0] + 1),
                              single_start=start)  # fmt: skip
             mask = single_row_mask(start, width, self.model.dtype, self.device)
-            self.store.cache.plan(plan, max_slot=slots[0], max_position=start + width - 1)
+            self.store.plan_buffers(plan, max_slot=slots[0], max_position=start + width - 1)
             return input_ids, positions, mask
         input_ids, pads, plan = self._left_padded(starts, news, slots)
         positions = torch.tensor(
@@ -194,7 +208,7 @@ class ModelRunner:
             kv_len=max(st + len(new) for st, new in zip(starts, news, strict=True)),
             contiguous=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
-        self.store.cache.plan(plan, max_slot=max(slots), max_position=max(starts) + width - 1)
+        self.store.plan_buffers(plan, max_slot=max(slots), max_position=plan.kv_len - 1)
         return input_ids, pads, plan
 
     def _run(self, input_ids, positions, mask, news: list[list[int]], starts: list[int], keeps: list[int],

@@ -58,15 +58,31 @@ class SlotKVCache(Cache):
         """(slots, positions per slot) currently allocated."""
         return self._slots, self._length
 
-    def plan(self, plan: BatchPlan, max_slot: int, max_position: int) -> None:
-        """Set the batch for the next forward pass, growing the buffers to hold slot `max_slot` and position
-        `max_position` (both inclusive)."""
+    @property
+    def allocated(self) -> bool:
+        return bool(self._keys)
+
+    def _grown(self, max_slot: int, max_position: int, limit: int | None) -> tuple[int, int]:
+        """The buffers' shape to hold slot `max_slot` and position `max_position` (inclusive): doubled while that
+        stays within `limit` positions in all, else just large enough."""
         slots, length = self._slots, self._length
         while slots <= max_slot:
             slots *= 2
         while length <= max_position:
             length *= 2
-        self._resize(slots, length)
+        if limit is not None and slots * length > limit:
+            held = (self._slots, self._length) if self._keys else (0, 0)  # unallocated: no shape to keep
+            slots, length = max(held[0], max_slot + 1), max(held[1], max_position + 1)
+        return slots, length
+
+    def fits(self, max_slot: int, max_position: int, limit: int) -> bool:
+        slots, length = self._grown(max_slot, max_position, limit)
+        return slots * length <= limit
+
+    def plan(self, plan: BatchPlan, max_slot: int, max_position: int, limit: int | None = None) -> None:
+        """Set the batch for the next forward pass, growing the buffers to hold slot `max_slot` and position
+        `max_position` (both inclusive), within `limit` positions in all where the caller checked it fits."""
+        self._resize(*self._grown(max_slot, max_position, limit))
         self._plan = plan
 
     def shrink(self, slots: int, length: int) -> None:
@@ -84,6 +100,12 @@ class SlotKVCache(Cache):
                 new[:s, :n] = old[:s, :n]
                 buffers[i] = new
         self._slots, self._length = slots, length
+
+    def copy_slot(self, source: int, target: int, length: int) -> None:
+        """In every layer, copy the first `length` positions of slot `source` to slot `target`."""
+        for buffers in (self._keys, self._values):
+            for buffer in buffers:
+                buffer[target, :length] = buffer[source, :length]
 
     def move(self, slot: int, sources: list[int], start: int) -> None:
         """In every layer, copy the keys/values at positions `sources` of `slot` to positions start, start + 1, ...

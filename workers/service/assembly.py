@@ -14,6 +14,7 @@ import grpc
 from specserve.workers.config.settings import BatchingConfig, KVCacheConfig, ModelConfig
 from specserve.workers.errors import ModelLoadError
 from specserve.workers.runtime.loading import LoadedModel, load_model
+from specserve.workers.runtime.memory_budget import GIB
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.service.draft_worker import DraftWorker
 from specserve.workers.service.grpc_service import (
@@ -105,14 +106,17 @@ async def start_worker_server(
     """Serve `built` over gRPC at `address` (port 0: a free one) in the running event loop; returns (server, port)."""
     server, port = await create_server(built.servicer, address, secret, max_message_bytes)
     host = address.rpartition(":")[0]
+    budget = getattr(built.runner, "budget", None)
     log.info(
-        "%s worker serving %s on %s at %s:%d",
+        "%s worker serving %s on %s at %s:%d%s",
         built.spec.role,
         built.spec.model.path if built.runner is not None else built.spec.eagle_head,  # a head's draft worker
         built.device,
         host,
         port,
-    )
+        f"; KV cache {budget.capacity_bytes / GIB:.2f} GiB, {budget.capacity_tokens} positions ({budget.source})"
+        if budget is not None else "",
+    )  # fmt: skip
     return server, port
 
 

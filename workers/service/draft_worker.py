@@ -165,6 +165,8 @@ class DraftWorker:
             "requests": len(self.committed),
             "kv_used_tokens": self.store.used_tokens if self.store is not None else 0,
             "kv_capacity_tokens": self.store.capacity_tokens if self.store is not None else 0,
+            "kv_capacity_bytes": self.store.capacity_bytes if self.store is not None else 0,
+            "kv_allocated_bytes": self.store.allocated_bytes if self.store is not None else 0,
             "model": self.model_name,
             **self._prefix_cache(),
         }

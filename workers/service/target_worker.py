@@ -165,6 +165,8 @@ class TargetWorker:
             "requests": len(self.committed),
             "kv_used_tokens": store.used_tokens,
             "kv_capacity_tokens": store.capacity_tokens,
+            "kv_capacity_bytes": store.capacity_bytes,
+            "kv_allocated_bytes": store.allocated_bytes,
             "kv_cached_tokens": store.cached_tokens,
             "prefix_cache_queries": store.prefix_queries,
             "prefix_cache_hits": store.prefix_hits,

@@ -26,5 +26,8 @@ def test_a_streams_gaps_and_percentiles():
 def test_an_arms_settings_merge_into_the_models_nested_fields():
     model = {"target": "x", "target_pool": {"num_cpus": 0.5, "kv_cache": {"capacity_tokens": 8}}}
     _merge(model, {"target_pool": {"kv_cache": {"prefix_caching": False}}, "prefill_chunk_tokens": None})
-    assert model == {"target": "x", "prefill_chunk_tokens": None,
-                     "target_pool": {"num_cpus": 0.5, "kv_cache": {"capacity_tokens": 8, "prefix_caching": False}}}
+    assert model == {
+        "target": "x",
+        "prefill_chunk_tokens": None,
+        "target_pool": {"num_cpus": 0.5, "kv_cache": {"capacity_tokens": 8, "prefix_caching": False}},
+    }

@@ -151,6 +151,7 @@ def test_failed_requests_are_counted_by_vllms_finished_reason(metrics, status, r
 def test_worker_kv_cache_usage_is_a_fraction(metrics):
     class Store:
         used_tokens, capacity_tokens, cached_tokens = 64, 256, 32
+        capacity_bytes, allocated_bytes = 256 * 1024, 128 * 1024
         prefix_queries, prefix_hits = 100, 40
 
         def __len__(self):
@@ -161,6 +162,7 @@ def test_worker_kv_cache_usage_is_a_fraction(metrics):
     labels = {"kind": "target", "worker": "target-a-1"}
     assert last(worker.usage, **labels) == 0.25 and last(worker.capacity, **labels) == 256
     assert last(worker.cached, **labels) == 32
+    assert last(worker.capacity_bytes, **labels) == 256 * 1024 and last(worker.allocated_bytes, **labels) == 128 * 1024
     # the prefix cache counters count up by what the store's totals grew between heartbeats
     store.prefix_queries, store.prefix_hits = 150, 40
     worker.report("a", "target", "target-a-1", store)

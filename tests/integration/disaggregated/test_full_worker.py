@@ -70,3 +70,23 @@ def test_a_worker_full_past_worker_wait_s_is_a_capacity_error_not_a_crash(target
 
     with pytest.raises(KVCapacityError, match="no KV cache room for request .* in 0 s"):
         asyncio.run(main())
+
+
+def test_a_budget_below_what_the_running_requests_need_answers_every_one_identically(target):
+    """A real budget, no fault injected: the KV buffers of six requests at once would outgrow the target's capacity
+    (slots x the longest row), so idle requests are evicted and calls refused RESOURCE_EXHAUSTED are preempted, each
+    re-sent whole, and every request still decodes what target-only decoding does."""
+    prompts = [f"# task {i}\n" + PROMPT[: 20 + 7 * i] for i in range(6)]
+    reference = [SpecEngine(target).generate(p, SamplingParams(max_new_tokens=N), SpecParams(method="none")).token_ids
+                 for p in prompts]  # fmt: skip
+    longest = max(len(target.tokenizer(p)["input_ids"]) for p in prompts) + N + 4
+
+    async def main():
+        async with LocalWorkers(target, [], target_capacity=3 * longest) as w:
+            return await run_pipeline(w, [(p, SamplingParams(max_new_tokens=N), SpecParams(method="ngram", k=3))
+                                          for p in prompts])  # fmt: skip
+
+    results, pipeline = asyncio.run(main())
+    assert [r.state.generated for r in results] == reference
+    # requests were evicted (idle between rounds) or preempted (in a running batch), and recomputed
+    assert sum(r.resent for r in results) + pipeline.preempted > 0 and not pipeline.scheduler.unhealthy

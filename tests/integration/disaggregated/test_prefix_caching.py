@@ -90,19 +90,21 @@ def test_a_chunked_second_turn_keeps_its_whole_cached_history_and_the_heads(pair
     async def turns(prefix_caching: bool):
         async with LocalWorkers(target, [], eagle_head=head_dir, prefix_caching=prefix_caching) as w:
             runner = w.targets["target-0"].verifier.runner
-            (first,), _ = await generate_all(w, [(prompt, SamplingParams(max_new_tokens=N), SpecParams(method="eagle", k=3))],
-                                          prefill_chunk=24)  # fmt: skip
+            spec = SpecParams(method="eagle", k=3)
+            (first,), _ = await generate_all(w, [(prompt, SamplingParams(max_new_tokens=N), spec)], prefill_chunk=24)
             history = prompt + first.state.generated + [ord(c) + 3 for c in "\nand then?"]
             before = runner.forward_positions
-            (second,), _ = await generate_all(w, [(history, SamplingParams(max_new_tokens=N), SpecParams(method="eagle", k=3))],
-                                              prefill_chunk=24)  # fmt: skip
+            (second,), _ = await generate_all(w, [(history, SamplingParams(max_new_tokens=N), spec)], prefill_chunk=24)
             return second, runner.forward_positions - before, runner.store.prefix_hits
 
     second, computed, hits = asyncio.run(turns(True))
     second_off, computed_off, _ = asyncio.run(turns(False))
     assert second.state.prompt_len > 3 * 24
-    assert second.state.generated == second_off.state.generated == own_greedy_loop(
-        target.model, second.state.tokens[: second.state.prompt_len], N, set())
+    assert (
+        second.state.generated
+        == second_off.state.generated
+        == own_greedy_loop(target.model, second.state.tokens[: second.state.prompt_len], N, set())
+    )
     assert hits >= len(prompt) - RETAIN_LESS  # the whole kept history, not the first chunk's share of it
     assert computed < computed_off - hits + second.state.prompt_len // 24 + 1
     on, off = second.state.stats, second_off.state.stats

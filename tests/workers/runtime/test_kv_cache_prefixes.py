@@ -62,7 +62,8 @@ def test_short_prefixes_and_a_store_without_prefix_caching_compute_everything(ta
 
 
 def test_retained_caches_give_way_to_running_requests(target):
-    runner = ModelRunner(target, KVCacheConfig(capacity_tokens=200))
+    """Every slot is as long as the longest: "c" of 150 beside both retained entries would need 3 x 150 positions."""
+    runner = ModelRunner(target, KVCacheConfig(capacity_tokens=320))
     runner.logits_for("a", TURN_1, 1)  # 80 positions, 48 kept
     runner.logits_for("b", [5 + i % 50 for i in range(80)], 1)
     runner.release("a")

@@ -3,13 +3,14 @@ protocol's status codes and bad calls. End-to-end generation through them is in
 tests/cluster/scheduling/test_pipeline.py."""
 
 import asyncio
+import re
 
 import grpc
 import pytest
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.config.settings import KVCacheConfig, ModelConfig
+from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.service.assembly import WorkerSpec, build_worker, start_worker_server
 from tests.helpers.workers import LocalWorkers
@@ -123,7 +124,10 @@ def test_worker_with_a_secret_rejects_calls_without_it(models):
 
     codes, health = asyncio.run(main())
     assert codes == [(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")] * 2
-    assert health.healthy and health.kv_capacity_tokens == KVCacheConfig().capacity_tokens  # also when empty
+    draft = models[1]
+    assert health.healthy and health.kv_capacity_tokens > 0  # also when empty: sized from the budget (4 GiB here)
+    assert health.kv_capacity_bytes == health.kv_capacity_tokens * draft.kv_bytes_per_token <= 4 << 30
+    assert health.kv_allocated_bytes == 0  # nothing cached yet
 
 
 def test_worker_refuses_messages_over_its_limit_before_the_secret_check_and_keeps_serving(models):
@@ -174,7 +178,9 @@ def test_an_assembled_draft_worker_drafts_in_the_targets_vocabulary_and_logs_its
         port, proposed, health = asyncio.run(main())
     assert proposed.vocab_size == target.vocab_size and len(proposed.drafted) == 2
     assert health.model == draft.path
-    assert [r.getMessage() for r in caplog.records] == [f"draft worker serving {draft.path} on cpu at 127.0.0.1:{port}"]
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(rf"draft worker serving {draft.path} on cpu at 127\.0\.0\.1:{port}; KV cache \d+\.\d\d GiB, "
+                        r"\d+ positions \(cpu_kv_cache_space_gib .*\)", message)  # fmt: skip
 
 
 def test_a_requests_sampling_is_validated_on_its_first_call_only(models, monkeypatch):
