@@ -188,6 +188,8 @@ class ModelServing:
                 "head_acceptance": list(s.scheduler.head_acceptance.known_rates()),  # by position, recent rounds
                 **s.scheduler.feature_traffic.to_dict(),
                 "kv_capacity": dict(s.kv_capacity),  # per worker, as it registered (memory_budget.py)
+                # requests placed on the worker that held their prompt's prefix (affinity.py), by kind
+                "prefix_affinity_placed": {k: a.placed for k, a in s.scheduler.affinity.items()},
                 "admission": self.admission.summary(),  # this replica's, over every model it serves
             }
             for name, s in self.models.items()

@@ -18,6 +18,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 
+from specserve.cluster.scheduling.affinity import PrefixAffinity
 from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.cluster.scheduling.sched_request import SchedRequest
@@ -72,10 +73,13 @@ class Scheduler:
         # from every reply); None: not known yet (or a worker could not report them: FALLBACK_K).
         self.planner_costs: PlannerCosts | None = None
         self.batches: dict[str, BatchWidth] = {}  # target worker -> its requests' planned chain width
+        self.affinity = {"target": PrefixAffinity(), "draft": PrefixAffinity()}  # who holds which prefix
 
     # -- placement -------------------------------------------------------------------------------------------------
 
-    def _least_loaded(self, workers: list[str], attr: str) -> str | None:
+    def _least_loaded(self, workers: list[str], attr: str, prompt: list[int] | None = None) -> str | None:
+        """The healthy worker running fewest requests; with `prompt`, the one holding most of it where that draws
+        the request (affinity.py)."""
         healthy = [w for w in workers if w not in self.unhealthy]
         if not healthy:
             return None
@@ -84,6 +88,10 @@ class Scheduler:
             w = getattr(req, attr)
             if w in load:
                 load[w] += 1
+        if prompt is not None and len(healthy) > 1:
+            held = self.affinity["target" if attr == "target_worker" else "draft"].place(prompt, load)
+            if held is not None:
+                return held
         return min(healthy, key=lambda w: (load[w], healthy.index(w)))
 
     def add(
@@ -97,10 +105,10 @@ class Scheduler:
         if spec.method not in METHODS:
             raise InvalidRequestError("method", f"{spec.method!r} is not served (only {', '.join(METHODS)})")
         method = METHODS[spec.method]
-        target = self._least_loaded(self.target_workers, "target_worker")
+        target = self._least_loaded(self.target_workers, "target_worker", prompt_ids)
         if target is None:
             raise NoTargetWorker("no healthy target worker")
-        draft = self._least_loaded(self.draft_workers, "draft_worker") if method.draft_worker else None
+        draft = self._least_loaded(self.draft_workers, "draft_worker", prompt_ids) if method.draft_worker else None
         state = RequestState(request_id=request_id or uuid.uuid4().hex, tokens=list(prompt_ids),
                              prompt_len=len(prompt_ids), max_new_tokens=params.max_new_tokens,
                              eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset())  # fmt: skip
@@ -153,15 +161,19 @@ class Scheduler:
                 workers.remove(worker)
         self.unhealthy.discard(worker)
         self.batches.pop(worker, None)
+        for affinity in self.affinity.values():
+            affinity.forget(worker)
 
     def healthy(self, kind: str) -> list[str]:
         workers = self.draft_workers if kind == "draft" else self.target_workers
         return [w for w in workers if w not in self.unhealthy]
 
     def forget_worker(self, worker: str) -> None:
-        """The worker was replaced by a fresh process: it has been told nothing."""
+        """The worker was replaced by a fresh process: it has been told nothing, and holds no prefix."""
         for req in self.requests.values():
             req.told.pop(worker, None)
+        for affinity in self.affinity.values():
+            affinity.forget(worker)
 
     # -- planning ---------------------------------------------------------------------------------------------------
 
@@ -364,6 +376,8 @@ class Scheduler:
         """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for
         the caller to release it there."""
         self.requests.pop(req.request_id, None)
+        for worker, sequence in req.told.items():  # what each worker keeps for later requests' prefixes
+            self.affinity["draft" if worker in self.draft_workers else "target"].record(worker, sequence)
         if req.method.suffix and req.state.finished:
             self.suffix_cache.remember_request(req.request_id, req.state.tokens, req.state.prompt_len)
         return list(req.told)
