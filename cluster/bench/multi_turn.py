@@ -73,8 +73,9 @@ def _arm(target: str, draft: str | None, device: str, dtype: str, tokenizer, cfg
          caching: bool) -> list[Turn]:  # fmt: skip
     pools = {"kv_cache": {"prefix_caching": caching}}
     with served(target, draft, device, dtype, target_pool=pools, draft_pool=pools) as client:
-        warm = chat_prompt_ids(tokenizer, [ChatMessage("user", document(tokenizer, 300, start=97) + "\n\nWhy?")])
-        timed_stream(client, warm, 8)  # the first request waits for the workers' cost measurement
+        for tokens in (300, cfg.history_tokens):  # unmeasured: the workers' cost measurement, the buffers' growth
+            doc = document(tokenizer, tokens, start=97)
+            timed_stream(client, chat_prompt_ids(tokenizer, [ChatMessage("user", doc + "\n\nWhy?")]), 16)
         return [turn for c in range(cfg.conversations) for turn in _conversation(client, tokenizer, c, cfg)]
 
 
