@@ -87,7 +87,7 @@ def _arm(target, draft, device, dtype, tokenizer, chat_prompts, cfg: LongPromptC
     make_long = _long_prompts(tokenizer, cfg)
     with served(target, draft, device, dtype, **fields) as client:
         timed_stream(client, chat_prompts[0], 8)  # the first request waits for the workers' cost measurement
-        timed_stream(client, make_long(), cfg.long_new_tokens)  # unmeasured: the first long one pays for growing buffers
+        timed_stream(client, make_long(), cfg.long_new_tokens)  # unmeasured: the first long one grows the buffers
         first = make_long()
         alone = timed_stream(client, first, cfg.long_new_tokens)
         interval = max(cfg.every_s, 1.5 * alone.ttft_s)
