@@ -24,6 +24,7 @@ may be worse for a while). Outputs never change.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -80,6 +81,9 @@ class Pipeline:
         self.times = RoundTimes()
         self._releasing: set[asyncio.Task] = set()  # releases sent after the request's reply left
         self._costs_lock = asyncio.Lock()
+        # One prefill chunk in flight per target worker, as vLLM's step budget lets one chunk's tokens of prefill
+        # into a step however many prompts wait: the other requests' rounds get the worker between chunks.
+        self._chunking: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._costs_failed = False  # a worker could not report its costs: AdaptiveK stays in charge
 
     async def _call(self, req: SchedRequest, call: Call, fn, resends: int = 3):
@@ -154,7 +158,8 @@ class Pipeline:
         last chunk's round commits one); a failed target is handled as a round's."""
         client = self.targets[call.worker]
         try:
-            reply = await self._verify(req, call)
+            async with self._chunking[call.worker]:
+                reply = await self._verify(req, call)
         except WorkerUnavailable as e:
             await self.faults.failed(call.worker, client, e)
             if self.scheduler.stranded(req):

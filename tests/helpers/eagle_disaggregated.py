@@ -82,8 +82,10 @@ def assert_all_released(w: LocalWorkers) -> None:
         assert not worker.drafter.drafting._requests and not worker.drafter._pending
 
 
-def sample_disaggregated(target, head_dir: str, params: SamplingParams, spec: SpecParams, samples: int) -> list:
-    """One seeded request per seed 0..samples-1, 64 at a time, through a head draft worker and a target worker."""
+def sample_disaggregated(target, head_dir: str, params: SamplingParams, spec: SpecParams, samples: int,
+                         prompt: list[int] = PROMPT, stores: list | None = None) -> list:  # fmt: skip
+    """One seeded request of `prompt` per seed 0..samples-1, 64 at a time, through a head draft worker and a target
+    worker; `stores` (a list) gets the target's KV cache store."""
 
     async def main():
         async with LocalWorkers(target, [], eagle_head=head_dir) as w:
@@ -95,10 +97,12 @@ def sample_disaggregated(target, head_dir: str, params: SamplingParams, spec: Sp
             async def one(seed):
                 async with running:
                     seeded = params.model_copy(update={"seed": seed})
-                    return await pipeline.generate(PROMPT, seeded, spec, frozenset())
+                    return await pipeline.generate(prompt, seeded, spec, frozenset())
 
             results = await asyncio.gather(*(one(seed) for seed in range(samples)))
             await pipeline.drain_releases()
+            if stores is not None:
+                stores.append(w.targets["target-0"].verifier.runner.store)
             return results
 
     return asyncio.run(main())

@@ -12,14 +12,14 @@ PROMPT = [1, 3, 4, 3, 4, 3]  # <s> a b a b a: repeats, so n-gram lookup has some
 NEW = 3
 
 
-def exact_joint(model, params, V):
+def exact_joint(model, params, V, prompt: list[int] = PROMPT):
     """P(t1, t2, t3 | prompt) under target-only sampling, by enumeration with full forwards: {tuple: prob}."""
     with torch.no_grad():
         probs = {(): 1.0}
         for _ in range(NEW):
             nxt = {}
             for prefix, mass in probs.items():
-                logits = model(torch.tensor([PROMPT + list(prefix)], device=model.device)).logits[0, -1]
+                logits = model(torch.tensor([prompt + list(prefix)], device=model.device)).logits[0, -1]
                 p = logits_to_probs(logits, params)
                 for t in range(V):
                     if p[t] > 0:

@@ -70,3 +70,28 @@ def test_a_heads_request_reads_every_chunks_features(tmp_path_factory, device):
     assert req.state.generated == own_greedy_loop(target.model, long, N, set())
     assert max(fed) <= CHUNK + 4 and req.state.stats.drafted > 0
     assert handed[0][0] == 0 and handed[0][1] >= len(long) - 1 - CHUNK  # the chunks' features, from position 0
+
+
+def test_one_prefill_chunk_at_a_time_per_target_worker(models_dir, tiny_target, device):
+    """Three long prompts at once: their chunks take turns on the target (vLLM's step budget admits one chunk's
+    tokens of prefill at a time), so no target batch ever holds two chunks; every request decodes as target-only."""
+    target, draft = load_pair(tiny_target, models_dir, device, "chunked_draft")
+    longs = [target.tokenizer(f"# file {i}\n" + LONG)["input_ids"] for i in range(3)]
+    chunks_per_batch = []
+
+    async def main():
+        async with LocalWorkers(target, [draft]) as w:
+            worker = w.targets["target-0"]
+            verify_batch = worker.verify_batch
+
+            def counting(calls):
+                chunks_per_batch.append(sum(len(c.new_tokens) == CHUNK for c in calls))
+                return verify_batch(calls)
+
+            worker.verify_batch = counting
+            return await _generate(w, [(ids, SpecParams(method="ngram", k=3)) for ids in longs])
+
+    reqs, _ = asyncio.run(main())
+    for req in reqs:
+        assert req.state.generated == own_greedy_loop(target.model, req.state.tokens[: req.state.prompt_len], N, set())
+    assert sum(chunks_per_batch) >= 3 * (len(longs[0]) // CHUNK - 1) and max(chunks_per_batch) == 1

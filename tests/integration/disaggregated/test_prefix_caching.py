@@ -11,9 +11,10 @@ import pytest
 from specserve.cluster.scheduling.worker_clients import TargetClient
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.runtime.kv_cache import RETAIN_LESS
-from tests.helpers.eagle_disaggregated import build_pairs, prompts_of
+from tests.helpers.eagle_disaggregated import build_pairs, prompts_of, sample_disaggregated
 from tests.helpers.greedy_oracle import own_greedy_loop
 from tests.helpers.pipelines import generate_all
+from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
 from tests.helpers.workers import LocalWorkers, load_pair
 
 N = 24
@@ -109,3 +110,22 @@ def test_a_chunked_second_turn_keeps_its_whole_cached_history_and_the_heads(pair
     assert computed < computed_off - hits + second.state.prompt_len // 24 + 1
     on, off = second.state.stats, second_off.state.stats
     assert (on.rounds, on.drafted, on.accepted) == (off.rounds, off.drafted, off.accepted)
+
+
+@pytest.mark.slow
+def test_sampling_with_prefix_hits_matches_the_targets_distribution(pairs):
+    """2,000 seeded requests of one 56-token prompt, 64 at a time, through a head draft worker and a target: every
+    request after the first batch takes a released one's cache over on both workers (hits), and the sampled next 3
+    tokens still follow target-only sampling's exact joint (the chi-square test of test_engine_sampling.py)."""
+    target, head_dir = pairs["tiny_vocab"]
+    prompt = PROMPT + [3, 4, 5, 3, 4, 6, 7, 3] * 6 + [4, 3]  # repeats: prompt lookup and the head have something
+    samples, stores = 2000, []
+    params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
+    results = sample_disaggregated(target, head_dir, params, SpecParams(method="eagle", k=2), samples, prompt, stores)
+    assert stores[0].prefix_hits > (samples - 64) * (len(prompt) - RETAIN_LESS)  # nearly every request hit
+    outputs = [tuple(r.state.generated) for r in results]
+    joint = exact_joint(target.model, params, target.model.config.vocab_size, prompt)
+    assert sum(r.state.stats.accepted for r in results) > 0.1 * samples  # measured: 0.17 a request
+    assert chi2_pvalue(outputs, joint) > 1e-3
+    for pos in range(NEW):
+        assert marginal_tv(outputs, joint, pos, target.model.config.vocab_size) <= 0.04

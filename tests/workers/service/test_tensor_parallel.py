@@ -17,11 +17,13 @@ from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.errors import ModelLoadError
+from specserve.workers.runtime.kv_cache import RETAIN_LESS
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from specserve.workers.service.local_processes import free_port
 from specserve.workers.service.tensor_parallel import LocalTensorParallelReplica, Rendezvous, check_shardable
 from specserve.workers.speculation.engine import SpecEngine
+from tests.helpers.greedy_oracle import own_greedy_loop
 from tests.helpers.workers import LocalWorkers, tensor_parallel_logits
 
 pytestmark = pytest.mark.slow
@@ -122,3 +124,27 @@ def test_a_killed_rank_makes_the_replica_unhealthy_and_its_requests_finish_elsew
     assert [r.state.generated for r in results] == reference
     assert unhealthy == {"target-tp"} and not health.healthy
     assert {r.target_worker for r in results} == {"target-0"}
+
+
+def test_a_tp2_targets_second_turn_takes_its_first_turns_cache_over(models, tiny_target):
+    """Prefix caching on a tensor-parallel target: rank 0 and its follower keep and take over the same caches (the
+    follower replays rank 0's store operations), so the second turn computes only what follows its history."""
+    tokenizer = models[0].tokenizer
+    history = tokenizer("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)["input_ids"]
+    params, spec = SamplingParams(max_new_tokens=16), SpecParams(method="ngram", k=3)
+
+    async def main():
+        with LocalTensorParallelReplica(tiny_target, 2) as tp:
+            client = TargetClient(tp.address, timeout_s=60)
+            pipeline = Pipeline(Scheduler([], ["target-tp"]), {}, {"target-tp": client})
+            first = await pipeline.generate(history, params, spec, frozenset())
+            await pipeline.drain_releases()
+            turn_2 = history + first.state.generated + tokenizer("\n# next")["input_ids"]
+            second = await pipeline.generate(turn_2, params, spec, frozenset())
+            return first, second, await client.health()
+
+    first, second, health = asyncio.run(main())
+    for req in (first, second):
+        prompt = req.state.tokens[: req.state.prompt_len]
+        assert req.state.generated == own_greedy_loop(models[0].model, prompt, 16, set())
+    assert health.prefix_cache_hits >= len(history) + 15 - RETAIN_LESS and health.healthy
