@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from specserve.cluster.bench.traffic import Timed, document, percentiles, served, timed_stream
 from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
 
-DEFAULT_CHUNK = "default"
+DEFAULT_CHUNK = "default"  # the app's own setting
+CHUNK = 256  # vLLM's max_num_batched_tokens for a small model
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,10 @@ class LongPromptConfig:
     long_new_tokens: int = 16
     every_s: float = 10.0
     arrivals: int = 3  # long prompts per mixed window
-    chunks: tuple[str | None, ...] = (DEFAULT_CHUNK, None)  # the arms: the app's default chunk, and no chunking
+    chunks: tuple[int | str | None, ...] = (CHUNK, None)  # the arms: chunks of 256, and one call
 
 
-QUICK_LONG_PROMPT = LongPromptConfig(arrivals=2, chunks=(DEFAULT_CHUNK,))
+QUICK_LONG_PROMPT = LongPromptConfig(arrivals=2, chunks=(CHUNK,))
 
 
 class _Chat:

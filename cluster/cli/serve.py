@@ -52,10 +52,11 @@ def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="with --model: prefill long prompts in chunks between other requests' rounds (default: on)",
+        help="with --model: prefill long prompts in chunks (of --max-num-batched-tokens, 256 by default) between "
+        "other requests' rounds (default: off)",
     )
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
-                   help="with --model: the prefill chunk, in tokens (default 256)")  # fmt: skip
+                   help="with --model: chunked prefill's chunk, in tokens (turns it on)")  # fmt: skip
     p.add_argument("--speculative-config", metavar="JSON",
                    help="with --model: vLLM's speculative config, e.g. '{\"method\": \"eagle3\", "
                    "\"num_speculative_tokens\": 3}' (docs/speculative-config.md)")  # fmt: skip
@@ -110,8 +111,8 @@ def _model_overrides(args: argparse.Namespace) -> dict:
         out.setdefault("target_pool", {})["tensor_parallel_size"] = args.tensor_parallel_size
     if args.enable_chunked_prefill is False:
         out["prefill_chunk_tokens"] = None
-    elif args.max_num_batched_tokens is not None:
-        out["prefill_chunk_tokens"] = args.max_num_batched_tokens
+    elif args.max_num_batched_tokens is not None or args.enable_chunked_prefill:
+        out["prefill_chunk_tokens"] = args.max_num_batched_tokens or 256
     if args.k is not None:
         out["k"] = args.k if args.k == "auto" else _int_flag("--k", args.k)
     if args.speculative_config is not None:

@@ -109,6 +109,7 @@ def test_serve_flags_with_vllms_names_set_the_kv_cache_and_chunked_prefill():
     assert served.target_pool.tensor_parallel_size == 2 and served.prefill_chunk_tokens == 512
     off = serve_cli._model_overrides(_serve_args("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"))
     assert off == {"prefill_chunk_tokens": None}
+    assert serve_cli._model_overrides(_serve_args("--enable-chunked-prefill")) == {"prefill_chunk_tokens": 256}
 
 
 @pytest.mark.parametrize(

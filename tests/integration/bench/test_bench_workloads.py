@@ -29,7 +29,7 @@ def test_multi_turn_on_the_demo_family(tokenizer):
 
 def test_long_prompt_on_the_demo_family(tokenizer):
     cfg = LongPromptConfig(streams=2, chat_tokens=12, long_tokens=700, long_new_tokens=4, every_s=1.0, arrivals=2,
-                           chunks=("default",))  # fmt: skip
+                           chunks=(64,))  # fmt: skip
     prompts = [question_prompt_ids(tokenizer, q) for q in ("Why is the sky blue?", "Name a prime number.")]
     (arm,) = run_long_prompt("demo", "demo", "cpu", "float32", tokenizer, prompts, cfg, progress=False)["arms"]
     assert arm["long_prompt_tokens"] > 600 and len(arm["long_ttft_s"]) == 2 and arm["chat_identical"]
