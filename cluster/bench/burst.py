@@ -44,7 +44,8 @@ class BurstRow:
         return asdict(self)
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 / max (nearest rank), {} for none."""
     if not values:
         return {}
     ordered = sorted(values)
@@ -120,7 +121,7 @@ def run_burst(grpc_address: str, http: str, prompts: list[list[int]], n: int, ne
     delta = {b: after[b] - before.get(b, 0) for b in after}
     return BurstRow(
         requests=n, answered=len(answered), refused=refused, lost=n - len(answered) - sum(refused.values()),
-        seconds=seconds, ttft_s=_percentiles(ttfts), latency_s=_percentiles(latencies),
+        seconds=seconds, ttft_s=percentiles(ttfts), latency_s=percentiles(latencies),
         queue_s={f"p{round(100 * q)}": histogram_quantile(q, delta) for q in (0.5, 0.9, 0.99)},
         most_running=seen["running"], most_queued=seen["queued"],
     )  # fmt: skip

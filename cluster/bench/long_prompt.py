@@ -20,7 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from specserve.cluster.bench.traffic import Timed, document, percentiles, served, timed_stream
+from specserve.cluster.bench.burst import percentiles
+from specserve.cluster.bench.traffic import Timed, document, served, timed_stream
 from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
 
 DEFAULT_CHUNK = "default"  # the app's own setting

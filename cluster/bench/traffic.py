@@ -11,7 +11,6 @@ import ast
 import functools
 import importlib.util
 import math
-import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,15 +49,6 @@ def document(tokenizer, tokens: int, start: int = 0) -> str:
         parts.append(text)
         used += n
     return "\n\n".join(p for p in parts if p)
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    """p50 / p90 / p99 / max (nearest rank), {} for none."""
-    if not values:
-        return {}
-    ordered = sorted(values)
-    at = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]  # noqa: E731
-    return {"p50": statistics.median(ordered), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
 
 
 @dataclass

@@ -203,6 +203,8 @@ class KVCacheStore:
         """A forward pass wrote `tokens` at the entry's next positions (committed with `commit`); `overwrote`: it
         wrote past them too (a drafted tree's nodes), so nothing spare is left."""
         entry = self.get(request_id)
+        if not entry.spare:  # the usual case: nothing rolled back since the last write
+            return
         n = len(tokens)
         if overwrote or entry.spare[:n] != [int(t) for t in tokens]:
             entry.spare.clear()

@@ -5,6 +5,7 @@ VLLM_CPU_KVCACHE_SPACE), unless the settings name a budget in bytes or a capacit
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,8 +35,6 @@ def available_ram_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

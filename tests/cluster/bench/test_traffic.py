@@ -3,7 +3,8 @@ same arguments and different from another start; a stream's gaps; an arm's setti
 
 from transformers import AutoTokenizer
 
-from specserve.cluster.bench.traffic import Timed, _merge, document, percentiles
+from specserve.cluster.bench.burst import percentiles
+from specserve.cluster.bench.traffic import Timed, _merge, document
 
 
 def test_documents_are_about_as_long_as_asked_and_differ_by_start(tiny_target):
