@@ -1,6 +1,6 @@
 """The `specserve` command line: the parser and the dispatch. Each command lives in its own module (generate, serve,
-models, bench) and imports what it runs (torch, transformers, Ray, the Serve app) inside the command, so `--help`,
-`models list` and `generate` against a server start without them."""
+models, bench, draft, wheelhouse) and imports what it runs (torch, transformers, Ray, the Serve app) inside the
+command, so `--help`, `models list` and `generate` against a server start without them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from specserve.cluster.cli import bench, draft, generate, models, serve
+from specserve.cluster.cli import bench, draft, generate, models, serve, wheelhouse
 from specserve.workers.errors import SpecServeError
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub, common)
     models.add_parser(sub, common)
     draft.add_parser(sub, common)
+    wheelhouse.add_parser(sub, common)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Installing specserve where there is no package index: `specserve wheelhouse` builds a folder of wheels beside it."""
