@@ -7,6 +7,7 @@ import re
 
 import grpc
 import pytest
+import torch
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
@@ -125,8 +126,14 @@ def test_worker_with_a_secret_rejects_calls_without_it(models):
     codes, health = asyncio.run(main())
     assert codes == [(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster secret")] * 2
     draft = models[1]
-    assert health.healthy and health.kv_capacity_tokens > 0  # also when empty: sized from the budget (4 GiB here)
-    assert health.kv_capacity_bytes == health.kv_capacity_tokens * draft.kv_bytes_per_token <= 4 << 30
+    assert health.healthy and health.kv_capacity_tokens > 0  # also when empty: sized from the budget
+    # The budget: 4 GiB on a CPU (cpu_kv_cache_space_gib), at most 0.9 of the GPU on CUDA (gpu_memory_utilization).
+    ceiling = (
+        4 << 30
+        if draft.device.type == "cpu"
+        else int(0.9 * torch.cuda.get_device_properties(draft.device).total_memory)
+    )
+    assert health.kv_capacity_bytes == health.kv_capacity_tokens * draft.kv_bytes_per_token <= ceiling
     assert health.kv_allocated_bytes == 0  # nothing cached yet
 
 
@@ -179,8 +186,9 @@ def test_an_assembled_draft_worker_drafts_in_the_targets_vocabulary_and_logs_its
     assert proposed.vocab_size == target.vocab_size and len(proposed.drafted) == 2
     assert health.model == draft.path
     (message,) = [r.getMessage() for r in caplog.records]
-    assert re.fullmatch(rf"draft worker serving {draft.path} on cpu at 127\.0\.0\.1:{port}; KV cache \d+\.\d\d GiB, "
-                        r"\d+ positions \(cpu_kv_cache_space_gib .*\)", message)  # fmt: skip
+    budget = "cpu_kv_cache_space_gib" if draft.device.type == "cpu" else "gpu_memory_utilization"
+    assert re.fullmatch(rf"draft worker serving {draft.path} on {draft.device.type} at 127\.0\.0\.1:{port}; KV cache "
+                        rf"\d+\.\d\d GiB, \d+ positions \({budget} .*\)", message)  # fmt: skip
 
 
 def test_a_requests_sampling_is_validated_on_its_first_call_only(models, monkeypatch):
