@@ -320,7 +320,10 @@ class Scheduler:
         """Commit a verified round; the reply's features (EAGLE-3) wait for the next draft call; logprobs: kept;
         round_s: the round's wall time, from its plan to its reply (against the plan's; not a prompt's prefill)."""
         forecast, req.forecast = req.forecast, None
-        if forecast is not None and round_s > 0 and req.state.generated and req.target_worker in self.batches:
+        # Not the prompt's round, nor the request's first drafting one: its drafter's catch-up over the prompt (a
+        # head's extension over up to 910 positions of features, a draft model's prefill) is not a steady round.
+        steady = req.state.generated and (req.state.stats.drafted or not drafted)
+        if forecast is not None and round_s > 0 and steady and req.target_worker in self.batches:
             self.batches[req.target_worker].realized.observe(forecast, round_s)
         if req.planner is not None:
             self._observe_plan(req, drafted, accepted)

@@ -95,6 +95,14 @@ class DecayedByRows:
         total, weight = self._sums.get(rows, (0.0, 0.0))
         self._sums[rows] = (total * self.decay + value, weight * self.decay + 1.0)
 
+    def relax(self, rows: int) -> None:
+        """One step of decay without an observation at the nearest size seen: the mean drifts back to the prior."""
+        if not self._sums:
+            return
+        near = rows if rows in self._sums else min(self._sums, key=lambda r: (abs(r - rows), r))
+        total, weight = self._sums[near]
+        self._sums[near] = (total * self.decay, weight * self.decay)
+
     def at(self, rows: int) -> float:
         if not self._sums:
             return self.prior
@@ -203,7 +211,11 @@ class RealizedRounds:
     plan sees the forward and the drafter's cost; it cannot see that when some requests draft and others do not, or
     their drafts come back at different times, the worker's requests meet fewer forward passes (a round then waits
     for another's pass: 4 served streams on the 2-core CPU met 2.1 rows a pass drafting, 3.1 plain), nor the draft
-    hop's queueing, the batcher's waits and other requests' prefills. A mode not seen yet is taken at its plan."""
+    hop's queueing, the batcher's waits and other requests' prefills. A mode not seen yet is taken at its plan, and
+    each round of the other mode relaxes a mode's mean back towards its plan: a slowdown seen in a few disturbed rounds
+    that stopped a worker drafting is tried again rather than believed for ever (the planner cannot re-measure a mode
+    it no longer plans: a single-stream request over a 1.4K-token prompt drafted once, met 1.4x its forecast, and
+    never drafted again)."""
 
     decay: float = 0.95
     prior_weight: float = 2.0
@@ -218,6 +230,7 @@ class RealizedRounds:
             return
         ratio = min(self.max_factor, max(self.min_factor, seconds / forecast.seconds))
         self._by_mode[forecast.drafting].add(forecast.rows, ratio)
+        self._by_mode[not forecast.drafting].relax(forecast.rows)
 
     def factor(self, drafting: bool, rows: int) -> float:
         """The slowdown of this mode at this batch size: its own when seen, else the nearest seen size's, else 1."""
