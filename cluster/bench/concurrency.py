@@ -37,6 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from specserve.cluster.bench.burst import BurstRow
+from specserve.cluster.bench.serve import MODEL as BENCH_MODEL
+from specserve.cluster.bench.serve import round_accounting
+from specserve.cluster.scheduling.round_times import per_round_ms
 
 OFF, DEFAULT = "off", "default"
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1-15)
@@ -115,6 +118,7 @@ class Segment:
     mode: str
     window_s: float
     requests: list[Request]
+    accounting: tuple[dict, dict] | None = None  # the scheduler's round accounting before and after it
 
     @property
     def tokens_per_s(self) -> float:
@@ -139,6 +143,7 @@ class LevelRow:
     tpot_ms_p50: float = 0.0
     tpot_ms_p99: float = 0.0
     tokens_per_round: float = 0.0  # tokens committed per verify round (1.0: nothing drafted was accepted)
+    round_ms: dict[str, float] = field(default_factory=dict)  # each part's mean a round (round_times.py)
     identical: bool | None = None  # speculative rows: every request off ran too gave off's tokens
     segment_tokens_per_s: list[float] = field(default_factory=list)
     outputs: dict[int, set[tuple[int, ...]]] = field(default_factory=dict, repr=False)  # request index -> outputs
@@ -154,6 +159,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _row(streams: int, mode: str, segments: list[Segment]) -> LevelRow:
     """One mode's segments as one row: window tokens and seconds summed, latencies pooled."""
     row = LevelRow(streams, mode, segment_tokens_per_s=[s.tokens_per_s for s in segments])
+    row.round_ms = per_round_ms([s.accounting for s in segments if s.accounting is not None])
     requests = [r for s in segments for r in s.requests]
     row.requests = len(requests)
     row.tokens = sum(len(r.token_ids) for r in requests)
@@ -231,7 +237,9 @@ def _level(client, prompts: list[list[int]], streams: int, cfg: LoadConfig, bar)
     """The rows of one level: off, the default, and the fixed k's where they run."""
 
     def run(mode: str, seconds: float) -> Segment:
+        before = round_accounting()
         seg = _segment(client, prompts, streams, mode, seconds, cfg.new_tokens)
+        seg.accounting = (before, round_accounting()) if before is not None else None
         bar.update()
         return seg
 
@@ -258,7 +266,7 @@ def bench_app(target: str, draft: str | None, device: str, dtype: str) -> dict:
     from specserve.cluster.app_config import AppConfig, serve_config
     from specserve.workers.service.local_processes import free_port
 
-    model = {"name": "bench", "target": target, "device": device, "dtype": dtype, "target_pool": {"num_cpus": 0.5},
+    model = {"name": BENCH_MODEL, "target": target, "device": device, "dtype": dtype, "target_pool": {"num_cpus": 0.5},
              "draft_pool": {"num_cpus": 0.5}, **({"draft": draft} if draft else {})}  # fmt: skip
     app = AppConfig.model_validate({"models": [model], "scheduler": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
     return serve_config(app, grpc_port=free_port(), http_port=free_port())
@@ -316,9 +324,14 @@ def load_meta(rows: list[LevelRow], cfg: LoadConfig, drafting: str, tax: dict | 
     }
 
 
+def _ms(round_ms: dict[str, float], *parts: str) -> str:
+    return f"{sum(round_ms[p] for p in parts):.1f}" if round_ms else "-"
+
+
 def format_levels(rows: list[LevelRow]) -> str:
     head = ["streams", "speculation", "requests", "agg tok/s", "vs off", "95% CI", "spread", "TTFT p50 ms",
-            "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "tok/round", "identical"]  # fmt: skip
+            "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "tok/round", "identical", "round ms: work",
+            "overhead"]  # fmt: skip
     lines = [head]
     for r in rows:
         lines.append([
@@ -328,6 +341,7 @@ def format_levels(rows: list[LevelRow]) -> str:
             "-" if r.spread is None else f"{r.spread:.0%}",
             f"{r.ttft_ms_p50:.0f}", f"{r.ttft_ms_p99:.0f}", f"{r.tpot_ms_p50:.1f}", f"{r.tpot_ms_p99:.1f}",
             f"{r.tokens_per_round:.2f}", "-" if r.identical is None else ("yes" if r.identical else "NO"),
+            _ms(r.round_ms, "draft_work", "verify_work"), _ms(r.round_ms, "overhead"),
         ])  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]

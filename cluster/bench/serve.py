@@ -20,6 +20,19 @@ MODEL = "bench"
 SMALL_POOL = {"num_cpus": 0.5}  # small reservations, so that the app starts on 2 cores
 
 
+def round_accounting() -> dict | None:
+    """The bench model's round accounting on the running app's scheduler replica (cluster/scheduling/round_times.py;
+    None where no Ray runs: a unit test's stand-in client)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray import serve
+
+    handle = serve.get_deployment_handle("scheduler", APP_NAME)
+    return handle.status.remote().result(timeout_s=60)[MODEL]["round_accounting"]
+
+
 @dataclass
 class ServedModel:
     """One model served by a running app: rows of its requests (greedy), and its scheduler replica's status."""

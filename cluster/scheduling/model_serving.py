@@ -106,6 +106,9 @@ class ModelServing:
         self.models = {
             m.name: ServedModel.load(m, resolved_paths[m.name][0], app.scheduler.worker_wait_s) for m in app.models
         }
+        if metrics is not None:
+            for name, model in self.models.items():
+                model.pipeline.times.on_add = lambda record, name=name: metrics.round_time(name, record)
 
     @property
     def draining(self) -> bool:
@@ -177,6 +180,8 @@ class ModelServing:
                 "rounds": s.pipeline.times.rounds,
                 "orchestration_ms_p50": s.pipeline.times.p50_ms(),
                 "orchestration_s": s.pipeline.times.orchestration_s,
+                # every round's wall time split: plan, draft and verify hops (queue, work, the rest), stream back
+                "round_accounting": s.pipeline.times.summary(),
                 "wire_bytes": s.pipeline.wire_bytes(),
                 "wire_bytes_per_round": s.pipeline.wire_bytes() / max(1, s.pipeline.times.rounds),
                 "verify_calls": s.pipeline.verify_calls,  # and the requests a target forward served, on average:

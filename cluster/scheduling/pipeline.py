@@ -136,20 +136,24 @@ class Pipeline:
                 if req.method.tree:
                     committed = await self._tree_round(req, clock)
                     if committed is not None:  # None: the target failed, the round is re-planned
-                        self.times.add(clock.overhead())
+                        sent = time.perf_counter()
                         yield committed
+                        self.times.add(clock.record(time.perf_counter() - sent))
                     continue
                 k = self.scheduler.k_for(req)
+                clock.planned(*self.scheduler.prediction(req))
                 draft = await self._draft(req, k, pre, clock)
                 drafted = draft.drafted
                 reply, pre_task = await self._verify_round(req, k, drafted, draft.draft_probs, clock)
                 if reply is None:
                     continue  # the round is re-planned on the restarted or another target: nothing was committed
+                round_s = clock.verified(len(drafted), reply.accepted)
                 committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token, reply.features,
-                                                        reply.logprobs, time.perf_counter() - clock.start)  # fmt: skip
+                                                        reply.logprobs, round_s)  # fmt: skip
                 pre = await self._next_predraft(req, pre_task, reply.accepted == len(drafted), clock)
-                self.times.add(clock.overhead())
-                yield committed
+                sent = time.perf_counter()
+                yield committed  # the round's tokens on their way to the client, until it asks for the next round's
+                self.times.add(clock.record(time.perf_counter() - sent))
         finally:
             self.release_soon(req)
 
@@ -218,9 +222,9 @@ class Pipeline:
             return reused
         if req.plan is not None and req.plan.source in LOOKUP_SOURCES:
             return ProposeResult(list(req.plan.tokens))  # prompt lookup's or suffix drafting's continuation: no model
-        with clock.waiting():
-            call = self.scheduler.plan_draft(req, k)
-            client = self.drafts[call.worker]
+        call = self.scheduler.plan_draft(req, k)
+        client = self.drafts[call.worker]
+        with clock.waiting("draft"):
             try:
                 proposal = await self._propose(req, call)
             except WorkerUnavailable as e:  # this round: target-only; later: the restarted or another drafter
@@ -228,6 +232,7 @@ class Pipeline:
                 return ProposeResult([])
             except WorkerFull:
                 return ProposeResult([])
+        clock.worker("draft", proposal)
         self.scheduler.drafted(req, call)
         return proposal
 
@@ -240,9 +245,9 @@ class Pipeline:
             drafted = self.ngram.propose_tree(req.request_id, req.state.tokens, TreeShape.for_budget(nodes))
             tree = self.scheduler.prune_tree(req, drafted) if drafted is not None else None
         elif nodes:
-            with clock.waiting():
-                call = self.scheduler.plan_draft(req, nodes)
-                client = self.drafts[call.worker]
+            call = self.scheduler.plan_draft(req, nodes)
+            client = self.drafts[call.worker]
+            with clock.waiting("draft"):
                 try:
                     proposal = await self._propose(req, call)
                 except WorkerUnavailable as e:
@@ -251,6 +256,7 @@ class Pipeline:
                 except WorkerFull:
                     proposal = None
             if proposal is not None:
+                clock.worker("draft", proposal)
                 self.scheduler.drafted(req, call)
                 tree = self.scheduler.prune_tree(req, proposal.tree())
         tokens, parents = (tree.tokens, tree.parents) if tree is not None else ([], None)
@@ -280,7 +286,7 @@ class Pipeline:
             pre_call = self.scheduler.plan_predraft(req, drafted, k)
             if pre_call is not None:
                 pre_task = asyncio.ensure_future(self._propose(req, pre_call))
-        with clock.waiting():
+        with clock.waiting("verify"):
             try:
                 reply = await verify
             except WorkerUnavailable as e:
@@ -293,6 +299,7 @@ class Pipeline:
                 self.scheduler.planner_costs.observe_batch(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
             self.verify_calls += 1
             self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
+        clock.worker("verify", reply)
         if call.prompt_logprobs is not None and reply.prompt_logprobs is not None:  # the prompt's tokens 1..P-1's
             req.state.prompt_logprobs = reply.prompt_logprobs[: req.state.prompt_len - 1]
         return reply, pre_task
@@ -306,7 +313,7 @@ class Pipeline:
         if not all_accepted or req.state.finished:
             await _cancel(pre_task)
             return None
-        with clock.waiting():
+        with clock.waiting("draft"):
             try:
                 draft = await pre_task
             except (WorkerUnavailable, WorkerLostRequest, WorkerFull) as e:

@@ -28,11 +28,11 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.chain_planner import BatchWidth, ChainPlanner, PlannerCosts, model_head_acceptance
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K, expected_accepted
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
 from specserve.workers.speculation.logprobs import TokenLogprob
-from specserve.workers.speculation.methods import METHODS
+from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
@@ -217,6 +217,15 @@ class Scheduler:
         share = costs.surface.at(rows, width + 1) / rows
         return choose_row(req.choice, width, share, costs.drafters)
 
+    @staticmethod
+    def prediction(req: SchedRequest) -> tuple[int, float, float]:
+        """This round's chain plan as k_for left it: (k, the accepted tokens it expects, the worker's batch round's
+        forecast seconds; 0 without a forecast: a fixed k, a plain method)."""
+        plan, choice, forecast = req.plan, req.choice, req.forecast
+        option = next((o for o in choice.options if o.source == plan.source), None) if plan and choice else None
+        expected = expected_accepted(option.rates, min(plan.k, len(option.rates))) if option else 0.0
+        return (plan.k if plan else 0), expected, (forecast.seconds if forecast else 0.0)
+
     def _batch_width(self, worker: str) -> tuple[int, int]:
         """(requests, planned chain width) of the worker's batches."""
         peers = [r.choice for r in self.requests.values() if r.target_worker == worker and r.choice is not None]
@@ -353,7 +362,11 @@ class Scheduler:
         """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""
         plan, req.plan = req.plan, None
         if plan is None or not drafted or plan.source == NO_DRAFT.source:
+            if req.choice is not None:
+                req.planner.passed_over(req.choice.options)
             return
+        if plan.source != HEAD_CHAIN and req.choice is not None:
+            req.planner.passed_over(req.choice.options)
         req.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
 
     def drafted(self, req: SchedRequest, call: Call) -> None:

@@ -147,12 +147,12 @@ class DraftClient(_Client):
         )
         drafted = list(response.drafted)
         if not call.tree:
-            return ProposeResult(drafted, response.draft_probs, response.batch_seconds)
+            return ProposeResult(drafted, response.draft_probs, response.batch_seconds, response.queued_seconds)
         if len(response.parents) != len(drafted) or len(response.scores) != len(drafted):
             raise WorkerUnavailable(f"{self.address}: a tree reply of {len(drafted)} tokens, "
                                     f"{len(response.parents)} parents, {len(response.scores)} scores")  # fmt: skip
-        return ProposeResult(drafted, response.draft_probs, response.batch_seconds, list(response.parents),
-                             list(response.scores))  # fmt: skip
+        return ProposeResult(drafted, response.draft_probs, response.batch_seconds, response.queued_seconds,
+                             list(response.parents), list(response.scores))  # fmt: skip
 
 
 class TargetClient(_Client):
@@ -184,6 +184,7 @@ class TargetClient(_Client):
             batch_seconds=response.batch_seconds,
             batch_rows=response.batch_rows,
             batch_tokens=response.batch_tokens,
+            queued_seconds=response.queued_seconds,
             features=response.features,
             path=list(response.path),
             logprobs=list(from_proto(response.logprobs)) if response.HasField("logprobs") else None,

@@ -65,6 +65,14 @@ class SchedulerMetrics:
             f"1 + accepted / drafts over the model's last {WINDOW_ROUNDS} drafting rounds here (0 before any).",
             m,
         )
+        self.round_seconds = Counter(
+            "specserve_round_seconds_total",
+            "Served rounds' wall time by part (cluster/scheduling/round_times.py): total, plan (the scheduler's own), "
+            "draft_queue / draft_work / draft_hop and verify_queue / verify_work / verify_hop (the worker's batcher, "
+            "its batch's compute, the rest of the call), stream (to the client), overhead (total less the work).",
+            ("model_name", "part"),
+        )
+        self.rounds = Counter("specserve_rounds_total", "Served rounds (each commits one or more tokens).", m)
         self._request_metrics()
         self._windows: dict[str, _Window] = {}
         self._counts: dict[str, list[int]] = {}  # model -> [waiting, running]
@@ -121,6 +129,13 @@ class SchedulerMetrics:
         counts[0], counts[1] = max(0, counts[0] + waiting), max(0, counts[1] + running)
         self.waiting.set(counts[0], tags={"model_name": model})
         self.running.set(counts[1], tags={"model_name": model})
+
+    def round_time(self, model: str, record) -> None:
+        """One round's accounting (a RoundRecord): rate() of a part over rate() of the rounds is its mean a round."""
+        self.rounds.inc(1, tags={"model_name": model})
+        for part, seconds in record.parts().items():
+            if seconds > 0:
+                self.round_seconds.inc(seconds, tags={"model_name": model, "part": part})
 
     def spec_round(self, model: str, drafted: int, accepted: int) -> None:
         """One round's speculative decoding: `drafted` tokens proposed, `accepted` of them kept."""

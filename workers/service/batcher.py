@@ -13,6 +13,7 @@ requests come back only after a verify, does not hold every draft call for reque
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ class _Job:
     item: Any
     cost: int  # new positions it feeds
     future: asyncio.Future = field(repr=False)
+    arrived: float = field(default_factory=time.perf_counter)
 
 
 class Batcher:
@@ -178,4 +180,12 @@ class Batcher:
             self._on_batch(len(batch), time.perf_counter() - start)
         for job, result in zip(batch, results, strict=True):
             if not job.future.done():
-                job.future.set_result(result)
+                job.future.set_result(_queued(result, start - job.arrived))
+
+
+def _queued(result: Any, seconds: float) -> Any:
+    """A result stamped with the time its call waited for its batch (the round accounting's queue share), where its
+    type has room for it (workers/service/results.py)."""
+    if dataclasses.is_dataclass(result) and hasattr(result, "queued_seconds"):
+        return dataclasses.replace(result, queued_seconds=seconds)
+    return result

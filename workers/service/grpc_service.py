@@ -178,6 +178,7 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
             draft_probs=proposed.draft_probs,
             vocab_size=self.worker.vocab_size,
             batch_seconds=proposed.batch_seconds,
+            queued_seconds=proposed.queued_seconds,
             parents=proposed.parents or [],
             scores=proposed.scores or [],
         )
@@ -220,6 +221,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             batch_seconds=result.batch_seconds,
             batch_rows=result.batch_rows,
             batch_tokens=result.batch_tokens,
+            queued_seconds=result.queued_seconds,
             features=result.features,
             path=result.path or [],
             logprobs=to_proto(result.logprobs) if result.logprobs is not None else None,

@@ -19,6 +19,7 @@ class ProposeResult:
     drafted: list[int]  # a chain's 0..k tokens or a tree's nodes, in depth order (none: a plain target step)
     draft_probs: bytes = b""  # encoded draft distributions (codec.encode_probs); empty: one-hot (greedy, lookup, trees)
     batch_seconds: float = 0.0  # of the whole batch the call ran in (set once the batch is done; 0: no worker drafted)
+    queued_seconds: float = 0.0  # from the call's arrival at the worker's batcher to its batch's start
     parents: list[int] | None = None  # a tree: each node's parent (ROOT or an earlier node); a chain: None
     scores: list[float] | None = None  # a tree: each node's path log-probability under the head; a chain: None
 
@@ -41,6 +42,7 @@ class VerifyResult:
     batch_seconds: float = 0.0  # of the whole batch the call ran in (set once the batch is done)
     batch_rows: int = 0  # requests in that batch
     batch_tokens: int = 0  # positions the batch's forward pass fed
+    queued_seconds: float = 0.0  # from the call's arrival at the worker's batcher to its batch's start
     features: bytes = b""  # EAGLE-3: the committed positions' features (codec.encode_features), when the call asked
     path: list[int] | None = None  # a tree's accepted nodes, root-down; a chain: None ([] off the wire)
     logprobs: list[TokenLogprob] | None = None  # the accepted tokens' and next_token's, when params.logprobs asks

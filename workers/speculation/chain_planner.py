@@ -156,6 +156,13 @@ class ChainPlanner:
         costs = self.costs or PlannerCosts(VerifyCosts((1.0,)))
         return plan_batch([row], costs.surface, costs.drafters, row.budget, batched_drafts).rows[0]
 
+    def passed_over(self, options: Sequence[Option]) -> None:
+        """A round that offered these options and drafted none of the head's: the model-wide head record relaxes
+        towards its prior (PositionAcceptance.relax), so that traffic the head once drafted badly for (a burst of
+        summaries) does not stop it drafting for every later request for good."""
+        if self.head_shared is not None and any(o.source == HEAD_CHAIN for o in options):
+            self.head_shared.relax()
+
     def observe(self, plan: ChainPlan, accepted: int) -> None:
         if plan.source == HEAD_CHAIN:
             self.head.observe(plan.k, accepted)

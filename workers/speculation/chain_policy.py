@@ -91,6 +91,13 @@ class PositionAcceptance:
             self.reached[j] += 1
             self.accepted[j] += 1 if j < accepted else 0
 
+    def relax(self) -> None:
+        """A round that could have drafted with this drafter and did not: decayed counts forget a little, so the rates
+        drift back to the prior. A record low enough to stop drafting would otherwise never be measured again."""
+        if self.decay != 1.0:
+            self.reached = [n * self.decay for n in self.reached]
+            self.accepted = [n * self.decay for n in self.accepted]
+
     def rates(self, k: int) -> list[float]:
         out = []
         for j in range(k):

@@ -96,12 +96,14 @@ class DecayedByRows:
         self._sums[rows] = (total * self.decay + value, weight * self.decay + 1.0)
 
     def relax(self, rows: int) -> None:
-        """One step of decay without an observation at the nearest size seen: the mean drifts back to the prior."""
+        """Decay without an observation at the nearest size seen, one step per batch round (a `rows`-th of a step per
+        row's round), so that the mean drifts back to the prior as fast under load as alone."""
         if not self._sums:
             return
         near = rows if rows in self._sums else min(self._sums, key=lambda r: (abs(r - rows), r))
         total, weight = self._sums[near]
-        self._sums[near] = (total * self.decay, weight * self.decay)
+        step = self.decay ** (1.0 / max(1, rows))
+        self._sums[near] = (total * step, weight * step)
 
     def at(self, rows: int) -> float:
         if not self._sums:

@@ -72,6 +72,11 @@ def test_within_request_pipelining_changes_nothing_and_is_used(models, reference
     assert sum(r.pipelined_rounds for r in without) == 0
     assert sum(r.state.stats.rounds for r in with_pre) == sum(r.state.stats.rounds for r in without)
     assert pipeline.times.rounds > 0 and pipeline.times.orchestration_s > 0
+    # Every round is accounted for: the workers' compute and queues as they reported them, the hops, the rest.
+    sums = pipeline.times.summary()["sum_s"]
+    assert sums["verify_work"] > 0 and sums["draft_work"] > 0 and sums["verify_hop"] > 0
+    split = ("plan", "draft_queue", "draft_work", "draft_hop", "verify_queue", "verify_work", "verify_hop", "stream")
+    assert sum(sums[p] for p in split) == pytest.approx(sums["total"], rel=0.05)  # hops clipped at 0 aside
 
 
 def test_seeded_sampling_matches_in_process_engine_with_and_without_pipelining(models):

@@ -1,6 +1,8 @@
 """The scheduler's worker membership alone (CPU-only state machine, no I/O): workers joining and leaving a pool,
 requests moving off a worker that left, re-attaching to a draft worker that came back, stranded requests."""
 
+import math
+
 import pytest
 
 from specserve.cluster.scheduling.sched_request import SchedRequest
@@ -161,3 +163,20 @@ def test_max_k_caps_what_auto_drafts_and_a_fixed_k_is_the_clients():
         assert s.k_for(fixed) == 5
     assert drafted[None] > 2 and drafted[2] == 2
     assert Scheduler([], ["t1"], max_k=3).max_tree_nodes == 3
+
+
+def test_a_rounds_prediction_is_its_plans_k_expected_acceptance_and_forecast():
+    """What the round accounting sets against each round (k='auto''s diagnostic): the plan's k, the accepted tokens
+    its drafter's rates expect of it, and the worker's forecast round; a fixed k forecasts nothing."""
+    s = Scheduler(["d1"], ["t1"])
+    s.planner_costs = PlannerCosts(cpu_surface(), draft=DraftCost(step_s=0.003, fixed_s=0.002))
+    params = SamplingParams(max_new_tokens=200)
+    auto = s.add([1, 2], params, SpecParams(method="draft", k="auto"), frozenset())
+    auto.planner.draft = PositionAcceptance((0.6, 0.5))
+    k = s.k_for(auto)
+    planned, expected, forecast = s.prediction(auto)
+    rates = auto.planner.draft.rates(k)
+    assert planned == k > 0 and forecast > 0
+    assert expected == pytest.approx(sum(math.prod(rates[: j + 1]) for j in range(k)))
+    fixed = s.add([1, 2], params, SpecParams(method="draft", k=3), frozenset())
+    assert s.k_for(fixed) == 3 and s.prediction(fixed)[0] == 3 and s.prediction(fixed)[2] == 0.0

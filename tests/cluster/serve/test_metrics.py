@@ -167,3 +167,17 @@ def test_worker_kv_cache_usage_is_a_fraction(metrics):
     store.prefix_queries, store.prefix_hits = 150, 40
     worker.report("a", "target", "target-a-1", store)
     assert values(worker.queries, **labels) == [100, 50] and values(worker.hits, **labels) == [40]
+
+
+def test_each_served_round_adds_its_parts_to_the_round_seconds_counter(metrics):
+    from specserve.cluster.scheduling.round_times import RoundRecord
+
+    record = RoundRecord(total=0.030, plan=0.004, verify_wait=0.020, verify_queue=0.002, verify_work=0.012,
+                         stream=0.006)  # fmt: skip
+    metrics.round_time("a", record)
+    metrics.round_time("a", record)
+    assert values(metrics.rounds) == [1, 1]
+    assert sum(values(metrics.round_seconds, part="total")) == pytest.approx(0.060)
+    assert sum(values(metrics.round_seconds, part="verify_hop")) == pytest.approx(0.012)
+    assert sum(values(metrics.round_seconds, part="overhead")) == pytest.approx(0.036)
+    assert values(metrics.round_seconds, part="draft_work") == []  # a part at 0 adds nothing (Ray counts > 0 only)

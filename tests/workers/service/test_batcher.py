@@ -203,3 +203,29 @@ def test_a_cancelled_drainer_cancels_its_waiting_calls_instead_of_stranding_them
 
     results, queued = asyncio.run(main())
     assert all(isinstance(r, asyncio.CancelledError) for r in results) and queued == 0
+
+
+def test_each_result_carries_how_long_its_call_queued_for_its_batch():
+    """The round accounting's queue share: a call that arrived while another batch ran waited that batch's run; the
+    first call, which found the worker idle, waited nothing to speak of."""
+    from specserve.workers.service.results import VerifyResult
+
+    async def main():
+        gate = threading.Event()
+
+        def run(items):
+            gate.wait(5)
+            return [VerifyResult(accepted=0, next_token=x) for x in items]
+
+        batcher = Batcher(ThreadPoolExecutor(1), run, BatchingConfig(max_wait_ms=0))
+        first = asyncio.ensure_future(batcher.submit("a", 1, 1))
+        await asyncio.sleep(0.02)
+        second = asyncio.ensure_future(batcher.submit("b", 2, 1))
+        await asyncio.sleep(0.2)  # b queues behind a's batch, which the gate holds
+        gate.set()
+        return await first, await second
+
+    first, second = asyncio.run(main())
+    assert (first.next_token, second.next_token) == (1, 2)
+    assert first.queued_seconds < 0.05
+    assert 0.15 <= second.queued_seconds < 2.0

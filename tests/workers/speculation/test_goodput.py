@@ -128,7 +128,10 @@ def test_realized_rounds_start_at_the_plan_and_learn_each_mode_per_batch_size():
     one = RealizedRounds()
     one.observe(RoundForecast(True, 8, 0.1), 10.0)  # one disturbed round (another request's prefill): bounded
     assert 1.0 < one.factor(True, 8) <= 2.0
-    for _ in range(60):  # rounds of the other mode: the drafting mode, no longer planned, drifts back to its plan
+    for _ in range(8 * 5):  # five batch rounds of the other mode, 8 rows each: barely moved
+        one.observe(RoundForecast(False, 8, 0.1), 0.1)
+    assert one.factor(True, 8) > 1.25
+    for _ in range(8 * 55):  # sixty in all: the drafting mode, no longer planned, has drifted back to its plan
         one.observe(RoundForecast(False, 8, 0.1), 0.1)
     assert 1.0 < one.factor(True, 8) < 1.1 and one.factor(False, 8) == pytest.approx(1.0)
 
