@@ -112,11 +112,11 @@ class ModelPairConfig(StrictModel):
     ngram: NgramConfig = Field(default_factory=NgramConfig, description="Prompt lookup's n-gram sizes.")
     predraft: bool = Field(True, description="Draft round r + 1 while round r verifies.")
     prefill_chunk_tokens: int | None = Field(
-        None, ge=16, description="A prompt longer than this prefills in chunks of it, each its own target call, so a "
+        256, ge=16, description="A prompt longer than this prefills in chunks of it, each its own target call, so a "
         "long prompt shares the target with the other requests' rounds instead of stalling them (vLLM's chunked "
-        "prefill, max_num_batched_tokens; 256 is a good size). A chunk over a cached prefix computes nothing it holds. "
-        "Off (None: one call) by default for now: a chunked prompt's rounds drafted nothing that was accepted in a "
-        "probe of 1.3K-token prompts with the EAGLE-3 head (1.00 token a round against 1.6-3.8 unchunked)."
+        "prefill, max_num_batched_tokens). A chunk over a cached prefix computes nothing it holds. None: one call. "
+        "Beside 4 chat streams a 4K-token prompt kept their p99 gap at 6.8 s chunked, 32 s in one call; its own "
+        "time to first token was 3.8x its time alone, 1.5x in one call."
     )  # fmt: skip
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(

@@ -53,7 +53,7 @@ def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="with --model: prefill long prompts in chunks (of --max-num-batched-tokens, 256 by default) between "
-        "other requests' rounds (default: off)",
+        "other requests' rounds (default: on; --no-enable-chunked-prefill: one call)",
     )
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="with --model: chunked prefill's chunk, in tokens (turns it on)")  # fmt: skip
