@@ -171,7 +171,9 @@ class ModelServing:
         if costs:
             await served.pipeline.measure_costs()
 
-    def status(self) -> dict:
+    def status(self, accounting: bool = True) -> dict:
+        """Per model, what the replica knows; `accounting`: with the round accounting's percentiles (a readiness
+        probe, which runs often, needs none of it)."""
         return {
             name: {
                 "targets": s.scheduler.healthy("target"),
@@ -181,7 +183,7 @@ class ModelServing:
                 "orchestration_ms_p50": s.pipeline.times.p50_ms(),
                 "orchestration_s": s.pipeline.times.orchestration_s,
                 # every round's wall time split: plan, draft and verify hops (queue, work, the rest), stream back
-                "round_accounting": s.pipeline.times.summary(),
+                "round_accounting": s.pipeline.times.summary() if accounting else None,
                 "wire_bytes": s.pipeline.wire_bytes(),
                 "wire_bytes_per_round": s.pipeline.wire_bytes() / max(1, s.pipeline.times.rounds),
                 "verify_calls": s.pipeline.verify_calls,  # and the requests a target forward served, on average:

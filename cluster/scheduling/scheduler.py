@@ -1,14 +1,12 @@
 """The scheduler as a CPU-only state machine: which worker holds each request, what each worker has been told, what
 the next round drafts and verifies, and how a verified round is applied. No I/O: `pipeline.py` executes its plans
-over gRPC; `service.py` (in the Serve app's scheduler replicas) holds one per model. Per request it tracks the
-committed tokens (RequestState), the sticky workers that hold its KV caches, the tokens each has been sent (the KV
-state protocol's tails), k, PEARL-style pre-drafting, and for "eagle" the head's features (features.py).
+over gRPC (one a model in `model_serving.py`). Per request: the committed tokens, the sticky workers holding its KV
+caches, the tokens each has been sent (the KV state protocol's tails), k, pre-drafting, a head's features.
 
 Every chain method plans its rounds with the goodput planner (docs/planner.md), as the in-process engine does: each
-request's ChainPlanner says what its drafters offer (the head's chain, prompt lookup's or suffix drafting's
-continuation, a draft model's chain) and how they have done; for k='auto' a target worker's requests draft the
-chain width that commits the most tokens per second of its batches (0: plain steps), at its measured costs and its
-rounds' realized times. Trees ("eagle-tree", "ngram-tree") are verified in one forward, pruned to what pays.
+request's ChainPlanner says what its drafters offer and how they have done; for k='auto' a target worker's requests
+draft the chain width that commits the most tokens per second of its batches (0: plain steps), at its measured costs
+and its rounds' realized times. Trees ("eagle-tree", "ngram-tree") are verified in one forward, pruned to what pays.
 """
 
 from __future__ import annotations
@@ -219,8 +217,7 @@ class Scheduler:
 
     @staticmethod
     def prediction(req: SchedRequest) -> tuple[int, float, float]:
-        """This round's chain plan as k_for left it: (k, the accepted tokens it expects, the worker's batch round's
-        forecast seconds; 0 without a forecast: a fixed k, a plain method)."""
+        """This round's chain plan as k_for left it: (k, expected accepted tokens, forecast seconds or 0)."""
         plan, choice, forecast = req.plan, req.choice, req.forecast
         option = next((o for o in choice.options if o.source == plan.source), None) if plan and choice else None
         expected = expected_accepted(option.rates, min(plan.k, len(option.rates))) if option else 0.0
@@ -284,10 +281,14 @@ class Scheduler:
 
     def plan_prefill_chunk(self, req: SchedRequest) -> Call | None:
         """The next chunk of a long prompt's prefill on its target worker, before its first round; None once the rest
-        fits a round's call (and for a request that asks for its prompt's logprobs, which one call computes)."""
-        held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
+        fits a round's call (and for a request that asks for its prompt's logprobs, which one call computes). A new
+        request's first chunk starts past the prefix its worker likely caches (affinity.py: a later turn's history
+        is one call's take-over, not a call a chunk)."""
         if not self.prefill_chunk or req.state.generated or req.prompt_logprobs is not None:
             return None
+        held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
+        if not held:
+            held = self.affinity["target"].held(req.state.tokens[: req.state.prompt_len - 1], [req.target_worker])[1]
         if req.state.prompt_len - held <= self.prefill_chunk:
             return None
         want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too

@@ -79,7 +79,7 @@ class SchedulerReplica:
     async def readiness(self) -> Readiness:
         """Whether this replica takes requests: not draining, and every served model has a healthy target worker."""
         await self._ensure_polling()
-        return Readiness.of(self.serving.status(), self.serving.draining)
+        return Readiness.of(self.serving.status(accounting=False), self.serving.draining)
 
     async def wait_ready(self, timeout_s: float | None = None, model: str | None = None) -> None:
         await self._ensure_polling()

@@ -243,6 +243,7 @@ def test_cli_spec_bench_needs_a_target_and_per_category_needs_spec_bench(tmp_pat
     assert "applies with --spec-bench" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole bench run through the CLI (6-9 s): the fast loop keeps its parts' tests
 def test_cli_spec_bench_run_reports_every_row_per_category_with_identical_outputs(chat_target, tmp_path, capsys):
     path = _write(tmp_path / "question.jsonl")
     out = tmp_path / "bench.json"
@@ -279,6 +280,7 @@ def test_cli_spec_bench_run_reports_every_row_per_category_with_identical_output
     assert rows[0]["categories"]["mt_bench"]["tokens"] > meta["max_new_tokens"]
 
 
+@pytest.mark.slow  # a whole bench run through the CLI (6-9 s): the fast loop keeps its parts' tests
 def test_cli_spec_bench_with_load_feeds_the_first_turns_to_the_load_bench(chat_target, tmp_path, capsys, monkeypatch):
     from transformers import AutoTokenizer
 

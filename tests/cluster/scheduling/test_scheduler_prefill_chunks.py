@@ -40,3 +40,20 @@ def test_a_resent_chunk_carries_its_whole_prefix():
     second = s.plan_prefill_chunk(req)
     again = s.resend(req, second)  # the worker lost the request (evicted, restarted)
     assert again.committed_len == 64 and again.new_tokens == list(range(3, 67))
+
+
+def test_a_later_turn_takes_its_cached_history_over_in_one_call_and_chunks_only_what_is_new():
+    """A conversation's next turn: its target worker kept the last turn's cache (prefix caching), as the scheduler
+    recorded when that request ended; the first chunk reaches past that history instead of re-sending it a chunk at
+    a time, and what is new goes in chunks as before. Another worker's history does not count."""
+    s = Scheduler([], ["t1"], prefill_chunk=32)
+    first = s.add(list(range(3, 103)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+    _chunks(s, first)
+    s.plan_verify(first, [], b"")
+    s.release(first)  # t1 holds the 100 tokens
+    turn = s.add(list(range(3, 103)) + list(range(200, 280)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+    assert _chunks(s, turn) == [(128, 128), (160, 32)]  # 96 held (whole 16-token blocks) + 32, then the new rest
+    other = Scheduler([], ["t1", "t2"], prefill_chunk=32)
+    elsewhere = other.add(list(range(3, 103)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+    elsewhere.target_worker = "t2"
+    assert _chunks(other, elsewhere)[0] == (32, 32)  # nothing recorded: from the start

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specserve.cluster.bench.long_prompt import LongPromptConfig, run_long_prompt
-from specserve.cluster.bench.multi_turn import ON, MultiTurnConfig, run_multi_turn
+from specserve.cluster.bench.multi_turn import OFF, ON, MultiTurnConfig, run_multi_turn
 from specserve.workers.models.chat_questions import question_prompt_ids
 from specserve.workers.models.demo import ensure_demo_family
 
@@ -22,9 +22,12 @@ def test_multi_turn_on_the_demo_family(tokenizer):
     cfg = MultiTurnConfig(conversations=1, turns=2, history_tokens=600, new_tokens=16, pairs=1)
     entry = run_multi_turn("demo", "demo", "cpu", "float32", tokenizer, cfg, progress=False)
     assert entry["identical"] and entry["order"] == ["cache on", "cache off"]
-    on = entry["modes"][ON]["by_turn"]
+    on, off = entry["modes"][ON]["by_turn"], entry["modes"][OFF]["by_turn"]
     assert on[2]["prompt_tokens"] > on[1]["prompt_tokens"] > 500
-    assert on[2]["ttft_s"] < on[1]["ttft_s"]  # the second turn's history came from the cache
+    # The second turn's history came from the cache: its first token comes sooner than the same turn's without it
+    # (0.09 s against 0.33 s on the 2-core CPU). Not against the first turn: the warm-up, as long as a measured
+    # request, may have cached the document already.
+    assert on[2]["ttft_s"] < 0.75 * off[2]["ttft_s"]
 
 
 def test_long_prompt_on_the_demo_family(tokenizer):
