@@ -23,6 +23,7 @@ from specserve.workers.errors import InvalidRequestError
 DEMO = "demo"  # a model path of "demo" means the demo family (built on first use)
 # A known name (workers/models/known_models.json): pulled and converted on first use.
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DRAFT_POOL_CPUS = 0.5  # a draft pool replica's CPUs unless set (its drafting is a fraction of a target step)
 IMPORT_PATH = "specserve.cluster.serve.serve_app:build_app"
 AUTOSCALING_POLICY = "specserve.cluster.scheduling.autoscaling:PoolAutoscalingPolicy"
 # The generated add_SpecServeServicer_to_server, with a request deserializer that never raises (INVALID_ARGUMENT,
@@ -120,7 +121,8 @@ class ModelPairConfig(StrictModel):
     )  # fmt: skip
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(
-        default_factory=lambda: WorkerPoolConfig(num_cpus=0.5), description="Draft workers (unused for ngram/none)."
+        default_factory=lambda: WorkerPoolConfig(num_cpus=DRAFT_POOL_CPUS),
+        description="Draft workers (unused for ngram/none).",
     )
 
     @model_validator(mode="before")
@@ -151,7 +153,7 @@ class ModelPairConfig(StrictModel):
             pool = data.get(key) or {}
             pool = pool.model_dump(exclude_unset=True) if isinstance(pool, BaseModel) else dict(pool)
             if key == "draft_pool" and "num_cpus" not in pool:
-                pool["num_cpus"] = 0.5  # the field's default for draft pools (below)
+                pool["num_cpus"] = DRAFT_POOL_CPUS
             if "num_gpus" not in pool:
                 pool["num_gpus"] = 1.0 if pool.get("tensor_parallel_size", 1) > 1 else share
                 kv = pool.get("kv_cache") or {}

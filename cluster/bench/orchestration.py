@@ -63,7 +63,8 @@ def served_one_stream(client, prompts: list[list[int]], max_new_tokens: int):
         start, tokens, first = time.perf_counter(), [], None
         for chunk in client.generate_stream(prompt, max_new_tokens=max_new_tokens, temperature=0.0, method="none"):
             tokens += chunk["token_ids"]
-            first = first or (time.perf_counter() if tokens else None)
+            if first is None and tokens:
+                first = time.perf_counter()
         end = time.perf_counter()
         seconds += end - start
         outputs.append(tokens)

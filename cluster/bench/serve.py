@@ -20,17 +20,20 @@ MODEL = "bench"
 SMALL_POOL = {"num_cpus": 0.5}  # small reservations, so that the app starts on 2 cores
 
 
-def round_accounting() -> dict | None:
-    """The bench model's round accounting on the running app's scheduler replica (cluster/scheduling/round_times.py;
-    None where no Ray runs: a unit test's stand-in client)."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
+def model_status() -> dict:
+    """The bench model's status on the running app's scheduler replica (cluster/scheduling/model_serving.py: rounds,
+    wire_bytes, finished, feature traffic, the round accounting, ...)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle("scheduler", APP_NAME)
-    return handle.status.remote().result(timeout_s=60)[MODEL]["round_accounting"]
+    return serve.get_deployment_handle("scheduler", APP_NAME).status.remote().result(timeout_s=60)[MODEL]
+
+
+def round_accounting() -> dict | None:
+    """The bench model's round accounting (cluster/scheduling/round_times.py); None where no Ray runs: a unit test's
+    stand-in client."""
+    import ray
+
+    return model_status()["round_accounting"] if ray.is_initialized() else None
 
 
 @dataclass
@@ -41,11 +44,7 @@ class ServedModel:
     new_tokens: int
 
     def status(self) -> dict:
-        """The scheduler replica's status of the model (cluster/scheduling/model_serving.py: rounds, wire_bytes,
-        finished, feature traffic, ...)."""
-        from ray import serve
-
-        return serve.get_deployment_handle("scheduler", APP_NAME).status.remote().result(timeout_s=60)[MODEL]
+        return model_status()
 
     def generate(self, prompt: list[int], method: str = "", k: int | None = None, new_tokens: int | None = None):
         out = self.client.generate(prompt, max_new_tokens=new_tokens or self.new_tokens, method=method, k=k)

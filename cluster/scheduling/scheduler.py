@@ -362,13 +362,11 @@ class Scheduler:
     def _observe_plan(req: SchedRequest, drafted: list[int], accepted: int) -> None:
         """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""
         plan, req.plan = req.plan, None
-        if plan is None or not drafted or plan.source == NO_DRAFT.source:
-            if req.choice is not None:
-                req.planner.passed_over(req.choice.options)
-            return
-        if plan.source != HEAD_CHAIN and req.choice is not None:
+        drafted_by = plan.source if plan is not None and drafted else NO_DRAFT.source
+        if drafted_by != HEAD_CHAIN and req.choice is not None:
             req.planner.passed_over(req.choice.options)
-        req.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
+        if drafted_by != NO_DRAFT.source:
+            req.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
 
     def drafted(self, req: SchedRequest, call: Call) -> None:
         """A draft call succeeded: the features it carried are the head's now."""
