@@ -141,7 +141,7 @@ class Pipeline:
                         self.times.add(clock.record(time.perf_counter() - sent))
                     continue
                 k = self.scheduler.k_for(req)
-                clock.planned(*self.scheduler.prediction(req))
+                clock.planned(*req.prediction())
                 draft = await self._draft(req, k, pre, clock)
                 drafted = draft.drafted
                 reply, pre_task = await self._verify_round(req, k, drafted, draft.draft_probs, clock)
@@ -169,7 +169,7 @@ class Pipeline:
             if self.scheduler.stranded(req):
                 await self.faults.await_target(req)
             return
-        self.scheduler.prefilled(req, reply.features)
+        self.scheduler.prefilled(req, call, reply)
 
     async def _fetch_costs(self, req: SchedRequest | None = None) -> None:
         """Ask a target worker, then a draft worker if there is one, for their measured costs (costs.py), once per
@@ -295,8 +295,7 @@ class Pipeline:
                 if self.scheduler.stranded(req):
                     await self.faults.await_target(req)
                 return None, None
-            if self.scheduler.planner_costs is not None:
-                self.scheduler.planner_costs.observe_batch(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
+            self.scheduler.verified(call.worker, reply)
             self.verify_calls += 1
             self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
         clock.worker("verify", reply)

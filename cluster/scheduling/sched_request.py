@@ -3,13 +3,15 @@ drafting plan for the round under way. Plain data: scheduler.py plans and applie
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.features import FeatureRelay
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.speculation.chain_planner import ChainPlanner
-from specserve.workers.speculation.goodput import ChainPlan, RoundForecast, RowChoice
-from specserve.workers.speculation.methods import METHODS, Method
+from specserve.workers.speculation.chain_policy import expected_accepted
+from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RoundForecast, RowChoice
+from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS, Method
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.tree_policy import TreePruning
 
@@ -50,3 +52,20 @@ class SchedRequest:
         chunks bring its first positions' only: the round that verifies the rest of the prompt is a plain step)."""
         pending = self.features.pending if self.features is not None else None
         return pending is not None and pending.end >= len(self.state.tokens) - 1
+
+    def prediction(self) -> tuple[int, float, float]:
+        """This round's chain plan as the scheduler's k_for left it: (k, expected accepted tokens, forecast seconds
+        or 0)."""
+        plan, choice, forecast = self.plan, self.choice, self.forecast
+        option = next((o for o in choice.options if o.source == plan.source), None) if plan and choice else None
+        expected = expected_accepted(option.rates, min(plan.k, len(option.rates))) if option else 0.0
+        return (plan.k if plan else 0), expected, (forecast.seconds if forecast else 0.0)
+
+    def observe_plan(self, drafted: list[int], accepted: int) -> None:
+        """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""
+        plan, self.plan = self.plan, None
+        drafted_by = plan.source if plan is not None and drafted else NO_DRAFT.source
+        if drafted_by != HEAD_CHAIN and self.choice is not None:
+            self.planner.passed_over(self.choice.options)
+        if drafted_by != NO_DRAFT.source:
+            self.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)

@@ -18,19 +18,20 @@ from collections.abc import Sequence
 
 from specserve.cluster.scheduling.affinity import PrefixAffinity
 from specserve.cluster.scheduling.calls import Call, PreDraft
+from specserve.cluster.scheduling.chunk_pacing import ChunkPacer
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
-from specserve.workers.service.results import ProposeResult
+from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.speculation.chain_planner import BatchWidth, ChainPlanner, PlannerCosts, model_head_acceptance
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K, expected_accepted
+from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
 from specserve.workers.speculation.logprobs import TokenLogprob
-from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS
+from specserve.workers.speculation.methods import METHODS
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache
 from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
@@ -56,7 +57,7 @@ class Scheduler:
         """Workers may also join later (`add_worker`). head_prior: the EAGLE-3 head's measured acceptance by position,
         where planning starts; max_k: the most k='auto' drafts a round (None: the planner's caps); ngram: lookup's;
         prefill_chunk: a longer prompt prefills in calls of this many tokens (None: one call)."""
-        self.prefill_chunk = prefill_chunk
+        self.chunks = ChunkPacer(prefill_chunk)  # a long prompt's chunk sizes, by what they cost beside others
         self.head_acceptance = model_head_acceptance(head_prior)  # every request's, where new ones start
         self.max_chain = min(MAX_AUTO_K, max_k or MAX_AUTO_K)
         self.max_tree_nodes = min(MAX_TREE_NODES, max_k or MAX_TREE_NODES)
@@ -159,8 +160,7 @@ class Scheduler:
                 workers.remove(worker)
         self.unhealthy.discard(worker)
         self.batches.pop(worker, None)
-        for affinity in self.affinity.values():
-            affinity.forget(worker)
+        self.forget_worker(worker)
 
     def healthy(self, kind: str) -> list[str]:
         workers = self.draft_workers if kind == "draft" else self.target_workers
@@ -172,6 +172,7 @@ class Scheduler:
             req.told.pop(worker, None)
         for affinity in self.affinity.values():
             affinity.forget(worker)
+        self.chunks.forget(worker)
 
     # -- planning ---------------------------------------------------------------------------------------------------
 
@@ -214,14 +215,6 @@ class Scheduler:
         req.forecast = self.batches[req.target_worker].forecast
         share = costs.surface.at(rows, width + 1) / rows
         return choose_row(req.choice, width, share, costs.drafters)
-
-    @staticmethod
-    def prediction(req: SchedRequest) -> tuple[int, float, float]:
-        """This round's chain plan as k_for left it: (k, expected accepted tokens, forecast seconds or 0)."""
-        plan, choice, forecast = req.plan, req.choice, req.forecast
-        option = next((o for o in choice.options if o.source == plan.source), None) if plan and choice else None
-        expected = expected_accepted(option.rates, min(plan.k, len(option.rates))) if option else 0.0
-        return (plan.k if plan else 0), expected, (forecast.seconds if forecast else 0.0)
 
     def _batch_width(self, worker: str) -> tuple[int, int]:
         """(requests, planned chain width) of the worker's batches."""
@@ -284,21 +277,30 @@ class Scheduler:
         fits a round's call (and for a request that asks for its prompt's logprobs, which one call computes). A new
         request's first chunk starts past the prefix its worker likely caches (affinity.py: a later turn's history
         is one call's take-over, not a call a chunk)."""
-        if not self.prefill_chunk or req.state.generated or req.prompt_logprobs is not None:
+        if not self.chunks.max_tokens or req.state.generated or req.prompt_logprobs is not None:
             return None
         held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
         if not held:
             held = self.affinity["target"].held(req.state.tokens[: req.state.prompt_len - 1], [req.target_worker])[1]
-        if req.state.prompt_len - held <= self.prefill_chunk:
+        if req.state.prompt_len - held <= self.chunks.max_tokens:
             return None
+        others = any(r.target_worker == req.target_worker and r.state.generated for r in self.requests.values())
+        size = self.chunks.tokens(req.target_worker, others)  # others decoding there wait for each chunk
         want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
-        return self._call(req, req.target_worker, req.state.tokens[: held + self.prefill_chunk], drafted=[],
-                          draft_probs=b"", want_features=want)  # fmt: skip
+        return self._call(req, req.target_worker, req.state.tokens[: held + size], drafted=[], draft_probs=b"",
+                          want_features=want)  # fmt: skip
 
-    def prefilled(self, req: SchedRequest, features: bytes) -> None:
+    def prefilled(self, req: SchedRequest, call: Call, reply: VerifyResult) -> None:
         """A prefill chunk's reply: its features wait for the head's first draft call (its token is not committed)."""
-        if req.features is not None and features:
-            req.features.received(features)
+        self.chunks.chunk_ran(call.worker, len(call.new_tokens), reply.batch_seconds)
+        if req.features is not None and reply.features:
+            req.features.received(reply.features)
+
+    def verified(self, worker: str, reply: VerifyResult) -> None:
+        """A round's verify reply: its batch's cost, for k='auto' and for the chunks beside it."""
+        self.chunks.round_ran(worker, reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
+        if self.planner_costs is not None:
+            self.planner_costs.observe_batch(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
 
     def plan_draft(self, req: SchedRequest, k: int) -> Call:
         features = req.features.to_send() if req.features is not None else b""
@@ -336,7 +338,7 @@ class Scheduler:
         if forecast is not None and round_s > 0 and steady and req.target_worker in self.batches:
             self.batches[req.target_worker].realized.observe(forecast, round_s)
         if req.planner is not None:
-            self._observe_plan(req, drafted, accepted)
+            req.observe_plan(drafted, accepted)
         if req.features is not None and features:
             req.features.received(features)
         return req.state.commit_round(drafted, accepted, next_token, logprobs=logprobs)
@@ -357,16 +359,6 @@ class Scheduler:
     def wants_costs(self, req: SchedRequest) -> bool:
         """Whether the request's planning weighs the workers' costs, and they are not known yet."""
         return self.planner_costs is None and req.spec.k == "auto" and req.method.drafts
-
-    @staticmethod
-    def _observe_plan(req: SchedRequest, drafted: list[int], accepted: int) -> None:
-        """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""
-        plan, req.plan = req.plan, None
-        drafted_by = plan.source if plan is not None and drafted else NO_DRAFT.source
-        if drafted_by != HEAD_CHAIN and req.choice is not None:
-            req.planner.passed_over(req.choice.options)
-        if drafted_by != NO_DRAFT.source:
-            req.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
 
     def drafted(self, req: SchedRequest, call: Call) -> None:
         """A draft call succeeded: the features it carried are the head's now."""

@@ -174,9 +174,9 @@ def test_a_rounds_prediction_is_its_plans_k_expected_acceptance_and_forecast():
     auto = s.add([1, 2], params, SpecParams(method="draft", k="auto"), frozenset())
     auto.planner.draft = PositionAcceptance((0.6, 0.5))
     k = s.k_for(auto)
-    planned, expected, forecast = s.prediction(auto)
+    planned, expected, forecast = auto.prediction()
     rates = auto.planner.draft.rates(k)
     assert planned == k > 0 and forecast > 0
     assert expected == pytest.approx(sum(math.prod(rates[: j + 1]) for j in range(k)))
     fixed = s.add([1, 2], params, SpecParams(method="draft", k=3), frozenset())
-    assert s.k_for(fixed) == 3 and s.prediction(fixed)[0] == 3 and s.prediction(fixed)[2] == 0.0
+    assert s.k_for(fixed) == 3 and fixed.prediction()[0] == 3 and fixed.prediction()[2] == 0.0
