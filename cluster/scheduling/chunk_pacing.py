@@ -4,72 +4,96 @@ decode on the same target worker.
 vLLM mixes a chunk into the decode step's own forward under a token budget (`max_num_batched_tokens`), so the decode
 rows pay only the chunk's marginal cost. specserve's runner left-pads a batch's rows to the widest, so a chunk of 256
 beside rows of 4 would cost five chunks: a chunk runs as its own forward between the other requests' verify batches
-(workers/service/batcher.py keeps such a batch apart). Then a chunk's seconds are what every decoding stream on the
-worker waits for each round, and what the prompt gains: a fixed 256 tokens cost ~1.3 s deep in a 4K prompt on 2
-cores, where a chat round costs ~0.13 s (results/2026-11-27-2334-smollm2-long-prompt: the chat streams' p99 gap 18x
-their gap alone). So while others decode there, a chunk feeds as many tokens as cost about CHUNK_SHARE of their
-verify batch: the worker alternates one chunk and one batch, the prompt gets CHUNK_SHARE / (CHUNK_SHARE + 1) of it
-(its TTFT about 1.5x alone) and a decoding stream's round grows to about CHUNK_SHARE + 1 batches (its drafting
-overlaps the chunk). Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
+(workers/service/batcher.py keeps such a batch apart). A chunk's seconds are then what each decoding stream on the
+worker waits for a round, and what the prompt gains: a fixed 256 tokens cost ~1.3 s deep in a 4K prompt on 2 cores,
+where a chat round took ~0.14 s (results/2026-11-27-2334-smollm2-long-prompt: the streams' p99 gap 18x alone).
 
-Both costs are measured from the workers' replies (each reply's batch seconds), per worker, as decayed means: a
-position's cost grows with the prompt's depth (attention), which the newest chunks follow.
+So while others decode there, a chunk is sized to cost about CHUNK_SHARE of their round (their round's wall time,
+drafting and hops included, as measured while no chunk ran beside it): each stream's round grows to about
+1 + CHUNK_SHARE of its own, and the prompt gets the worker for about CHUNK_SHARE of every such round. The size
+follows the chunks' measured seconds by proportional steps (a forward's cost need not be linear in its width: flat
+to a knee on a GPU, a fixed part on a CPU, more per position deeper in the prompt); it converges where a chunk costs
+its budget. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-CHUNK_SHARE = 2.0  # a chunk costs about this many of the decoding requests' verify batches
+CHUNK_SHARE = 2.0  # a chunk costs about this many of the decoding requests' rounds
 MIN_CHUNK_TOKENS = 16  # fewer is mostly a call's fixed cost
-DECAY = 0.5  # weight of the older mean: a prompt's next chunk sits a little deeper than its last
-ROUND_MAX_WIDTH = 64  # a batch feeding more a row held a chunk (padding keeps them apart; batcher.py)
+MAX_STEP = 2.0  # a chunk's size changes at most this factor from the last one's
+DECAY = 0.8  # weight of the older mean in the decoding rounds' time
 
 
 @dataclass
-class _WorkerCosts:
-    position_s: float | None = None  # seconds a prefill position costs, of the worker's recent chunks
-    round_s: float | None = None  # seconds of a verify batch of its decoding requests
-
-
-def _decayed(old: float | None, new: float) -> float:
-    return new if old is None else DECAY * old + (1 - DECAY) * new
+class _Worker:
+    round_s: float | None = None  # a decoding request's round, while no chunk ran beside it (decayed mean)
+    size: int | None = None  # the next chunk's tokens beside decoding requests (None: not measured yet)
+    epoch: int = 0  # chunks planned so far: a round that saw this change had a chunk beside it
+    done: int = 0  # the epoch of the latest chunk that ran (below `epoch`: one is in flight)
+    beside: bool = False  # whether the chunk in flight was planned beside decoding requests
+    chunks: int = 0
+    chunk_s: float = 0.0  # the latest chunk's seconds
 
 
 class ChunkPacer:
-    """Per target worker: the size of a prompt's next prefill chunk, from what its chunks and its decoding requests'
-    verify batches have cost."""
+    """Per target worker: the size of a prompt's next prefill chunk, from what its decoding requests' rounds and its
+    chunks have cost."""
 
     def __init__(self, max_tokens: int | None):
         """max_tokens: the chunk setting (`prefill_chunk_tokens`): a chunk's most, and its size on an idle worker."""
-        self.max_tokens = max_tokens
-        self._costs: dict[str, _WorkerCosts] = {}
+        self.max_tokens = max_tokens or 0
+        self._workers: dict[str, _Worker] = {}
 
-    def tokens(self, worker: str, others_decoding: bool) -> int:
-        """The next chunk's size on `worker`: the setting's while none decode beside it (or nothing is measured),
-        else what costs CHUNK_SHARE of their batch (a quarter of the setting until a chunk was measured)."""
-        top = self.max_tokens or 0
-        costs = self._costs.get(worker)
-        if not others_decoding or costs is None or costs.round_s is None:
-            return top
-        if costs.position_s is None:
-            return max(min(top, MIN_CHUNK_TOKENS), top // 4)
-        fit = int(CHUNK_SHARE * costs.round_s / costs.position_s)
-        return max(min(top, MIN_CHUNK_TOKENS), min(top, fit))
+    def _at(self, worker: str) -> _Worker:
+        return self._workers.setdefault(worker, _Worker())
+
+    def size(self, worker: str, others_decoding: bool) -> int:
+        """The next chunk's size on `worker`: the setting's while none decode beside it or their round is not
+        measured, else the size that costs CHUNK_SHARE of their round (a quarter of the setting until a chunk beside
+        them was measured)."""
+        w = self._at(worker)
+        if not others_decoding or w.round_s is None:
+            return self.max_tokens
+        return w.size or max(MIN_CHUNK_TOKENS, self.max_tokens // 4)
+
+    def started(self, worker: str, others_decoding: bool) -> None:
+        """A chunk of `size`'s answer goes to the worker."""
+        w = self._at(worker)
+        w.epoch += 1
+        w.beside = others_decoding and w.round_s is not None
 
     def chunk_ran(self, worker: str, positions: int, seconds: float) -> None:
-        """A chunk fed `positions` new positions in a batch of `seconds`."""
-        if positions > 0 and seconds > 0:
-            costs = self._costs.setdefault(worker, _WorkerCosts())
-            costs.position_s = _decayed(costs.position_s, seconds / positions)
+        """The chunk in flight fed `positions` positions in `seconds` of its worker's batch; one beside decoding
+        requests moves the size towards its budget."""
+        w = self._at(worker)
+        w.done = w.epoch
+        if positions <= 0 or seconds <= 0:
+            return
+        w.chunks += 1
+        w.chunk_s = seconds
+        if w.beside and w.round_s is not None:
+            step = min(MAX_STEP, max(1 / MAX_STEP, CHUNK_SHARE * w.round_s / seconds))
+            w.size = min(self.max_tokens, max(MIN_CHUNK_TOKENS, round(positions * step)))
 
-    def round_ran(self, worker: str, rows: int, positions: int, seconds: float) -> None:
-        """A decoding request's verify batch of `rows` rows feeding `positions` positions ran `seconds` (one that
-        held a chunk too is not a round: the next chunk would be sized by the last)."""
-        if rows > 0 and seconds > 0 and positions <= rows * ROUND_MAX_WIDTH:
-            costs = self._costs.setdefault(worker, _WorkerCosts())
-            costs.round_s = _decayed(costs.round_s, seconds)
+    def epoch(self, worker: str) -> int:
+        """Read at a round's start; `round_ran` compares it."""
+        return self._at(worker).epoch
+
+    def round_ran(self, worker: str, seconds: float, epoch: int) -> None:
+        """A decoding request's round took `seconds`; it counts when no chunk was planned or running meanwhile."""
+        w = self._at(worker)
+        if seconds > 0 and epoch == w.epoch == w.done:
+            w.round_s = seconds if w.round_s is None else DECAY * w.round_s + (1 - DECAY) * seconds
 
     def forget(self, worker: str) -> None:
         """The worker left (a replacement measures afresh)."""
-        self._costs.pop(worker, None)
+        self._workers.pop(worker, None)
+
+    def status(self) -> dict:
+        """Per worker: the decoding round it paces against, the next chunk's size beside it, chunks run, the last
+        one's seconds."""
+        return {name: {"round_ms": round(1e3 * w.round_s, 1) if w.round_s else None, "next_tokens": w.size,
+                       "chunks": w.chunks, "last_chunk_ms": round(1e3 * w.chunk_s, 1)}
+                for name, w in self._workers.items()}  # fmt: skip

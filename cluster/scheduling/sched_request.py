@@ -30,6 +30,7 @@ class SchedRequest:
     forecast: RoundForecast | None = None  # k='auto' chains: what the round was planned to take, until applied
     pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
+    chunk_epoch: int = 0  # its target worker's prefill chunks when this round was planned (chunk_pacing.py)
     pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
     resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request
 

@@ -188,6 +188,7 @@ class Scheduler:
     def k_for(self, req: SchedRequest) -> int:
         """Tokens to draft this round (0: a plain step). For chains it also plans whose chain drafts them
         (`req.plan`, applied by `apply_verify`)."""
+        req.chunk_epoch = self.chunks.epoch(req.target_worker)  # whether a prefill chunk ran beside this round
         if req.method.draft_worker and req.draft_worker is None:  # re-attach once a draft worker is back
             req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
         if not req.method.drafts:
@@ -282,10 +283,11 @@ class Scheduler:
         held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
         if not held:
             held = self.affinity["target"].held(req.state.tokens[: req.state.prompt_len - 1], [req.target_worker])[1]
-        if req.state.prompt_len - held <= self.chunks.max_tokens:
-            return None
         others = any(r.target_worker == req.target_worker and r.state.generated for r in self.requests.values())
-        size = self.chunks.tokens(req.target_worker, others)  # others decoding there wait for each chunk
+        size = self.chunks.size(req.target_worker, others)  # others decoding there wait for each chunk
+        if req.state.prompt_len - held <= (size if req.told.get(req.target_worker) else self.chunks.max_tokens):
+            return None  # the rest goes with the first round's call
+        self.chunks.started(req.target_worker, others)
         want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
         return self._call(req, req.target_worker, req.state.tokens[: held + size], drafted=[], draft_probs=b"",
                           want_features=want)  # fmt: skip
@@ -297,8 +299,7 @@ class Scheduler:
             req.features.received(reply.features)
 
     def verified(self, worker: str, reply: VerifyResult) -> None:
-        """A round's verify reply: its batch's cost, for k='auto' and for the chunks beside it."""
-        self.chunks.round_ran(worker, reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
+        """A round's verify reply: its batch's cost, for k='auto'."""
         if self.planner_costs is not None:
             self.planner_costs.observe_batch(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
 
@@ -337,6 +338,8 @@ class Scheduler:
         steady = req.state.generated and (req.state.stats.drafted or not drafted)
         if forecast is not None and round_s > 0 and steady and req.target_worker in self.batches:
             self.batches[req.target_worker].realized.observe(forecast, round_s)
+        if steady and round_s > 0:
+            self.chunks.round_ran(req.target_worker, round_s, req.chunk_epoch)
         if req.planner is not None:
             req.observe_plan(drafted, accepted)
         if req.features is not None and features:

@@ -1,8 +1,8 @@
 """Prefill chunks sized by time while other requests decode on the worker (chunk_pacing.py): alone a prompt takes the
-setting's chunk; beside decoding requests a chunk costs about CHUNK_SHARE of their verify batch, by the costs the
-worker's replies show, within [MIN_CHUNK_TOKENS, the setting]."""
+setting's chunk; beside decoding requests a chunk moves, by proportional steps, to the size that costs CHUNK_SHARE of
+their round as measured while no chunk ran beside it; within [MIN_CHUNK_TOKENS, the setting]."""
 
-from specserve.cluster.scheduling.chunk_pacing import CHUNK_SHARE, MIN_CHUNK_TOKENS, ChunkPacer
+from specserve.cluster.scheduling.chunk_pacing import CHUNK_SHARE, MAX_STEP, MIN_CHUNK_TOKENS, ChunkPacer
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.service.results import VerifyResult
@@ -10,53 +10,73 @@ from specserve.workers.service.results import VerifyResult
 SPEC = SpecParams(method="ngram", k=3)
 
 
+def _chunk(pacer: ChunkPacer, worker: str, others: bool, seconds_per_token) -> int:
+    n = pacer.size(worker, others)
+    pacer.started(worker, others)
+    pacer.chunk_ran(worker, n, seconds_per_token(n))
+    return n
+
+
 def test_alone_or_unmeasured_a_chunk_is_the_setting():
     pacer = ChunkPacer(256)
-    assert pacer.tokens("t1", others_decoding=False) == 256
-    assert pacer.tokens("t1", others_decoding=True) == 256  # nothing measured: no batch to weigh against
-    pacer.round_ran("t1", rows=4, positions=16, seconds=0.1)
-    assert pacer.tokens("t1", others_decoding=False) == 256
-    assert pacer.tokens("t1", others_decoding=True) == 64  # a round measured, no chunk yet: a quarter, to measure one
+    assert pacer.size("t1", others_decoding=False) == 256
+    assert pacer.size("t1", others_decoding=True) == 256  # no round measured: nothing to weigh a chunk against
+    pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
+    assert pacer.size("t1", others_decoding=False) == 256
+    assert pacer.size("t1", others_decoding=True) == 64  # a quarter, until a chunk beside them is measured
 
 
-def test_beside_decoding_requests_a_chunk_costs_about_its_share_of_their_batch():
+def test_beside_decoding_requests_the_size_converges_to_what_costs_its_share_of_their_round():
+    """A CPU-like cost: a fixed part and a part per position; the size settles where a chunk costs CHUNK_SHARE x
+    their round (0.1 s), not where the per-position cost of small chunks says."""
+    pacer = ChunkPacer(512)
+    pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
+    cost = lambda n: 0.05 + 0.002 * n  # noqa: E731
+    sizes = [_chunk(pacer, "t1", True, cost) for _ in range(12)]
+    assert sizes[0] == 128 and all(b <= a * MAX_STEP for a, b in zip(sizes, sizes[1:], strict=False))
+    assert abs(cost(sizes[-1]) - CHUNK_SHARE * 0.1) < 0.01  # 75 tokens: 0.2 s
+    flat = ChunkPacer(512)  # a GPU-like cost, flat to a knee: the chunk grows to the setting
+    flat.round_ran("t1", 0.1, flat.epoch("t1"))
+    assert [_chunk(flat, "t1", True, lambda n: 0.02) for _ in range(4)][-1] == 512
+    assert pacer.size("t2", others_decoding=True) == 512  # another worker measured nothing
+
+
+def test_a_round_with_a_chunk_beside_it_is_not_the_round_a_chunk_is_sized_by():
+    """Else a chunk would be sized by the rounds it lengthened, and grow without end."""
     pacer = ChunkPacer(256)
-    pacer.round_ran("t1", rows=4, positions=16, seconds=0.1)
-    pacer.chunk_ran("t1", positions=64, seconds=0.32)  # 5 ms a position
-    assert pacer.tokens("t1", others_decoding=True) == int(CHUNK_SHARE * 0.1 / 0.005)
-    pacer.chunk_ran("t1", positions=40, seconds=0.4)  # deeper in the prompt: 10 ms a position, the mean follows
-    assert pacer.tokens("t1", others_decoding=True) < int(CHUNK_SHARE * 0.1 / 0.005)
-    assert pacer.tokens("t2", others_decoding=True) == 256  # another worker measured nothing
-
-
-def test_a_chunk_stays_within_its_bounds_and_a_batch_that_held_a_chunk_is_not_a_round():
-    pacer = ChunkPacer(256)
-    pacer.round_ran("t1", rows=1, positions=4, seconds=0.001)
-    pacer.chunk_ran("t1", positions=100, seconds=1.0)
-    assert pacer.tokens("t1", others_decoding=True) == MIN_CHUNK_TOKENS
-    pacer.round_ran("t1", rows=2, positions=300, seconds=5.0)  # a chunk's batch: ignored
-    assert pacer.tokens("t1", others_decoding=True) == MIN_CHUNK_TOKENS
-    pacer.round_ran("t1", rows=4, positions=20, seconds=100.0)
-    assert pacer.tokens("t1", others_decoding=True) == 256
+    start = pacer.epoch("t1")
+    pacer.round_ran("t1", 0.1, start)
+    during = pacer.epoch("t1")
+    pacer.started("t1", True)
+    pacer.round_ran("t1", 5.0, during)  # planned before the chunk started: ignored
+    pacer.round_ran("t1", 5.0, pacer.epoch("t1"))  # planned while it runs: ignored
+    pacer.chunk_ran("t1", 64, 0.4)
+    assert pacer.status()["t1"]["round_ms"] == 100.0
+    assert pacer.size("t1", True) == 32  # 64 x (2 x 0.1 / 0.4)
+    pacer.round_ran("t1", 0.3, pacer.epoch("t1"))  # after it: counts
+    assert pacer.status()["t1"]["round_ms"] > 100.0
     pacer.forget("t1")
-    assert pacer.tokens("t1", others_decoding=True) == 256
+    assert pacer.size("t1", True) == 256 and MIN_CHUNK_TOKENS <= 32
 
 
-def _reply(rows: int, tokens: int, seconds: float) -> VerifyResult:
-    return VerifyResult(accepted=0, next_token=5, batch_rows=rows, batch_tokens=tokens, batch_seconds=seconds)
+def _reply(seconds: float) -> VerifyResult:
+    return VerifyResult(accepted=0, next_token=5, batch_rows=1, batch_tokens=1, batch_seconds=seconds)
 
 
-def test_the_scheduler_shrinks_a_chunk_while_another_request_decodes_on_its_worker():
+def test_the_scheduler_paces_a_long_prompt_beside_a_decoding_request_and_chunks_its_rest():
     s = Scheduler([], ["t1"], prefill_chunk=64)
-    chat = s.add(list(range(3, 13)), SamplingParams(max_new_tokens=8), SPEC, frozenset())
+    chat = s.add(list(range(3, 13)), SamplingParams(max_new_tokens=50), SPEC, frozenset())
+    for _ in range(3):  # chat decodes: its first round is its prompt's, then steady rounds of 0.1 s
+        s.k_for(chat)
+        s.plan_verify(chat, [], b"")
+        s.apply_verify(chat, [], 0, 7, round_s=0.1)
     long = s.add(list(range(3, 503)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
     first = s.plan_prefill_chunk(long)
-    assert len(first.new_tokens) == 64  # chat has not decoded yet: the whole setting
-    s.prefilled(long, first, _reply(1, 64, 0.64))  # 10 ms a position
-    call = s.plan_verify(chat, [], b"")
-    s.verified(call.worker, _reply(1, 10, 0.2))
-    s.apply_verify(chat, [], 0, 7, b"")
-    second = s.plan_prefill_chunk(long)
-    assert second.committed_len == 64 + int(CHUNK_SHARE * 0.2 / 0.01)  # chat decodes there now: 40 tokens
+    assert len(first.new_tokens) == 16  # a quarter of the setting beside chat
+    s.prefilled(long, first, _reply(0.05))  # 16 positions in 0.05 s: the budget is 0.2 s
+    assert len(s.plan_prefill_chunk(long).new_tokens) == 32  # one step of at most MAX_STEP
     s.release(chat)
-    assert len(s.plan_prefill_chunk(long).new_tokens) == 64
+    third = s.plan_prefill_chunk(long)
+    assert len(third.new_tokens) == 64  # alone: the setting
+    long.told["t1"] = list(range(3, 503))[:450]  # 50 left: beside nobody, within a chunk: the first round's
+    assert s.plan_prefill_chunk(long) is None
