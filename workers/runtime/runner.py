@@ -15,6 +15,10 @@ from specserve.workers.runtime.memory_budget import kv_budget
 from specserve.workers.runtime.slot_cache import BatchPlan, ScatterPlan, batch_mask, single_row_mask, tree_mask
 from specserve.workers.runtime.tree_rows import TreeRow
 
+# A pass attends over every row's slot up to the batch's longest row (and gathers that much of each slot when the
+# slots are not consecutive): rows reaching less than this share of the longest go in their own pass. One 4K-token
+# prompt's 16-position chunk batched with four chat rows of ~300 cost 0.5-0.6 s on 2 cores, ten times its own.
+EXTENT_SHARE = 0.5
 PROFILE_TOKENS = 4096  # BatchingConfig.max_batch_tokens' default: the most positions one pass feeds
 
 
@@ -107,8 +111,14 @@ class ModelRunner:
         lengths = [len(new) for new in news]
         self.store.reserve_batch(ids, lengths)
         self.store.fit_buffers(ids, max(start + n for start, n in zip(starts, lengths, strict=True)) - 1)
-        input_ids, positions, mask = self._plan(starts, news, [e.slot for e in entries])
-        outputs = self._run(input_ids, positions, mask, news, starts, [row.n for row in rows], capture)
+        outputs: list[RowOutput | None] = [None] * len(rows)
+        for group in by_extent([start + n for start, n in zip(starts, lengths, strict=True)]):
+            slots = [entries[i].slot for i in group]  # read after fit_buffers: it may move them
+            g_starts, g_news = [starts[i] for i in group], [news[i] for i in group]
+            input_ids, positions, mask = self._plan(g_starts, g_news, slots)
+            ran = self._run(input_ids, positions, mask, g_news, g_starts, [rows[i].n for i in group], capture)
+            for i, out in zip(group, ran, strict=True):
+                outputs[i] = out
         for rid, new in zip(ids, news, strict=True):
             self.store.commit(rid, new)
             self.store.written(rid, new)
@@ -245,3 +255,16 @@ class ModelRunner:
     def release(self, request_id: str) -> bool:
         self._trees.pop(request_id, None)
         return self.store.release(request_id)
+
+
+def by_extent(extents: Sequence[int]) -> list[list[int]]:
+    """The rows (indices) of a batch in passes: longest first, each pass's rows reaching at least EXTENT_SHARE of its
+    longest one's extent (cached length + new positions)."""
+    order = sorted(range(len(extents)), key=lambda i: -extents[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and extents[i] >= EXTENT_SHARE * extents[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -74,10 +74,10 @@ def test_a_ragged_batch_gives_every_row_its_own_logits(target):
     logits equal a full recompute of that row alone."""
     runner = ModelRunner(target, KVCacheConfig())
     runner.logits_for("a", list(range(3, 30)), 1)
-    runner.logits_for("b", [5, 6, 7], 1)
-    rows = [
+    runner.logits_for("b", list(range(5, 25)), 1)
+    rows = [  # reaching lengths within runner.EXTENT_SHARE of each other: one pass
         ForwardRow("a", list(range(3, 20)) + [90, 91, 92], 4),  # rolled back to 17 cached positions, 3 new
-        ForwardRow("b", [5, 6, 7, 8], 2),  # 3 cached, 1 new
+        ForwardRow("b", list(range(5, 25)) + [8], 2),  # 20 cached, 1 new
         ForwardRow("c", list(range(40, 75)), 1),  # nothing cached: a 35-token prefill next to 1-token rows
     ]
     before = runner.forward_calls
