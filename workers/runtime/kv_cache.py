@@ -99,12 +99,12 @@ class KVCacheStore:
         max_slot = max(self._entries[r].slot for r in request_ids)
         if self.cache.fits(max_slot, max_position, self.capacity_tokens):
             return
-        while True:
-            self._compact()
-            max_slot = max(self._entries[r].slot for r in request_ids)
-            if self.cache.fits(max_slot, max_position, self.capacity_tokens) or not self._retained:
-                break
-            self._forget_retained()  # least recently used first
+        # Compacted, every entry takes a slot as long as the pass's longest row: retained prefixes give way until
+        # that fits, least recently used first, and then the entries move once (each compaction copies them all).
+        while self._retained and (len(self._entries) + len(self._retained)) * (max_position + 1) > self.capacity_tokens:
+            self._forget_retained()
+        self._compact()
+        max_slot = max(self._entries[r].slot for r in request_ids)
         if not self.cache.fits(max_slot, max_position, self.capacity_tokens):
             raise KVCapacityError(
                 f"KV cache capacity exceeded: a forward pass needs buffers of {max_slot + 1} slots x "

@@ -97,6 +97,12 @@ def load_model(config: ModelConfig, distributed_config=None) -> LoadedModel:
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not load causal LM weights from {config.path!r}: {e}") from None
     model.to(device).eval().requires_grad_(False)
+    if device.type == "cpu":
+        # transformers' SDPA path copies every layer's keys and values once per query-head group (repeat_kv) unless
+        # told that the kernel takes grouped heads, which it assumes only on CUDA without a mask (where a masked GQA
+        # falls back to the math kernel). torch's CPU kernel takes them with our masks: a 16-position chunk 2.8K deep
+        # into SmolLM2 (9 query heads, 3 key/value heads) spent a quarter of its time in those copies.
+        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     packed = 0
     if config.packed_linears and distributed_config is None:  # a tensor-parallel shard's layers are transformers'
         output = model.get_output_embeddings()  # kept whole: it may be tied to the input embedding

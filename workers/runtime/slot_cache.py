@@ -64,7 +64,9 @@ class SlotKVCache(Cache):
 
     def _grown(self, max_slot: int, max_position: int, limit: int | None) -> tuple[int, int]:
         """The buffers' shape to hold slot `max_slot` and position `max_position` (inclusive): doubled while that
-        stays within `limit` positions in all, else just large enough."""
+        stays within `limit` positions in all, else as long as the limit allows (else just large enough, which does
+        not fit). Not just enough when it would fit more: a prompt prefilled in chunks would then copy every buffer
+        once a chunk (seconds each, 32 slots of a 4K prompt on 2 cores)."""
         slots, length = self._slots, self._length
         while slots <= max_slot:
             slots *= 2
@@ -72,7 +74,8 @@ class SlotKVCache(Cache):
             length *= 2
         if limit is not None and slots * length > limit:
             held = (self._slots, self._length) if self._keys else (0, 0)  # unallocated: no shape to keep
-            slots, length = max(held[0], max_slot + 1), max(held[1], max_position + 1)
+            slots = max(held[0], max_slot + 1)
+            length = max(held[1], max_position + 1, min(length, limit // slots))
         return slots, length
 
     def fits(self, max_slot: int, max_position: int, limit: int) -> bool:
