@@ -10,20 +10,23 @@ where a chat round took ~0.14 s (results/2026-11-27-2334-smollm2-long-prompt: th
 
 So while others decode there, a chunk is sized to cost about CHUNK_SHARE of their round (their round's wall time,
 drafting and hops included, as measured while no chunk ran beside it): each stream's round grows to about
-1 + CHUNK_SHARE of its own, and the prompt gets the worker for about CHUNK_SHARE of every such round. The size
-follows the chunks' measured seconds by proportional steps (a forward's cost need not be linear in its width: flat
-to a knee on a GPU, a fixed part on a CPU, more per position deeper in the prompt); it converges where a chunk costs
-its budget. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
+1 + CHUNK_SHARE of its own, and the prompt gets the worker for about CHUNK_SHARE of every such round. A chunk's
+cost is fitted as a fixed part and a part per position (decayed least squares over the latest chunks: deeper in the
+prompt both grow). Where even the smallest chunk's fixed part (a forward's reading of every weight: 70-250 ms for
+SmolLM2 on 2 cores, deeper in a 4K prompt) overruns the budget, shrinking would only slow the prompt: the chunk is
+then as long as makes its per-position part equal its fixed part. Steps are at most MAX_STEP, so the fit sees
+several sizes. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CHUNK_SHARE = 2.0  # a chunk costs about this many of the decoding requests' rounds
 MIN_CHUNK_TOKENS = 16  # fewer is mostly a call's fixed cost
 MAX_STEP = 2.0  # a chunk's size changes at most this factor from the last one's
 DECAY = 0.8  # weight of the older mean in the decoding rounds' time
+FIT_DECAY = 0.7  # weight of older chunks in the cost fit
 
 
 @dataclass
@@ -35,6 +38,7 @@ class _Worker:
     beside: bool = False  # whether the chunk in flight was planned beside decoding requests
     chunks: int = 0
     chunk_s: float = 0.0  # the latest chunk's seconds
+    fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: 1, n, s, n^2, n*s
 
 
 class ChunkPacer:
@@ -73,9 +77,12 @@ class ChunkPacer:
             return
         w.chunks += 1
         w.chunk_s = seconds
+        w.fit = [FIT_DECAY * old + new for old, new in zip(w.fit, (1, positions, seconds, positions**2,
+                                                                  positions * seconds), strict=True)]  # fmt: skip
         if w.beside and w.round_s is not None:
-            step = min(MAX_STEP, max(1 / MAX_STEP, CHUNK_SHARE * w.round_s / seconds))
-            w.size = min(self.max_tokens, max(MIN_CHUNK_TOKENS, round(positions * step)))
+            want = _fitted_size(w.fit, CHUNK_SHARE * w.round_s, positions, seconds)
+            want = min(MAX_STEP * positions, max(positions / MAX_STEP, want))
+            w.size = min(self.max_tokens, max(MIN_CHUNK_TOKENS, round(want)))
 
     def epoch(self, worker: str) -> int:
         """Read at a round's start; `round_ran` compares it."""
@@ -97,3 +104,15 @@ class ChunkPacer:
         return {name: {"round_ms": round(1e3 * w.round_s, 1) if w.round_s else None, "next_tokens": w.size,
                        "chunks": w.chunks, "last_chunk_ms": round(1e3 * w.chunk_s, 1)}
                 for name, w in self._workers.items()}  # fmt: skip
+
+
+def _fitted_size(fit: list[float], budget_s: float, positions: int, seconds: float) -> float:
+    """The size whose fitted cost (fixed + per position) is the budget; where the fixed part alone overruns it, the
+    size at which the per-position part equals the fixed part. With no spread of sizes yet: proportional."""
+    w, n, s, nn, ns = fit
+    spread = w * nn - n * n
+    per = (w * ns - n * s) / spread if spread > 1e-9 * max(1.0, nn * w) else 0.0
+    if per <= 0:
+        return positions * budget_s / seconds
+    fixed = max(0.0, (s - per * n) / w)
+    return (budget_s - fixed) / per if budget_s > 2 * fixed else fixed / per

@@ -35,6 +35,10 @@ def test_beside_decoding_requests_the_size_converges_to_what_costs_its_share_of_
     sizes = [_chunk(pacer, "t1", True, cost) for _ in range(12)]
     assert sizes[0] == 128 and all(b <= a * MAX_STEP for a, b in zip(sizes, sizes[1:], strict=False))
     assert abs(cost(sizes[-1]) - CHUNK_SHARE * 0.1) < 0.01  # 75 tokens: 0.2 s
+    deep = ChunkPacer(512)  # a fixed part over the budget (deep in a long prompt): half-efficient chunks, not tiny
+    deep.round_ran("t1", 0.1, deep.epoch("t1"))
+    sizes = [_chunk(deep, "t1", True, lambda n: 0.3 + 0.002 * n) for _ in range(12)]
+    assert abs(sizes[-1] - 150) <= 2  # 0.3 s fixed = 150 x 2 ms
     flat = ChunkPacer(512)  # a GPU-like cost, flat to a knee: the chunk grows to the setting
     flat.round_ran("t1", 0.1, flat.epoch("t1"))
     assert [_chunk(flat, "t1", True, lambda n: 0.02) for _ in range(4)][-1] == 512
