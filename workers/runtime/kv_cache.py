@@ -99,11 +99,16 @@ class KVCacheStore:
         max_slot = max(self._entries[r].slot for r in request_ids)
         if self.cache.fits(max_slot, max_position, self.capacity_tokens):
             return
-        # Compacted, every entry takes a slot as long as the pass's longest row: retained prefixes give way until
-        # that fits, least recently used first, and then the entries move once (each compaction copies them all).
-        while self._retained and (len(self._entries) + len(self._retained)) * (max_position + 1) > self.capacity_tokens:
+        # Compacted, every entry takes a slot as long as the pass's longest row: retained prefixes give way until that
+        # fits, least recently used first; then the entries move and the buffers are reshaped, once each, as long as
+        # the capacity allows up to twice the row (it grows on: a prompt in chunks, a long answer). Every reshape
+        # copies every buffer: GBs, seconds on a CPU, for slots x a 4K prompt.
+        need = max_position + 1
+        while self._retained and (len(self._entries) + len(self._retained)) * need > self.capacity_tokens:
             self._forget_retained()
-        self._compact()
+        slots = self._compact(shrink=False)
+        if slots * need <= self.capacity_tokens:
+            self.cache.shrink(slots, max(need, min(2 * need, self.capacity_tokens // slots)))
         max_slot = max(self._entries[r].slot for r in request_ids)
         if not self.cache.fits(max_slot, max_position, self.capacity_tokens):
             raise KVCapacityError(
@@ -112,9 +117,9 @@ class KVCacheStore:
                 f"({self.capacity_bytes} bytes; raise kv_cache's budget or lower load)"
             )
 
-    def _compact(self) -> None:
+    def _compact(self, shrink: bool = True) -> int:
         """Live and retained entries into slots 0..n-1 (their held positions copied, lowest first), nothing spare;
-        the buffers shrunk to fit."""
+        the buffers shrunk to fit (`shrink`). Returns n."""
         entries = sorted((*self._entries.values(), *self._retained.values()), key=lambda e: e.slot)
         for target, entry in enumerate(entries):
             entry.spare.clear()
@@ -124,7 +129,9 @@ class KVCacheStore:
                 entry.slot = target
         self._free_slots.clear()
         self._next_slot = len(entries)
-        self._give_back_memory(tight=True)
+        if shrink:
+            self._give_back_memory(tight=True)
+        return len(entries)
 
     def plan_buffers(self, plan: BatchPlan, max_slot: int, max_position: int) -> None:
         """Set the shared buffers for the forward pass `fit_buffers` made room for."""
