@@ -53,18 +53,6 @@ class DraftCost:
         return self.fixed_s + k * self.step_s if k else 0.0
 
 
-def round_rate(rates: Sequence[float], k: int, costs: VerifyCosts, draft: DraftCost) -> float:
-    """R(k): committed tokens per second of rounds drafting k."""
-    return (1.0 + expected_accepted(rates, k)) / (draft.of(k) + costs.verify(k))
-
-
-def best_k(rates: Sequence[float], costs: VerifyCosts, draft: DraftCost, max_k: int, min_k: int = 0) -> int:
-    """The k in min_k..max_k (within the measured widths and the rates given) with the largest R(k); 0 means "do
-    not draft this round"."""
-    top = max(min_k, min(max_k, costs.max_k, len(rates)))
-    return max(range(min_k, top + 1), key=lambda k: round_rate(rates, k, costs, draft))
-
-
 @dataclass
 class PositionAcceptance:
     """Acceptance per chain position for one drafter: counts over its rounds on top of a prior (rates worth

@@ -4,14 +4,8 @@ synthetic acceptance and costs."""
 import pytest
 
 from specserve.workers.speculation.chain_planner import NGRAM_PRIOR, ChainPlan, ChainPlanner, PlannerCosts
-from specserve.workers.speculation.chain_policy import (
-    DraftCost,
-    PositionAcceptance,
-    VerifyCosts,
-    best_k,
-    expected_accepted,
-    round_rate,
-)
+from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance, VerifyCosts, expected_accepted
+from tests.helpers.chain_oracle import best_k, round_rate
 
 # Measured on 2 cores for SmolLM2-135M (ms by width 1..9): widths 2-3 cost more than 5.
 CPU_COSTS = VerifyCosts(tuple(t / 1e3 for t in (59, 100, 112, 87, 83, 84, 85, 86, 91)))
