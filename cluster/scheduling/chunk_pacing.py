@@ -60,7 +60,7 @@ class ChunkPacer:
         w = self._at(worker)
         if not others_decoding or w.round_s is None:
             return self.max_tokens
-        return w.size or max(MIN_CHUNK_TOKENS, self.max_tokens // 4)
+        return w.size or min(self.max_tokens, max(MIN_CHUNK_TOKENS, self.max_tokens // 4))
 
     def started(self, worker: str, others_decoding: bool) -> None:
         """A chunk of `size`'s answer goes to the worker."""

@@ -107,8 +107,11 @@ class KVCacheStore:
         while self._retained and (len(self._entries) + len(self._retained)) * need > self.capacity_tokens:
             self._forget_retained()
         slots = self._compact(shrink=False)
-        if slots * need <= self.capacity_tokens:
-            self.cache.shrink(slots, max(need, min(2 * need, self.capacity_tokens // slots)))
+        longest = max(need, *(e.extent for e in (*self._entries.values(), *self._retained.values())))
+        if slots * longest <= self.capacity_tokens:  # never shorter than an entry (an idle request's, a prefix)
+            self.cache.shrink(slots, max(longest, min(2 * need, self.capacity_tokens // slots)))
+        else:
+            self._give_back_memory(tight=True)
         max_slot = max(self._entries[r].slot for r in request_ids)
         if not self.cache.fits(max_slot, max_position, self.capacity_tokens):
             raise KVCapacityError(

@@ -17,7 +17,9 @@ from specserve.workers.runtime.tree_rows import TreeRow
 
 # A pass attends over every row's slot up to the batch's longest row (and gathers that much of each slot when the
 # slots are not consecutive): rows reaching less than this share of the longest go in their own pass. One 4K-token
-# prompt's 16-position chunk batched with four chat rows of ~300 cost 0.5-0.6 s on 2 cores, ten times its own.
+# prompt's 16-position chunk batched with four chat rows of ~300 cost 0.5-0.6 s on 2 cores, ten times its own. On a
+# CPU only: a GPU's forward is launch-bound (21 ms at any width on an H200, eager), so a second pass would cost more
+# than the padded attention it saves, until measured there (docs/gpu.md).
 EXTENT_SHARE = 0.5
 PROFILE_TOKENS = 4096  # BatchingConfig.max_batch_tokens' default: the most positions one pass feeds
 
@@ -112,7 +114,8 @@ class ModelRunner:
         self.store.reserve_batch(ids, lengths)
         self.store.fit_buffers(ids, max(start + n for start, n in zip(starts, lengths, strict=True)) - 1)
         outputs: list[RowOutput | None] = [None] * len(rows)
-        for group in by_extent([start + n for start, n in zip(starts, lengths, strict=True)]):
+        extents = [start + n for start, n in zip(starts, lengths, strict=True)]
+        for group in by_extent(extents) if self.device.type == "cpu" else [list(range(len(rows)))]:
             slots = [entries[i].slot for i in group]  # read after fit_buffers: it may move them
             g_starts, g_news = [starts[i] for i in group], [news[i] for i in group]
             input_ids, positions, mask = self._plan(g_starts, g_news, slots)
