@@ -97,3 +97,21 @@ def test_at_most_retained_max_entries(target, monkeypatch):
         runner.logits_for(f"r{i}", [3 + (i * 13 + j) % 200 for j in range(50)], 1)
         runner.release(f"r{i}")
     assert len(runner.store._retained) == 3 and runner.store.cached_tokens == 3 * (50 - kv_cache.RETAIN_LESS)
+
+
+def test_compacting_for_a_short_pass_keeps_a_longer_idle_request_whole(target):
+    """A pass that outgrows the buffers compacts and reshapes them for its own rows; an idle request longer than
+    those rows keeps every position it holds (its next call continues as a full recompute would)."""
+    runner = ModelRunner(target, KVCacheConfig(capacity_tokens=400))
+    idle = [5 + (3 * i) % 150 for i in range(150)]
+    runner.logits_for("idle", idle, 1)
+    for r in range(3):  # retained prefixes that take slots, then give way
+        runner.logits_for(f"done-{r}", [11 + (5 * i + r) % 120 for i in range(60)], 1)
+        runner.release(f"done-{r}")
+    for step in range(4):  # a short request growing past the buffers' shape
+        runner.logits_for("short", [7 + i % 90 for i in range(30 + 20 * step)], 1)
+    assert runner.store.get("idle").length == len(idle)
+    nxt = idle + [42]
+    torch.testing.assert_close(
+        runner.logits_for("idle", nxt, 1), full_logits(target.model, nxt)[-1:], rtol=0, atol=1e-5
+    )
