@@ -295,7 +295,7 @@ class Pipeline:
                 if self.scheduler.stranded(req):
                     await self.faults.await_target(req)
                 return None, None
-            self.scheduler.verified(call.worker, reply)
+            self.scheduler.verified(reply)
             self.verify_calls += 1
             self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
         clock.worker("verify", reply)

@@ -298,7 +298,7 @@ class Scheduler:
         if req.features is not None and reply.features:
             req.features.received(reply.features)
 
-    def verified(self, worker: str, reply: VerifyResult) -> None:
+    def verified(self, reply: VerifyResult) -> None:
         """A round's verify reply: its batch's cost, for k='auto'."""
         if self.planner_costs is not None:
             self.planner_costs.observe_batch(reply.batch_rows, reply.batch_tokens, reply.batch_seconds)
