@@ -7,9 +7,7 @@ import time
 
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.protos import specserve_pb2 as pb
-from specserve.workers.speculation.chain_planner import PlannerCosts
-from specserve.workers.speculation.chain_policy import DraftCost
-from specserve.workers.speculation.goodput import VerifySurface, VerifyTimings
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifySurface, VerifyTimings
 
 
 def verify_surface(reply: pb.HealthResponse) -> VerifySurface | None:

@@ -48,9 +48,9 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import KVCapacityError
 from specserve.workers.service.results import ProposeResult, VerifyResult
-from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.ngram import NgramDrafter
+from specserve.workers.speculation.planner.chain import LOOKUP_SOURCES
 
 log = logging.getLogger(__name__)
 

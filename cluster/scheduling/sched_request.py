@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.features import FeatureRelay
 from specserve.workers.config.request import SamplingParams, SpecParams
-from specserve.workers.speculation.chain_planner import ChainPlanner
-from specserve.workers.speculation.chain_policy import expected_accepted
-from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RoundForecast, RowChoice
 from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS, Method
+from specserve.workers.speculation.planner.acceptance import expected_accepted
+from specserve.workers.speculation.planner.chain import ChainPlanner
+from specserve.workers.speculation.planner.goodput import NO_DRAFT, ChainPlan, RoundForecast, RowChoice
+from specserve.workers.speculation.planner.tree import TreePruning
 from specserve.workers.speculation.request import RequestState
-from specserve.workers.speculation.tree_policy import TreePruning
 
 
 @dataclass

@@ -26,15 +26,17 @@ from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.service.results import ProposeResult, VerifyResult
-from specserve.workers.speculation.chain_planner import BatchWidth, ChainPlanner, PlannerCosts, model_head_acceptance
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.goodput import NO_DRAFT, ChainPlan, RowChoice, choose_row
 from specserve.workers.speculation.logprobs import TokenLogprob
 from specserve.workers.speculation.methods import METHODS
+from specserve.workers.speculation.planner.acceptance import model_head_acceptance
+from specserve.workers.speculation.planner.batch import BatchWidth
+from specserve.workers.speculation.planner.chain import ChainPlanner
+from specserve.workers.speculation.planner.costs import PlannerCosts
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, NO_DRAFT, ChainPlan, RowChoice, choose_row
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES, TreePruning
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES, TreePruning
 from specserve.workers.speculation.wire_format import slice_rows
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,8 @@ which `goodput.choose_row` must agree with where one drafter and one row are pla
 
 from collections.abc import Sequence
 
-from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts, expected_accepted
+from specserve.workers.speculation.planner.acceptance import expected_accepted
+from specserve.workers.speculation.planner.costs import DraftCost, VerifyCosts
 
 
 def round_rate(rates: Sequence[float], k: int, costs: VerifyCosts, draft: DraftCost) -> float:

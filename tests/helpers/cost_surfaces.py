@@ -4,7 +4,7 @@ row) and the usual GPU shape (flat until the batch's tokens fill the chip, then 
 
 from __future__ import annotations
 
-from specserve.workers.speculation.goodput import PROFILE_ROWS, VerifySurface
+from specserve.workers.speculation.planner.costs import PROFILE_ROWS, VerifySurface
 
 WIDTHS = 17
 CPU_ONE_ROW_MS = (58, 64, 62, 65, 69, 70, 74, 74, 78)  # 1..9 positions, then +1 ms a position

@@ -14,12 +14,13 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.service.results import ProposeResult
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost
 from specserve.workers.speculation.codec import encode_probs
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafter import Drafter, DraftRow, TreeDraftRow
-from specserve.workers.speculation.drafter_costs import drafter_cost
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
+from specserve.workers.speculation.planner.costs import DraftCost
+from specserve.workers.speculation.planner.drafter_costs import drafter_cost
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K
 from specserve.workers.speculation.wire_format import FeatureBlock
 
 

@@ -19,12 +19,12 @@ from specserve.workers.runtime.cost_probe import batch_verify_seconds, probe_con
 from specserve.workers.runtime.tree_rows import TreeRow, check_parents
 from specserve.workers.runtime.worker_state import CommittedTokens, check_token_ids, run_calls
 from specserve.workers.service.results import VerifyResult
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K, VerifyCosts
 from specserve.workers.speculation.codec import encode_features
-from specserve.workers.speculation.goodput import PROFILE_ROWS
+from specserve.workers.speculation.planner.costs import PROFILE_ROWS, VerifyCosts
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.target import TargetVerifier, TreeCall, VerifyRow
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 
 @dataclass

@@ -18,12 +18,9 @@ from specserve.workers.runtime.cost_probe import probe_context, verify_seconds
 from specserve.workers.runtime.loading import LoadedModel, check_compatible
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.runtime.tree_rows import TreeRow
-from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlanner, PlannerCosts
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
 from specserve.workers.speculation.draft_model import ModelDrafter
 from specserve.workers.speculation.draft_tree import TreeShape
 from specserve.workers.speculation.drafter import Drafter, Proposal
-from specserve.workers.speculation.drafter_costs import drafter_cost
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
 from specserve.workers.speculation.eagle.head import Eagle3Head
 from specserve.workers.speculation.eagle.loading import load_eagle_drafter
@@ -35,12 +32,17 @@ from specserve.workers.speculation.methods import (
     method,
 )
 from specserve.workers.speculation.ngram import NgramDrafter
+from specserve.workers.speculation.planner.acceptance import HEAD_PRIOR
+from specserve.workers.speculation.planner.chain import ChainPlanner
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.drafter_costs import drafter_cost
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats, check_request, encode_prompt
 from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
 from specserve.workers.speculation.sampling import TARGET_SALT, make_generator
 from specserve.workers.speculation.suffix import SuffixCache
 from specserve.workers.speculation.target import TargetVerifier, TreeCall, Verdict, VerifyRow
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Leviathan et al.'s speculation math, for the benchmark's bound: expected tokens per round and speedup under one
 acceptance rate for every position, and that rate fitted to a measured tokens per round. (What k to draft is the
-goodput planner's, goodput.py, from acceptance per position and measured costs.)"""
+goodput planner's, planner/goodput.py, from acceptance per position and measured costs.)"""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 # The proposers, one module each under workers/speculation/ (the in-process engine's drafters by these names).
 EAGLE, DRAFT_MODEL, NGRAM, SUFFIX = "eagle", "draft", "ngram", "suffix"
-# The drafters a chain's goodput planner chooses from each round (chain_planner.py, goodput.py's Option.source).
+# The drafters a chain's goodput planner chooses from each round (planner/chain.py, planner/goodput.py's Option.source).
 HEAD_CHAIN, LOOKUP_CHAIN, MODEL_CHAIN, SUFFIX_CHAIN = "head", "ngram", "draft", "suffix"
 
 

@@ -5,15 +5,15 @@ head's or prompt lookup's (`TreeRounds`)."""
 from __future__ import annotations
 
 from specserve.workers.config.request import SamplingParams
-from specserve.workers.speculation.chain_planner import LOOKUP_SOURCES, ChainPlanner
-from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafter import Drafter, Proposal
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
-from specserve.workers.speculation.goodput import ChainPlan
 from specserve.workers.speculation.ngram import NgramDrafter
+from specserve.workers.speculation.planner.chain import LOOKUP_SOURCES, ChainPlanner
+from specserve.workers.speculation.planner.costs import VerifyCosts
+from specserve.workers.speculation.planner.goodput import ChainPlan
+from specserve.workers.speculation.planner.tree import TreePruning
 from specserve.workers.speculation.request import RequestState
-from specserve.workers.speculation.tree_policy import TreePruning
 
 
 class ChainRounds:
@@ -45,7 +45,7 @@ class ChainRounds:
 class TreeRounds:
     """A tree each round, the head's (EAGLE-2's dynamic tree) or prompt lookup's (every recent match's continuation):
     up to `shape.budget` nodes; with `verify` costs (k = 'auto'), the best nodes of it that pay for their
-    verification (tree_policy.py), none when none does. No tree for a round that can commit one token only."""
+    verification (planner/tree.py), none when none does. No tree for a round that can commit one token only."""
 
     def __init__(self, drafter: EagleDrafter | NgramDrafter, shape: TreeShape, verify: VerifyCosts | None = None):
         self.drafter = drafter

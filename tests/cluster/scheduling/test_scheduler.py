@@ -8,8 +8,8 @@ import pytest
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
-from specserve.workers.speculation.chain_planner import PlannerCosts
-from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance
+from specserve.workers.speculation.planner.acceptance import PositionAcceptance
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts
 from tests.helpers.cost_surfaces import cpu_surface
 
 PARAMS, SPEC = SamplingParams(max_new_tokens=8), SpecParams(method="draft", k=2)

@@ -1,5 +1,5 @@
 """A head's features under load: while a target worker's batches plan no drafting, its k='auto' chains stop asking
-for the features every verify reply would carry, and ask again when the load falls (chain_planner.BatchWidth)."""
+for the features every verify reply would carry, and ask again when the load falls (planner/batch.py: BatchWidth)."""
 
 import pytest
 import torch
@@ -7,11 +7,12 @@ import torch
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
-from specserve.workers.speculation.chain_planner import QUIET_AFTER_PLANS, QUIET_CALLS, BatchWidth, PlannerCosts
-from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance
 from specserve.workers.speculation.codec import feature_block
-from specserve.workers.speculation.goodput import Option, RowChoice
 from specserve.workers.speculation.methods import HEAD_CHAIN
+from specserve.workers.speculation.planner.acceptance import PositionAcceptance
+from specserve.workers.speculation.planner.batch import QUIET_AFTER_PLANS, QUIET_CALLS, BatchWidth
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts
+from specserve.workers.speculation.planner.goodput import Option, RowChoice
 from tests.helpers.cost_surfaces import cpu_surface
 from tests.helpers.eagle_disaggregated import build_pairs, generate_recording_features, greedy, prompts_of
 from tests.helpers.eagle_heads import hf_features

@@ -21,11 +21,12 @@ from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
-from specserve.workers.speculation import chain_planner, codec
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K
+from specserve.workers.speculation import codec
+from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.codec import feature_block
-from specserve.workers.speculation.goodput import NO_DRAFT, PROFILE_ROWS
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
+from specserve.workers.speculation.planner.costs import PROFILE_ROWS
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, NO_DRAFT
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.eagle_disaggregated import (
     BYTE_PROMPTS,
     app_with,
@@ -66,7 +67,7 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
     methods in the same target batches (rows that want features beside rows that do not). Features never pause here
     (every round's reach the head: counted below); tests/cluster/scheduling/test_scheduler_head_features.py covers
     the pause."""
-    monkeypatch.setattr(chain_planner, "QUIET_AFTER_PLANS", 10**9)
+    monkeypatch.setattr(batch_width, "QUIET_AFTER_PLANS", 10**9)
     target, head_dir = pairs[pair_name]
     prompts = prompts_of(target, pair_name)
     requests = [(ids, *greedy(12 + 4 * i, k=k)) for i, ids in enumerate(prompts) for k in (1, 3, 5, "auto")]

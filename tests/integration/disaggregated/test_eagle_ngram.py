@@ -20,10 +20,11 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
 from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
-from specserve.workers.speculation import chain_planner
-from specserve.workers.speculation.chain_planner import HEAD_PRIOR, ChainPlan, PlannerCosts
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K, DraftCost, VerifyCosts
+from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.codec import feature_block
+from specserve.workers.speculation.planner.acceptance import HEAD_PRIOR
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, ChainPlan
 from specserve.workers.speculation.wire_format import decode_features
 from tests.helpers.eagle_disaggregated import (
     BYTE_PROMPTS,
@@ -67,7 +68,7 @@ def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_nam
     the head's rounds call a draft worker; each head got every committed position's features once and in order,
     those of the n-gram rounds with its next call. (Features never pause here: with 11 requests the planner may plan
     plain rounds long enough to pause them, which tests/cluster/scheduling/test_scheduler_head_features.py covers.)"""
-    monkeypatch.setattr(chain_planner, "QUIET_AFTER_PLANS", 10**9)
+    monkeypatch.setattr(batch_width, "QUIET_AFTER_PLANS", 10**9)
     target, head_dir = pairs[pair_name]
     prompts = prompts_of(target, pair_name)
     requests = [(ids, *greedy(12 + 4 * i, "eagle+ngram", k)) for i, ids in enumerate(prompts) for k in (1, 3, "auto")]

@@ -13,11 +13,10 @@ from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.service.results import ProposeResult
-from specserve.workers.speculation.chain_planner import PlannerCosts
-from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.eagle_disaggregated import (
     BYTE_PROMPTS,
     app_with,

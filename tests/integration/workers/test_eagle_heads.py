@@ -23,15 +23,15 @@ from specserve.workers.models import packaged_heads
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ModelRunner
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
-from specserve.workers.speculation.chain_policy import MAX_AUTO_K
 from specserve.workers.speculation.codec import encode_features, feature_block
 from specserve.workers.speculation.eagle.checkpoint import save_head
 from specserve.workers.speculation.eagle.config import resolve_eagle_head
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
 from specserve.workers.speculation.eagle.loading import load_head_drafter, load_target_embedding
-from specserve.workers.speculation.goodput import PROFILE_ROWS
+from specserve.workers.speculation.planner.costs import PROFILE_ROWS
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from specserve.workers.speculation.target import TargetVerifier
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
 from specserve.workers.speculation.wire_format import FeatureBlock, decode_features
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.workers import LocalWorkers, save_tiny_llama

@@ -15,15 +15,15 @@ from specserve.workers.models.identity import target_identity
 from specserve.workers.runtime.lean_forward import full_forward
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner
-from specserve.workers.speculation.chain_planner import ChainPlanner
-from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.drafter import DraftRow
 from specserve.workers.speculation.eagle.checkpoint import save_head
 from specserve.workers.speculation.eagle.config import Eagle3Config, default_feature_layers
 from specserve.workers.speculation.eagle.head import Eagle3Head
 from specserve.workers.speculation.eagle.loading import load_eagle_drafter
 from specserve.workers.speculation.engine import SpecEngine
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
+from specserve.workers.speculation.planner.chain import ChainPlanner
+from specserve.workers.speculation.planner.costs import VerifyCosts
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from specserve.workers.training.eagle_train import train_head
 from tests.helpers.eagle_data import FIRST_TOKEN, write_tiny_eagle_data
 from tests.helpers.eagle_heads import hf_features, random_head

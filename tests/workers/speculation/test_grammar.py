@@ -15,12 +15,12 @@ from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.tree_rows import ROOT, TreeRow
-from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.grammar import Grammars
 from specserve.workers.speculation.grammar_formats import check_format
 from specserve.workers.speculation.grammar_rows import constrain_tree
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
+from specserve.workers.speculation.planner.costs import VerifyCosts
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, compiled_grammar, grammar_greedy
 from tests.helpers.greedy_oracle import PROMPTS

@@ -12,10 +12,10 @@ from specserve.workers.config.settings import ModelConfig
 from specserve.workers.config.strict import validate
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.logits_controls import chain_ancestry, controlled_logits, tree_ancestry
-from specserve.workers.speculation.tree_policy import MAX_TREE_NODES
+from specserve.workers.speculation.planner.costs import VerifyCosts
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.controls_oracle import controlled_logits_reference, hf_controlled_greedy
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.greedy_oracle import PROMPTS

@@ -11,67 +11,22 @@ far better than a 1-token one), starting from priors (a head's measured one from
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from specserve.workers.config.settings import NgramConfig
-from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance, VerifyCosts
-from specserve.workers.speculation.goodput import (
-    NO_DRAFT,
-    ChainPlan,
-    Option,
-    RealizedRounds,
-    RoundForecast,
-    RowChoice,
-    VerifySurface,
-    VerifyTimings,
-    plan_batch,
-)
 from specserve.workers.speculation.methods import HEAD_CHAIN, LOOKUP_CHAIN, MODEL_CHAIN, SUFFIX_CHAIN, Method
 from specserve.workers.speculation.ngram import ngram_match
+from specserve.workers.speculation.planner.acceptance import (
+    DRAFT_PRIOR,
+    HEAD_PRIOR,
+    NGRAM_PRIOR,
+    SUFFIX_PRIOR,
+    PositionAcceptance,
+)
+from specserve.workers.speculation.planner.costs import PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.goodput import NO_DRAFT, ChainPlan, Option, RowChoice, plan_batch
 from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
 
-# Prior acceptance given the previous position accepted. The head's: a trained SmolLM2 head on held-out chat (its
-# config may carry measured ones); the n-gram's by matched suffix length 1, 2, 3+ (held-out chat, k = 4); a draft
-# model's: a small model of the target's family.
-HEAD_PRIOR = (0.45, 0.4, 0.4, 0.4)
-NGRAM_PRIOR = {1: 0.2, 2: 0.4, 3: 0.55}
-DRAFT_PRIOR = (0.6,)
-# Suffix drafting's, by matched suffix length 2-3, 4-7, 8-15, 16+: a long match repeats (an earlier answer, a quoted
-# passage) and keeps repeating.
-SUFFIX_PRIOR = {2: 0.35, 4: 0.5, 8: 0.65, 16: 0.8}
 LOOKUP_SOURCES = (LOOKUP_CHAIN, SUFFIX_CHAIN)  # drafters whose plan carries its tokens: no model to call
-
-
-@dataclass(frozen=True)
-class PlannerCosts:
-    """What k = 'auto' weighs: the target's verify cost (per width for one row, or measured over batch sizes too)
-    and the drafters' costs (prompt lookup's: none)."""
-
-    verify: VerifyCosts | VerifySurface | VerifyTimings
-    head: DraftCost = DraftCost()
-    draft: DraftCost = DraftCost()
-
-    @property
-    def surface(self) -> VerifySurface | VerifyTimings:
-        return VerifySurface.single(self.verify) if isinstance(self.verify, VerifyCosts) else self.verify
-
-    @property
-    def drafters(self) -> dict[str, DraftCost]:
-        return {HEAD_CHAIN: self.head, MODEL_CHAIN: self.draft}
-
-    def observe_batch(self, rows: int, tokens: int, seconds: float) -> None:
-        """A verify batch the target worker reported: corrects the measured surface (fixed costs learn nothing)."""
-        if isinstance(self.verify, VerifyTimings):
-            self.verify.observe(rows, tokens, seconds)
-
-
-def model_head_acceptance(recorded: Sequence[float] | None = None) -> PositionAcceptance:
-    """A head's acceptance by position over a model's recent rounds, every request's (about the last thousand): where
-    each new request's planning starts, from the head's recorded acceptance (its config's) or the generic prior. A
-    head's record was measured on its training data, not on what a deployment serves, and a request of a few rounds
-    never learns its own (8 served streams of held-out chat, answers of 8-24 tokens: 0.31 accepted a drafted token,
-    where the record said 0.37 at k = 3)."""
-    return PositionAcceptance(tuple(recorded or HEAD_PRIOR), prior_weight=16.0, decay=0.999)
 
 
 class ChainPlanner:
@@ -174,63 +129,3 @@ class ChainPlanner:
             self._ngram_stats(plan.match).observe(plan.k, accepted)
         elif plan.source == SUFFIX_CHAIN:
             self._suffix_stats(plan.match).observe(plan.k, accepted)
-
-
-# A head's features under load: after this many re-plans in a row that drafted nothing, the worker's k='auto' chains
-# stop asking for them (every verify reply carries them, and at 16 streams on the 2-core CPU that alone cost 4-5% of
-# the throughput: results/2026-11-26-1523-smollm2-load/README.md), until the worker's requests fall below 3/4 of the
-# fewest there were then, or after this many verify calls, when the planner looks again with the head's features back.
-QUIET_AFTER_PLANS = 8
-QUIET_CALLS = 4096
-
-
-@dataclass
-class BatchWidth:
-    """The goodput planner's chain width for one target worker's requests, re-planned once per batch round (after
-    as many plans as the worker has requests) or when their number changes; and whether a head's features are worth
-    their traffic there (`features_paused`)."""
-
-    width: int = 0
-    rows: int = 0
-    plans_left: int = 0
-    plain_plans: int = 0  # re-plans in a row that drafted nothing
-    plain_rows: int = 0  # the fewest requests among them
-    quiet_below: int = 0  # features paused while the worker has at least this many requests (0: not paused)
-    quiet_left: int = 0  # verify calls before the planner looks again with features
-    realized: RealizedRounds = field(default_factory=RealizedRounds)  # the worker's rounds against their plans
-    forecast: RoundForecast | None = None  # what the current plan's rounds are expected to take
-
-    def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int) -> int:
-        if self.rows != len(rows) or self.plans_left <= 0:
-            plan = plan_batch(rows, costs.surface, costs.drafters, max_width, batched_drafts=True,
-                              realized=self.realized)  # fmt: skip
-            self.width, self.rows, self.plans_left = plan.width, len(rows), len(rows)
-            self.forecast = RoundForecast(plan.width > 0, len(rows), plan.seconds)
-            self._track()
-        self.plans_left -= 1
-        return self.width
-
-    def summary(self) -> dict:
-        """For the scheduler's status: the plan at the worker's batch size, and what it weighed beside the costs."""
-        return {"width": self.width, "requests": self.rows, "features_paused": bool(self.quiet_below),
-                "slowdown_drafting": self.realized.factor(True, self.rows),
-                "slowdown_plain": self.realized.factor(False, self.rows)}  # fmt: skip
-
-    def features_paused(self, requests: int) -> bool:
-        """For one verify call of a k='auto' chain, the worker having `requests` requests now. (While paused a
-        head's chains have nothing to draft from and may never re-plan: the load is checked here.)"""
-        if not self.quiet_below:
-            return False
-        self.quiet_left -= 1
-        if requests < self.quiet_below or self.quiet_left <= 0:
-            self.quiet_below, self.plain_plans = 0, 0  # the load fell, or time to look again
-        return self.quiet_below > 0
-
-    def _track(self) -> None:
-        if self.width or self.quiet_below:
-            self.plain_plans = 0
-            return
-        self.plain_rows = min(self.plain_rows, self.rows) if self.plain_plans else self.rows
-        self.plain_plans += 1
-        if self.plain_plans >= QUIET_AFTER_PLANS and self.plain_rows > 1:
-            self.quiet_below, self.quiet_left = max(2, 3 * self.plain_rows // 4), QUIET_CALLS

@@ -11,10 +11,10 @@ import torch
 
 from specserve.workers.config.request import SamplingParams
 from specserve.workers.runtime.cost_probe import probe_context, probe_tokens, verify_seconds
-from specserve.workers.speculation.chain_policy import DraftCost
 from specserve.workers.speculation.draft_model import ModelDrafter
 from specserve.workers.speculation.drafter import Drafter
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
+from specserve.workers.speculation.planner.costs import DraftCost
 
 
 def drafter_cost(drafter: Drafter, k: int) -> DraftCost | None:

@@ -1,13 +1,13 @@
-"""The node count of eagle-tree k='auto' (workers/speculation/tree_policy.py) and pruning a tree to its best nodes."""
+"""The node count of eagle-tree k='auto' (workers/speculation/planner/tree.py) and pruning a tree to its best nodes."""
 
 import math
 
 import pytest
 
 from specserve.workers.runtime.tree_rows import ROOT
-from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.tree_policy import TreeCalibration, best_node_count, expected_accepted_by_size
+from specserve.workers.speculation.planner.costs import VerifyCosts
+from specserve.workers.speculation.planner.tree import TreeCalibration, best_node_count, expected_accepted_by_size
 
 FLAT = VerifyCosts((0.1,) * 17)  # every width costs a step: more nodes never cost more
 CPU = VerifyCosts(
@@ -49,7 +49,7 @@ def test_pruning_a_tree_keeps_its_best_nodes_with_their_parents_in_depth_order()
 
 
 def test_a_head_backs_off_after_trees_that_pay_for_nothing_and_free_lookup_trees_never_do():
-    from specserve.workers.speculation.tree_policy import TreePruning
+    from specserve.workers.speculation.planner.tree import TreePruning
 
     hopeless = DraftTree([10, 11], [ROOT, 0], [math.log(0.01), math.log(0.001)])
     head, lookup = TreePruning(CPU), TreePruning(CPU, costly=False)

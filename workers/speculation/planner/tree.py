@@ -15,10 +15,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specserve.workers.speculation.chain_policy import VerifyCosts
 from specserve.workers.speculation.draft_tree import DraftTree
+from specserve.workers.speculation.planner.costs import VerifyCosts
 
 MAX_TREE_NODES = 16  # the tree drafted for k='auto', pruned each round
+
+
 MAX_PLAIN_ROUNDS = 16  # the longest run of plain steps between trees that pay for no node
 
 

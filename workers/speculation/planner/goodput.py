@@ -4,7 +4,7 @@ target worker's requests together) and every chain drafter (an EAGLE-3 head, pro
 
 A target worker verifies its requests' rounds in one forward, every row left-padded to the widest, so a round of
 the batch costs T(rows, widest + 1) on the target plus the drafting on the critical path, and commits
-sum_i (1 + E_i(k_i)) tokens, E_i the expected accepted tokens of request i's chain of k_i (chain_policy.py). The
+sum_i (1 + E_i(k_i)) tokens, E_i the expected accepted tokens of request i's chain of k_i (acceptance.py). The
 planner tries every width w (0: a plain decoding step for the whole batch) and keeps the one with the most
 committed tokens per second: SmartSpec's goodput (arXiv 2406.14066) over a measured cost surface, with no table to
 write. Plain decoding batches well (4 rows cost far less than 4 single steps), so under load a width that paid at
@@ -17,138 +17,14 @@ not monotonically with width; a GPU's is flat to a knee). Pure functions and sma
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts, expected_accepted
 from specserve.workers.speculation.methods import LOOKUP_CHAIN
+from specserve.workers.speculation.planner.acceptance import expected_accepted
+from specserve.workers.speculation.planner.costs import DecayedByRows, DraftCost, VerifySurface, VerifyTimings
 
-PROFILE_ROWS = (1, 2, 4, 8)  # batch sizes a target worker profiles at start (others are interpolated)
-
-
-@dataclass(frozen=True)
-class VerifySurface:
-    """seconds[r][w - 1]: one target forward over rows[r] rows of w new positions each, measured. Other row counts
-    are interpolated linearly (extrapolated past the largest from its last two), other widths likewise."""
-
-    rows: tuple[int, ...]
-    seconds: tuple[tuple[float, ...], ...]
-
-    def __post_init__(self):
-        if not self.rows or len(self.rows) != len(self.seconds) or list(self.rows) != sorted(set(self.rows)):
-            raise ValueError("a verify surface needs distinct increasing row counts, one cost row each")
-        if any(not row or min(row) <= 0 for row in self.seconds):
-            raise ValueError("every measured cost must be positive")
-
-    @classmethod
-    def single(cls, costs: VerifyCosts) -> VerifySurface:
-        """A surface from one row's costs per width (a batch of one)."""
-        return cls((1,), (tuple(costs.verify_s),))
-
-    @property
-    def max_width(self) -> int:
-        return min(len(row) for row in self.seconds)
-
-    def _at_width(self, r: int, width: int) -> float:
-        row = self.seconds[r]
-        if width <= len(row):
-            return row[max(1, width) - 1]
-        slope = (row[-1] - row[-2]) if len(row) > 1 else row[-1]
-        return row[-1] + max(0.0, slope) * (width - len(row))
-
-    def at(self, rows: int, width: int) -> float:
-        """Seconds of a forward over `rows` rows padded to `width` new positions."""
-        rows = max(1, rows)
-        i = bisect.bisect_left(self.rows, rows)
-        if i < len(self.rows) and self.rows[i] == rows:
-            return self._at_width(i, width)
-        if len(self.rows) == 1:  # one measured batch size: scale by rows (an upper bound: batching only helps)
-            return self._at_width(0, width) * rows / self.rows[0]
-        hi = min(max(i, 1), len(self.rows) - 1)  # the measured pair around `rows` (the last two past the largest)
-        lo = hi - 1
-        r0, r1 = self.rows[lo], self.rows[hi]
-        t0, t1 = self._at_width(lo, width), self._at_width(hi, width)
-        return max(1e-9, t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
-
-    def for_rows(self, rows: int, widest: int) -> VerifyCosts:
-        """A batch of `rows` rows' cost per width 1..widest, as one row's VerifyCosts (its rate is the batch's)."""
-        return VerifyCosts(tuple(self.at(rows, w) for w in range(1, widest + 1)))
-
-
-@dataclass
-class DecayedByRows:
-    """A decayed mean of a ratio per batch size, read at the nearest size seen (ties: the smaller), with `prior`
-    worth `prior_weight` observations under it; `prior` alone before any."""
-
-    decay: float
-    prior: float = 1.0
-    prior_weight: float = 0.0
-    _sums: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (weighted sum, weight)
-
-    @property
-    def seen(self) -> list[int]:
-        return list(self._sums)
-
-    def add(self, rows: int, value: float) -> None:
-        total, weight = self._sums.get(rows, (0.0, 0.0))
-        self._sums[rows] = (total * self.decay + value, weight * self.decay + 1.0)
-
-    def relax(self, rows: int) -> None:
-        """Decay without an observation at the nearest size seen, one step per batch round (a `rows`-th of a step per
-        row's round), so that the mean drifts back to the prior as fast under load as alone."""
-        if not self._sums:
-            return
-        near = rows if rows in self._sums else min(self._sums, key=lambda r: (abs(r - rows), r))
-        total, weight = self._sums[near]
-        step = self.decay ** (1.0 / max(1, rows))
-        self._sums[near] = (total * step, weight * step)
-
-    def at(self, rows: int) -> float:
-        if not self._sums:
-            return self.prior
-        near = rows if rows in self._sums else min(self._sums, key=lambda r: (abs(r - rows), r))
-        total, weight = self._sums[near]
-        return (total + self.prior * self.prior_weight) / (weight + self.prior_weight)
-
-
-@dataclass
-class VerifyTimings:
-    """A target worker's verify costs: its start-up profile, corrected online by the batches it runs. Each batch's
-    measured seconds over the profile's prediction, per batch size, as a decayed mean: what the profile could not
-    see (a draft worker sharing the cores, verification and serialisation beside the forward, a warmer machine)."""
-
-    profile: VerifySurface
-    decay: float = 0.9
-    min_factor: float = 0.5
-    max_factor: float = 3.0
-
-    def __post_init__(self):
-        self._factor = DecayedByRows(self.decay)  # measured over predicted, per batch size
-
-    def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        """A verify batch of `rows` rows feeding `tokens` positions ran `seconds`."""
-        if rows <= 0 or tokens <= 0 or seconds <= 0:
-            return
-        width = math.ceil(tokens / rows)
-        self._factor.add(rows, min(self.max_factor, max(self.min_factor, seconds / self.profile.at(rows, width))))
-
-    def factor(self, rows: int) -> float:
-        """The correction at this batch size: its own when seen, else the nearest seen one's, else 1."""
-        return self._factor.at(rows)
-
-    def at(self, rows: int, width: int) -> float:
-        return self.profile.at(rows, width) * self.factor(rows)
-
-    def for_rows(self, rows: int, widest: int) -> VerifyCosts:
-        return VerifyCosts(tuple(self.at(rows, w) for w in range(1, widest + 1)))
-
-    def surface(self) -> VerifySurface:
-        """The corrected surface, at the profile's measured row counts and the batch sizes seen since."""
-        rows = sorted(set(self.profile.rows) | set(self._factor.seen))
-        width = self.profile.max_width
-        return VerifySurface(tuple(rows), tuple(tuple(self.at(r, w) for w in range(1, width + 1)) for r in rows))
+MAX_AUTO_K = 8  # the longest chain k='auto' drafts: a head's acceptance at position 9+ is too small to pay for it
 
 
 @dataclass(frozen=True)

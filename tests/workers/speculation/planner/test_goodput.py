@@ -1,20 +1,19 @@
-"""The goodput planner (workers/speculation/goodput.py) on synthetic cost surfaces and acceptance profiles: it picks
-the k with the most committed tokens per second for one request and for a batch, 0 where nothing pays, each row's
+"""The goodput planner (workers/speculation/planner/goodput.py) on synthetic cost surfaces and acceptance profiles: it
+picks the k with the most committed tokens per second for one request and for a batch, 0 where nothing pays, each row's
 best drafter, and the measured surface's interpolation and online correction."""
 
 import itertools
 
 import pytest
 
-from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts, expected_accepted
-from specserve.workers.speculation.goodput import (
+from specserve.workers.speculation.planner.acceptance import expected_accepted
+from specserve.workers.speculation.planner.costs import DraftCost, VerifyCosts, VerifySurface, VerifyTimings
+from specserve.workers.speculation.planner.goodput import (
     NO_DRAFT,
     Option,
     RealizedRounds,
     RoundForecast,
     RowChoice,
-    VerifySurface,
-    VerifyTimings,
     plan_batch,
 )
 from tests.helpers.cost_surfaces import cpu_seconds, cpu_surface, gpu_seconds, gpu_surface

@@ -1,10 +1,11 @@
-"""The model-wide head record (chain_planner.model_head_acceptance) recovers: traffic the head drafted badly for stops
-k='auto' drafting with it, and the plain rounds that follow relax the record back towards its prior until a request
-drafts with the head again and measures it anew."""
+"""The model-wide head record (planner/acceptance.py: model_head_acceptance) recovers: traffic the head drafted
+badly for stops k='auto' drafting with it, and the plain rounds that follow relax the record back towards its prior
+until a request drafts with the head again and measures it anew."""
 
-from specserve.workers.speculation.chain_planner import ChainPlanner, PlannerCosts, model_head_acceptance
-from specserve.workers.speculation.chain_policy import DraftCost, VerifyCosts
-from specserve.workers.speculation.goodput import ChainPlan
+from specserve.workers.speculation.planner.acceptance import model_head_acceptance
+from specserve.workers.speculation.planner.chain import ChainPlanner
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.goodput import ChainPlan
 
 # A CPU-like target (ms by width 1..9) and a head at about a tenth of a step.
 COSTS = PlannerCosts(VerifyCosts(tuple(t / 1e3 for t in (59, 62, 64, 66, 68, 70, 72, 74, 76))),

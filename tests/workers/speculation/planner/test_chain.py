@@ -1,20 +1,16 @@
-"""The chain k policy and planner (workers/speculation/chain_policy.py, chain_planner.py): pure functions over
-synthetic acceptance and costs."""
+"""A request's chain planner (workers/speculation/planner/chain.py): which drafter's chain and how long, over
+synthetic acceptance and costs; and the k oracle the engine tests check against."""
 
 import pytest
 
-from specserve.workers.speculation.chain_planner import NGRAM_PRIOR, ChainPlan, ChainPlanner, PlannerCosts
-from specserve.workers.speculation.chain_policy import DraftCost, PositionAcceptance, VerifyCosts, expected_accepted
+from specserve.workers.speculation.planner.acceptance import NGRAM_PRIOR
+from specserve.workers.speculation.planner.chain import ChainPlanner
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.goodput import ChainPlan
 from tests.helpers.chain_oracle import best_k, round_rate
 
 # Measured on 2 cores for SmolLM2-135M (ms by width 1..9): widths 2-3 cost more than 5.
 CPU_COSTS = VerifyCosts(tuple(t / 1e3 for t in (59, 100, 112, 87, 83, 84, 85, 86, 91)))
-
-
-def test_expected_accepted_multiplies_conditional_rates():
-    assert expected_accepted([0.5, 0.5, 0.5], 3) == pytest.approx(0.5 + 0.25 + 0.125)
-    assert expected_accepted([0.9, 0.0, 1.0], 3) == pytest.approx(0.9)
-    assert expected_accepted([0.5, 0.5], 0) == 0.0
 
 
 def test_best_k_weighs_the_measured_cost_of_each_width():
@@ -29,15 +25,6 @@ def test_best_k_weighs_the_measured_cost_of_each_width():
     # Made to draft, it drafts 3: verifying 4 positions (87 ms) is cheaper than verifying 2 (100 ms).
     assert best_k([0.05] * 8, CPU_COSTS, DraftCost(step_s=0.005), max_k=8, min_k=1) == 3
     assert best_k([0.9] * 8, flat, DraftCost(), max_k=3) == 3  # the round's budget caps it
-
-
-def test_position_acceptance_counts_reach_and_starts_from_the_prior():
-    stats = PositionAcceptance(prior=(0.5, 0.2), prior_weight=2.0)
-    assert stats.rates(3) == [0.5, 0.2, 0.2]
-    stats.observe(drafted=4, accepted=1)  # position 0 accepted, 1 rejected, 2-3 never reached
-    stats.observe(drafted=4, accepted=4)
-    assert stats.reached == [2, 2, 1, 1] and stats.accepted == [2, 1, 1, 1]
-    assert stats.rates(2) == pytest.approx([(2 + 1.0) / 4, (1 + 0.4) / 4])
 
 
 def test_the_planner_takes_a_long_ngram_match_and_the_head_otherwise():
