@@ -22,8 +22,8 @@ from specserve.protos import specserve_pb2 as pb
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation import codec
-from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.codec import feature_block
+from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.planner.costs import PROFILE_ROWS
 from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, NO_DRAFT
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES

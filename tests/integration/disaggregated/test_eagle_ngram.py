@@ -20,8 +20,8 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
 from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
-from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.codec import feature_block
+from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.planner.acceptance import HEAD_PRIOR
 from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, ChainPlan
