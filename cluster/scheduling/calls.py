@@ -24,6 +24,8 @@ class Call:
     tree: bool = False  # draft calls: a tree of up to k nodes
     parents: list[int] | None = None  # verify calls: `drafted` is a tree with these parents
     prompt_logprobs: int | None = None  # verify calls: the committed tokens' logprobs too (the prompt's), top-n
+    prefix_at_most: int | None = None  # verify calls of a request new to the worker: the most positions taken from
+    # another request's cached prefix (a head's request: what its draft worker's head holds)
     # The whole sequence committed_len counts (never sent unless the worker lost the request). Kept on the call
     # because a concurrent restart may clear what the scheduler remembers telling the worker.
     sequence: list[int] = field(default_factory=list, repr=False)

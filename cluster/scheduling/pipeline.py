@@ -216,7 +216,7 @@ class Pipeline:
         0, or the draft worker failed: this round is target-only)."""
         if not k:
             return ProposeResult([])
-        reused = self.scheduler.use_predraft(req, pre)
+        reused = req.predrafted(pre, k)  # this round's k, as planned
         if reused is not None:
             req.pipelined_rounds += 1
             return reused

@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from specserve.cluster.scheduling.calls import PreDraft
 from specserve.cluster.scheduling.features import FeatureRelay
 from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS, Method
 from specserve.workers.speculation.planner.acceptance import expected_accepted
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.goodput import NO_DRAFT, ChainPlan, RoundForecast, RowChoice
 from specserve.workers.speculation.planner.tree import TreePruning
 from specserve.workers.speculation.request import RequestState
+from specserve.workers.speculation.wire_format import slice_rows
 
 
 @dataclass
@@ -70,3 +73,17 @@ class SchedRequest:
             self.planner.passed_over(self.choice.options)
         if drafted_by != NO_DRAFT.source:
             self.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
+
+    def predrafted(self, pre: PreDraft | None, k: int) -> ProposeResult | None:
+        """This round's k-token draft from a pre-draft, if its assumption held: the committed sequence now continues
+        exactly as the pre-draft assumed and its first token equals the bonus token. Its first token is dropped
+        (already committed as the bonus token); the rest are a valid proposal for this round."""
+        if pre is None or self.state.finished:
+            return None
+        tokens = self.state.tokens
+        ahead = pre.draft.drafted
+        if len(tokens) != len(pre.after) + 1 or tokens[:-1] != pre.after or len(ahead) < 2 or ahead[0] != tokens[-1]:
+            return None
+        drafted = ahead[1 : 1 + k]
+        probs = slice_rows(pre.draft.draft_probs, 1, 1 + len(drafted))
+        return ProposeResult(drafted, probs) if drafted else None

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 
 from specserve.cluster.scheduling.affinity import PrefixAffinity
-from specserve.cluster.scheduling.calls import Call, PreDraft
+from specserve.cluster.scheduling.calls import Call
 from specserve.cluster.scheduling.chunk_pacing import ChunkPacer
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.cluster.scheduling.sched_request import SchedRequest
@@ -25,7 +25,7 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
-from specserve.workers.service.results import ProposeResult, VerifyResult
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.logprobs import TokenLogprob
 from specserve.workers.speculation.methods import METHODS
@@ -37,7 +37,6 @@ from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, NO_DRAFT, 
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES, TreePruning
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache
-from specserve.workers.speculation.wire_format import slice_rows
 
 log = logging.getLogger(__name__)
 
@@ -283,8 +282,10 @@ class Scheduler:
         if not self.chunks.max_tokens or req.state.generated or req.prompt_logprobs is not None:
             return None
         held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
+        cap = self._head_prefix(req)
         if not held:
             held = self.affinity["target"].held(req.state.tokens[: req.state.prompt_len - 1], [req.target_worker])[1]
+            held = held if cap is None else min(held, cap)
         others = any(r.target_worker == req.target_worker and r.state.generated for r in self.requests.values())
         size = self.chunks.size(req.target_worker, others)  # others decoding there wait for each chunk
         if req.state.prompt_len - held <= (size if req.told.get(req.target_worker) else self.chunks.max_tokens):
@@ -292,7 +293,18 @@ class Scheduler:
         self.chunks.started(req.target_worker, others)
         want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
         return self._call(req, req.target_worker, req.state.tokens[: held + size], drafted=[], draft_probs=b"",
-                          want_features=want)  # fmt: skip
+                          want_features=want, prefix_at_most=cap)  # fmt: skip
+
+    def _head_prefix(self, req: SchedRequest) -> int | None:
+        """A head's request new to its target worker takes from the target's prefix cache no more than its draft
+        worker's head holds, where this scheduler saw the target keep more of the prompt than the head (requests of
+        other methods): the target sends no features for cached positions, and a head lacking its prompt drafts
+        badly (sglang #31600). None: no cap (no head, the request is on the worker already, or nothing known)."""
+        if req.features is None or req.draft_worker is None or req.target_worker in req.told:
+            return None
+        prompt = req.state.tokens[:-1]
+        head = self.affinity["draft"].held(prompt, [req.draft_worker])[1]
+        return head if self.affinity["target"].held(prompt, [req.target_worker])[1] > head else None
 
     def prefilled(self, req: SchedRequest, call: Call, reply: VerifyResult) -> None:
         """A prefill chunk's reply: its features wait for the head's first draft call (its token is not committed)."""
@@ -325,7 +337,8 @@ class Scheduler:
         if req.features is not None and not want:
             req.features.drop()  # the head starts again later, from the features of a later round
         return self._call(req, req.target_worker, req.state.tokens, drafted=drafted, draft_probs=draft_probs,
-                          want_features=want, parents=parents, prompt_logprobs=req.prompt_logprobs)  # fmt: skip
+                          want_features=want, parents=parents, prompt_logprobs=req.prompt_logprobs,
+                          prefix_at_most=self._head_prefix(req))  # fmt: skip
 
     # -- applying results -------------------------------------------------------------------------------------------
 
@@ -369,20 +382,6 @@ class Scheduler:
         """A draft call succeeded: the features it carried are the head's now."""
         if req.features is not None:
             req.features.delivered(call.features)
-
-    def use_predraft(self, req: SchedRequest, pre: PreDraft | None) -> ProposeResult | None:
-        """The next round's draft from a pre-draft, if its assumption held: the committed sequence now continues
-        exactly as the pre-draft assumed and its first token equals the bonus token. Its first token is dropped
-        (already committed as the bonus token); the rest are a valid proposal for the next round."""
-        if pre is None or req.state.finished:
-            return None
-        tokens = req.state.tokens
-        ahead = pre.draft.drafted
-        if len(tokens) != len(pre.after) + 1 or tokens[:-1] != pre.after or len(ahead) < 2 or ahead[0] != tokens[-1]:
-            return None
-        drafted = ahead[1 : 1 + self.k_for(req)]
-        probs = slice_rows(pre.draft.draft_probs, 1, 1 + len(drafted))
-        return ProposeResult(drafted, probs) if drafted else None
 
     def release(self, req: SchedRequest) -> list[str]:
         """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for

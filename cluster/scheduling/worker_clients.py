@@ -176,6 +176,7 @@ class TargetClient(_Client):
                 prompt_len=min(params.prompt_len, call.committed_len),  # a prefill chunk holds part of the prompt
                 end_token_ids=params.end_token_ids,
                 prompt_logprobs=call.prompt_logprobs,
+                prefix_at_most=call.prefix_at_most,
             ),
         )
         return VerifyResult(

@@ -47,6 +47,21 @@ async def generate_all(w: LocalWorkers, requests, during=None, reconnect=None, p
     return results[: len(requests)], pipeline
 
 
+async def generate_in_turns(w: LocalWorkers, turns) -> list:
+    """Requests one after another through one Scheduler + Pipeline (its placement and prefix records carried from one
+    to the next): `turns(done)` returns the next (prompt ids, params, spec) from the requests done so far, or None."""
+    drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
+    targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
+    done = []
+    while (turn := turns(done)) is not None:
+        done.append(await pipeline.generate(*turn, frozenset()))
+        await pipeline.drain_releases()
+    for client in (*drafts.values(), *targets.values()):
+        await client.close()
+    return done
+
+
 # The chain and tree methods a served identity test runs, by what drafts: a draft model (beside prompt lookup and
 # suffix drafting, which need no worker) or an EAGLE-3 head.
 SERVED_METHODS = {

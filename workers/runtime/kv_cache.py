@@ -173,14 +173,21 @@ class KVCacheStore:
         slot, self._next_slot = self._next_slot, self._next_slot + 1
         return slot
 
-    def sync(self, request_id: str, sequence: Sequence[int], keep_at_most: int) -> CacheEntry:
+    def sync(self, request_id: str, sequence: Sequence[int], keep_at_most: int,
+             prefix_at_most: int | None = None) -> CacheEntry:  # fmt: skip
         """Roll the request's cache back to the longest prefix it shares with `sequence`, at most `keep_at_most`; a
         request new here starts from the longest cached prefix of `sequence` (prefix caching), and one that goes on
         past its length holds its spare positions again where they agree with `sequence`.
 
         Counts (vLLM's prefix_cache_queries / hits, per position): every position a request asks for, once; and of
-        those, every one served from cache (a retained prefix taken over, spare positions held again)."""
+        those, every one served from cache (a retained prefix taken over, spare positions held again).
+
+        prefix_at_most: the most positions a new request takes from a retained prefix (an EAGLE-3 head's request whose
+        head holds less of it: positions served from cache bring the head no features, and a head that lacks its
+        prompt drafts badly, sglang #31600). None: as many as match."""
         fresh = request_id not in self._entries
+        if fresh and prefix_at_most is not None:
+            keep_at_most = min(keep_at_most, prefix_at_most)
         if fresh and self.prefix_caching:
             self._start_from_prefix(request_id, sequence, keep_at_most)
         entry = self.get_or_create(request_id)

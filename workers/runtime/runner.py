@@ -31,6 +31,7 @@ class ForwardRow:
     request_id: str
     sequence: Sequence[int]  # the request's whole sequence; only the positions its cache does not hold are fed
     n: int  # logits wanted: after each of the sequence's last n positions (1 <= n <= len(sequence))
+    prefix_at_most: int | None = None  # a request new here: the most positions taken from a cached prefix (kv_cache)
 
     def check(self) -> None:
         """ValueError unless 1 <= n <= len(sequence)."""
@@ -107,7 +108,7 @@ class ModelRunner:
         self._check_batch(ids, capture)
         for row in rows:
             row.check()
-        entries = [self.store.sync(r.request_id, r.sequence, keep_at_most=len(r.sequence) - r.n) for r in rows]
+        entries = [self.store.sync(r.request_id, r.sequence, len(r.sequence) - r.n, r.prefix_at_most) for r in rows]
         starts = [e.length for e in entries]
         news = [list(row.sequence[start:]) for row, start in zip(rows, starts, strict=True)]
         lengths = [len(new) for new in news]
@@ -138,7 +139,7 @@ class ModelRunner:
         self._check_batch(ids, capture)
         for row in rows:
             row.check()
-        entries = [self.store.sync(row.request_id, row.sequence, keep_at_most=len(row.sequence) - 1) for row in rows]
+        entries = [self.store.sync(r.request_id, r.sequence, len(r.sequence) - 1, r.prefix_at_most) for r in rows]
         starts = [e.length for e in entries]
         tails = [list(row.sequence[start:]) for row, start in zip(rows, starts, strict=True)]
         news = [tail + list(row.tokens) for tail, row in zip(tails, rows, strict=True)]

@@ -34,6 +34,7 @@ class TreeRow:
     sequence: Sequence[int]  # the committed tokens
     tokens: Sequence[int]  # [N] drafted
     parents: Sequence[int]  # [N]
+    prefix_at_most: int | None = None  # a request new to the cache: the most positions taken from a cached prefix
 
     def check(self) -> None:
         """ValueError unless the tree is well formed and there is a committed token to hang it on."""

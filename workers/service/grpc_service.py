@@ -210,6 +210,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
                 request.want_features,
                 list(request.parents) if request.parents else None,
                 _prompt_logprobs(request),
+                request.prefix_at_most if request.HasField("prefix_at_most") else None,
             )
         except ValueError as e:
             await self._abort(context, e)

@@ -40,6 +40,7 @@ class VerifyCall:
     want_features: bool = False  # EAGLE-3: return the features of the positions this call commits
     parents: list[int] | None = None  # the drafted tokens form a tree (ROOT or an earlier node each); None: a chain
     prompt_logprobs: int | None = None  # the committed tokens' logprobs too (the prompt's), with this many alternatives
+    prefix_at_most: int | None = None  # a request new here: the most positions taken from a cached prefix (kv_cache)
 
 
 @dataclass
@@ -94,10 +95,11 @@ class TargetWorker:
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
             verify = VerifyRow(call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator,
-                               call.prompt_logprobs)  # fmt: skip
+                               call.prompt_logprobs, call.prefix_at_most)  # fmt: skip
             tree = None
             if call.parents is not None:
-                tree = TreeCall(TreeRow(call.request_id, tokens, call.drafted, call.parents), call.params, generator)
+                row = TreeRow(call.request_id, tokens, call.drafted, call.parents, call.prefix_at_most)
+                tree = TreeCall(row, call.params, generator)
             return _Row(verify, call.want_features, tree)
 
         results, rows = run_calls(self.committed, calls, prepare, self._verify_rows, self.release)

@@ -17,7 +17,7 @@ import datetime
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import torch
@@ -140,7 +140,7 @@ class TensorParallelRunner:
 
     def forward_tree(self, rows: Sequence[TreeRow], capture: bool = False) -> list[RowOutput]:
         """Rank 0 alone captures features (the other ranks run the same collectives without keeping them)."""
-        rows = [TreeRow(r.request_id, list(r.sequence), list(r.tokens), list(r.parents)) for r in rows]
+        rows = [replace(r, sequence=list(r.sequence), tokens=list(r.tokens), parents=list(r.parents)) for r in rows]
         self._mirror(("tree", rows))
         try:
             return self.runner.forward_tree(rows, capture=capture)

@@ -168,8 +168,9 @@ class SpecEngine:
     ) -> Verdict:
         """Verify this round's proposal (None: target-only); an EagleDrafter gets the target's new features."""
         drafted, probs = (proposal.tokens, proposal.probs) if proposal else ([], None)
-        row = VerifyRow(state.request_id, state.tokens, drafted, probs, params, generator)
         head = drafter if isinstance(drafter, EagleDrafter) else None
+        row = VerifyRow(state.request_id, state.tokens, drafted, probs, params, generator,
+                        prefix_at_most=_head_prefix(head, state))  # fmt: skip
         verdict = self.verifier.verify_rows([row], capture=head is not None)[0]
         if head is not None:
             head.add_features(state.request_id, verdict.feature_start, verdict.features)
@@ -186,7 +187,8 @@ class SpecEngine:
             state.commit_round([], verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
             return
         head = rounds.drafter if isinstance(rounds.drafter, EagleDrafter) else None
-        call = TreeCall(TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents), params, generator)
+        row = TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents, _head_prefix(head, state))
+        call = TreeCall(row, params, generator)
         verdict = self.verifier.verify_trees([call], capture=head is not None)[0]
         rounds.observe(len(verdict.path))
         if head is not None:
@@ -229,7 +231,9 @@ class SpecEngine:
                 state.commit_round(drafted, verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
         finally:
             self.verifier.release(state.request_id)
-            if drafter is not None:
+            if isinstance(drafter, EagleDrafter):  # its cache kept for later requests that start the same way
+                drafter.release(state.request_id, state.tokens)
+            elif drafter is not None:
                 drafter.release(state.request_id)
         if method(spec.method).suffix:
             self.suffix_cache.remember_request(state.request_id, state.tokens, state.prompt_len)
@@ -240,3 +244,11 @@ class SpecEngine:
             stats=state.stats,
             logprobs=state.logprobs if params.logprobs is not None else None,
         )
+
+
+def _head_prefix(head: EagleDrafter | None, state: RequestState) -> int | None:
+    """A head's request's first verify takes from the target's prefix cache only what the head holds too (the target
+    computes no features for cached positions); None: no cap (no head, or a later round)."""
+    if head is None or state.generated:
+        return None
+    return head.held_prefix(state.tokens)

@@ -45,7 +45,7 @@ def constrain_tree(grammars: Grammars, tree: TreeRow, params: SamplingParams) ->
     kept, allowed = grammar.tree(tree.tokens, tree.parents)
     index = {old: new for new, old in enumerate(kept)}
     parents = [ROOT if tree.parents[i] == ROOT else index[tree.parents[i]] for i in kept]
-    pruned = TreeRow(tree.request_id, tree.sequence, [tree.tokens[i] for i in kept], parents)
+    pruned = TreeRow(tree.request_id, tree.sequence, [tree.tokens[i] for i in kept], parents, tree.prefix_at_most)
     return PrunedTree(pruned, kept, allowed[[0] + [i + 1 for i in kept]])
 
 

@@ -35,6 +35,7 @@ class VerifyRow(NamedTuple):
     # The logprobs of committed tokens 1.. with this many alternatives (the prompt's, on the call that prefills it):
     # the forward computes the whole sequence and keeps every position's logits; None: not asked
     prompt_logprobs: int | None = None
+    prefix_at_most: int | None = None  # a request new to the cache: the most positions taken from a cached prefix
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class TargetVerifier:
     def _verify_batch(self, rows: Sequence[VerifyRow], capture: bool) -> list[Verdict]:
         constrained = [constrain_chain(self.grammars, row) for row in rows]
         rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
-        sequences = [ForwardRow(row.request_id, [*row.tokens, *row.drafted], _kept(row)) for row in rows]
+        sequences = [ForwardRow(r.request_id, [*r.tokens, *r.drafted], _kept(r), r.prefix_at_most) for r in rows]
         # Without capture through logits_for_batch: a tensor-parallel runner mirrors that one on its other ranks.
         outputs = self.runner.forward_batch(sequences, capture=True) if capture else None
         all_logits = [out.logits for out in outputs] if outputs else self.runner.logits_for_batch(sequences)

@@ -13,7 +13,7 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.runtime.kv_cache import RETAIN_LESS
 from tests.helpers.eagle_disaggregated import build_pairs, prompts_of, sample_disaggregated
 from tests.helpers.greedy_oracle import own_greedy_loop
-from tests.helpers.pipelines import generate_all
+from tests.helpers.pipelines import generate_all, generate_in_turns
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
 from tests.helpers.workers import LocalWorkers, load_pair
 
@@ -113,6 +113,34 @@ def test_a_chunked_second_turn_keeps_its_whole_cached_history_and_the_heads(pair
 
 
 @pytest.mark.slow
+def test_a_heads_turn_after_a_target_only_turn_drafts_as_without_caching(pairs):
+    """Turn 1 decoded target-only leaves the target worker a cached history the head never saw; turn 2 with the head
+    takes from it only what the draft worker's head holds (nothing: the scheduler's prefix_at_most), so the head
+    reads the whole history and drafts and accepts exactly as with prefix caching off."""
+    target, head_dir = pairs["tiny_vocab"]  # a head a third of whose drafts are accepted
+    prompt = prompts_of(target, "tiny_vocab")[2] * 2  # 28 tokens: past PREFIX_MIN_TOKENS
+
+    async def turns(prefix_caching: bool):
+        def turns(done):
+            if len(done) == 2:
+                return None
+            if not done:
+                return prompt, SamplingParams(max_new_tokens=N), SpecParams(method="none")
+            history = prompt + done[0].state.generated + [4, 6, 3]
+            return history, SamplingParams(max_new_tokens=N), SpecParams(method="eagle", k=3)
+
+        async with LocalWorkers(target, [], eagle_head=head_dir, prefix_caching=prefix_caching) as w:
+            _, second = await generate_in_turns(w, turns)  # one scheduler: it saw turn 1 leave its history there
+            return second, w.drafts["draft-0"].drafter
+
+    second, head = asyncio.run(turns(True))
+    second_off, _ = asyncio.run(turns(False))
+    assert second.state.generated == second_off.state.generated
+    on, off = second.state.stats, second_off.state.stats
+    assert (on.rounds, on.drafted, on.accepted) == (off.rounds, off.drafted, off.accepted) and on.accepted > 0
+    assert head.prefix_queries == 0  # the target served no position the head lacked
+
+
 def test_sampling_with_prefix_hits_matches_the_targets_distribution(pairs):
     """2,000 seeded requests of one 56-token prompt, 64 at a time, through a head draft worker and a target: every
     request after the first batch takes a released one's cache over on both workers (hits), and the sampled next 3

@@ -8,7 +8,7 @@ import torch
 from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime import kv_cache
 from specserve.workers.runtime.loading import load_model
-from specserve.workers.runtime.runner import ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner
 from tests.helpers.greedy_oracle import full_logits
 
 TURN_1 = [3 + (7 * i) % 200 for i in range(80)]
@@ -42,6 +42,27 @@ def test_a_request_that_shares_part_of_a_history_rolls_back_to_it(target):
     logits = runner.logits_for("b", other, 1)
     assert runner.forward_positions - before == 3 and runner.store.prefix_hits == 30  # within what was kept
     assert torch.allclose(logits, full_logits(target.model, other)[-1:], atol=1e-5, rtol=0)
+
+
+def test_a_new_request_takes_at_most_prefix_at_most_positions_of_a_cached_prefix(target):
+    """prefix_at_most (an EAGLE-3 head's request: what its head holds) caps what a request new to the store takes
+    over; below PREFIX_MIN_TOKENS it takes nothing; a request the store holds already keeps its own cache whole."""
+    runner = ModelRunner(target, KVCacheConfig())
+    runner.logits_for("a", TURN_1, 1)
+    runner.release("a")
+    turn_2 = TURN_1 + [11, 12, 13]
+    before = runner.forward_positions
+    (logits,) = runner.logits_for_batch([ForwardRow("b", turn_2, 1, prefix_at_most=20)])
+    assert runner.forward_positions - before == len(turn_2) - 20 and runner.store.prefix_hits == 20
+    assert torch.allclose(logits, full_logits(target.model, turn_2)[-1:], atol=1e-5, rtol=0)
+    more = turn_2 + [14]
+    before = runner.forward_positions
+    runner.logits_for_batch([ForwardRow("b", more, 1, prefix_at_most=0)])  # "b" is held: its own cache stays
+    assert runner.forward_positions - before == 1
+    runner.release("b")
+    before = runner.forward_positions
+    runner.logits_for_batch([ForwardRow("c", turn_2, 1, prefix_at_most=kv_cache.PREFIX_MIN_TOKENS - 1)])
+    assert runner.forward_positions - before == len(turn_2)
 
 
 def test_short_prefixes_and_a_store_without_prefix_caching_compute_everything(target):

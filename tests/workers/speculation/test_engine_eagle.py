@@ -140,6 +140,27 @@ def test_the_head_gets_each_committed_positions_target_features_once(trained):
         torch.testing.assert_close(torch.cat([f for _, f in handed]), want, atol=1e-3, rtol=1e-3)  # cached vs not
 
 
+def test_a_head_request_after_target_only_ones_drafts_as_on_a_fresh_engine(trained):
+    """The target's prefix cache holds prompts that target-only requests computed, without the head: a head's request
+    takes from it only what the head holds (none here), so its head reads every prompt position, and it drafts and
+    accepts exactly as on an engine that never saw the prompt (sglang #31600: 0.98 -> 0.10 acceptance otherwise). A
+    second head request takes both caches over."""
+    loaded, head_dir = trained
+    prompt = [FIRST_TOKEN + (3 * i) % 5 for i in range(40)]  # past PREFIX_MIN_TOKENS: the target would reuse it
+    params, spec = SamplingParams(max_new_tokens=16, stop_at_eos=False), SpecParams(method="eagle", k=3)
+    fresh = SpecEngine(loaded, eagle_head=head_dir).generate(prompt, params, spec)
+    engine = SpecEngine(loaded, eagle_head=head_dir)
+    engine.generate(prompt, params, SpecParams(method="none"))
+    store, head = engine.verifier.runner.store, engine.drafters["eagle"]
+    after_plain = engine.generate(prompt, params, spec)
+    assert after_plain.token_ids == fresh.token_ids == own_greedy_loop(loaded.model, prompt, 16, set())
+    on, alone = after_plain.stats, fresh.stats
+    assert (on.rounds, on.drafted, on.accepted) == (alone.rounds, alone.drafted, alone.accepted) and on.accepted > 0
+    assert head.prefix_queries == 0 and store.prefix_hits == 0  # nothing served that the head lacked
+    again = engine.generate(prompt, params, spec)  # the head retained this prompt's cache: both take it over
+    assert again.token_ids == fresh.token_ids and store.prefix_hits > 0 and head.prefix_hits == store.prefix_hits
+
+
 def test_captured_features_are_the_inputs_of_the_feature_layers(target):
     """Lean capture equals Hugging Face's hidden_states in the same pass, bit for bit, for a prefill, a verify and a
     ragged (left-padded) batch after a rollback; the logits are those of a runner that captures nothing."""

@@ -197,6 +197,15 @@ class EagleDrafter:
             while len(self._retained) > RETAINED_MAX:
                 self._retained.popitem(last=False)
 
+    def held_prefix(self, tokens: Sequence[int]) -> int:
+        """The most leading positions of `tokens` a retained cache holds entries for (with the features it was still
+        to read): what a new request's target may serve from its own prefix cache without leaving the head a gap."""
+        best = 0
+        for held, state, pending in self._retained.values():
+            reach = state.end + (pending[1].shape[0] if pending is not None and pending[0] == state.end else 0)
+            best = max(best, min(reach, common_prefix_length(held, tokens) - 1))
+        return best
+
     def _reuse(
         self, request_id: str, tokens: Sequence[int], start: int, features: torch.Tensor
     ) -> tuple[int, torch.Tensor, int]:
