@@ -7,11 +7,10 @@
    head (methods "eagle", "eagle+ngram"), which drafts round r + 1 from round r's features: each verify reply
    carries them, and the next propose call hands them to the request's draft worker.
 
-Methods "eagle-tree" and "ngram-tree": the head's tree from the draft worker or prompt lookup's from here, pruned by
-the scheduler for k='auto', verified on the target worker in one forward, whose reply names the accepted path.
-
-Prompt lookup runs here, next to the committed tokens: method "ngram" every round, "eagle+ngram" in the rounds the
-scheduler's plan gives to it (no draft call; the head gets those rounds' features with its next call).
+Each round is the scheduler's plan (`plan_round`: a RoundPlan), carried out here and handed back (`apply_round`):
+prompt lookup's and suffix drafting's chains and prompt lookup's trees come drafted with the plan (no draft call;
+a head gets those rounds' features with its next call); a head's or a draft model's are the draft worker's, a head's
+tree pruned by the scheduler once drafted; a tree is verified in one forward, whose reply names the accepted path.
 
 Faults: a worker that lost a request's cache (NOT_FOUND) gets the whole committed prefix again; a worker that cannot
 be reached, or does not answer its health check while a call waits (a slow call of a live worker is waited for), is
@@ -48,9 +47,7 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import KVCapacityError
 from specserve.workers.service.results import ProposeResult, VerifyResult
-from specserve.workers.speculation.draft_tree import TreeShape
-from specserve.workers.speculation.ngram import NgramDrafter
-from specserve.workers.speculation.planner.chain import LOOKUP_SOURCES
+from specserve.workers.speculation.planner.round_plan import RoundPlan
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +74,6 @@ class Pipeline:
         self.predraft = predraft
         self.faults = WorkerFaults(scheduler, drafts, targets, reconnect, worker_wait_s)
         self.preempted = 0  # requests a full worker cache made wait and re-send
-        self.ngram = NgramDrafter(scheduler.ngram)  # prompt lookup needs no model: here, next to the committed tokens
         self.times = RoundTimes()
         self._releasing: set[asyncio.Task] = set()  # releases sent after the request's reply left
         self._costs_lock = asyncio.Lock()
@@ -133,23 +129,22 @@ class Pipeline:
                 await self._prefill_chunk(req, chunk)
             while not req.state.finished:
                 clock = RoundClock()
+                plan = self.scheduler.plan_round(req)
+                clock.planned(plan.k, plan.expected, plan.forecast_s)
                 if req.method.tree:
-                    committed = await self._tree_round(req, clock)
+                    committed = await self._tree_round(req, plan, clock)
                     if committed is not None:  # None: the target failed, the round is re-planned
                         sent = time.perf_counter()
                         yield committed
                         self.times.add(clock.record(time.perf_counter() - sent))
                     continue
-                k = self.scheduler.k_for(req)
-                clock.planned(*req.prediction())
-                draft = await self._draft(req, k, pre, clock)
+                draft = await self._draft(req, plan, pre, clock)
                 drafted = draft.drafted
-                reply, pre_task = await self._verify_round(req, k, drafted, draft.draft_probs, clock)
+                reply, pre_task = await self._verify_round(req, plan.k, drafted, draft.draft_probs, clock)
                 if reply is None:
                     continue  # the round is re-planned on the restarted or another target: nothing was committed
                 round_s = clock.verified(len(drafted), reply.accepted)
-                committed = self.scheduler.apply_verify(req, drafted, reply.accepted, reply.next_token, reply.features,
-                                                        reply.logprobs, round_s)  # fmt: skip
+                committed = self.scheduler.apply_round(req, plan, reply, drafted, round_s=round_s)
                 pre = await self._next_predraft(req, pre_task, reply.accepted == len(drafted), clock)
                 sent = time.perf_counter()
                 yield committed  # the round's tokens on their way to the client, until it asks for the next round's
@@ -210,19 +205,20 @@ class Pipeline:
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
 
-    async def _draft(self, req: SchedRequest, k: int, pre: PreDraft | None, clock: RoundClock) -> ProposeResult:
-        """This round's drafted tokens and their probabilities: the pre-draft when its assumption held, else prompt
-        lookup or the draft worker, as the method (and for "eagle+ngram" the round's plan) says (nothing when k is
-        0, or the draft worker failed: this round is target-only)."""
-        if not k:
+    async def _draft(self, req: SchedRequest, plan: RoundPlan, pre: PreDraft | None,
+                     clock: RoundClock) -> ProposeResult:  # fmt: skip
+        """This round's drafted tokens and their probabilities: the pre-draft when its assumption held, else what
+        the plan drafted (prompt lookup's or suffix drafting's continuation) or the draft worker's (nothing for a
+        plain step, or when the draft worker failed: this round is target-only)."""
+        if not plan.k:
             return ProposeResult([])
-        reused = req.predrafted(pre, k)  # this round's k, as planned
+        reused = req.predrafted(pre, plan.k)
         if reused is not None:
             req.pipelined_rounds += 1
             return reused
-        if req.plan is not None and req.plan.source in LOOKUP_SOURCES:
-            return ProposeResult(list(req.plan.tokens))  # prompt lookup's or suffix drafting's continuation: no model
-        call = self.scheduler.plan_draft(req, k)
+        if plan.drafted:
+            return ProposeResult(list(plan.chain.tokens))
+        call = self.scheduler.plan_draft(req, plan.k)
         client = self.drafts[call.worker]
         with clock.waiting("draft"):
             try:
@@ -236,16 +232,13 @@ class Pipeline:
         self.scheduler.drafted(req, call)
         return proposal
 
-    async def _tree_round(self, req: SchedRequest, clock: RoundClock) -> list[int] | None:
-        """Draft the round's tree, prompt lookup's here or the head's on the draft worker (none when the round plans
-        no nodes, nothing matches or the worker failed: a plain step), verify it on the target worker, commit the
-        accepted path. None when the target failed."""
-        nodes, tree = self.scheduler.k_for(req), None
-        if nodes and not req.method.draft_worker:  # prompt lookup's tree: here, next to the committed tokens
-            drafted = self.ngram.propose_tree(req.request_id, req.state.tokens, TreeShape.for_budget(nodes))
-            tree = self.scheduler.prune_tree(req, drafted) if drafted is not None else None
-        elif nodes:
-            call = self.scheduler.plan_draft(req, nodes)
+    async def _tree_round(self, req: SchedRequest, plan: RoundPlan, clock: RoundClock) -> list[int] | None:
+        """Verify the round's tree, prompt lookup's (drafted with the plan) or the head's from the draft worker (none
+        when the plan has no nodes or the worker failed: a plain step), and commit the accepted path. None when the
+        target failed."""
+        tree = plan.tree
+        if plan.nodes and tree is None:
+            call = self.scheduler.plan_draft(req, plan.nodes)
             client = self.drafts[call.worker]
             with clock.waiting("draft"):
                 try:
@@ -263,8 +256,7 @@ class Pipeline:
         reply, _ = await self._verify_round(req, 0, tokens, b"", clock, parents)
         if reply is None:
             return None
-        return self.scheduler.apply_tree_verify(req, tree, list(reply.path), reply.next_token, reply.features,
-                                                reply.logprobs)  # fmt: skip
+        return self.scheduler.apply_round(req, plan, reply, tree=tree)
 
     async def _verify_round(
         self,

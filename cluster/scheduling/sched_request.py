@@ -4,6 +4,7 @@ drafting plan for the round under way. Plain data: scheduler.py plans and applie
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specserve.cluster.scheduling.calls import PreDraft
@@ -11,9 +12,9 @@ from specserve.cluster.scheduling.features import FeatureRelay
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.service.results import ProposeResult
 from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS, Method
-from specserve.workers.speculation.planner.acceptance import expected_accepted
 from specserve.workers.speculation.planner.chain import ChainPlanner
-from specserve.workers.speculation.planner.goodput import NO_DRAFT, ChainPlan, RoundForecast, RowChoice
+from specserve.workers.speculation.planner.goodput import NO_DRAFT
+from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
 from specserve.workers.speculation.planner.tree import TreePruning
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.wire_format import slice_rows
@@ -28,9 +29,7 @@ class SchedRequest:
     target_worker: str
     features: FeatureRelay | None = None  # a head's methods: the target's features on their way to the draft worker
     planner: ChainPlanner | None = None  # chain methods: what its drafters offer each round, and their acceptance
-    choice: RowChoice | None = None  # chain methods and "none": this round's row for the goodput planner
-    plan: ChainPlan | None = None  # the planner's for this round, until its verify is applied
-    forecast: RoundForecast | None = None  # k='auto' chains: what the round was planned to take, until applied
+    round: RoundPlan = PLAIN  # the latest plan (its row: the request's in its target worker's batch planning)
     pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
     chunk_epoch: int = 0  # its target worker's prefill chunks when this round was planned (chunk_pacing.py)
@@ -57,22 +56,13 @@ class SchedRequest:
         pending = self.features.pending if self.features is not None else None
         return pending is not None and pending.end >= len(self.state.tokens) - 1
 
-    def prediction(self) -> tuple[int, float, float]:
-        """This round's chain plan as the scheduler's k_for left it: (k, expected accepted tokens, forecast seconds
-        or 0)."""
-        plan, choice, forecast = self.plan, self.choice, self.forecast
-        option = next((o for o in choice.options if o.source == plan.source), None) if plan and choice else None
-        expected = expected_accepted(option.rates, min(plan.k, len(option.rates))) if option else 0.0
-        return (plan.k if plan else 0), expected, (forecast.seconds if forecast else 0.0)
-
-    def observe_plan(self, drafted: list[int], accepted: int) -> None:
+    def observe_round(self, plan: RoundPlan, drafted: Sequence[int], accepted: int) -> None:
         """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""
-        plan, self.plan = self.plan, None
-        drafted_by = plan.source if plan is not None and drafted else NO_DRAFT.source
-        if drafted_by != HEAD_CHAIN and self.choice is not None:
-            self.planner.passed_over(self.choice.options)
+        drafted_by = plan.chain.source if drafted else NO_DRAFT.source
+        if drafted_by != HEAD_CHAIN and plan.row is not None:
+            self.planner.passed_over(plan.row.options)
         if drafted_by != NO_DRAFT.source:
-            self.planner.observe(dataclasses.replace(plan, k=len(drafted)), accepted)
+            self.planner.observe(dataclasses.replace(plan.chain, k=len(drafted)), accepted)
 
     def predrafted(self, pre: PreDraft | None, k: int) -> ProposeResult | None:
         """This round's k-token draft from a pre-draft, if its assumption held: the committed sequence now continues

@@ -1,12 +1,9 @@
-"""The scheduler as a CPU-only state machine: which worker holds each request, what each worker has been told, what
-the next round drafts and verifies, and how a verified round is applied. No I/O: `pipeline.py` executes its plans
-over gRPC (one a model in `model_serving.py`). Per request: the committed tokens, the sticky workers holding its KV
-caches, the tokens each has been sent (the KV state protocol's tails), k, pre-drafting, a head's features.
-
-Every chain method plans its rounds with the goodput planner (docs/planner.md), as the in-process engine does: each
-request's ChainPlanner says what its drafters offer and how they have done; for k='auto' a target worker's requests
-draft the chain width that commits the most tokens per second of its batches (0: plain steps), at its measured costs
-and its rounds' realized times. Trees ("eagle-tree", "ngram-tree") are verified in one forward, pruned to what pays.
+"""The scheduler as a CPU-only state machine: which worker holds each request, what each worker has been told, each
+round's plan (`plan_round` -> RoundPlan, docs/planner.md) and how a verified round is applied (`apply_round`). No
+I/O: `pipeline.py` carries its calls over gRPC (one a model in `model_serving.py`). Per request: the committed
+tokens, the sticky workers holding its KV caches, the tokens each has been sent (the KV state protocol's tails).
+For k='auto' a target worker's requests draft the chain width that commits the most tokens per second of its
+batches (0: plain steps), at its measured costs and its rounds' realized times; trees are pruned to what pays.
 """
 
 from __future__ import annotations
@@ -26,14 +23,15 @@ from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.service.results import VerifyResult
-from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.logprobs import TokenLogprob
+from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.methods import METHODS
+from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.acceptance import model_head_acceptance
 from specserve.workers.speculation.planner.batch import BatchWidth
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import PlannerCosts
-from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, NO_DRAFT, ChainPlan, RowChoice, choose_row
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, RowChoice, choose_row
+from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES, TreePruning
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache
@@ -64,6 +62,7 @@ class Scheduler:
         self.max_tree_nodes = min(MAX_TREE_NODES, max_k or MAX_TREE_NODES)
         self.ngram = ngram or NgramConfig()
         self.suffix_cache = SuffixCache()  # the model's recent outputs, for method "suffix"
+        self.lookup = NgramDrafter(self.ngram)  # prompt lookup's trees, drafted with the plan
         self.draft_workers = list(draft_workers)
         self.target_workers = list(target_workers)
         self.requests: dict[str, SchedRequest] = {}
@@ -113,14 +112,14 @@ class Scheduler:
                              prompt_len=len(prompt_ids), max_new_tokens=params.max_new_tokens,
                              eos_token_ids=eos_token_ids if params.stop_at_eos else frozenset())  # fmt: skip
         features = FeatureRelay(self.feature_traffic) if method.needs_head else None
-        planner, choice = None, None
+        planner, plain = None, PLAIN
         if method.chain_sources:
             planner = ChainPlanner.for_method(method, self.suffix_cache, head_shared=self.head_acceptance,
                                               ngram=self.ngram)  # fmt: skip
         elif not method.drafts:
-            choice = RowChoice(())  # a plain row of its target worker's batches
+            plain = RoundPlan(row=RowChoice(()))  # a plain row of its target worker's batches
         params = params.for_request(len(prompt_ids), eos_token_ids)  # what penalties and min_tokens count from
-        req = SchedRequest(state, params, spec, draft, target, features=features, planner=planner, choice=choice)
+        req = SchedRequest(state, params, spec, draft, target, features=features, planner=planner, round=plain)
         self.requests[state.request_id] = req
         return req
 
@@ -186,20 +185,19 @@ class Scheduler:
         req.target_worker = self._least_loaded(self.target_workers, "target_worker") or req.target_worker
         return not self.stranded(req)
 
-    def k_for(self, req: SchedRequest) -> int:
-        """Tokens to draft this round (0: a plain step). For chains it also plans whose chain drafts them
-        (`req.plan`, applied by `apply_verify`)."""
+    def plan_round(self, req: SchedRequest) -> RoundPlan:
+        """The request's next round: a plain step, a chain (a fixed k's, or for 'auto' the goodput planner's at its
+        target worker's batch) or a tree's nodes (prompt lookup's tree drafted here); `apply_round` takes it back."""
         req.chunk_epoch = self.chunks.epoch(req.target_worker)  # whether a prefill chunk ran beside this round
         if req.method.draft_worker and req.draft_worker is None:  # re-attach once a draft worker is back
             req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")
-        if not req.method.drafts:
-            return 0
         if req.method.tree:
-            return self._tree_nodes(req)
-        req.plan = self._plan_chain(req)
-        return req.plan.k
+            req.round = self._plan_tree(req)
+        elif req.method.drafts:
+            req.round = self._plan_chain(req)
+        return req.round  # "none": the plain row it was given
 
-    def _plan_chain(self, req: SchedRequest) -> ChainPlan:
+    def _plan_chain(self, req: SchedRequest) -> RoundPlan:
         """This round's chain: a fixed k's, or for 'auto' the goodput planner's for the request's target worker."""
         # A model drafts only on a draft worker, and a head only from features that came since it last drafted.
         model = req.draft_worker is not None and (req.features is None or req.head_ready)
@@ -207,20 +205,22 @@ class Scheduler:
         if fixed is None and self.planner_costs is None:
             fixed = FALLBACK_K
         limit = req.state.draft_budget(fixed or self.max_chain)
-        req.choice = RowChoice(req.planner.options(req.state.tokens, limit, model), fixed, limit)
-        if not req.choice.options:
-            return NO_DRAFT
+        row = RowChoice(req.planner.options(req.state.tokens, limit, model), fixed, limit)
+        if not row.options:
+            return RoundPlan(row=row)
         if fixed is not None:
-            return choose_row(req.choice, limit, 0.0, {})
+            return RoundPlan(choose_row(row, limit, 0.0, {}), row=row)
         costs = self.planner_costs
-        rows, width = self._batch_width(req.target_worker)
-        req.forecast = self.batches[req.target_worker].forecast
+        rows, width = self._batch_width(req, row)
         share = costs.surface.at(rows, width + 1) / rows
-        return choose_row(req.choice, width, share, costs.drafters)
+        return RoundPlan(choose_row(row, width, share, costs.drafters), row=row,
+                         forecast=self.batches[req.target_worker].forecast)  # fmt: skip
 
-    def _batch_width(self, worker: str) -> tuple[int, int]:
-        """(requests, planned chain width) of the worker's batches."""
-        peers = [r.choice for r in self.requests.values() if r.target_worker == worker and r.choice is not None]
+    def _batch_width(self, req: SchedRequest, row: RowChoice) -> tuple[int, int]:
+        """(requests, planned chain width) of the batches of the request's target worker, `row` its own."""
+        worker = req.target_worker
+        peers = [row if r is req else r.round.row for r in self.requests.values() if r.target_worker == worker]
+        peers = [p for p in peers if p is not None]
         width = self.batches.setdefault(worker, BatchWidth()).for_round(peers, self.planner_costs, self.max_chain)
         return len(peers), width
 
@@ -231,8 +231,14 @@ class Scheduler:
             return False
         return batch.features_paused(sum(r.target_worker == req.target_worker for r in self.requests.values()))
 
-    def _tree_rows(self, worker: str) -> int:
-        return sum(r.target_worker == worker and r.method.tree for r in self.requests.values())
+    def _plan_tree(self, req: SchedRequest) -> RoundPlan:
+        """A tree round: its most nodes, prompt lookup's tree drafted here (pruned for 'auto'; none: a plain step)."""
+        nodes = self._tree_nodes(req)
+        if not nodes or req.method.draft_worker:
+            return RoundPlan(nodes=nodes)
+        drafted = self.lookup.propose_tree(req.request_id, req.state.tokens, TreeShape.for_budget(nodes))
+        tree = self.prune_tree(req, drafted) if drafted is not None else None
+        return RoundPlan(nodes=len(tree.tokens), tree=tree) if tree is not None else PLAIN
 
     def _tree_nodes(self, req: SchedRequest) -> int:
         """Nodes to draft this round: k, or for 'auto' max_tree_nodes (pruned once drafted); none when the round can
@@ -257,7 +263,7 @@ class Scheduler:
             return tree if tree.tokens else None
         if req.pruning is None:
             return tree
-        rows = max(1, self._tree_rows(req.target_worker))
+        rows = max(1, sum(r.target_worker == req.target_worker and r.method.tree for r in self.requests.values()))
         req.pruning.verify = self.planner_costs.surface.for_rows(rows, self.max_tree_nodes + 1)
         return req.pruning.prune(tree)
 
@@ -342,37 +348,34 @@ class Scheduler:
 
     # -- applying results -------------------------------------------------------------------------------------------
 
-    def apply_verify(self, req: SchedRequest, drafted: list[int], accepted: int, next_token: int,
-                     features: bytes = b"", logprobs: Sequence[TokenLogprob] | None = None,
-                     round_s: float = 0.0) -> list[int]:  # fmt: skip
-        """Commit a verified round; the reply's features (EAGLE-3) wait for the next draft call; logprobs: kept;
-        round_s: the round's wall time, from its plan to its reply (against the plan's; not a prompt's prefill)."""
-        forecast, req.forecast = req.forecast, None
+    def apply_round(self, req: SchedRequest, plan: RoundPlan, reply: VerifyResult, drafted: Sequence[int] = (),
+                    tree: DraftTree | None = None, round_s: float = 0.0) -> list[int]:  # fmt: skip
+        """Commit a verified round: the chain's accepted drafted tokens (`drafted`) or the tree's path (`tree`, as
+        verified; None: a plain step), then the reply's next token. Its features (EAGLE-3) wait for the next draft
+        call; round_s: its wall time from plan to reply, against the plan's forecast (not a prompt's prefill)."""
+        if req.features is not None and reply.features:
+            req.features.received(reply.features)
+        if req.method.tree:
+            return self._commit_tree(req, tree, list(reply.path or ()), reply)
         # Not the prompt's round, nor the request's first drafting one: its drafter's catch-up over the prompt (a
         # head's extension over up to 910 positions of features, a draft model's prefill) is not a steady round.
         steady = req.state.generated and (req.state.stats.drafted or not drafted)
-        if forecast is not None and round_s > 0 and steady and req.target_worker in self.batches:
-            self.batches[req.target_worker].realized.observe(forecast, round_s)
+        if plan.forecast is not None and round_s > 0 and steady and req.target_worker in self.batches:
+            self.batches[req.target_worker].realized.observe(plan.forecast, round_s)
         if steady and round_s > 0:
             self.chunks.round_ran(req.target_worker, round_s, req.chunk_epoch)
         if req.planner is not None:
-            req.observe_plan(drafted, accepted)
-        if req.features is not None and features:
-            req.features.received(features)
-        return req.state.commit_round(drafted, accepted, next_token, logprobs=logprobs)
+            req.observe_round(plan, drafted, reply.accepted)
+        return req.state.commit_round(list(drafted), reply.accepted, reply.next_token, logprobs=reply.logprobs)
 
-    def apply_tree_verify(self, req: SchedRequest, tree: DraftTree | None, path: list[int], next_token: int,
-                          features: bytes = b"",
-                          logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:  # fmt: skip
-        """Commit a verified tree round (tree None: a plain step): the accepted path's tokens and the next token."""
-        if req.features is not None and features:
-            req.features.received(features)
+    def _commit_tree(self, req: SchedRequest, tree: DraftTree | None, path: list[int],
+                     reply: VerifyResult) -> list[int]:  # fmt: skip
         if tree is None:
-            return req.state.commit_round([], 0, next_token, logprobs=logprobs)
+            return req.state.commit_round([], 0, reply.next_token, logprobs=reply.logprobs)
         if req.pruning is not None:
             req.pruning.observe(len(path))
         accepted, shape = [tree.tokens[node] for node in path], (len(tree.tokens), tree.depth)
-        return req.state.commit_round(accepted, len(accepted), next_token, tree=shape, logprobs=logprobs)
+        return req.state.commit_round(accepted, len(accepted), reply.next_token, tree=shape, logprobs=reply.logprobs)
 
     def wants_costs(self, req: SchedRequest) -> bool:
         """Whether the request's planning weighs the workers' costs, and they are not known yet."""

@@ -37,6 +37,7 @@ from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.drafter_costs import drafter_cost
 from specserve.workers.speculation.planner.goodput import MAX_AUTO_K
+from specserve.workers.speculation.planner.round_plan import PLAIN
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from specserve.workers.speculation.request import FinishReason, RequestState, RequestStats, check_request, encode_prompt
 from specserve.workers.speculation.round_drafting import ChainRounds, TreeRounds
@@ -181,7 +182,7 @@ class SpecEngine:
     ) -> None:
         """Draft the round's tree (none: a plain step, as before the head's first features), verify it, commit the
         accepted path and the recovered or bonus token; a head gets the committed positions' features."""
-        tree = rounds.propose_tree(state)
+        tree = rounds.propose_tree(state, rounds.plan(state))
         if tree is None:
             verdict = self._verify(state, rounds.drafter, None, params, generator)
             state.commit_round([], verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
@@ -222,12 +223,13 @@ class SpecEngine:
                 if isinstance(rounds, TreeRounds):
                     self._tree_round(state, rounds, params, make_generator(params.seed, TARGET_SALT, position))
                     continue
-                proposal = rounds.propose(state, params) if rounds is not None else None
+                plan = rounds.plan(state) if rounds is not None else PLAIN
+                proposal = rounds.propose(state, plan, params) if rounds is not None else None
                 drafted = proposal.tokens if proposal else []
                 generator = make_generator(params.seed, TARGET_SALT, position)
                 verdict = self._verify(state, drafter, proposal, params, generator)
                 if rounds is not None:
-                    rounds.observe(len(drafted), verdict.accepted)
+                    rounds.observe(plan, len(drafted), verdict.accepted)
                 state.commit_round(drafted, verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
         finally:
             self.verifier.release(state.request_id)

@@ -4,42 +4,44 @@ head's or prompt lookup's (`TreeRounds`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from specserve.workers.config.request import SamplingParams
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.drafter import Drafter, Proposal
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
 from specserve.workers.speculation.ngram import NgramDrafter
-from specserve.workers.speculation.planner.chain import LOOKUP_SOURCES, ChainPlanner
+from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import VerifyCosts
-from specserve.workers.speculation.planner.goodput import ChainPlan
+from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
 from specserve.workers.speculation.planner.tree import TreePruning
 from specserve.workers.speculation.request import RequestState
 
 
 class ChainRounds:
-    """Each round the planner's chain: prompt lookup's continuation (no model), or `model`'s (the head or a draft
-    model) drafted here; none when nothing pays (k = 'auto') or nothing matches. `model` gets nothing on a round it
-    does not draft: the engine keeps a head's features current every round, and a draft model's cache catches up by
-    token comparison on its next call."""
+    """Each round the planner's chain (`plan`): prompt lookup's continuation (no model), or `model`'s (the head or a
+    draft model) drafted here (`propose`); none when nothing pays (k = 'auto') or nothing matches. `model` gets
+    nothing on a round it does not draft: the engine keeps a head's features current every round, and a draft
+    model's cache catches up by token comparison on its next call."""
 
     def __init__(self, model: Drafter | None, planner: ChainPlanner, k: int | None, max_k: int):
         self.drafter = model
         self.planner = planner
         self.k, self.max_k = k, max_k  # k None: 'auto'
-        self._plan: ChainPlan | None = None
 
-    def propose(self, state: RequestState, params: SamplingParams) -> Proposal | None:
-        plan = self.planner.plan(state.tokens, self.k, state.draft_budget(self.k or self.max_k))
-        self._plan = plan
-        if plan.source in LOOKUP_SOURCES:  # prompt lookup's or suffix drafting's continuation: no model
-            return Proposal(tokens=list(plan.tokens), probs=None)
+    def plan(self, state: RequestState) -> RoundPlan:
+        return self.planner.plan(state.tokens, self.k, state.draft_budget(self.k or self.max_k))
+
+    def propose(self, state: RequestState, plan: RoundPlan, params: SamplingParams) -> Proposal | None:
+        if plan.drafted:  # prompt lookup's or suffix drafting's continuation: no model
+            return Proposal(tokens=list(plan.chain.tokens), probs=None)
         if plan.k:
             return self.drafter.propose(state.request_id, state.tokens, plan.k, params)
         return None
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        if self._plan is not None and drafted:
-            self.planner.observe(ChainPlan(self._plan.source, drafted, self._plan.tokens, self._plan.match), accepted)
+    def observe(self, plan: RoundPlan, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.planner.observe(dataclasses.replace(plan.chain, k=drafted), accepted)
 
 
 class TreeRounds:
@@ -53,13 +55,23 @@ class TreeRounds:
         costly = not isinstance(drafter, NgramDrafter)
         self.pruning = TreePruning(verify, costly=costly) if verify is not None else None
 
-    def propose_tree(self, state: RequestState) -> DraftTree | None:
+    def plan(self, state: RequestState) -> RoundPlan:
+        """The round's nodes (none: a plain step); prompt lookup's tree drafted with the plan, as the scheduler does."""
         if not state.draft_budget(1) or self.pruning is not None and not self.pruning.wants_tree():
-            return None
-        tree = self.drafter.propose_tree(state.request_id, state.tokens, self.shape)
-        if tree is None or self.pruning is None:
-            return tree
-        return self.pruning.prune(tree)
+            return PLAIN
+        if not isinstance(self.drafter, NgramDrafter):
+            return RoundPlan(nodes=self.shape.budget)
+        tree = self._pruned(self.drafter.propose_tree(state.request_id, state.tokens, self.shape))
+        return RoundPlan(nodes=len(tree.tokens), tree=tree) if tree is not None else PLAIN
+
+    def propose_tree(self, state: RequestState, plan: RoundPlan) -> DraftTree | None:
+        """The plan's tree: drafted with it, or the head's, drafted now and pruned (None: a plain step)."""
+        if plan.drafted or not plan.nodes:
+            return plan.tree
+        return self._pruned(self.drafter.propose_tree(state.request_id, state.tokens, self.shape))
+
+    def _pruned(self, tree: DraftTree | None) -> DraftTree | None:
+        return self.pruning.prune(tree) if tree is not None and self.pruning is not None else tree
 
     def observe(self, accepted: int) -> None:
         """The verified tree's accepted nodes."""

@@ -71,9 +71,9 @@ def test_the_scheduler_paces_a_long_prompt_beside_a_decoding_request_and_chunks_
     s = Scheduler([], ["t1"], prefill_chunk=64)
     chat = s.add(list(range(3, 13)), SamplingParams(max_new_tokens=50), SPEC, frozenset())
     for _ in range(3):  # chat decodes: its first round is its prompt's, then steady rounds of 0.1 s
-        s.k_for(chat)
+        s.plan_round(chat)
         s.plan_verify(chat, [], b"")
-        s.apply_verify(chat, [], 0, 7, round_s=0.1)
+        s.apply_round(chat, chat.round, VerifyResult(0, 7), [], round_s=0.1)
     long = s.add(list(range(3, 503)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
     first = s.plan_prefill_chunk(long)
     assert len(first.new_tokens) == 16  # a quarter of the setting beside chat

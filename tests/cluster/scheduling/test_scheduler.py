@@ -8,6 +8,7 @@ import pytest
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.planner.acceptance import PositionAcceptance
 from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts
 from tests.helpers.cost_surfaces import cpu_surface
@@ -54,9 +55,9 @@ def test_requests_reattach_to_a_draft_worker_that_joins_later():
     s = Scheduler(["d1"], ["t1"])
     req = s.add([1, 2], PARAMS, SPEC, frozenset())
     s.remove_worker("d1")
-    assert req.draft_worker is None and s.k_for(req) == 0  # target-only rounds meanwhile
+    assert req.draft_worker is None and s.plan_round(req).k == 0  # target-only rounds meanwhile
     s.add_worker("draft", "d2")
-    assert s.k_for(req) == 2 and req.draft_worker == "d2"
+    assert s.plan_round(req).k == 2 and req.draft_worker == "d2"
 
 
 def test_a_request_whose_only_target_fails_is_stranded():
@@ -82,16 +83,16 @@ def test_goodput_planning_drafts_alone_stops_under_load_and_resumes_when_it_drop
         return req
 
     first = weak()
-    assert s.k_for(first) > 0
+    assert s.plan_round(first).k > 0
     crowd = [weak() for _ in range(15)]
     for req in crowd:
-        s.k_for(req)  # every row's choice is known before the batch is planned again
-    assert [s.k_for(req) for req in [first, *crowd]] == [0] * 16
+        s.plan_round(req)  # every row's choice is known before the batch is planned again
+    assert [s.plan_round(req).k for req in [first, *crowd]] == [0] * 16
     fixed = s.add([1, 2], params, SpecParams(method="draft", k=5), frozenset())
-    assert s.k_for(fixed) == 5
+    assert s.plan_round(fixed).k == 5
     for req in [*crowd, fixed]:
         s.release(req)
-    assert s.k_for(first) > 0
+    assert s.plan_round(first).k > 0
 
 
 def test_drafting_rounds_that_take_longer_than_planned_turn_a_workers_batches_plain():
@@ -105,16 +106,17 @@ def test_drafting_rounds_that_take_longer_than_planned_turn_a_workers_batches_pl
     for req in reqs:
         req.planner.draft = PositionAcceptance((0.6, 0.5))
     for req in reqs:
-        s.k_for(req)
-    assert [s.k_for(req) for req in reqs] == [s.k_for(reqs[0])] * 4 and s.k_for(reqs[0]) > 0
-    s.apply_verify(reqs[0], [], 0, 9, round_s=100.0)  # a prefill round: its time says nothing of the plan
+        s.plan_round(req)
+    assert [s.plan_round(req).k for req in reqs] == [s.plan_round(reqs[0]).k] * 4 and s.plan_round(reqs[0]).k > 0
+    first = reqs[0]
+    s.apply_round(first, first.round, VerifyResult(0, 9), [], round_s=100.0)  # a prefill round: its time tells nothing
     assert s.batches["t1"].realized.factor(True, 4) == 1.0 == s.batches["t1"].realized.factor(False, 4)
     for _ in range(20):
         for req in reqs:
-            k = s.k_for(req)
+            k = s.plan_round(req).k
             planned = s.batches["t1"].forecast.seconds
-            s.apply_verify(req, [3] * k, 0, 9, round_s=3 * planned if k else planned)
-    assert [s.k_for(req) for req in reqs] == [0] * 4
+            s.apply_round(req, req.round, VerifyResult(0, 9), [3] * k, round_s=3 * planned if k else planned)
+    assert [s.plan_round(req).k for req in reqs] == [0] * 4
     summary = s.batches["t1"].summary()  # what the scheduler replica's status shows
     assert summary["width"] == 0 and summary["requests"] == 4
     assert summary["features_paused"]  # plain for more than 8 re-plans: a head's chains would stop asking for them
@@ -123,10 +125,10 @@ def test_drafting_rounds_that_take_longer_than_planned_turn_a_workers_batches_pl
     # measures again) rather than believing a few disturbed rounds for ever.
     for rounds in range(1, 400):
         req = reqs[rounds % 4]
-        k = s.k_for(req)
+        k = s.plan_round(req).k
         if k:
             break
-        s.apply_verify(req, [], 0, 9, round_s=s.batches["t1"].forecast.seconds)
+        s.apply_round(req, req.round, VerifyResult(0, 9), [], round_s=s.batches["t1"].forecast.seconds)
     assert k > 0 and rounds < 200
 
 
@@ -139,13 +141,14 @@ def test_a_requests_first_drafting_round_is_its_drafters_catch_up_and_not_counte
     params, auto = SamplingParams(max_new_tokens=200), SpecParams(method="draft", k="auto")
     req = s.add([1, 2], params, auto, frozenset())
     req.planner.draft = PositionAcceptance((0.6, 0.5))
-    s.apply_verify(req, [], 0, 9, round_s=1.0)  # the prompt's round
-    k = s.k_for(req)
+    s.apply_round(req, req.round, VerifyResult(0, 9), [], round_s=1.0)  # the prompt's round
+    k = s.plan_round(req).k
     assert k > 0
-    s.apply_verify(req, [3] * k, 0, 9, round_s=5 * s.batches["t1"].forecast.seconds)
+    s.apply_round(req, req.round, VerifyResult(0, 9), [3] * k, round_s=5 * s.batches["t1"].forecast.seconds)
     assert s.batches["t1"].realized.factor(True, 1) == 1.0
-    k = s.k_for(req)
-    s.apply_verify(req, [3] * k, 0, 9, round_s=5 * s.batches["t1"].forecast.seconds)  # a steady round: counted
+    k = s.plan_round(req).k
+    slow = 5 * s.batches["t1"].forecast.seconds
+    s.apply_round(req, req.round, VerifyResult(0, 9), [3] * k, round_s=slow)  # a steady round: counted
     assert s.batches["t1"].realized.factor(True, 1) > 1.5
 
 
@@ -158,9 +161,9 @@ def test_max_k_caps_what_auto_drafts_and_a_fixed_k_is_the_clients():
         s.planner_costs = PlannerCosts(cpu_surface(), draft=DraftCost(step_s=0.0001, fixed_s=0.0001))
         req = s.add([1, 2], SamplingParams(max_new_tokens=50), SpecParams(method="draft", k="auto"), frozenset())
         req.planner.draft = strong
-        drafted[cap] = s.k_for(req)
+        drafted[cap] = s.plan_round(req).k
         fixed = s.add([1, 2], SamplingParams(max_new_tokens=50), SpecParams(method="draft", k=5), frozenset())
-        assert s.k_for(fixed) == 5
+        assert s.plan_round(fixed).k == 5
     assert drafted[None] > 2 and drafted[2] == 2
     assert Scheduler([], ["t1"], max_k=3).max_tree_nodes == 3
 
@@ -173,10 +176,10 @@ def test_a_rounds_prediction_is_its_plans_k_expected_acceptance_and_forecast():
     params = SamplingParams(max_new_tokens=200)
     auto = s.add([1, 2], params, SpecParams(method="draft", k="auto"), frozenset())
     auto.planner.draft = PositionAcceptance((0.6, 0.5))
-    k = s.k_for(auto)
-    planned, expected, forecast = auto.prediction()
+    plan = s.plan_round(auto)
+    k, expected = plan.k, plan.expected
     rates = auto.planner.draft.rates(k)
-    assert planned == k > 0 and forecast > 0
+    assert k > 0 and plan.forecast_s > 0 and plan.rate == pytest.approx((1 + expected) / plan.forecast_s)
     assert expected == pytest.approx(sum(math.prod(rates[: j + 1]) for j in range(k)))
     fixed = s.add([1, 2], params, SpecParams(method="draft", k=3), frozenset())
-    assert s.k_for(fixed) == 3 and fixed.prediction()[0] == 3 and fixed.prediction()[2] == 0.0
+    assert s.plan_round(fixed).k == 3 and fixed.round.forecast_s == 0.0 and fixed.round.rate == 0.0

@@ -7,6 +7,7 @@ import torch
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.methods import HEAD_CHAIN
 from specserve.workers.speculation.planner.acceptance import PositionAcceptance
@@ -50,12 +51,12 @@ def test_batch_width_pauses_after_plain_replans_and_resumes_when_the_load_falls_
 
 def _round(s: Scheduler, req: SchedRequest) -> bool:
     """One round of `req` (plain: the planner drafts nothing under load); returns whether it asked for features."""
-    assert s.k_for(req) == 0
+    assert s.plan_round(req).k == 0
     call = s.plan_verify(req, [], b"")
     start = 0 if not req.state.generated else len(req.state.tokens) - 1  # the positions this verify computed
     rows = len(req.state.tokens) - start
     features = feature_block(start, torch.ones(rows, WIDTH)).encode() if call.want_features else b""
-    s.apply_verify(req, [], 0, 9, features)
+    s.apply_round(req, req.round, VerifyResult(0, 9, features=features), [])
     return call.want_features
 
 
@@ -81,7 +82,7 @@ def test_under_load_head_chains_stop_asking_for_features_and_ask_again_when_it_f
     assert [_round(s, req) for req in rest] == [True] * 4  # the load fell: features again
     assert rest[0].features.pending.start > 3  # after the gap: the head starts again there
     rest[0].planner.head = PositionAcceptance((0.9, 0.9, 0.9, 0.9))
-    assert s.k_for(rest[0]) > 0
+    assert s.plan_round(rest[0]).k > 0
 
 
 @pytest.fixture(scope="module")

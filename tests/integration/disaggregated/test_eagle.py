@@ -21,11 +21,13 @@ from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.errors import InvalidRequestError
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation import codec
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.planner.costs import PROFILE_ROWS
-from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, NO_DRAFT
+from specserve.workers.speculation.planner.goodput import MAX_AUTO_K
+from specserve.workers.speculation.planner.round_plan import RoundPlan
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.eagle_disaggregated import (
     BYTE_PROMPTS,
@@ -118,7 +120,7 @@ def test_plain_rounds_make_no_draft_call_feed_one_position_and_keep_the_head_in_
 
     def some_plain(self, req):  # rounds 2-4 of every 6 are plain, as a planner under load would make them
         out = plan(self, req)
-        return NO_DRAFT if req.state.stats.rounds % 6 in (2, 3, 4) else out
+        return RoundPlan(row=out.row) if req.state.stats.rounds % 6 in (2, 3, 4) else out
 
     verify, propose = TargetClient.verify, DraftClient.propose
 
@@ -303,16 +305,16 @@ def test_a_request_keeps_only_the_features_its_draft_worker_has_not_been_given(m
 def test_the_scheduler_drafts_for_a_head_only_from_new_features_and_never_ahead():
     s = Scheduler(["d1"], ["t1"])
     req = s.add([1, 2, 3], SamplingParams(max_new_tokens=20), SpecParams(method="eagle", k=3), frozenset())
-    assert req.draft_worker == "d1" and s.k_for(req) == 0  # no features before the prefill: a target-only round
+    assert req.draft_worker == "d1" and s.plan_round(req).k == 0  # no features before the prefill: a target-only round
     verify = s.plan_verify(req, [], b"")
     assert verify.want_features
-    s.apply_verify(req, [], 0, 9, feature_block(0, torch.ones(3, WIDTH)).encode())
-    assert s.k_for(req) == 3
+    s.apply_round(req, req.round, VerifyResult(0, 9, features=feature_block(0, torch.ones(3, WIDTH)).encode()), [])
+    assert s.plan_round(req).k == 3
     draft = s.plan_draft(req, 3)
     assert draft.features == req.features.to_send() and draft.committed_len == 4
     assert s.plan_predraft(req, [5, 6, 7], 3) is None  # round r + 1 needs round r's features
     s.drafted(req, draft)
-    assert req.features.pending is None and s.k_for(req) == 0
+    assert req.features.pending is None and s.plan_round(req).k == 0
     s.remove_worker("d1")
     assert req.draft_worker is None and not s.plan_verify(req, [], b"").want_features
     other = s.add([1, 2], SamplingParams(), SpecParams(method="draft"), frozenset())

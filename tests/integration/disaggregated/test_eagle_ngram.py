@@ -20,6 +20,7 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.models import packaged_heads
 from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
+from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.planner.acceptance import HEAD_PRIOR
@@ -55,7 +56,7 @@ def plan_sources(monkeypatch) -> list[str]:
 
     def spy(self, req):
         out = plan(self, req)
-        sources.append(out.source)
+        sources.append(out.chain.source)
         return out
 
     monkeypatch.setattr(Scheduler, "_plan_chain", spy)
@@ -103,31 +104,32 @@ def test_the_scheduler_plans_each_round_and_learns_from_its_result():
     head's rounds only); without a draft worker only prompt lookup drafts, and no features are asked for."""
     s = Scheduler(["d1"], ["t1"])
     req = s.add([1, 2, 3, 1, 2], SamplingParams(max_new_tokens=20), SpecParams(method="eagle+ngram", k=3), frozenset())
-    assert req.draft_worker == "d1" and req.features is not None and s.k_for(req) == 3
-    assert (req.plan.source, req.plan.tokens, req.plan.match) == ("ngram", (3, 1, 2), 2)
+    assert req.draft_worker == "d1" and req.features is not None and s.plan_round(req).k == 3
+    assert (req.round.chain.source, req.round.chain.tokens, req.round.chain.match) == ("ngram", (3, 1, 2), 2)
     assert s.plan_verify(req, [3, 1, 2], b"").want_features  # for the head's next call
-    s.apply_verify(req, [3, 1, 2], 1, 9, _features(0, 6))
-    assert req.plan is None and req.planner.by_match[2].reached == [1, 1] and req.planner.by_match[2].accepted == [1, 0]
-    assert s.k_for(req) == 3 and req.plan.source == "head"  # [..., 3, 9]: nothing to look up
+    s.apply_round(req, req.round, VerifyResult(1, 9, features=_features(0, 6)), [3, 1, 2])
+    assert req.planner.by_match[2].reached == [1, 1] and req.planner.by_match[2].accepted == [1, 0]
+    assert s.plan_round(req).k == 3 and req.round.chain.source == "head"  # [..., 3, 9]: nothing to look up
     draft = s.plan_draft(req, 3)
     sent = decode_features(draft.features)
     assert draft.k == 3 and (sent.start, sent.rows) == (0, 6)
     s.drafted(req, draft)
-    s.apply_verify(req, [5, 6, 7], 0, 8, _features(6, 1))
+    s.apply_round(req, req.round, VerifyResult(0, 8, features=_features(6, 1)), [5, 6, 7])
     assert req.planner.head.reached == [1] and req.planner.head.accepted == [0]
     s.remove_worker("d1")
-    assert s.k_for(req) == 0 and req.plan.source == "none"  # [..., 9, 8]: nothing to look up, and no head
+    assert s.plan_round(req).k == 0 and req.round.chain.source == "none"  # [..., 9, 8]: nothing to look up, and no head
     assert not s.plan_verify(req, [], b"").want_features
 
     auto = s.add([4, 4, 4], SamplingParams(max_new_tokens=20), SpecParams(method="eagle+ngram", k="auto"), frozenset())
     s.add_worker("draft", "d1")
     # no costs known yet (a worker did not report them): k='auto' drafts FALLBACK_K, the lookup's as far as it goes
-    assert s.k_for(auto) == 1 and auto.plan == ChainPlan("ngram", 1, (4,), 2) and auto.draft_worker == "d1"
-    s.apply_verify(auto, [4], 0, 5, _features(0, 3))
+    assert s.plan_round(auto).k == 1 and auto.round.chain == ChainPlan("ngram", 1, (4,), 2)
+    assert auto.draft_worker == "d1" and auto.round.drafted  # the lookup's tokens come with the plan
+    s.apply_round(auto, auto.round, VerifyResult(0, 5, features=_features(0, 3)), [4])
     assert auto.planner.by_match[2].reached == [1] and auto.planner.by_match[2].accepted == [0]
-    assert s.k_for(auto) == FALLBACK_K and auto.plan.source == "head"
+    assert s.plan_round(auto).k == FALLBACK_K and auto.round.chain.source == "head"
     s.drafted(auto, s.plan_draft(auto, FALLBACK_K))
-    s.apply_verify(auto, [1, 1, 1], 0, 6, _features(3, 1))
+    s.apply_round(auto, auto.round, VerifyResult(0, 6, features=_features(3, 1)), [1, 1, 1])
     assert auto.planner.head.reached == [1] and auto.planner.head.accepted == [0]
 
 
@@ -137,16 +139,16 @@ def test_k_auto_weighs_the_workers_costs_once_they_are_known():
     nothing when a drafted token costs more than a target step. Fixed k needs no costs."""
     s = Scheduler(["d1"], ["t1"], head_prior=(0.9,) * MAX_AUTO_K)
     req = s.add([4, 5, 6], SamplingParams(max_new_tokens=40), SpecParams(method="eagle", k="auto"), frozenset())
-    assert s.wants_costs(req) and s.k_for(req) == 0  # the prefill round: no features yet
-    s.apply_verify(req, [], 0, 7, _features(0, 3))
-    assert s.k_for(req) == FALLBACK_K and req.plan.source == "head"
+    assert s.wants_costs(req) and s.plan_round(req).k == 0  # the prefill round: no features yet
+    s.apply_round(req, req.round, VerifyResult(0, 7, features=_features(0, 3)), [])
+    assert s.plan_round(req).k == FALLBACK_K and req.round.chain.source == "head"
     flat = VerifyCosts((0.1,) * (MAX_AUTO_K + 1))
     s.planner_costs = PlannerCosts(flat, DraftCost())
     assert not s.wants_costs(req)
-    assert s.k_for(req) == MAX_AUTO_K and req.plan.source == "head"
+    assert s.plan_round(req).k == MAX_AUTO_K and req.round.chain.source == "head"
     s.planner_costs = PlannerCosts(flat, DraftCost(step_s=0.2))
     s.batches.clear()  # re-planned at the next batch round anyway; now
-    assert s.k_for(req) == 0 and req.plan.source == "none"
+    assert s.plan_round(req).k == 0 and req.round.chain.source == "none"
     fixed = s.add([4, 5, 6], SamplingParams(max_new_tokens=40), SpecParams(method="eagle", k=3), frozenset())
     assert not Scheduler(["d1"], ["t1"]).wants_costs(fixed)
 
@@ -168,11 +170,11 @@ def test_every_requests_head_rounds_move_where_the_next_request_starts():
     assert s.add([4, 5, 6], params, spec, frozenset()).planner.head.prior == (0.6, 0.5)
     for _ in range(30):
         req = s.add([4, 5, 6], params, spec, frozenset())
-        assert s.k_for(req) == 0  # the prefill round: no features yet
-        s.apply_verify(req, [], 0, 7, _features(0, 3))
-        assert s.k_for(req) == 3 and req.plan.source == "head"
+        assert s.plan_round(req).k == 0  # the prefill round: no features yet
+        s.apply_round(req, req.round, VerifyResult(0, 7, features=_features(0, 3)), [])
+        assert s.plan_round(req).k == 3 and req.round.chain.source == "head"
         s.drafted(req, s.plan_draft(req, 3))
-        s.apply_verify(req, [1, 1, 1], 0, 8, _features(3, 1))
+        s.apply_round(req, req.round, VerifyResult(0, 8, features=_features(3, 1)), [1, 1, 1])
         s.release(req)
     first, second = s.add([4, 5, 6], params, spec, frozenset()).planner.head.prior
     assert first < 0.3 and second == pytest.approx(0.5)  # position 2 was never reached: its prior stands

@@ -12,7 +12,7 @@ import torch
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.runtime.tree_rows import ROOT
-from specserve.workers.service.results import ProposeResult
+from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
@@ -154,12 +154,12 @@ def test_the_scheduler_sizes_trees_by_k_costs_and_load():
     fixed = s.add([1, 2, 3], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k=5), frozenset())
     auto = s.add([1, 2, 3], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k="auto"), frozenset())
     assert s.wants_costs(auto) and not s.wants_costs(fixed)
-    assert s.k_for(fixed) == s.k_for(auto) == 0  # no features before the prefill: a plain step
+    assert s.plan_round(fixed).k == s.plan_round(auto).k == 0  # no features before the prefill: a plain step
     for req in (fixed, auto):
         verify = s.plan_verify(req, [], b"")
         assert verify.want_features and verify.parents is None
-        assert s.apply_tree_verify(req, None, [], 7, _features(0, 3)) == [7]
-    assert s.k_for(fixed) == 5 and s.k_for(auto) == MAX_TREE_NODES
+        assert s.apply_round(req, req.round, VerifyResult(0, 7, features=_features(0, 3), path=[])) == [7]
+    assert s.plan_round(fixed).k == 5 and s.plan_round(auto).k == MAX_TREE_NODES
     draft = s.plan_draft(fixed, 5)
     assert draft.tree and draft.k == 5 and draft.features
     s.drafted(fixed, draft)
@@ -167,17 +167,19 @@ def test_the_scheduler_sizes_trees_by_k_costs_and_load():
     assert tree == _tree(5)  # a fixed k verifies the whole tree
     verify = s.plan_verify(fixed, tree.tokens, b"", tree.parents)
     assert verify.parents == tree.parents and verify.drafted == tree.tokens
-    assert s.apply_tree_verify(fixed, tree, [0, 1], 99, _features(3, 3)) == [10, 11, 99]
+    reply = VerifyResult(2, 99, features=_features(3, 3), path=[0, 1])
+    assert s.apply_round(fixed, fixed.round, reply, tree=tree) == [10, 11, 99]
     assert fixed.state.stats.drafted == 5 and fixed.state.stats.accepted == 2
-    assert s.k_for(fixed) == 5
+    assert s.plan_round(fixed).k == 5
 
     # every width costs the same: every likely node pays
     s.planner_costs = PlannerCosts(VerifyCosts((0.1,) * (MAX_TREE_NODES + 1)), DraftCost(step_s=0.01, fixed_s=0.01))
-    assert s.k_for(auto) == MAX_TREE_NODES and len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) == MAX_TREE_NODES
+    assert s.plan_round(auto).k == MAX_TREE_NODES
+    assert len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) == MAX_TREE_NODES
     # a verify that costs more with every node: no node pays, and plain steps follow before the next tree
     s.planner_costs = PlannerCosts(VerifyCosts(tuple(0.1 * w for w in range(1, MAX_TREE_NODES + 2))), DraftCost())
     auto.pruning = None
-    assert s.k_for(auto) == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None
-    assert s.k_for(auto) == 0 and s.k_for(fixed) == 5  # a fixed k is what the request asked for
-    assert s.k_for(auto) == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None
-    assert [s.k_for(auto) for _ in range(3)] == [0, 0, MAX_TREE_NODES]  # backing off: 1, then 2 plain rounds
+    assert s.plan_round(auto).k == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None
+    assert s.plan_round(auto).k == 0 and s.plan_round(fixed).k == 5  # a fixed k is what the request asked for
+    assert s.plan_round(auto).k == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None
+    assert [s.plan_round(auto).k for _ in range(3)] == [0, 0, MAX_TREE_NODES]  # backing off: 1, then 2 plain rounds

@@ -81,7 +81,7 @@ def test_eagle_and_ngram_take_turns_and_stay_identical(target):
 
     def spy(self, tokens, k, budget):
         plan = planner_plan(self, tokens, k, budget)
-        sources.append(plan.source)
+        sources.append(plan.chain.source)
         return plan
 
     prompt = target.tokenizer("one two three four one two three four one two")["input_ids"]

@@ -23,10 +23,9 @@ from specserve.workers.speculation.planner.acceptance import (
     PositionAcceptance,
 )
 from specserve.workers.speculation.planner.costs import PlannerCosts, VerifyCosts
-from specserve.workers.speculation.planner.goodput import NO_DRAFT, ChainPlan, Option, RowChoice, plan_batch
+from specserve.workers.speculation.planner.goodput import ChainPlan, Option, RoundForecast, RowChoice, plan_batch
+from specserve.workers.speculation.planner.round_plan import RoundPlan
 from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
-
-LOOKUP_SOURCES = (LOOKUP_CHAIN, SUFFIX_CHAIN)  # drafters whose plan carries its tokens: no model to call
 
 
 class ChainPlanner:
@@ -100,16 +99,18 @@ class ChainPlanner:
         return RowChoice(self.options(tokens, limit, model), k, limit)
 
     def plan(self, tokens: Sequence[int], k: int | None, budget: int, model: bool = True,
-             batched_drafts: bool = False) -> ChainPlan:  # fmt: skip
+             batched_drafts: bool = False) -> RoundPlan:  # fmt: skip
         """A request alone (a batch of one): with a fixed k, the chain expected to accept the most; with 'auto' (k
         None, needs costs), the chain and length with the most committed tokens per second, or none."""
         row = self.choice(tokens, k, budget, model)
         if not row.options or row.budget <= 0:
-            return NO_DRAFT
+            return RoundPlan(row=row)
         if k is None and self.costs is None:
             raise ValueError("k='auto' needs measured costs")
         costs = self.costs or PlannerCosts(VerifyCosts((1.0,)))
-        return plan_batch([row], costs.surface, costs.drafters, row.budget, batched_drafts).rows[0]
+        plan = plan_batch([row], costs.surface, costs.drafters, row.budget, batched_drafts)
+        forecast = RoundForecast(plan.width > 0, 1, plan.seconds) if k is None else None
+        return RoundPlan(plan.rows[0], row=row, forecast=forecast)
 
     def passed_over(self, options: Sequence[Option]) -> None:
         """A round that offered these options and drafted none of the head's: the model-wide head record relaxes

@@ -31,15 +31,15 @@ def test_the_planner_takes_a_long_ngram_match_and_the_head_otherwise():
     planner = ChainPlanner(use_head=True, use_ngram=True)
     repeated = [5, 6, 7, 8, 9, 5, 6, 7]  # "5 6 7" matched: "8 9 5" follows
     plan = planner.plan(repeated, k=3, budget=10)
-    assert plan == ChainPlan("ngram", 3, (8, 9, 5), match=3)
-    assert planner.plan([5, 6, 7, 8, 9, 1, 2, 9], k=3, budget=10).source == "head"  # a 1-token match loses
-    assert planner.plan(repeated, k=3, budget=2).k == 2
-    assert planner.plan(repeated, k=3, budget=0).source == "none"
+    assert plan.chain == ChainPlan("ngram", 3, (8, 9, 5), match=3) and plan.drafted  # the lookup's tokens in it
+    assert planner.plan([5, 6, 7, 8, 9, 1, 2, 9], k=3, budget=10).chain.source == "head"  # a 1-token match loses
+    assert planner.plan(repeated, k=3, budget=2).chain.k == 2
+    assert planner.plan(repeated, k=3, budget=0).chain.source == "none"
     # The request's own rounds move the choice: 3-token matches that keep failing lose to the head.
     for _ in range(12):
         planner.observe(ChainPlan("ngram", 3, (8, 9, 5), match=3), accepted=0)
-    assert planner.plan(repeated, k=3, budget=10).source == "head"
-    assert ChainPlanner(use_head=False, use_ngram=True).plan([1, 2, 3], k=3, budget=5).source == "none"
+    assert planner.plan(repeated, k=3, budget=10).chain.source == "head"
+    assert ChainPlanner(use_head=False, use_ngram=True).plan([1, 2, 3], k=3, budget=5).chain.source == "none"
     assert NGRAM_PRIOR[3] > NGRAM_PRIOR[1]
 
 
@@ -47,10 +47,11 @@ def test_auto_k_picks_per_candidate_and_needs_costs():
     costs = PlannerCosts(CPU_COSTS, DraftCost(step_s=0.005, fixed_s=0.003))
     planner = ChainPlanner(use_head=True, use_ngram=False, head_prior=(0.6, 0.55), costs=costs)
     plan = planner.plan(list(range(20)), k=None, budget=8)
-    assert plan.source == "head" and plan.k == best_k([0.6] + [0.55] * 7, CPU_COSTS, costs.head, 8, min_k=1)
+    assert plan.chain.source == "head" and not plan.drafted
+    assert plan.k == best_k([0.6] + [0.55] * 7, CPU_COSTS, costs.head, 8, min_k=1)
     poor = ChainPlanner(use_head=True, use_ngram=True, head_prior=(0.1,), costs=costs)
-    assert poor.plan(list(range(20)), k=None, budget=8).source == "none"  # a plain step beats a poor head's chain
-    assert poor.plan([5, 6, 7, 8, 9, 5, 6, 7], k=None, budget=8).source == "ngram"  # a 3-token match still pays
-    assert poor.plan(list(range(20)), k=3, budget=8).source == "head"  # a fixed k always drafts
+    assert poor.plan(list(range(20)), k=None, budget=8).chain.source == "none"  # a plain step beats a poor head's chain
+    assert poor.plan([5, 6, 7, 8, 9, 5, 6, 7], k=None, budget=8).chain.source == "ngram"  # a 3-token match still pays
+    assert poor.plan(list(range(20)), k=3, budget=8).chain.source == "head"  # a fixed k always drafts
     with pytest.raises(ValueError, match="costs"):
         ChainPlanner(use_head=True, use_ngram=False).plan([1, 2], k=None, budget=4)

@@ -19,14 +19,14 @@ def _request(shared) -> ChainPlanner:
 
 def test_a_head_record_that_stopped_drafting_relaxes_back_until_the_head_drafts_again():
     shared = model_head_acceptance((0.6, 0.5, 0.45))
-    assert _request(shared).plan(TOKENS, None, 8).source == "head"
+    assert _request(shared).plan(TOKENS, None, 8).chain.source == "head"
     for _ in range(200):  # a burst the head drafted badly for: every draft rejected at once
         _request(shared).observe(ChainPlan("head", 3), 0)
     stopped = _request(shared)
-    assert stopped.plan(TOKENS, None, 8).source == "none"
+    assert stopped.plan(TOKENS, None, 8).chain.source == "none"
     options = stopped.choice(TOKENS, None, 8).options
     rounds = 0
-    while _request(shared).plan(TOKENS, None, 8).source == "none":
+    while _request(shared).plan(TOKENS, None, 8).chain.source == "none":
         stopped.passed_over(options)  # a round that could have drafted with the head and did not
         rounds += 1
         assert rounds < 5000, "the record never came back"
