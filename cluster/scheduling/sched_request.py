@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from specserve.cluster.scheduling.calls import PreDraft
 from specserve.cluster.scheduling.features import FeatureRelay
 from specserve.workers.config.request import SamplingParams, SpecParams
-from specserve.workers.service.results import ProposeResult
+from specserve.workers.service.results import ProposeResult, VerifyResult
+from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS, Method
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.goodput import NO_DRAFT
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import TreePruning
+from specserve.workers.speculation.planner.tree import TreePruning, TreeYield
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.wire_format import slice_rows
 
@@ -30,6 +31,7 @@ class SchedRequest:
     features: FeatureRelay | None = None  # a head's methods: the target's features on their way to the draft worker
     planner: ChainPlanner | None = None  # chain methods: what its drafters offer each round, and their acceptance
     round: RoundPlan = PLAIN  # the latest plan (its row: the request's in its target worker's batch planning)
+    tree_yield: TreeYield = field(default_factory=TreeYield)  # a head's trees' accepted nodes, beside lookups
     pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
     chunk_epoch: int = 0  # its target worker's prefill chunks when this round was planned (chunk_pacing.py)
@@ -63,6 +65,20 @@ class SchedRequest:
             self.planner.passed_over(plan.row.options)
         if drafted_by != NO_DRAFT.source:
             self.planner.observe(dataclasses.replace(plan.chain, k=len(drafted)), accepted)
+
+    def commit_tree(self, plan: RoundPlan, tree: DraftTree | None, path: list[int], reply: VerifyResult) -> list[int]:
+        """Commit a verified tree round (tree None: a plain step): the accepted path's tokens and the next token; the
+        outcome to what planned it (a lookup's chain verified as a tree, or the head's tree and its pruning)."""
+        if tree is None:
+            return self.state.commit_round([], 0, reply.next_token, logprobs=reply.logprobs)
+        if plan.chain.k:
+            self.observe_round(plan, tree.tokens, len(path))
+        else:
+            self.tree_yield.observe(len(path))
+            if self.pruning is not None:
+                self.pruning.observe(len(path))
+        accepted, shape = [tree.tokens[node] for node in path], (len(tree.tokens), tree.depth)
+        return self.state.commit_round(accepted, len(accepted), reply.next_token, tree=shape, logprobs=reply.logprobs)
 
     def predrafted(self, pre: PreDraft | None, k: int) -> ProposeResult | None:
         """This round's k-token draft from a pre-draft, if its assumption held: the committed sequence now continues

@@ -232,8 +232,14 @@ class Scheduler:
         return batch.features_paused(sum(r.target_worker == req.target_worker for r in self.requests.values()))
 
     def _plan_tree(self, req: SchedRequest) -> RoundPlan:
-        """A tree round: its most nodes, prompt lookup's tree drafted here (pruned for 'auto'; none: a plain step)."""
+        """A tree round: its most nodes, prompt lookup's tree drafted here (pruned for 'auto'; none: a plain step);
+        with lookups beside a head's trees, their continuation where it is expected to accept more."""
         nodes = self._tree_nodes(req)
+        if req.planner is not None and req.state.draft_budget(1) and req.prompt_logprobs is None:
+            limit = req.state.draft_budget(self.max_chain if req.spec.k == "auto" else req.spec.k)
+            lookup = req.planner.lookup_round(req.state.tokens, limit, req.tree_yield.mean if nodes else None)
+            if lookup is not None:
+                return lookup
         if not nodes or req.method.draft_worker:
             return RoundPlan(nodes=nodes)
         drafted = self.lookup.propose_tree(req.request_id, req.state.tokens, TreeShape.for_budget(nodes))
@@ -356,7 +362,7 @@ class Scheduler:
         if req.features is not None and reply.features:
             req.features.received(reply.features)
         if req.method.tree:
-            return self._commit_tree(req, tree, list(reply.path or ()), reply)
+            return req.commit_tree(plan, tree, list(reply.path or ()), reply)
         # Not the prompt's round, nor the request's first drafting one: its drafter's catch-up over the prompt (a
         # head's extension over up to 910 positions of features, a draft model's prefill) is not a steady round.
         steady = req.state.generated and (req.state.stats.drafted or not drafted)
@@ -367,15 +373,6 @@ class Scheduler:
         if req.planner is not None:
             req.observe_round(plan, drafted, reply.accepted)
         return req.state.commit_round(list(drafted), reply.accepted, reply.next_token, logprobs=reply.logprobs)
-
-    def _commit_tree(self, req: SchedRequest, tree: DraftTree | None, path: list[int],
-                     reply: VerifyResult) -> list[int]:  # fmt: skip
-        if tree is None:
-            return req.state.commit_round([], 0, reply.next_token, logprobs=reply.logprobs)
-        if req.pruning is not None:
-            req.pruning.observe(len(path))
-        accepted, shape = [tree.tokens[node] for node in path], (len(tree.tokens), tree.depth)
-        return req.state.commit_round(accepted, len(accepted), reply.next_token, tree=shape, logprobs=reply.logprobs)
 
     def wants_costs(self, req: SchedRequest) -> bool:
         """Whether the request's planning weighs the workers' costs, and they are not known yet."""

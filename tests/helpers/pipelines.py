@@ -66,7 +66,7 @@ async def generate_in_turns(w: LocalWorkers, turns) -> list:
 # suffix drafting, which need no worker) or an EAGLE-3 head.
 SERVED_METHODS = {
     "draft model": [("draft", 3), ("ngram", 3), ("ngram-tree", 6), ("suffix", 3), ("none", 1)],
-    "eagle head": [("eagle", 3), ("eagle+ngram", 3), ("eagle-tree", 6)],
+    "eagle head": [("eagle", 3), ("eagle+ngram", 3), ("eagle-tree", 6), ("eagle-tree+ngram", 6)],
 }
 
 

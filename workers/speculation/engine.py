@@ -29,6 +29,7 @@ from specserve.workers.speculation.methods import (
     DRAFT_MODEL,
     EAGLE,
     NGRAM,
+    SUFFIX,
     method,
 )
 from specserve.workers.speculation.ngram import NgramDrafter
@@ -114,7 +115,7 @@ class SpecEngine:
     def _drafter(self, spec: SpecParams) -> Drafter | None:
         """The method's proposer (None: target-only, or suffix drafting, which the planner runs itself)."""
         proposer = method(spec.method).proposer
-        if proposer is None or method(spec.method).suffix:
+        if proposer in (None, SUFFIX):
             return None
         if proposer not in self.drafters:
             needs = "an EAGLE-3 head (eagle_head)" if proposer == EAGLE else "a draft model"
@@ -126,10 +127,14 @@ class SpecEngine:
         drafter = self._drafter(spec)
         if not m.drafts:
             return None
+        lookups = None
+        if m.tree and m.chain_sources:  # lookups beside a head's trees: no costs (they cost nothing to draft)
+            lookups = ChainPlanner.for_method(m, self.suffix_cache, ngram=self.drafters[NGRAM].config)
         if m.tree and auto:  # the best nodes of a big tree, each round
-            return TreeRounds(drafter, TreeShape.for_budget(MAX_TREE_NODES), self.tree_verify_costs())
+            return TreeRounds(drafter, TreeShape.for_budget(MAX_TREE_NODES), self.tree_verify_costs(), lookups,
+                              self.max_auto_k)  # fmt: skip
         if m.tree:
-            return TreeRounds(drafter, TreeShape.for_budget(spec.k))
+            return TreeRounds(drafter, TreeShape.for_budget(spec.k), None, lookups, spec.k)
         costs = self.planner_costs(spec.method) if auto else None  # suffix: the engine's recent outputs too
         planner = ChainPlanner.for_method(m, self.suffix_cache, ngram=self.drafters[NGRAM].config,
                                           head_prior=self.head_prior, costs=costs)  # fmt: skip
@@ -182,7 +187,8 @@ class SpecEngine:
     ) -> None:
         """Draft the round's tree (none: a plain step, as before the head's first features), verify it, commit the
         accepted path and the recovered or bonus token; a head gets the committed positions' features."""
-        tree = rounds.propose_tree(state, rounds.plan(state))
+        plan = rounds.plan(state)
+        tree = rounds.propose_tree(state, plan)
         if tree is None:
             verdict = self._verify(state, rounds.drafter, None, params, generator)
             state.commit_round([], verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
@@ -191,7 +197,7 @@ class SpecEngine:
         row = TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents, _head_prefix(head, state))
         call = TreeCall(row, params, generator)
         verdict = self.verifier.verify_trees([call], capture=head is not None)[0]
-        rounds.observe(len(verdict.path))
+        rounds.observe(plan, len(verdict.path))
         if head is not None:
             head.add_features(state.request_id, verdict.feature_start, verdict.features)
         path = [tree.tokens[i] for i in verdict.path]

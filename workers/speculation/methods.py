@@ -29,7 +29,8 @@ class Method:
     summary: str  # what it does, for SpecParams' description
     proposer: str | None  # EAGLE | DRAFT_MODEL | NGRAM | SUFFIX; None: no drafting
     tree: bool = False  # drafted as trees
-    chain_sources: tuple[str, ...] = ()  # chains: the drafters its planner may choose from, each round
+    chain_sources: tuple[str, ...] = ()  # chains: the drafters its planner may choose from, each round (a tree
+    # method's: the lookups whose chain a round may verify instead of its tree)
     draft_worker: bool = False  # disaggregated, its drafts come from a draft worker (its model or head)
     lookup: bool = False  # disaggregated, some of its drafts are looked up in the scheduler (no draft call)
     sampling: bool = True  # serves sampled requests (temperature > 0), losslessly
@@ -75,6 +76,16 @@ REGISTRY: tuple[Method, ...] = (  # the order the edges list them in
         EAGLE,
         tree=True,
         draft_worker=True,
+    ),
+    Method(
+        "eagle-tree+ngram",
+        "each round the head's tree, or prompt lookup's or suffix drafting's continuation where it is expected to "
+        "commit more (no draft call)",
+        EAGLE,
+        tree=True,
+        chain_sources=(LOOKUP_CHAIN, SUFFIX_CHAIN),
+        draft_worker=True,
+        lookup=True,
     ),
     Method("draft", "a draft model proposes", DRAFT_MODEL, chain_sources=(MODEL_CHAIN,), draft_worker=True),
     Method("ngram", "prompt lookup", NGRAM, chain_sources=(LOOKUP_CHAIN,), lookup=True),

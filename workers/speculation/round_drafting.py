@@ -14,7 +14,7 @@ from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import VerifyCosts
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import TreePruning
+from specserve.workers.speculation.planner.tree import TreePruning, TreeYield
 from specserve.workers.speculation.request import RequestState
 
 
@@ -49,15 +49,29 @@ class TreeRounds:
     up to `shape.budget` nodes; with `verify` costs (k = 'auto'), the best nodes of it that pay for their
     verification (planner/tree.py), none when none does. No tree for a round that can commit one token only."""
 
-    def __init__(self, drafter: EagleDrafter | NgramDrafter, shape: TreeShape, verify: VerifyCosts | None = None):
+    def __init__(self, drafter: EagleDrafter | NgramDrafter, shape: TreeShape, verify: VerifyCosts | None = None,
+                 lookups: ChainPlanner | None = None, max_chain: int = 0):  # fmt: skip
+        """lookups: a head's tree method's lookups (eagle-tree+ngram), whose continuation of up to max_chain tokens a
+        round verifies instead of the head's tree where it is expected to accept more."""
         self.drafter = drafter
         self.shape = shape
         costly = not isinstance(drafter, NgramDrafter)
         self.pruning = TreePruning(verify, costly=costly) if verify is not None else None
+        self.lookups, self.max_chain = lookups, max_chain
+        self.tree_yield = TreeYield()
 
     def plan(self, state: RequestState) -> RoundPlan:
-        """The round's nodes (none: a plain step); prompt lookup's tree drafted with the plan, as the scheduler does."""
-        if not state.draft_budget(1) or self.pruning is not None and not self.pruning.wants_tree():
+        """The round's nodes (none: a plain step); prompt lookup's tree drafted with the plan, as the scheduler does;
+        with lookups, their continuation where it is expected to accept more than the head's tree."""
+        if not state.draft_budget(1):
+            return PLAIN
+        head = self.pruning is None or self.pruning.wants_tree()
+        if self.lookups is not None:
+            expects = self.tree_yield.mean if head else None
+            lookup = self.lookups.lookup_round(state.tokens, state.draft_budget(self.max_chain), expects)
+            if lookup is not None:
+                return lookup
+        if not head:
             return PLAIN
         if not isinstance(self.drafter, NgramDrafter):
             return RoundPlan(nodes=self.shape.budget)
@@ -73,7 +87,11 @@ class TreeRounds:
     def _pruned(self, tree: DraftTree | None) -> DraftTree | None:
         return self.pruning.prune(tree) if tree is not None and self.pruning is not None else tree
 
-    def observe(self, accepted: int) -> None:
-        """The verified tree's accepted nodes."""
+    def observe(self, plan: RoundPlan, accepted: int) -> None:
+        """The verified tree's accepted nodes, to what planned it: a lookup's chain, or the tree and its pruning."""
+        if plan.chain.k:
+            self.lookups.observe(plan.chain, accepted)
+            return
+        self.tree_yield.observe(accepted)
         if self.pruning is not None:
             self.pruning.observe(accepted)

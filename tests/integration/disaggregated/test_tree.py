@@ -111,14 +111,30 @@ def test_forgetful_and_dead_draft_workers_change_no_output(pairs):
     assert sum(r.resent for r in results) > 0 and "draft-0" in pipeline.scheduler.unhealthy
 
 
+@pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
+def test_head_trees_beside_lookups_are_identical_to_target_only(pairs, pair_name):
+    """eagle-tree+ngram: each round the head's tree or, where it is expected to accept more, prompt lookup's or
+    suffix drafting's continuation verified as a chain-shaped tree with no draft call; prompts that repeat themselves
+    give the lookups rounds, fixed k and 'auto' alike."""
+    target, head_dir = pairs[pair_name]
+    prompts = [ids * 3 for ids in prompts_of(target, pair_name)]  # repeats: the lookup finds long matches
+    requests = [(ids, *greedy(24, "eagle-tree+ngram", k)) for ids in prompts for k in (4, "auto")]
+    results, _, trees = run(target, head_dir, requests)
+    for (ids, params, _), result in zip(requests, results, strict=True):
+        assert result.state.generated == own_greedy_loop(target.model, ids, params.max_new_tokens, set())
+    lookups = [s for r in results for s in (*r.planner.by_match.values(), *r.planner.by_suffix_match.values())]
+    assert sum(s.reached[0] for s in lookups if s.reached) > 0 and trees  # lookup rounds and the head's trees
+
+
 @pytest.mark.slow
-def test_sampled_trees_through_the_workers_match_the_targets_distribution(pairs):
+@pytest.mark.parametrize("method", ["eagle-tree", "eagle-tree+ngram"])
+def test_sampled_trees_through_the_workers_match_the_targets_distribution(pairs, method):
     """2,000 seeded requests with trees of 4 nodes (2 candidates a level), top-p truncating: the chi-square test of
     tests/workers/speculation/test_engine_sampling.py against the exact joint of the next 3 tokens."""
     target, head_dir = pairs["tiny_vocab"]
     samples = 2000
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
-    results = sample_disaggregated(target, head_dir, params, SpecParams(method="eagle-tree", k=4), samples)
+    results = sample_disaggregated(target, head_dir, params, SpecParams(method=method, k=4), samples)
     assert sum(r.state.stats.accepted for r in results) > 0.2 * samples
     assert_target_distribution([tuple(r.state.generated) for r in results], target.model, params, max_tv=0.04)
 

@@ -24,6 +24,7 @@ from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import VerifyCosts
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
+from specserve.workers.speculation.round_drafting import TreeRounds
 from specserve.workers.training.eagle_train import train_head
 from tests.helpers.eagle_data import FIRST_TOKEN, write_tiny_eagle_data
 from tests.helpers.eagle_heads import hf_features, random_head
@@ -288,8 +289,10 @@ def sampling_target(models_dir) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "k", "samples"), [("eagle", 2, 5_000), ("eagle+ngram", 2, 5_000),
-                                                      ("eagle-tree", 4, 3_000)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("method", "k", "samples"),
+    [("eagle", 2, 5_000), ("eagle+ngram", 2, 5_000), ("eagle-tree", 4, 3_000), ("eagle-tree+ngram", 4, 3_000)],
+)
 def test_eagle_sampling_matches_target_distribution(sampling_target, device, method, k, samples):
     """About a minute each on 2 cores: top-p truncates both distributions, and the head never proposes 3 of the 8
     tokens, so the target's mass there comes only through recovered tokens; with eagle+ngram the prompt's repeats
@@ -331,6 +334,32 @@ def test_greedy_eagle_trees_are_identical_to_target_only(target, budget):
     assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
     if budget == "auto":  # every node paid: whole trees were verified
         assert drafted > (MAX_TREE_NODES - 1) * len(PROMPTS)
+
+
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_head_trees_beside_lookups_are_identical_to_target_only(target, k):
+    """eagle-tree+ngram in process: the head's trees, and prompt lookup's continuations (verified as chain-shaped
+    trees) in the rounds where they are expected to accept more; prompts that repeat themselves give them rounds."""
+    flat = VerifyCosts((1.0,) * (MAX_TREE_NODES + 1))
+    engine = SpecEngine(target, eagle_head=random_head(target.model.config, 64, seed=2, std=0.3), tree_costs=flat)
+    planned = []
+    plan = TreeRounds.plan
+
+    def spy(self, state):
+        out = plan(self, state)
+        planned.append("lookup" if out.chain.k else "tree" if out.nodes else "plain")
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TreeRounds, "plan", spy)
+        for prompt in PROMPTS:
+            ids = target.tokenizer(" ".join([prompt] * 3))["input_ids"]
+            expected = own_greedy_loop(target.model, ids, MAX_NEW, target.eos_token_ids)
+            result = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW), SpecParams(method="eagle-tree+ngram",
+                                                                                                k=k))  # fmt: skip
+            assert result.token_ids == expected, (prompt, k)
+    assert {"lookup", "tree"} <= set(planned), planned
+    assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
 
 
 def test_tree_verify_costs_are_measured_up_to_a_whole_trees_width(target):

@@ -20,8 +20,9 @@ def test_each_method_declares_what_it_can_do_consistently(entry):
     assert set(entry.chain_sources) <= set(SOURCES)
     if not entry.drafts:  # target-only
         assert not (entry.tree or entry.chain_sources or entry.draft_worker or entry.lookup)
-    elif entry.tree:  # a tree comes from one proposer, not the chain planner
-        assert not entry.chain_sources
+    elif entry.tree:  # a tree comes from one proposer; beside a head's, only lookups' chains (no model)
+        assert set(entry.chain_sources) <= {methods.LOOKUP_CHAIN, methods.SUFFIX_CHAIN}
+        assert not entry.chain_sources or entry.needs_head
     else:
         assert entry.chain_sources
     assert entry.draft_worker == entry.needs_model  # a head or a draft model runs on the draft pool
@@ -43,8 +44,8 @@ def test_the_configs_and_the_edges_list_the_registrys_methods_in_its_order():
         methods.MODEL_DEFAULT,
     ):
         assert name in METHODS
-    assert methods.TREE_METHODS == ("eagle-tree", "ngram-tree")
-    assert methods.HEAD_METHODS == ("eagle", "eagle+ngram", "eagle-tree")
+    assert methods.TREE_METHODS == ("eagle-tree", "eagle-tree+ngram", "ngram-tree")
+    assert methods.HEAD_METHODS == ("eagle", "eagle+ngram", "eagle-tree", "eagle-tree+ngram")
     assert methods.HEAD_CHAIN_METHODS == ("eagle", "eagle+ngram")
 
 
@@ -52,4 +53,10 @@ def test_a_served_model_runs_the_methods_its_draft_pool_allows():
     lookups = ["ngram", "ngram-tree", "suffix", "none"]
     assert methods.servable(has_head=False, has_draft_model=False) == lookups
     assert methods.servable(has_head=False, has_draft_model=True) == ["draft", *lookups]
-    assert methods.servable(has_head=True, has_draft_model=False) == ["eagle", "eagle+ngram", "eagle-tree", *lookups]
+    assert methods.servable(has_head=True, has_draft_model=False) == [
+        "eagle",
+        "eagle+ngram",
+        "eagle-tree",
+        "eagle-tree+ngram",
+        *lookups,
+    ]

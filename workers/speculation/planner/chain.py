@@ -21,10 +21,12 @@ from specserve.workers.speculation.planner.acceptance import (
     NGRAM_PRIOR,
     SUFFIX_PRIOR,
     PositionAcceptance,
+    expected_accepted,
 )
 from specserve.workers.speculation.planner.costs import PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.goodput import ChainPlan, Option, RoundForecast, RowChoice, plan_batch
 from specserve.workers.speculation.planner.round_plan import RoundPlan
+from specserve.workers.speculation.planner.tree import chain_tree
 from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
 
 
@@ -111,6 +113,19 @@ class ChainPlanner:
         plan = plan_batch([row], costs.surface, costs.drafters, row.budget, batched_drafts)
         forecast = RoundForecast(plan.width > 0, 1, plan.seconds) if k is None else None
         return RoundPlan(plan.rows[0], row=row, forecast=forecast)
+
+    def lookup_round(self, tokens: Sequence[int], limit: int, head_expects: float | None) -> RoundPlan | None:
+        """A tree method's round from its lookups (eagle-tree+ngram): the continuation expected to accept the most,
+        as a chain-shaped tree drafted with the plan, where it is expected to accept more than the head's tree
+        (`head_expects`; None: the head drafts no tree this round); None: the head's tree (or a plain step)."""
+        row = RowChoice(self.options(tokens, limit, model=False), None, limit)
+        if not row.options:
+            return None
+        best = max(row.options, key=lambda o: expected_accepted(o.rates, len(o.tokens)))
+        if head_expects is not None and expected_accepted(best.rates, len(best.tokens)) <= head_expects:
+            return None
+        chain = ChainPlan.of(best, len(best.tokens))
+        return RoundPlan(chain, nodes=chain.k, tree=chain_tree(chain.tokens), row=row)
 
     def passed_over(self, options: Sequence[Option]) -> None:
         """A round that offered these options and drafted none of the head's: the model-wide head record relaxes

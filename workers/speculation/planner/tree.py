@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.planner.costs import VerifyCosts
 
@@ -93,3 +94,20 @@ class TreePruning:
     def observe(self, accepted: int) -> None:
         """The verified tree's accepted nodes."""
         self.calibration.observe(self.predicted, accepted)
+
+
+@dataclass
+class TreeYield:
+    """Accepted nodes per round of a request's head trees, a decayed mean from a prior: what the next head tree is
+    expected to commit, against which a lookup's continuation competes (method eagle-tree+ngram)."""
+
+    mean: float = 1.0
+    decay: float = 0.8
+
+    def observe(self, accepted: int) -> None:
+        self.mean = self.decay * self.mean + (1.0 - self.decay) * accepted
+
+
+def chain_tree(tokens: Sequence[int]) -> DraftTree:
+    """A chain as a tree: each token the child of the one before (verified by the tree path, a prefix accepted)."""
+    return DraftTree(list(tokens), [ROOT, *range(len(tokens) - 1)], [0.0] * len(tokens))
