@@ -22,7 +22,7 @@ from specserve.workers.config.request import MAX_K, SamplingParams, SpecMethod, 
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.models.chat_questions import HELD_OUT_QUESTIONS, question_prompt_ids, read_questions
 from specserve.workers.speculation.engine import SpecEngine
-from specserve.workers.speculation.methods import HEAD_CHAIN_METHODS, NONE
+from specserve.workers.speculation.methods import HEAD_CHAIN_METHODS, METHODS, NONE
 from specserve.workers.speculation.suffix import SuffixCache
 
 NGRAM_KS = tuple(range(1, 9))  # the target suite's n-gram sweep
@@ -129,9 +129,10 @@ def bench_prompts(tokenizer, cfg: BenchConfig, questions: list[str] | None,
 
 
 def spec_fn(engine: SpecEngine, method: str, k) -> RowFn:
-    # A suffix row drafts from a cache of recent outputs of its own: the engine's, shared by the rows, would hold
-    # the earlier rows' answers to the same prompt (a second pass, which no first request sees).
-    cache = SuffixCache(engine.suffix_cache.config) if method == "suffix" else None
+    # A row that drafts by suffix (suffix, eagle-tree+ngram) drafts from a cache of recent outputs of its own: the
+    # engine's, shared by the rows, would hold the earlier rows' answers to the same prompt (a second pass, which no
+    # first request sees).
+    cache = SuffixCache(engine.suffix_cache.config) if METHODS[method].suffix else None
 
     def run(prompt, params):
         if cache is not None:
