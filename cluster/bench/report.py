@@ -78,7 +78,8 @@ def format_table(rows: list[Row], meta: dict) -> str:
     for r in rows:
         by_position = " ".join(f"{a:.2f}" for a in r.acceptance_by_position[:8]) if r.acceptance_by_position else "-"
         lines.append([
-            r.name, _fmt(r.tokens_per_s, ".1f"), "-" if r.speedup is None else _fmt(r.speedup) + "x",
+            r.name + (" *" if r.default else ""), _fmt(r.tokens_per_s, ".1f"),
+            "-" if r.speedup is None else _fmt(r.speedup) + "x",
             _fmt(r.acceptance_rate),
             _fmt(r.mean_accepted_length), _fmt(r.t_draft_ms), _fmt(r.t_verify_ms), _fmt(r.leviathan_bound),
             _fmt(r.bound), _fmt(r.ratio_to_bound), _fmt(r.identical) if r.temperature == 0 else "n/a (sampled)",
@@ -88,6 +89,8 @@ def format_table(rows: list[Row], meta: dict) -> str:
     out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |" for line in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     out.append("")
+    if any(r.default for r in rows):
+        out.append("*: what the served model drafts with unless a request names a method (its default, k: auto)")
     out += _disaggregated_lines(meta)
     if "tensor_parallel" in meta:
         t = meta["tensor_parallel"]

@@ -75,6 +75,7 @@ class Row:
     bound: float | None = None
     ratio_to_bound: float | None = None
     identical: bool | None = None  # greedy rows: same tokens as target-only; sampling rows: None (compare laws)
+    default: bool = False  # the drafting a served model gets unless a request names one (its method at k='auto')
     # Position j: the fraction of rounds drafting j+1 or more tokens whose first j+1 drafts were all accepted.
     acceptance_by_position: list[float] | None = None
     # Spec-Bench runs: {category: {tokens_per_s, speedup, mean_accepted_length}} (cluster/bench/spec_bench.py)
@@ -267,7 +268,9 @@ def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[t
         chain = (*NGRAM_KS, "auto") if greedy else (SAMPLED_NGRAM_K, "auto")
         sweeps: dict[str, tuple] = {"ngram": chain}
         if has_head:
-            sweeps |= {m: chain for m in HEAD_CHAIN_METHODS} | {"eagle-tree": (*TREE_KS, "auto") if greedy else (8,)}
+            trees = (*TREE_KS, "auto") if greedy else (8,)
+            sweeps |= {m: chain for m in HEAD_CHAIN_METHODS} | {"eagle-tree": trees}
+            sweeps["eagle-tree+ngram"] = (*TREE_KS, "auto") if greedy else ("auto",)
         sweeps["ngram-tree"] = (*TREE_KS, "auto") if greedy else ()
         if has_draft:
             sweeps["draft"] = (*cfg.ks, "auto") if greedy else (draft_k, "auto")

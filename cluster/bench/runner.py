@@ -49,7 +49,7 @@ from specserve.workers.config.request import ResponseFormat, SamplingParams
 from specserve.workers.config.settings import ModelConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.speculation.engine import SpecEngine
-from specserve.workers.speculation.methods import TREE_METHODS
+from specserve.workers.speculation.methods import HEAD_DEFAULT, LOOKUP_DEFAULT, MODEL_DEFAULT, TREE_METHODS
 
 __all__ = ["BenchConfig", "Row", "format_table", "machine_info", "plot", "to_json", "main_bench", "run_bench"]
 
@@ -79,6 +79,9 @@ def run_bench(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, pr
     rows = [r for r, _ in plan]
     _fill_speculation(rows, counts, costs)
     _fill_speedups(rows)
+    served = HEAD_DEFAULT if "eagle" in engine.drafters else MODEL_DEFAULT if "draft" in engine.drafters else None
+    for row in rows:
+        row.default = row.method == (served or LOOKUP_DEFAULT) and row.k == "auto"
     if conversations is not None:
         rounds = {id(r): counts[id(r)].by_request for r in rows if r.method in SPECULATIVE}
         fill_categories(rows, rounds, [c.question.category for c in conversations])

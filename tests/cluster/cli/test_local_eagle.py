@@ -84,10 +84,10 @@ def test_without_a_packaged_head_the_default_stays_prompt_lookup_and_eagle_is_a_
     assert code == 2 and "no EAGLE-3 head is packaged" in capsys.readouterr().err
 
 
-def test_the_head_drafts_with_eagle_ngram_unless_no_spec(pair):
+def test_the_head_drafts_with_its_default_method_unless_no_spec(pair):
     flags = SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=None, k="auto", no_spec=False)
     models = local.LocalModels(pair.target, eagle_head=pair.head)
-    assert local.request_params(flags, models)[1].method == "eagle+ngram"
+    assert local.request_params(flags, models)[1].method == "eagle-tree+ngram"
     assert local.request_params(flags, local.LocalModels(pair.target))[1].method == "ngram"
     flags.no_spec = True
     assert local.request_params(flags, models)[1].method == "none"

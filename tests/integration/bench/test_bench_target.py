@@ -51,6 +51,8 @@ def test_without_a_draft_rows_are_prompt_lookup_and_ngram_and_greedy_rows_match(
     sampled = [(r.method, r.k) for r in rows if r.temperature > 0]
     assert sampled == [("target-only", None), ("ngram", 4), ("ngram", "auto")]
     assert all(r.identical is None for r in rows if r.temperature > 0)
+    # the rows that run what a served model without a head or a draft model drafts with: prompt lookup, k='auto'
+    assert [(r.method, r.k) for r in rows if r.default] == [("ngram", "auto")] * 2
 
     for method in ("ngram", "ngram-tree"):
         ngram = [r for r in rows if r.method == method]
@@ -66,6 +68,7 @@ def test_with_a_draft_the_draft_and_hf_assisted_rows_are_added(tiny_target, tmp_
     draft = [(r.k, r.temperature) for r in rows if r.method == "draft"]
     assert draft == [(2, 0.0), (4, 0.0), ("auto", 0.0), (4, 0.8), ("auto", 0.8)]
     assert [r.k for r in rows if r.method == "hf-assisted"] == ["hf-default", 4]
+    assert [(r.method, r.k) for r in rows if r.default] == [("draft", "auto")] * 2  # a draft model's served default
     assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
 
 
@@ -80,8 +83,9 @@ def test_with_a_head_the_eagle_rows_are_added_with_acceptance_by_position(tmp_pa
     eagle = [(r.method, r.k, r.temperature) for r in rows if r.method.startswith("eagle")]
     greedy_ks = [*EAGLE_KS, "auto"]
     greedy = [(m, k, 0.0) for m in ("eagle", "eagle+ngram") for k in greedy_ks]
-    greedy += [("eagle-tree", k, 0.0) for k in (*TREE_KS, "auto")]
+    greedy += [(m, k, 0.0) for m in ("eagle-tree", "eagle-tree+ngram") for k in (*TREE_KS, "auto")]
     sampled = [(m, k, 0.8) for m in ("eagle", "eagle+ngram") for k in (4, "auto")] + [("eagle-tree", 8, 0.8)]
+    sampled += [("eagle-tree+ngram", "auto", 0.8)]
     assert eagle == greedy + sampled
     assert all(r.identical is True for r in rows if r.temperature == 0 and r.method != "target-only")
     for row in (r for r in rows if r.method.startswith("eagle")):

@@ -22,6 +22,7 @@ from specserve.workers.models.catalog import known_models
 from specserve.workers.models.gguf_store import MARKER
 from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.codec import feature_block
+from specserve.workers.speculation.methods import HEAD_DEFAULT
 from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.planner.acceptance import HEAD_PRIOR
 from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
@@ -207,11 +208,12 @@ def _package(head_dir: str, heads, name: str, identity: str):
     return packaged
 
 
-def test_a_target_with_a_packaged_head_serves_with_it_and_eagle_ngram_by_default(pairs, heads_dir, tmp_path,
+def test_a_target_with_a_packaged_head_serves_with_it_and_its_default_method(pairs, heads_dir, tmp_path,
                                                                                monkeypatch):  # fmt: skip
     """`specserve serve --model DIR` for a converted target with a packaged head: the config's draft is 'eagle', the
-    draft pool runs that head, and a request without a method drafts with "eagle+ngram", identical to target-only.
-    `--draft ngram` still gives n-gram; the known name finds its head by its pinned GGUF hash (nothing pulled)."""
+    draft pool runs that head, and a request without a method drafts with the head's default ("eagle-tree+ngram"),
+    identical to target-only. `--draft ngram` still gives n-gram; the known name finds its head by its pinned GGUF
+    hash (nothing pulled)."""
     target, head_dir = pairs["byte"]
     converted = shutil.copytree(target.path, tmp_path / "converted")
     (converted / MARKER).write_text(json.dumps({"sha256": "c" * 64}))
@@ -235,6 +237,8 @@ def test_a_target_with_a_packaged_head_serves_with_it_and_eagle_ngram_by_default
     assert ModelPairConfig(target=target.path).draft == "ngram"  # a plain directory: no cheap identity, no lookup
 
     run = run_the_serving_path(app_config(args[0]), BYTE_PROMPTS[0], 24)
-    assert run.paths == (str(converted), str(packaged)) and run.prepared.spec.method == "eagle+ngram"
+    assert (
+        run.paths == (str(converted), str(packaged)) and run.prepared.spec.method == HEAD_DEFAULT == "eagle-tree+ngram"
+    )
     assert run.out["token_ids"] == own_greedy_loop(target.model, run.prepared.prompt_ids, 24, {2})
     assert run.out["stats"]["drafted"] > 0
