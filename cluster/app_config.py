@@ -91,9 +91,9 @@ class ModelPairConfig(StrictModel):
         min_length=1,
         description=(
             "Draft model (name, .gguf file, directory or repo id), an EAGLE-3 head directory or 'eagle' (the "
-            "head packaged for the target; methods 'eagle+ngram', the default, and 'eagle': the draft pool "
-            "runs the head, the target pool captures the features it reads), 'ngram' (prompt lookup), 'none',"
-            " or 'demo' (the demo family's draft, with target 'demo'). Unset: 'eagle' when a head is packaged"
+            "head packaged for the target; methods 'eagle-tree+ngram', the default, 'eagle+ngram' and the rest: the "
+            "draft pool runs the head, the target pool captures the features it reads), 'ngram' (prompt lookup),"
+            " 'none', or 'demo' (the demo family's draft, with target 'demo'). Unset: 'eagle' when a head is packaged"
             " for the target, else 'ngram'."
         ),
     )

@@ -130,9 +130,8 @@ def bench_prompts(tokenizer, cfg: BenchConfig, questions: list[str] | None,
 
 
 def spec_fn(engine: SpecEngine, method: str, k) -> RowFn:
-    # A row that drafts by suffix (suffix, eagle-tree+ngram) drafts from a cache of recent outputs of its own: the
-    # engine's, shared by the rows, would hold the earlier rows' answers to the same prompt (a second pass, which no
-    # first request sees).
+    # A row that drafts by suffix drafts from a cache of recent outputs of its own: the engine's, shared by the rows,
+    # would hold the earlier rows' answers to the same prompt (a second pass, which no first request sees).
     cache = SuffixCache(engine.suffix_cache.config) if METHODS[method].suffix else None
 
     def run(prompt, params):

@@ -6,9 +6,10 @@ so errors name `max_tokens` or `messages[1].content[0].type`), into the typed `R
 takes (OpenAI's `max_tokens` and `max_completion_tokens` become its `max_new_tokens`; unset sampling fields stay None,
 for the model's generation_config.json defaults). Unknown fields are ignored and named (vLLM's leniency), or refused
 with `strict`. Extensions beyond OpenAI's fields: `top_k` (-1: off), `speculation: {"method": "draft"|"eagle"|
-"eagle+ngram"|"eagle-tree"|"ngram"|"ngram-tree"|"suffix"|"none", "k": 1..16|"auto"}` (pass them with the openai
-package's `extra_body=`), and vLLM's `chat_template_kwargs`, `stream_options.continuous_usage_stats`, completions'
-`echo` (with `logprobs` too, and `max_tokens: 0`: the prompt alone) and `prompt_logprobs` (not streamed, as vLLM).
+"eagle+ngram"|"eagle-tree"|"eagle-tree+ngram"|"ngram"|"ngram-tree"|"suffix"|"none", "k": 1..16|"auto"}` (pass them
+with the openai package's `extra_body=`), and vLLM's `chat_template_kwargs`, `stream_options.continuous_usage_stats`,
+completions' `echo` (with `logprobs` too, and `max_tokens: 0`: the prompt alone) and `prompt_logprobs` (not
+streamed, as vLLM).
 OpenAI fields that would change the output in ways specserve does not implement (best_of, suffix, tools on
 completions) are accepted only at their neutral value (chat's tools: openai_tools.py); `logprobs` / `top_logprobs` /
 `prompt_logprobs`: openai_logprobs.py, echo's shapes: openai_echo.py. The logits controls

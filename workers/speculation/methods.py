@@ -79,11 +79,11 @@ REGISTRY: tuple[Method, ...] = (  # the order the edges list them in
     ),
     Method(
         "eagle-tree+ngram",
-        "each round the head's tree, or prompt lookup's or suffix drafting's continuation where it is expected to "
-        "commit more (no draft call)",
+        "each round the head's tree, or prompt lookup's continuation where it is expected to commit more (no draft "
+        "call)",
         EAGLE,
         tree=True,
-        chain_sources=(LOOKUP_CHAIN, SUFFIX_CHAIN),
+        chain_sources=(LOOKUP_CHAIN,),
         draft_worker=True,
         lookup=True,
     ),
