@@ -85,8 +85,8 @@ class RequestPreparer:
 def _spec(cfg: ModelPairConfig, request: Request, has_head: bool) -> SpecParams:
     """The request's speculation, as the methods registry says (workers/speculation/methods.py): a head's methods need
     the model served with an EAGLE-3 head, a draft model's a draft model on the draft pool. A model served with a head
-    drafts with its default (methods.HEAD_DEFAULT: the head's tree, or prompt lookup's or suffix drafting's free
-    continuation where it is expected to accept more) unless the request says otherwise."""
+    drafts with its default (methods.HEAD_DEFAULT: the head's tree, or prompt lookup's free continuation where it is
+    expected to accept more) unless the request says otherwise."""
     pool_method = HEAD_DEFAULT if has_head else MODEL_DEFAULT
     default_method = pool_method if cfg.drafts_with_model else (LOOKUP_DEFAULT if cfg.draft == LOOKUP_DEFAULT else NONE)
     spec = SpecParams(method=request.method or default_method, k=cfg.k if request.k is None else request.k)
