@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MODEL = "smollm2-135m-instruct"
-METHODS = "eagle+ngram,eagle-tree"
+METHODS = "eagle+ngram,eagle-tree,eagle-tree+ngram"  # the head's default (the last) and the two it grew from
 
 
 @dataclass

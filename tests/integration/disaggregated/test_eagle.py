@@ -24,6 +24,7 @@ from specserve.workers.errors import InvalidRequestError
 from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation import codec
 from specserve.workers.speculation.codec import feature_block
+from specserve.workers.speculation.methods import HEAD_DEFAULT
 from specserve.workers.speculation.planner import batch as batch_width
 from specserve.workers.speculation.planner.costs import PROFILE_ROWS
 from specserve.workers.speculation.planner.goodput import MAX_AUTO_K
@@ -327,17 +328,17 @@ def test_the_scheduler_drafts_for_a_head_only_from_new_features_and_never_ahead(
 # -- the edge and the serving path -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle+ngram", "eagle-tree"])
+@pytest.mark.parametrize("method", ["eagle", "eagle+ngram", "eagle-tree", "eagle-tree+ngram"])
 def test_the_edge_takes_the_head_methods_only_for_a_model_served_with_a_head(byte_pair, method):
-    """Both edges take "eagle", "eagle+ngram" and "eagle-tree"; a model served with a head drafts with "eagle+ngram"
-    by default."""
+    """Both edges take every head method; a model served with a head drafts with its default ("eagle-tree+ngram")
+    unless the request names one."""
     target, head_dir = byte_pair
     with_head = RequestPreparer(app_with(target.path, head_dir), {"m": (target.path, head_dir)})
     without = RequestPreparer(app_with(target.path, "ngram"), {"m": (target.path, None)})
     http = oai.parse_completion({"prompt": "x", "speculation": {"method": method, "k": 2}}).request
     grpc_request = request_from_proto(pb.GenerateRequest(prompt="x", speculation=pb.SpeculationOptions(method=method)))
     default = oai.parse_completion({"prompt": "x"}).request
-    assert with_head.prepare(http).spec.method == method and with_head.prepare(default).spec.method == "eagle+ngram"
+    assert with_head.prepare(http).spec.method == method and with_head.prepare(default).spec.method == HEAD_DEFAULT
     assert with_head.prepare(grpc_request).spec.method == method
     for request in (http, grpc_request):
         with pytest.raises(InvalidRequestError) as e:
@@ -351,11 +352,11 @@ def test_the_edge_takes_the_head_methods_only_for_a_model_served_with_a_head(byt
 
 
 def test_a_model_served_with_a_head_runs_through_the_serving_path(byte_pair):
-    """No method: "eagle+ngram", the head's default (k fixed: a tiny random head would rarely pay under k='auto').
+    """No method: "eagle-tree+ngram", the head's default (k fixed: a tiny random head would rarely pay under k='auto').
     Greedy output identical to target-only; the replica's status reports feature bytes."""
     target, head_dir = byte_pair
     run = run_the_serving_path(app_with(target.path, head_dir), BYTE_PROMPTS[0], 24, speculation={"k": 3})
-    assert run.paths == (target.path, head_dir) and run.prepared.spec.method == "eagle+ngram"
+    assert run.paths == (target.path, head_dir) and run.prepared.spec.method == HEAD_DEFAULT
     assert run.out["token_ids"] == own_greedy_loop(target.model, run.prepared.prompt_ids, 24, {2})
     assert run.out["stats"]["drafted"] > 0
     assert run.status["feature_bytes_per_verify_reply"] > 0 and run.status["feature_bytes_per_propose"] > 0
