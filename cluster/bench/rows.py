@@ -269,7 +269,7 @@ def _target_plan(engine: SpecEngine, cfg: BenchConfig, assisted: bool) -> list[t
         if has_head:
             trees = (*TREE_KS, "auto") if greedy else (8,)
             sweeps |= {m: chain for m in HEAD_CHAIN_METHODS} | {"eagle-tree": trees}
-            sweeps["eagle-tree+ngram"] = (*TREE_KS, "auto") if greedy else ("auto",)
+            sweeps["eagle-tree+ngram"] = trees if greedy else ("auto",)
         sweeps["ngram-tree"] = (*TREE_KS, "auto") if greedy else ()
         if has_draft:
             sweeps["draft"] = (*cfg.ks, "auto") if greedy else (draft_k, "auto")

@@ -13,8 +13,7 @@ async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, re
                        worker_wait_s=600.0):  # fmt: skip
     """Generate every (prompt, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers (clients
     with `timeout_s`; a request whose target failed waits `worker_wait_s` for one)."""
-    drafts = {n: DraftClient(a, timeout_s=timeout_s) for n, a in w.draft_addresses.items()}
-    targets = {n: TargetClient(a, timeout_s=timeout_s) for n, a in w.target_addresses.items()}
+    drafts, targets = _clients(w, timeout_s)
     pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect,
                         worker_wait_s=worker_wait_s)  # fmt: skip
     tokenizer = next(iter(w.targets.values())).verifier.runner.loaded.tokenizer
@@ -24,8 +23,7 @@ async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, re
         jobs.append(during(pipeline))
     results = await asyncio.gather(*jobs)
     await pipeline.drain_releases()  # releases leave after each reply: wait for them before looking at the workers
-    for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
-        await client.close()
+    await _close(pipeline)
     return results[: len(requests)], pipeline
 
 
@@ -33,8 +31,7 @@ async def generate_all(w: LocalWorkers, requests, during=None, reconnect=None, p
     """Generate every (prompt ids, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers, with
     no stop token (so every position the target commits is one the request keeps); prompts longer than
     `prefill_chunk` prefill in chunks of it."""
-    drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
-    targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
+    drafts, targets = _clients(w)
     pipeline = Pipeline(Scheduler(list(drafts), list(targets), prefill_chunk=prefill_chunk), drafts, targets,
                         predraft=predraft, reconnect=reconnect)  # fmt: skip
     jobs = [pipeline.generate(ids, params, spec, frozenset()) for ids, params, spec in requests]
@@ -42,24 +39,32 @@ async def generate_all(w: LocalWorkers, requests, during=None, reconnect=None, p
         jobs.append(during(pipeline))
     results = await asyncio.gather(*jobs)
     await pipeline.drain_releases()
-    for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
-        await client.close()
+    await _close(pipeline)
     return results[: len(requests)], pipeline
 
 
 async def generate_in_turns(w: LocalWorkers, turns) -> list:
     """Requests one after another through one Scheduler + Pipeline (its placement and prefix records carried from one
     to the next): `turns(done)` returns the next (prompt ids, params, spec) from the requests done so far, or None."""
-    drafts = {n: DraftClient(a, timeout_s=30) for n, a in w.draft_addresses.items()}
-    targets = {n: TargetClient(a, timeout_s=30) for n, a in w.target_addresses.items()}
+    drafts, targets = _clients(w)
     pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
     done = []
     while (turn := turns(done)) is not None:
         done.append(await pipeline.generate(*turn, frozenset()))
         await pipeline.drain_releases()
-    for client in (*drafts.values(), *targets.values()):
-        await client.close()
+    await _close(pipeline)
     return done
+
+
+def _clients(w: LocalWorkers, timeout_s: float = 30.0) -> tuple[dict, dict]:
+    """gRPC clients of `w`'s draft and target workers, by name."""
+    drafts = {n: DraftClient(a, timeout_s=timeout_s) for n, a in w.draft_addresses.items()}
+    return drafts, {n: TargetClient(a, timeout_s=timeout_s) for n, a in w.target_addresses.items()}
+
+
+async def _close(pipeline: Pipeline) -> None:
+    for client in (*pipeline.drafts.values(), *pipeline.targets.values()):
+        await client.close()
 
 
 # The chain and tree methods a served identity test runs, by what drafts: a draft model (beside prompt lookup and

@@ -202,8 +202,7 @@ class EagleDrafter:
         to read): what a new request's target may serve from its own prefix cache without leaving the head a gap."""
         best = 0
         for held, state, pending in self._retained.values():
-            reach = state.end + (pending[1].shape[0] if pending is not None and pending[0] == state.end else 0)
-            best = max(best, min(reach, common_prefix_length(held, tokens) - 1))
+            best = max(best, min(_reach(state, pending), common_prefix_length(held, tokens) - 1))
         return best
 
     def _reuse(
@@ -214,10 +213,7 @@ class EagleDrafter:
         0..i, and token i + 1. Returns the (start, features) to extend it with and the entries it holds; (start,
         features, 0) unchanged when none does."""
         for key, (held, state, pending) in reversed(self._retained.items()):  # most recent first
-            reach = state.end
-            if pending is not None and pending[0] == state.end:
-                reach += pending[1].shape[0]
-            if reach < start or common_prefix_length(held, tokens) < start + 1:
+            if _reach(state, pending) < start or common_prefix_length(held, tokens) < start + 1:
                 continue
             del self._retained[key]
             self.drafting.install(request_id, state)
@@ -228,3 +224,9 @@ class EagleDrafter:
             missing = pending[1][: start - state.end].to(features.dtype)
             return state.end, torch.cat([missing, features]), state.end
         return start, features, 0
+
+
+def _reach(state: RequestKV, pending: tuple[int, torch.Tensor] | None) -> int:
+    """The positions a retained head cache can give a new request: its entries, and the features it was still to read
+    where they follow on."""
+    return state.end + (pending[1].shape[0] if pending is not None and pending[0] == state.end else 0)

@@ -121,8 +121,8 @@ class ChainPlanner:
         row = RowChoice(self.options(tokens, limit, model=False), None, limit)
         if not row.options:
             return None
-        best = max(row.options, key=lambda o: expected_accepted(o.rates, len(o.tokens)))
-        if head_expects is not None and expected_accepted(best.rates, len(best.tokens)) <= head_expects:
+        expected, best = max(((expected_accepted(o.rates, len(o.tokens)), o) for o in row.options), key=lambda p: p[0])
+        if head_expects is not None and expected <= head_expects:
             return None
         chain = ChainPlan.of(best, len(best.tokens))
         return RoundPlan(chain, nodes=chain.k, tree=chain_tree(chain.tokens), row=row)
