@@ -71,7 +71,7 @@ def run_bench(engine: SpecEngine, prompts: list[list[int]], cfg: BenchConfig, pr
     bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress, file=sys.stderr)
     if conversations is not None:
         plan = [(row, converse(engine.tokenizer, fn)) for row, fn in plan]
-    counts = measure(plan, prompts, cfg, bar, sampler, conversations)
+    counts = measure(plan, prompts, cfg, bar, sampler, conversations, cold=engine.forget_prefixes)
     costs = sampler.costs()
     if "eagle" in engine.drafters:
         head = engine.planner_costs().head  # measured in the warm-up, by the first k='auto' row
@@ -157,7 +157,7 @@ def _best_prompt_lookup(engine: SpecEngine, rows: list[Row], target_only: RowFn,
     rerun = Row("target-only greedy (rerun)", "target-only", None, 0.0)
     row, fn = prompt_lookup_row(engine, best, " (best ngram k)")
     fn = fn if conversations is None else converse(engine.tokenizer, fn)
-    measure([(rerun, target_only), (row, fn)], prompts, cfg, bar, items=conversations)
+    measure([(rerun, target_only), (row, fn)], prompts, cfg, bar, items=conversations, cold=engine.forget_prefixes)
     row.speedup = row.tokens_per_s / rerun.tokens_per_s
     row.identical = row.outputs == greedy_base.outputs
     if conversations is not None:

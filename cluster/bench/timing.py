@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.cluster.bench.rows import BenchConfig, Row, RowFn
@@ -104,12 +105,14 @@ class RoundCounts(RequestStats):
 
 
 def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampler: CostSampler | None = None,
-            items: list | None = None):  # fmt: skip
+            items: list | None = None, cold: Callable[[], None] | None = None):  # fmt: skip
     """Prompt by prompt, every row in turn (forwards, then backwards for the next prompt): this VM's speed drifts by
     tens of percent over minutes, and row after row (each over all prompts) charged a slow spell to whichever rows
     ran in it (one run measured T=0.8 speculation at 0.79x target-only, the next at 1.56x, same models). `items`:
     what the rows' functions take in place of the prompts (Spec-Bench's conversations, whose first turns the
-    prompts are; the cost sampler still reads the prompts). Returns {id(row): RoundCounts}."""
+    prompts are; the cost sampler still reads the prompts). `cold`: called before each row's turn at a prompt (the
+    engine's retained prefixes given up: a row after another on the same prompt would skip the prefill the first
+    paid, and a long prompt's prefill is much of its time). Returns {id(row): RoundCounts}."""
     greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens)
     sampled = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
     counts = {id(row): RoundCounts() for row, _ in plan}
@@ -117,6 +120,8 @@ def measure(plan: list[tuple[Row, RowFn]], prompts, cfg: BenchConfig, bar, sampl
         if sampler is not None:
             sampler.sample(prompt)
         for row, fn in plan if i % 2 == 0 else plan[::-1]:
+            if cold is not None:
+                cold()
             t0 = time.perf_counter()
             tokens, stats = fn(prompt if items is None else items[i], params_for(row, greedy, sampled))
             row.seconds_by_prompt.append(time.perf_counter() - t0)

@@ -70,6 +70,8 @@ class SchedRequest:
         """Commit a verified tree round (tree None: a plain step): the accepted path's tokens and the next token; the
         outcome to what planned it (a lookup's chain verified as a tree, or the head's tree and its pruning)."""
         if tree is None:
+            if plan.nodes and not plan.chain.k:  # a head's tree pruned to nothing: its drafting spent for no node
+                self.tree_yield.observe(0)
             return self.state.commit_round([], 0, reply.next_token, logprobs=reply.logprobs)
         if plan.chain.k:
             self.observe_round(plan, tree.tokens, len(path))

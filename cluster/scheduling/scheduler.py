@@ -29,7 +29,7 @@ from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.acceptance import model_head_acceptance
 from specserve.workers.speculation.planner.batch import BatchWidth
 from specserve.workers.speculation.planner.chain import ChainPlanner
-from specserve.workers.speculation.planner.costs import PlannerCosts
+from specserve.workers.speculation.planner.costs import PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, RowChoice, choose_row
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES, TreePruning
@@ -237,7 +237,7 @@ class Scheduler:
         nodes = self._tree_nodes(req)
         if req.planner is not None and req.state.draft_budget(1) and req.prompt_logprobs is None:
             limit = req.state.draft_budget(self.max_chain if req.spec.k == "auto" else req.spec.k)
-            lookup = req.planner.lookup_round(req.state.tokens, limit, req.tree_yield.mean if nodes else None)
+            lookup = req.planner.lookup_round(req.state.tokens, limit, req.tree_yield if nodes else None)
             if lookup is not None:
                 return lookup
         if not nodes or req.method.draft_worker:
@@ -245,6 +245,11 @@ class Scheduler:
         drafted = self.lookup.propose_tree(req.request_id, req.state.tokens, TreeShape.for_budget(nodes))
         tree = self.prune_tree(req, drafted) if drafted is not None else None
         return RoundPlan(nodes=len(tree.tokens), tree=tree) if tree is not None else PLAIN
+
+    def _tree_verify(self, req: SchedRequest) -> VerifyCosts:
+        """The verify cost per width of the request's target worker's batch of trees."""
+        rows = max(1, sum(r.target_worker == req.target_worker and r.method.tree for r in self.requests.values()))
+        return self.planner_costs.surface.for_rows(rows, self.max_tree_nodes + 1)
 
     def _tree_nodes(self, req: SchedRequest) -> int:
         """Nodes to draft this round: k, or for 'auto' max_tree_nodes (pruned once drafted); none when the round can
@@ -269,8 +274,7 @@ class Scheduler:
             return tree if tree.tokens else None
         if req.pruning is None:
             return tree
-        rows = max(1, sum(r.target_worker == req.target_worker and r.method.tree for r in self.requests.values()))
-        req.pruning.verify = self.planner_costs.surface.for_rows(rows, self.max_tree_nodes + 1)
+        req.pruning.verify = self._tree_verify(req)
         return req.pruning.prune(tree)
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:

@@ -261,6 +261,11 @@ class KVCacheStore:
         entries = (*self._entries.values(), *self._retained.values())
         return len(entries) * max((e.extent for e in entries), default=0)
 
+    def forget_retained(self) -> None:
+        """Give up every retained prefix (a bench's rows start cold, so that none prefills for free)."""
+        while self._retained:
+            self._forget_retained()
+
     def _forget_retained(self) -> None:
         _, entry = self._retained.popitem(last=False)
         self._retained_tokens -= entry.length

@@ -141,6 +141,16 @@ class SpecEngine:
         model = drafter if m.needs_model else None  # lookups carry their tokens in the plan
         return ChainRounds(model, planner, None if auto else spec.k, self.max_auto_k)
 
+    def forget_prefixes(self) -> None:
+        """Give up every retained prefix, the target's and each drafter's: the next request starts cold (a bench's
+        rows, so that a row after another on the same prompt does not skip its prefill)."""
+        self.verifier.runner.store.forget_retained()
+        for drafter in self.drafters.values():
+            if isinstance(drafter, EagleDrafter):
+                drafter.forget_retained()
+            elif isinstance(drafter, ModelDrafter):
+                drafter.runner.store.forget_retained()
+
     def tree_verify_costs(self) -> VerifyCosts:
         """The target's verify cost per width up to a whole k='auto' tree's, measured once."""
         if self._tree_costs is None:
@@ -191,13 +201,14 @@ class SpecEngine:
         tree = rounds.propose_tree(state, plan)
         if tree is None:
             verdict = self._verify(state, rounds.drafter, None, params, generator)
+            rounds.observe(plan, None, 0)
             state.commit_round([], verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
             return
         head = rounds.drafter if isinstance(rounds.drafter, EagleDrafter) else None
         row = TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents, _head_prefix(head, state))
         call = TreeCall(row, params, generator)
         verdict = self.verifier.verify_trees([call], capture=head is not None)[0]
-        rounds.observe(plan, len(verdict.path))
+        rounds.observe(plan, tree, len(verdict.path))
         if head is not None:
             head.add_features(state.request_id, verdict.feature_start, verdict.features)
         path = [tree.tokens[i] for i in verdict.path]

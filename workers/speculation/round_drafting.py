@@ -52,7 +52,7 @@ class TreeRounds:
     def __init__(self, drafter: EagleDrafter | NgramDrafter, shape: TreeShape, verify: VerifyCosts | None = None,
                  lookups: ChainPlanner | None = None, max_chain: int = 0):  # fmt: skip
         """lookups: a head's tree method's lookups (eagle-tree+ngram), whose continuation of up to max_chain tokens a
-        round verifies instead of the head's tree where it is expected to accept more."""
+        round verifies instead of the head's tree where it is expected to accept more (ChainPlanner.lookup_round)."""
         self.drafter = drafter
         self.shape = shape
         costly = not isinstance(drafter, NgramDrafter)
@@ -67,8 +67,8 @@ class TreeRounds:
             return PLAIN
         head = self.pruning is None or self.pruning.wants_tree()
         if self.lookups is not None:
-            expects = self.tree_yield.mean if head else None
-            lookup = self.lookups.lookup_round(state.tokens, state.draft_budget(self.max_chain), expects)
+            limit = state.draft_budget(self.max_chain)
+            lookup = self.lookups.lookup_round(state.tokens, limit, self.tree_yield if head else None)
             if lookup is not None:
                 return lookup
         if not head:
@@ -87,11 +87,14 @@ class TreeRounds:
     def _pruned(self, tree: DraftTree | None) -> DraftTree | None:
         return self.pruning.prune(tree) if tree is not None and self.pruning is not None else tree
 
-    def observe(self, plan: RoundPlan, accepted: int) -> None:
-        """The verified tree's accepted nodes, to what planned it: a lookup's chain, or the tree and its pruning."""
+    def observe(self, plan: RoundPlan, tree: DraftTree | None, accepted: int) -> None:
+        """The round's outcome to what planned it: a lookup's chain, or the head's tree (pruned to nothing: None) and
+        its pruning. A plain step planned as one teaches nothing."""
         if plan.chain.k:
             self.lookups.observe(plan.chain, accepted)
             return
+        if not plan.nodes:
+            return
         self.tree_yield.observe(accepted)
-        if self.pruning is not None:
+        if self.pruning is not None and tree is not None:
             self.pruning.observe(accepted)

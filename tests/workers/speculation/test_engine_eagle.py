@@ -162,6 +162,24 @@ def test_a_head_request_after_target_only_ones_drafts_as_on_a_fresh_engine(train
     assert again.token_ids == fresh.token_ids and store.prefix_hits > 0 and head.prefix_hits == store.prefix_hits
 
 
+def test_forgetting_prefixes_makes_the_next_request_start_cold_on_the_target_and_the_head(trained):
+    """The bench's rows start cold (forget_prefixes before each): a row after another on the same prompt computes it
+    all again, as the first did, and drafts as on a fresh engine."""
+    loaded, head_dir = trained
+    prompt = [FIRST_TOKEN + (3 * i) % 5 for i in range(40)]
+    params, spec = SamplingParams(max_new_tokens=16, stop_at_eos=False), SpecParams(method="eagle", k=3)
+    engine = SpecEngine(loaded, eagle_head=head_dir)
+    first = engine.generate(prompt, params, spec)
+    store, head = engine.verifier.runner.store, engine.drafters["eagle"]
+    assert store.cached_tokens > 0 and head.held_prefix(prompt) > 0
+    engine.forget_prefixes()
+    assert store.cached_tokens == 0 and head.held_prefix(prompt) == 0
+    hits = store.prefix_hits
+    again = engine.generate(prompt, params, spec)
+    assert again.token_ids == first.token_ids and store.prefix_hits == hits  # nothing taken from a cache
+    assert (again.stats.rounds, again.stats.accepted) == (first.stats.rounds, first.stats.accepted)
+
+
 def test_captured_features_are_the_inputs_of_the_feature_layers(target):
     """Lean capture equals Hugging Face's hidden_states in the same pass, bit for bit, for a prefill, a verify and a
     ragged (left-padded) batch after a rollback; the logits are those of a runner that captures nothing."""

@@ -197,6 +197,10 @@ class EagleDrafter:
             while len(self._retained) > RETAINED_MAX:
                 self._retained.popitem(last=False)
 
+    def forget_retained(self) -> None:
+        """Give up every retained cache (a bench's rows start cold)."""
+        self._retained.clear()
+
     def held_prefix(self, tokens: Sequence[int]) -> int:
         """The most leading positions of `tokens` a retained cache holds entries for (with the features it was still
         to read): what a new request's target may serve from its own prefix cache without leaving the head a gap."""

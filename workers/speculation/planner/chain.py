@@ -26,7 +26,7 @@ from specserve.workers.speculation.planner.acceptance import (
 from specserve.workers.speculation.planner.costs import PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.goodput import ChainPlan, Option, RoundForecast, RowChoice, plan_batch
 from specserve.workers.speculation.planner.round_plan import RoundPlan
-from specserve.workers.speculation.planner.tree import chain_tree
+from specserve.workers.speculation.planner.tree import TreeYield, chain_tree
 from specserve.workers.speculation.suffix import SuffixCache, SuffixLookup
 
 
@@ -114,15 +114,17 @@ class ChainPlanner:
         forecast = RoundForecast(plan.width > 0, 1, plan.seconds) if k is None else None
         return RoundPlan(plan.rows[0], row=row, forecast=forecast)
 
-    def lookup_round(self, tokens: Sequence[int], limit: int, head_expects: float | None) -> RoundPlan | None:
+    def lookup_round(self, tokens: Sequence[int], limit: int, head: TreeYield | None) -> RoundPlan | None:
         """A tree method's round from its lookups (eagle-tree+ngram): the continuation expected to accept the most,
-        as a chain-shaped tree drafted with the plan, where it is expected to accept more than the head's tree
-        (`head_expects`; None: the head drafts no tree this round); None: the head's tree (or a plain step)."""
+        whole, as a chain-shaped tree drafted with the plan, where it is expected to accept more than the head's trees
+        have lately (head: their yield; None: the head drafts no tree this round); None: the head's tree (or a plain
+        step). A comparison by committed tokens a second (each width's verify cost, the head's drafting counted) was
+        tried and measured slower: it took the lookup in more rounds, each committing less (docs/planner.md)."""
         row = RowChoice(self.options(tokens, limit, model=False), None, limit)
         if not row.options:
             return None
         expected, best = max(((expected_accepted(o.rates, len(o.tokens)), o) for o in row.options), key=lambda p: p[0])
-        if head_expects is not None and expected <= head_expects:
+        if head is not None and expected <= head.mean:
             return None
         chain = ChainPlan.of(best, len(best.tokens))
         return RoundPlan(chain, nodes=chain.k, tree=chain_tree(chain.tokens), row=row)

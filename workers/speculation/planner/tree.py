@@ -98,8 +98,9 @@ class TreePruning:
 
 @dataclass
 class TreeYield:
-    """Accepted nodes per round of a request's head trees, a decayed mean from a prior: what the next head tree is
-    expected to commit, against which a lookup's continuation competes (method eagle-tree+ngram)."""
+    """Accepted nodes a round of a request's head trees, a decayed mean from a prior (a tree pruned to nothing counts
+    0: its round committed one token): what the next head tree is expected to commit, against which a lookup's
+    continuation competes (method eagle-tree+ngram)."""
 
     mean: float = 1.0
     decay: float = 0.8

@@ -7,6 +7,7 @@ from specserve.workers.speculation.planner.acceptance import NGRAM_PRIOR
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.goodput import ChainPlan
+from specserve.workers.speculation.planner.tree import TreeYield
 from tests.helpers.chain_oracle import best_k, round_rate
 
 # Measured on 2 cores for SmolLM2-135M (ms by width 1..9): widths 2-3 cost more than 5.
@@ -55,3 +56,24 @@ def test_auto_k_picks_per_candidate_and_needs_costs():
     assert poor.plan(list(range(20)), k=3, budget=8).chain.source == "head"  # a fixed k always drafts
     with pytest.raises(ValueError, match="costs"):
         ChainPlanner(use_head=True, use_ngram=False).plan([1, 2], k=None, budget=4)
+
+
+def test_a_lookup_round_beside_head_trees_weighs_accepted_nodes_at_a_fixed_k():
+    planner = ChainPlanner(use_ngram=True)
+    repeated = [5, 6, 7, 8, 9, 5, 6, 7]  # a 3-token match: 8 9 5 follows, expected ~0.55 + 0.3 + 0.17 accepted
+    lookup = planner.lookup_round(repeated, 3, TreeYield(mean=0.5))
+    assert lookup.chain == ChainPlan("ngram", 3, (8, 9, 5), match=3) and lookup.tree.tokens == [8, 9, 5]
+    assert lookup.tree.parents[1:] == [0, 1] and lookup.drafted  # a chain-shaped tree, drafted with the plan
+    assert planner.lookup_round(repeated, 3, TreeYield(mean=2.0)) is None  # the head's trees accept more
+    assert planner.lookup_round(repeated, 3, None) is not None  # no head tree this round: the lookup, whatever it is
+    assert planner.lookup_round([1, 2, 3, 4], 3, None) is None  # no match, nothing to verify
+
+
+def test_the_head_trees_yield_counts_a_tree_pruned_to_nothing_as_none_accepted():
+    head = TreeYield()
+    for _ in range(30):
+        head.observe(3)
+    assert head.mean == pytest.approx(3.0, abs=0.01)
+    for _ in range(30):
+        head.observe(0)  # trees that pay for no node: a lookup's continuation wins the next rounds
+    assert head.mean < 0.01
