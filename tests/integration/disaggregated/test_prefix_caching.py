@@ -141,6 +141,7 @@ def test_a_heads_turn_after_a_target_only_turn_drafts_as_without_caching(pairs):
     assert head.prefix_queries == 0  # the target served no position the head lacked
 
 
+@pytest.mark.slow  # a statistical test of 17 s on 2 cores: the full suite runs it, the fast loop stays under 5 min
 def test_sampling_with_prefix_hits_matches_the_targets_distribution(pairs):
     """2,000 seeded requests of one 56-token prompt, 64 at a time, through a head draft worker and a target: every
     request after the first batch takes a released one's cache over on both workers (hits), and the sampled next 3

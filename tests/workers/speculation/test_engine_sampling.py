@@ -53,6 +53,7 @@ def test_speculative_sampling_matches_target_distribution(
         assert marginal_tv(outputs, joint, pos, V) <= max_tv
 
 
+@pytest.mark.slow  # a statistical test of 10 s on 2 cores: the full suite runs it, the fast loop stays under 5 min
 def test_the_distribution_test_has_power(engine):
     """Sampling from the draft alone must fail the same test, or the test above proves nothing."""
     params = SamplingParams(temperature=1.0, max_new_tokens=NEW, stop_at_eos=False)
