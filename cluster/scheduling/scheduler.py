@@ -29,7 +29,7 @@ from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.acceptance import model_head_acceptance
 from specserve.workers.speculation.planner.batch import BatchWidth
 from specserve.workers.speculation.planner.chain import ChainPlanner
-from specserve.workers.speculation.planner.costs import PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.costs import PlannerCosts
 from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, RowChoice, choose_row
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES, TreePruning
@@ -246,11 +246,6 @@ class Scheduler:
         tree = self.prune_tree(req, drafted) if drafted is not None else None
         return RoundPlan(nodes=len(tree.tokens), tree=tree) if tree is not None else PLAIN
 
-    def _tree_verify(self, req: SchedRequest) -> VerifyCosts:
-        """The verify cost per width of the request's target worker's batch of trees."""
-        rows = max(1, sum(r.target_worker == req.target_worker and r.method.tree for r in self.requests.values()))
-        return self.planner_costs.surface.for_rows(rows, self.max_tree_nodes + 1)
-
     def _tree_nodes(self, req: SchedRequest) -> int:
         """Nodes to draft this round: k, or for 'auto' max_tree_nodes (pruned once drafted); none when the round can
         commit one token only, for a head without a draft worker or new features, or in 'auto''s plain rounds."""
@@ -274,7 +269,8 @@ class Scheduler:
             return tree if tree.tokens else None
         if req.pruning is None:
             return tree
-        req.pruning.verify = self._tree_verify(req)
+        rows = max(1, sum(r.target_worker == req.target_worker and r.method.tree for r in self.requests.values()))
+        req.pruning.verify = self.planner_costs.surface.for_rows(rows, self.max_tree_nodes + 1)
         return req.pruning.prune(tree)
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
