@@ -256,7 +256,8 @@ class Pipeline:
         reply, _ = await self._verify_round(req, 0, tokens, b"", clock, parents)
         if reply is None:
             return None
-        return self.scheduler.apply_round(req, plan, reply, tree=tree)
+        round_s = clock.verified(len(tokens), len(reply.path or ()))
+        return self.scheduler.apply_round(req, plan, reply, tree=tree, round_s=round_s)
 
     async def _verify_round(
         self,

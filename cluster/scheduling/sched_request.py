@@ -16,7 +16,7 @@ from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS, Method
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.goodput import NO_DRAFT
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import TreePruning, TreeYield
+from specserve.workers.speculation.planner.tree import TreePruning, TreeRow, TreeYield
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.wire_format import slice_rows
 
@@ -57,6 +57,13 @@ class SchedRequest:
         chunks bring its first positions' only: the round that verifies the rest of the prompt is a plain step)."""
         pending = self.features.pending if self.features is not None else None
         return pending is not None and pending.end >= len(self.state.tokens) - 1
+
+    def batch_row(self) -> TreeRow:
+        """The request as a row of its target worker's verify batch, for another's tree pruning: its head's last tree
+        (pruned to the batch's cap) where its round drafts one, else the width its round verifies."""
+        if self.round.nodes and not self.round.drafted and self.pruning is not None and self.pruning.by_size:
+            return TreeRow(by_size=self.pruning.by_size)
+        return TreeRow(width=self.round.k, expected=self.round.expected)
 
     def observe_round(self, plan: RoundPlan, drafted: Sequence[int], accepted: int) -> None:
         """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""

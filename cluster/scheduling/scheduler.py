@@ -269,9 +269,11 @@ class Scheduler:
             return tree if tree.tokens else None
         if req.pruning is None:
             return tree
-        rows = max(1, sum(r.target_worker == req.target_worker and r.method.tree for r in self.requests.values()))
-        req.pruning.verify = self.planner_costs.surface.for_rows(rows, self.max_tree_nodes + 1)
-        return req.pruning.prune(tree)
+        worker = req.target_worker
+        others = [r.batch_row() for r in self.requests.values() if r.target_worker == worker and r is not req]
+        req.pruning.verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
+        batch = self.batches.setdefault(worker, BatchWidth())
+        return req.pruning.prune(tree, others, batch.tree_overhead.seconds)
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])
@@ -358,10 +360,16 @@ class Scheduler:
                     tree: DraftTree | None = None, round_s: float = 0.0) -> list[int]:  # fmt: skip
         """Commit a verified round: the chain's accepted drafted tokens (`drafted`) or the tree's path (`tree`, as
         verified; None: a plain step), then the reply's next token. Its features (EAGLE-3) wait for the next draft
-        call; round_s: its wall time from plan to reply, against the plan's forecast (not a prompt's prefill)."""
+        call; round_s: its wall time from plan to reply, against the plan's forecast (not a prompt's prefill), and for
+        a head's tree the round's time beyond the target's forward."""
         if req.features is not None and reply.features:
             req.features.received(reply.features)
         if req.method.tree:
+            if plan.nodes and not plan.drafted and req.pruning is not None and round_s > 0 and req.state.stats.drafted:
+                # a head's tree round (not its first, which catches the head up over the prompt): what it spent
+                # beyond the target's forward, which the next trees' pruning weighs
+                beyond = round_s - reply.queued_seconds - reply.batch_seconds
+                self.batches.setdefault(req.target_worker, BatchWidth()).tree_overhead.observe(beyond)
             return req.commit_tree(plan, tree, list(reply.path or ()), reply)
         # Not the prompt's round, nor the request's first drafting one: its drafter's catch-up over the prompt (a
         # head's extension over up to 910 positions of features, a draft model's prefill) is not a steady round.

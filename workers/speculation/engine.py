@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -196,21 +197,29 @@ class SpecEngine:
         self, state: RequestState, rounds: TreeRounds, params: SamplingParams, generator: torch.Generator
     ) -> None:
         """Draft the round's tree (none: a plain step, as before the head's first features), verify it, commit the
-        accepted path and the recovered or bonus token; a head gets the committed positions' features."""
+        accepted path and the recovered or bonus token; a head gets the committed positions' features. The round's
+        time beyond its verify goes to the pruning of the head's next trees."""
+        started, steady = time.perf_counter(), state.stats.drafted > 0
         plan = rounds.plan(state)
         tree = rounds.propose_tree(state, plan)
         if tree is None:
+            verify_started = time.perf_counter()
             verdict = self._verify(state, rounds.drafter, None, params, generator)
+            verify_s = time.perf_counter() - verify_started
             rounds.observe(plan, None, 0)
             state.commit_round([], verdict.accepted, verdict.next_token, logprobs=verdict.logprobs)
+            rounds.took(plan, time.perf_counter() - started - verify_s, steady)
             return
         head = rounds.drafter if isinstance(rounds.drafter, EagleDrafter) else None
         row = TreeRow(state.request_id, list(state.tokens), tree.tokens, tree.parents, _head_prefix(head, state))
         call = TreeCall(row, params, generator)
+        verify_started = time.perf_counter()
         verdict = self.verifier.verify_trees([call], capture=head is not None)[0]
+        verify_s = time.perf_counter() - verify_started
         rounds.observe(plan, tree, len(verdict.path))
         if head is not None:
             head.add_features(state.request_id, verdict.feature_start, verdict.features)
+        rounds.took(plan, time.perf_counter() - started - verify_s, steady)
         path = [tree.tokens[i] for i in verdict.path]
         shape = (len(tree.tokens), tree.depth)
         state.commit_round(path, len(path), verdict.next_token, tree=shape, logprobs=verdict.logprobs)

@@ -14,7 +14,7 @@ from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import VerifyCosts
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import TreePruning, TreeYield
+from specserve.workers.speculation.planner.tree import RoundOverhead, TreePruning, TreeYield
 from specserve.workers.speculation.request import RequestState
 
 
@@ -59,6 +59,7 @@ class TreeRounds:
         self.pruning = TreePruning(verify, costly=costly) if verify is not None else None
         self.lookups, self.max_chain = lookups, max_chain
         self.tree_yield = TreeYield()
+        self.overhead = RoundOverhead()  # a tree round's time beyond its verify forward, which pruning weighs
 
     def plan(self, state: RequestState) -> RoundPlan:
         """The round's nodes (none: a plain step); prompt lookup's tree drafted with the plan, as the scheduler does;
@@ -85,7 +86,15 @@ class TreeRounds:
         return self._pruned(self.drafter.propose_tree(state.request_id, state.tokens, self.shape))
 
     def _pruned(self, tree: DraftTree | None) -> DraftTree | None:
-        return self.pruning.prune(tree) if tree is not None and self.pruning is not None else tree
+        if tree is None or self.pruning is None:
+            return tree
+        return self.pruning.prune(tree, fixed_s=self.overhead.seconds)
+
+    def took(self, plan: RoundPlan, beyond_s: float, steady: bool) -> None:
+        """A round's seconds beyond its verify (drafting, feeding the head, the engine's own), for the head's trees'
+        pruning; `steady`: not the request's first drafting round (the head's catch-up over the prompt)."""
+        if plan.nodes and not plan.drafted and steady:
+            self.overhead.observe(beyond_s)
 
     def observe(self, plan: RoundPlan, tree: DraftTree | None, accepted: int) -> None:
         """The round's outcome to what planned it: a lookup's chain, or the head's tree (pruned to nothing: None) and

@@ -166,7 +166,7 @@ def _tree(nodes: int) -> DraftTree:
 
 
 def test_the_scheduler_sizes_trees_by_k_costs_and_load():
-    s = Scheduler(["d"], ["t"])
+    s = Scheduler(["d"], ["t", "u"])  # one target worker each: neither pads the other's verify batch
     fixed = s.add([1, 2, 3], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k=5), frozenset())
     auto = s.add([1, 2, 3], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k="auto"), frozenset())
     assert s.wants_costs(auto) and not s.wants_costs(fixed)
@@ -199,3 +199,23 @@ def test_the_scheduler_sizes_trees_by_k_costs_and_load():
     assert s.plan_round(auto).k == 0 and s.plan_round(fixed).k == 5  # a fixed k is what the request asked for
     assert s.plan_round(auto).k == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None
     assert [s.plan_round(auto).k for _ in range(3)] == [0, 0, MAX_TREE_NODES]  # backing off: 1, then 2 plain rounds
+    assert fixed.target_worker != auto.target_worker
+
+
+def test_a_tree_is_pruned_for_its_target_workers_batch_whose_rows_are_padded_to_the_widest():
+    s = Scheduler(["d"], ["t"])
+    steep = VerifyCosts(tuple(0.1 * w for w in range(1, MAX_TREE_NODES + 2)))  # every node costs another step
+    s.planner_costs = PlannerCosts(steep, DraftCost())
+    auto = s.add([1, 2, 3], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k="auto"), frozenset())
+    s.apply_round(auto, auto.round, VerifyResult(0, 7, features=_features(0, 3), path=[]))
+    assert s.plan_round(auto).k == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None  # alone
+    fixed = s.add([4, 5, 6], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k=5), frozenset())
+    s.apply_round(fixed, fixed.round, VerifyResult(0, 8, features=_features(0, 3), path=[]))
+    assert s.plan_round(fixed).k == 5  # its 5 nodes widen the worker's verify forward for every row
+    auto.pruning.plain_rounds = 0
+    assert s.plan_round(auto).k == MAX_TREE_NODES
+    assert len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) == 5  # as wide as the batch's forward: free
+    # the round's time beyond the forward, measured (the head's drafting, the hops), makes more nodes pay
+    s.release(fixed)
+    s.batches["t"].tree_overhead.observe(1.0)
+    assert s.plan_round(auto).k == MAX_TREE_NODES and len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) > 5

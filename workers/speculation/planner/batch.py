@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from specserve.workers.speculation.planner.costs import PlannerCosts
 from specserve.workers.speculation.planner.goodput import RealizedRounds, RoundForecast, RowChoice, plan_batch
+from specserve.workers.speculation.planner.tree import RoundOverhead
 
 # A head's features under load: after this many re-plans in a row that drafted nothing, the worker's k='auto' chains
 # stop asking for them (every verify reply carries them, and at 16 streams on the 2-core CPU that alone cost 4-5% of
@@ -35,6 +36,7 @@ class BatchWidth:
     quiet_left: int = 0  # verify calls before the planner looks again with features
     realized: RealizedRounds = field(default_factory=RealizedRounds)  # the worker's rounds against their plans
     forecast: RoundForecast | None = None  # what the current plan's rounds are expected to take
+    tree_overhead: RoundOverhead = field(default_factory=RoundOverhead)  # its tree rounds' time beyond the verify
 
     def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int) -> int:
         if self.rows != len(rows) or self.plans_left <= 0:
@@ -50,7 +52,8 @@ class BatchWidth:
         """For the scheduler's status: the plan at the worker's batch size, and what it weighed beside the costs."""
         return {"width": self.width, "requests": self.rows, "features_paused": bool(self.quiet_below),
                 "slowdown_drafting": self.realized.factor(True, self.rows),
-                "slowdown_plain": self.realized.factor(False, self.rows)}  # fmt: skip
+                "slowdown_plain": self.realized.factor(False, self.rows),
+                "tree_overhead_ms": round(1e3 * self.tree_overhead.seconds, 3)}  # fmt: skip
 
     def features_paused(self, requests: int) -> bool:
         """For one verify call of a k='auto' chain, the worker having `requests` requests now. (While paused a

@@ -3,10 +3,22 @@
 EAGLE-2's observation: a head's probability of a path predicts whether the target accepts it. So the expected
 accepted length of the tree made of the b best nodes is about c * sum of exp(score) over them (score: the path's
 log-probability; c: the request's calibration, accepted / predicted over its verified rounds, from a cautious
-prior), and a round verifies the b with the most committed tokens per second at the target's verify cost measured per
-width, or none (a plain step) when no b pays. The head's drafting is already spent when b is chosen: it does not
-enter the choice. Pure functions and small per-request state (`TreePruning`), shared by the in-process engine and the
-distributed scheduler.
+prior), and a round verifies the b with the most committed tokens per second, or none (a plain step) when no b pays.
+
+Per second of what: the round's whole time, its verify forward T(width) and what else a round spends (its drafting,
+the hops, the scheduler: `fixed_s`, measured). The drafting is spent when b is chosen, but the best b for the long run
+is the one that maximises the round's rate with it counted (Dinkelbach: a b that pays against T alone can lose
+against the rate the rounds achieve); leaving it out verified trees too small (served, 1 stream: 2.44 tokens a round
+where 8-node trees committed 2.68, results/2026-11-28-0957-smollm2-load).
+
+And of whose round: a target worker verifies its requests' trees in one forward, every row padded to the widest, so
+the b best nodes of each request cost the batch T(rows, widest + 1), not this row's own width. Pruned one by one,
+each at its own width, a batch of 4 trees paid a 17-wide forward for one confident request while the others cut theirs
+to 2-3 nodes (2.20 tokens a round against 2.70 for fixed 8-node trees at the same verify time, same run). So the
+node count is the batch's: one cap for every tree row of the worker (`TreeRow`: the others as their last trees
+were), chosen for the batch's committed tokens per second, as the chain planner chooses the batch's width
+(goodput.py). Pure functions and small per-request state (`TreePruning`), shared by the in-process engine (a batch of
+one) and the distributed scheduler.
 """
 
 from __future__ import annotations
@@ -51,12 +63,39 @@ def expected_accepted_by_size(scores: Sequence[float], factor: float) -> list[fl
     return out
 
 
-def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float) -> int:
-    """The b (0: none) whose round commits the most tokens per second: (1 + E(b)) / t_verify[b + 1]."""
-    best, best_rate = 0, 1.0 / verify.verify(0)
-    for b, expected in enumerate(expected_accepted_by_size(scores[: verify.max_k], factor), start=1):
-        rate = (1.0 + expected) / verify.verify(b)
-        if rate > best_rate:
+@dataclass(frozen=True)
+class TreeRow:
+    """Another request of the worker's verify batch: a head's tree as its last one was drafted (`by_size`: expected
+    accepted nodes of its b best, b = 1..; the cap applies to it), or a row that verifies a set width (a lookup's
+    chain, a fixed k, a plain step: `width` positions beyond its first, `expected` accepted)."""
+
+    by_size: tuple[float, ...] = ()
+    width: int = 0
+    expected: float = 0.0
+
+    def at_cap(self, cap: int) -> tuple[int, float]:
+        """(drafted positions, committed tokens expected) of the row when the batch's trees keep at most `cap`
+        nodes."""
+        if not self.by_size:
+            return self.width, 1.0 + self.expected
+        b = min(cap, len(self.by_size))
+        return b, 1.0 + (self.by_size[b - 1] if b else 0.0)
+
+
+def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float, others: Sequence[TreeRow] = (),
+                    fixed_s: float = 0.0) -> int:  # fmt: skip
+    """The cap b (0: none) on every tree row of the batch (this one's `scores` and the `others`) whose round commits
+    the most tokens per second: sum of rows' (1 + E(b)) / (T(widest) + fixed_s), `verify` the batch's cost per width.
+    The request keeps its b best nodes."""
+    own = expected_accepted_by_size(scores[: verify.max_k], factor)
+    best, best_rate = 0, -1.0
+    for b in range(0, len(own) + 1):
+        widest, committed = b, 1.0 + (own[b - 1] if b else 0.0)
+        for row in others:
+            width, commits = row.at_cap(b)
+            widest, committed = max(widest, width), committed + commits
+        rate = committed / (verify.verify(widest) + fixed_s)
+        if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = b, rate
     return best
 
@@ -72,6 +111,7 @@ class TreePruning:
     plain_rounds: int = 0  # plain steps to take before drafting the next tree
     backoff: int = 0  # plain steps after the last tree that paid for no node (doubles while trees keep failing)
     costly: bool = True  # drafting a tree costs model work (a head's); prompt lookup's trees cost nothing
+    by_size: tuple[float, ...] = ()  # the last drafted tree's expected accepted nodes by size (a TreeRow to others)
 
     def wants_tree(self) -> bool:
         """Whether to draft a tree this round: not for a few rounds after trees that paid for no node (drafting one
@@ -81,10 +121,13 @@ class TreePruning:
             return False
         return True
 
-    def prune(self, tree: DraftTree) -> DraftTree | None:
-        """The tree's best nodes that pay for their verification, or None (a plain step) when none does."""
+    def prune(self, tree: DraftTree, others: Sequence[TreeRow] = (), fixed_s: float = 0.0) -> DraftTree | None:
+        """The tree's best nodes that pay for their verification in the batch (`others`: its other rows, `verify`
+        its cost per width; `fixed_s`: the round's seconds beyond the verify forward), or None (a plain step) when
+        none does."""
         scores = sorted(tree.scores, reverse=True)
-        count = best_node_count(scores, self.verify, self.calibration.factor)
+        self.by_size = tuple(expected_accepted_by_size(scores, self.calibration.factor))
+        count = best_node_count(scores, self.verify, self.calibration.factor, others, fixed_s)
         self.predicted = sum(math.exp(s) for s in scores[:count])
         # Backing off saves a head's levels; a lookup tree costs nothing to draft, and the next match may pay.
         self.backoff = 0 if count or not self.costly else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
@@ -94,6 +137,21 @@ class TreePruning:
     def observe(self, accepted: int) -> None:
         """The verified tree's accepted nodes."""
         self.calibration.observe(self.predicted, accepted)
+
+
+@dataclass
+class RoundOverhead:
+    """A tree round's seconds beyond its verify forward (the head's drafting, the hops, the scheduler's own): a decayed
+    mean of measured rounds, 0 before any (what `best_node_count` weighs as `fixed_s`)."""
+
+    seconds: float = 0.0
+    rounds: int = 0
+    decay: float = 0.9
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.seconds = seconds if not self.rounds else self.decay * self.seconds + (1.0 - self.decay) * seconds
+        self.rounds += 1
 
 
 @dataclass

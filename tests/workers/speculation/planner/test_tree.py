@@ -7,7 +7,12 @@ import pytest
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.planner.costs import VerifyCosts
-from specserve.workers.speculation.planner.tree import TreeCalibration, best_node_count, expected_accepted_by_size
+from specserve.workers.speculation.planner.tree import (
+    TreeCalibration,
+    TreeRow,
+    best_node_count,
+    expected_accepted_by_size,
+)
 
 FLAT = VerifyCosts((0.1,) * 17)  # every width costs a step: more nodes never cost more
 CPU = VerifyCosts(
@@ -60,3 +65,56 @@ def test_a_head_backs_off_after_trees_that_pay_for_nothing_and_free_lookup_trees
     for _ in range(3):
         head.prune(hopeless)
     assert head.backoff == 8 and lookup.backoff == 0
+
+
+def _batch_rate(rows: list[list[float]], counts: list[int], verify: VerifyCosts, fixed_s: float = 0.0) -> float:
+    """Expected committed tokens a second of a batch whose rows keep `counts` nodes of trees with these scores."""
+    by_size = [expected_accepted_by_size(s, 1.0) for s in rows]
+    committed = sum(1.0 + (e[b - 1] if b else 0.0) for e, b in zip(by_size, counts, strict=True))
+    return committed / (verify.verify(max(counts)) + fixed_s)
+
+
+def test_the_rounds_time_beyond_the_forward_makes_more_nodes_pay():
+    scores = [math.log(p) for p in (0.9, 0.7, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1)]
+    steep = VerifyCosts(tuple(0.05 + 0.01 * w for w in range(17)))
+    bare = best_node_count(scores, steep, 1.0)
+    assert best_node_count(scores, steep, 1.0, fixed_s=0.05) > bare > 0
+
+
+def test_a_batchs_trees_share_one_cap_that_pays_for_the_whole_forward():
+    steep = VerifyCosts(tuple(0.05 + 0.01 * w for w in range(17)))  # a batch's forward, its rows padded to the widest
+    confident = [math.log(0.95) * (i + 1) for i in range(16)]
+    modest = [math.log(p) for p in (0.6, 0.3, 0.2, 0.1, 0.05)]
+    rows = [confident, modest, modest, modest]
+    alone = [best_node_count(s, steep, 1.0) for s in rows]
+    assert alone[0] > alone[1] > 0  # each on its own width: the confident row pads everyone's
+    others = [TreeRow(by_size=tuple(expected_accepted_by_size(s, 1.0))) for s in rows[1:]]
+    cap = best_node_count(confident, steep, 1.0, others)
+    capped = [min(cap, len(s)) for s in rows]
+    assert _batch_rate(rows, capped, steep) > _batch_rate(rows, alone, steep)
+    # nodes up to a set width another row verifies cost nothing more
+    assert best_node_count(modest, steep, 1.0, [TreeRow(width=5, expected=1.0)]) == 5
+    assert best_node_count(modest, steep, 1.0, [TreeRow(width=3, expected=1.0)]) >= 3
+
+
+def test_tree_rounds_weigh_their_measured_time_beyond_the_verify():
+    from specserve.workers.speculation.planner.round_plan import RoundPlan
+    from specserve.workers.speculation.planner.tree import RoundOverhead
+
+    overhead = RoundOverhead()
+    assert overhead.seconds == 0.0
+    overhead.observe(0.02)
+    assert overhead.seconds == pytest.approx(0.02)  # the first round is the estimate
+    overhead.observe(0.04)
+    assert 0.02 < overhead.seconds < 0.04
+    from specserve.workers.speculation.round_drafting import TreeRounds
+
+    class Head:  # TreeRounds only calls the drafter in propose_tree, which this does not reach
+        pass
+
+    rounds = TreeRounds(Head(), None, CPU)
+    rounds.took(RoundPlan(nodes=16), 0.03, steady=False)  # the head's catch-up over the prompt: not a round's cost
+    rounds.took(RoundPlan(), 0.03, steady=True)  # a plain step drafted nothing
+    assert rounds.overhead.rounds == 0
+    rounds.took(RoundPlan(nodes=16), 0.03, steady=True)
+    assert rounds.overhead.seconds == pytest.approx(0.03)
