@@ -58,6 +58,8 @@ def build_app(args: dict | AppConfig | None = None):
     message_bytes = worker_message_bytes(app)
     for m in app.models:
         model = m.model_dump(mode="json")
+        if len(app.models) > 1:  # several target workers would share the one set of bound CPUs (`cpu_binding`)
+            model["target_pool"]["cpu_binding"] = "off"
         pools.append(serve.deployment(PoolWorker).options(**_pool_options(f"target-{m.name}", m.target_pool))
                      .bind(model, "target", message_bytes))  # fmt: skip
         if m.drafts_with_model:

@@ -4,10 +4,13 @@ the follower ranks it starts as Ray actors in the replica's placement group."""
 
 from __future__ import annotations
 
+import logging
 import socket
 
-from specserve.cluster.app_config import WorkerPoolConfig
+from specserve.cluster.app_config import WorkerPoolConfig, binds_cpus
 from specserve.workers.config.settings import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def _host() -> str:
@@ -25,11 +28,18 @@ class WorkerBody:
     def _build(self, role: str, model: ModelConfig, pool: WorkerPoolConfig, vocab_size: int | None = None,
                eagle_head: str | None = None) -> None:  # fmt: skip
         from specserve.workers.runtime.loading import resolve_device
-        from specserve.workers.runtime.threads import use_threads, worker_threads
+        from specserve.workers.runtime.threads import bind_process, cpu_split, use_threads, worker_threads
         from specserve.workers.service.assembly import WorkerSpec, build_worker
 
         device = resolve_device(model.device).type
-        use_threads(worker_threads(pool.threads, role, device, pool.num_cpus, pool.tensor_parallel_size))
+        split = cpu_split() if role == "target" and binds_cpus(pool, device) else None
+        if split is not None:  # every CPU but the first, which the serving processes keep
+            bind_process(split[1])
+            log.info("target worker bound to CPUs %s, %d torch threads; the serving processes run on CPU %s",
+                     split[1], len(split[1]), split[0][0])  # fmt: skip
+            use_threads(len(split[1]))
+        else:
+            use_threads(worker_threads(pool.threads, role, device, pool.num_cpus, pool.tensor_parallel_size))
         # A draft's tensor-parallel degree is independent of the target's (a head's draft worker runs no model).
         tensor_parallel = pool.tensor_parallel_size > 1 and not (role == "draft" and eagle_head)
         runner = self._tensor_parallel_runner(model, pool, vocab_size) if tensor_parallel else None

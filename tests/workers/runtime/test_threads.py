@@ -63,3 +63,56 @@ def test_use_threads_sets_torchs_count():
             assert torch.get_num_threads() == n
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_containers_cpu_list_is_its_cpuset_cut_to_its_quota_not_this_processs_affinity(tmp_path):
+    (tmp_path / "cpuset.cpus.effective").write_text("0-3,6\n")
+    assert threads.container_cpu_list(str(tmp_path)) == [0, 1, 2, 3, 6]
+    (tmp_path / "cpu.max").write_text("200000 100000\n")  # 2 CPUs of quota
+    assert threads.container_cpu_list(str(tmp_path)) == [0, 1]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    import os
+
+    assert threads.container_cpu_list(str(bare)) == list(range(os.cpu_count()))
+
+
+def test_the_serving_processes_keep_the_first_cpu_and_a_target_the_rest():
+    assert threads.cpu_split([2, 3, 5]) == ([2], [3, 5])
+    assert threads.cpu_split([0, 1]) == ([0], [1])
+    assert threads.cpu_split([4]) is None  # one CPU: nothing to bind
+
+
+def test_binding_a_process_binds_every_thread_of_it_and_later_ones():
+    import os
+    import subprocess
+    import sys
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    code = (
+        "import os, threading, time\n"
+        "from specserve.workers.runtime.threads import bind_process\n"
+        "started = threading.Thread(target=time.sleep, args=(2,)); started.start()\n"
+        f"bind_process([{cpu}])\n"
+        "later = threading.Thread(target=time.sleep, args=(1,)); later.start()\n"
+        "tids = os.listdir('/proc/self/task')\n"
+        "print(sorted({frozenset(os.sched_getaffinity(int(t))) == {%d} for t in tids}), len(tids))\n" % cpu
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["[True]", "3"]  # the main thread, the one started before and the one after
+
+
+def test_processes_spawned_inside_start_on_the_serving_cpus_and_the_caller_keeps_its_own():
+    import os
+    import subprocess
+
+    before = os.sched_getaffinity(0)
+    first = sorted(before)[0]
+    with threads.spawning_on([first]):
+        child = subprocess.Popen(["sleep", "5"])
+    try:
+        assert os.sched_getaffinity(child.pid) == {first}
+        assert os.sched_getaffinity(0) == before
+    finally:
+        child.kill()
+        child.wait()
