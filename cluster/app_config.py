@@ -64,9 +64,9 @@ class WorkerPoolConfig(StrictModel):
         "workers use their reserved CPUs (at least 1). Set it when several target replicas share one machine."
     )  # fmt: skip
     cpu_binding: Literal["auto", "off"] = Field(
-        "auto", description="On a CPU machine, auto: a target pool of one replica and one rank with threads auto runs "
-        "on every CPU of its container but the first, and a Ray that specserve starts runs everything else on that "
-        "one (workers/runtime/threads.py); off: the kernel places every process."
+        "auto", description="On a CPU machine, auto: the worker of a target pool of one replica and one rank with "
+        "threads auto runs on every CPU of its container but the first, which the serving processes keep "
+        "(workers/runtime/threads.py); off: the kernel places it. Several models in one app: off."
     )  # fmt: skip
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources per replica, e.g. {target_gpu: 1} on KubeRay."
@@ -334,16 +334,6 @@ class AppConfig(StrictModel):
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
         return self
-
-    def serving_cpus(self, cuda: bool) -> list[int] | None:
-        """The CPU a Ray started for this app runs its daemons and every other worker on, where its one target worker
-        is bound to the rest (`binds_cpus`; `cuda`: whether "auto" devices resolve to a GPU); None: no binding."""
-        from specserve.workers.runtime.threads import cpu_split
-
-        m = self.models[0]
-        device = "cuda" if m.device == "cuda" or m.device == "auto" and cuda else "cpu"
-        split = cpu_split() if len(self.models) == 1 and binds_cpus(m.target_pool, device) else None
-        return split[0] if split is not None else None
 
     def model(self, name: str) -> ModelPairConfig:
         """The named model, the first one for an empty name."""

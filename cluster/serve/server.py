@@ -8,7 +8,6 @@ over `limits.max_request_bytes` before buffering them (cluster/serve/proxy_limit
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -110,7 +109,7 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     for m in app.models:
         log.info("model %r: target %s, draft %s", m.name, m.target, m.draft)
         resolve_paths(m)  # pull, convert or install with progress here, before any replica looks for it
-    started_ray = _init_ray(host, metrics_port, local_only, app.serving_cpus(_has_cuda()))
+    started_ray = _init_ray(host, metrics_port, local_only)
     _warn_without_api_key(host, app)
     grpc_opts = config.get("grpc_options") or {}
     name = app_entry.get("name", APP_NAME)
@@ -126,18 +125,9 @@ def start(config: dict[str, Any], metrics_port: int | None = None, ready_timeout
     }
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _init_ray(host: str, metrics_port: int | None, local_only: bool, serving_cpus: list[int] | None = None) -> bool:
-    """Start a Ray for this process unless one is connected; returns whether this call started it. `serving_cpus`:
-    the CPUs its daemons and workers start on (the target worker binds itself to the others: `cpu_binding`)."""
+def _init_ray(host: str, metrics_port: int | None, local_only: bool) -> bool:
+    """Start a Ray for this process unless one is connected; returns whether this call started it."""
     import ray
-
-    from specserve.workers.runtime.threads import spawning_on
 
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -154,10 +144,7 @@ def _init_ray(host: str, metrics_port: int | None, local_only: bool, serving_cpu
             init["address"] = "local"  # a Ray of its own, never one that `ray start` left running on other addresses
         if not is_wildcard(host):
             init["runtime_env"] = {"worker_process_setup_hook": SETUP_HOOK, "env_vars": {HOST_ENV: host}}
-        with spawning_on(serving_cpus) if serving_cpus else contextlib.nullcontext():
-            ray.init(**init)
-        if serving_cpus:
-            log.info("Ray's processes start on CPU %s; the target worker binds to the others", serving_cpus[0])
+        ray.init(**init)
     node_ip = ray.util.get_node_ip_address()
     if started_ray and is_loopback(host) and not is_loopback(node_ip):
         log.warning("Ray's own ports and the workers' gRPC ports listen on the node address %s, not on %s: this Ray "

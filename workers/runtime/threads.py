@@ -14,22 +14,21 @@ tensor-parallel ranks, unless its pool says otherwise; a draft worker keeps Ray'
 target does not oversubscribe the cores (on CPU a draft pass is too small to gain from more threads). Several target
 replicas sharing one machine should set `threads` explicitly.
 
-Leaving a core is not keeping it: the kernel still wakes a serving process on the target's core now and then,
-preempting its forward, and the worker's own gRPC threads hop to the busy one. So where one target worker serves
-on a CPU machine (a pool of one replica and one rank, `threads` and `cpu_binding` auto), it is bound: the target
-worker's process to every CPU but the first, and a Ray started by specserve spawns its daemons and every other
-worker on the first (`cpu_split`, `bind_process`, `spawning_on`), as vLLM's CPU backend binds its threads to cores.
-Measured (demo family, 2 cores, served speculation off at one stream, the bindings toggled on the running app):
-served overhead 6.9-7.8 ms a token unbound, 4.3-5.8 with the target bound alone, 3.8-4.7 bound both ways.
+Leaving a core is not keeping it: the kernel moves the target's forward onto the core a serving process just woke
+on, and the worker's own gRPC threads hop between them. So where one target worker serves on a CPU machine (a pool
+of one replica and one rank, `threads` and `cpu_binding` auto), its process is bound to every CPU but the first
+(`cpu_split`, `bind_process`), as vLLM's CPU backend binds its threads to cores; the serving processes stay free to
+use any core. Measured (demo family, 2 cores, served speculation off at one stream, bindings toggled on the running
+app, results/2026-11-28-1250-demo-cpu-binding): served overhead 6.9-7.8 ms a token unbound, 4.3-5.8 with the target
+bound. Binding the serving processes to the first CPU as well cut it to 3.8-4.7 at one stream, but at four streams
+they need more than one core (speculation off 0.86x, the default 0.77x of unbound): not done.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -104,17 +103,6 @@ def bind_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, PermissionError, OSError):  # a thread that just ended; a cpuset that forbids it
             continue
-
-
-@contextlib.contextmanager
-def spawning_on(cpus: list[int]) -> Iterator[None]:
-    """Processes this thread starts inside run on `cpus` (they inherit its affinity); this thread's is restored."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def worker_threads(setting: Threads, role: str, device: str, reserved_cpus: float, tensor_parallel_size: int) -> int:

@@ -100,19 +100,3 @@ def test_binding_a_process_binds_every_thread_of_it_and_later_ones():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["[True]", "3"]  # the main thread, the one started before and the one after
-
-
-def test_processes_spawned_inside_start_on_the_serving_cpus_and_the_caller_keeps_its_own():
-    import os
-    import subprocess
-
-    before = os.sched_getaffinity(0)
-    first = sorted(before)[0]
-    with threads.spawning_on([first]):
-        child = subprocess.Popen(["sleep", "5"])
-    try:
-        assert os.sched_getaffinity(child.pid) == {first}
-        assert os.sched_getaffinity(0) == before
-    finally:
-        child.kill()
-        child.wait()
