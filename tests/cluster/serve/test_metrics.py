@@ -176,8 +176,28 @@ def test_each_served_round_adds_its_parts_to_the_round_seconds_counter(metrics):
                          stream=0.006)  # fmt: skip
     metrics.round_time("a", record)
     metrics.round_time("a", record)
-    assert values(metrics.rounds) == [1, 1]
+    assert values(metrics.rounds) == []  # summed, not yet handed to Ray: a round's path makes no metric calls
+    metrics.flush_rounds()
+    assert values(metrics.rounds) == [2]
     assert sum(values(metrics.round_seconds, part="total")) == pytest.approx(0.060)
     assert sum(values(metrics.round_seconds, part="verify_hop")) == pytest.approx(0.012)
     assert sum(values(metrics.round_seconds, part="overhead")) == pytest.approx(0.036)
     assert values(metrics.round_seconds, part="draft_work") == []  # a part at 0 adds nothing (Ray counts > 0 only)
+
+
+def test_the_round_accounting_reaches_its_counters_within_a_second_and_when_a_request_ends(metrics, monkeypatch):
+    from specserve.cluster.scheduling.round_times import RoundRecord
+    from specserve.cluster.serve import metrics as metrics_module
+
+    clock = [100.0]
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: clock[0])
+    metrics.flush_rounds()
+    metrics.round_time("a", RoundRecord(total=0.02))
+    assert values(metrics.rounds) == []
+    clock[0] += metrics_module.ROUNDS_FLUSH_S
+    metrics.round_time("a", RoundRecord(total=0.02))
+    assert values(metrics.rounds) == [2] and sum(values(metrics.round_seconds, part="total")) == pytest.approx(0.04)
+    metrics.round_time("a", RoundRecord(total=0.02))
+    request = metrics.request("a", 3)
+    request.finished("ok")
+    assert sum(values(metrics.rounds)) == 3
