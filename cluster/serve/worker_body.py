@@ -13,6 +13,14 @@ from specserve.workers.config.settings import ModelConfig
 log = logging.getLogger(__name__)
 
 
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor's own (a pool replica), whose CPUs a binding may take: never a driver that
+    builds a worker body in its own process (a test, a bench), which a binding would pin with everything it starts."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 def _host() -> str:
     try:
         import ray
@@ -32,7 +40,7 @@ class WorkerBody:
         from specserve.workers.service.assembly import WorkerSpec, build_worker
 
         device = resolve_device(model.device).type
-        split = cpu_split() if role == "target" and binds_cpus(pool, device) else None
+        split = cpu_split() if role == "target" and binds_cpus(pool, device) and in_ray_actor() else None
         if split is not None:  # every CPU but the first, which the serving processes keep
             bind_process(split[1])
             log.info("target worker bound to CPUs %s, %d torch threads; the serving processes run on CPU %s",

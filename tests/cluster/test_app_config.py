@@ -86,3 +86,9 @@ def test_a_lone_cpu_target_worker_is_bound_to_its_own_cpus():
     assert not binds_cpus(WorkerPoolConfig(threads=2), "cpu")  # threads set by hand: placed by hand
     assert not binds_cpus(WorkerPoolConfig(replicas=2), "cpu")  # two would share the bound CPUs
     assert not binds_cpus(WorkerPoolConfig(tensor_parallel_size=2), "cpu")
+
+
+def test_a_worker_body_built_outside_a_ray_actor_never_binds_its_process():
+    from specserve.cluster.serve.worker_body import in_ray_actor
+
+    assert not in_ray_actor()  # this test's process: a binding would pin it and every Ray it starts
