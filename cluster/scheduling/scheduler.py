@@ -272,8 +272,7 @@ class Scheduler:
         worker = req.target_worker
         others = [r.batch_row() for r in self.requests.values() if r.target_worker == worker and r is not req]
         req.pruning.verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
-        batch = self.batches.setdefault(worker, BatchWidth())
-        return req.pruning.prune(tree, others, batch.tree_overhead.seconds)
+        return req.pruning.prune(tree, others, self.batches.setdefault(worker, BatchWidth()).tree_overhead.seconds)
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])
@@ -366,8 +365,7 @@ class Scheduler:
             req.features.received(reply.features)
         if req.method.tree:
             if plan.nodes and not plan.drafted and req.pruning is not None and round_s > 0 and req.state.stats.drafted:
-                # a head's tree round (not its first, which catches the head up over the prompt): what it spent
-                # beyond the target's forward, which the next trees' pruning weighs
+                # a head's tree round (not its first: the head's catch-up) beyond the forward, for the next prunings
                 beyond = round_s - reply.queued_seconds - reply.batch_seconds
                 self.batches.setdefault(req.target_worker, BatchWidth()).tree_overhead.observe(beyond)
             return req.commit_tree(plan, tree, list(reply.path or ()), reply)
