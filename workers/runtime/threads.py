@@ -66,8 +66,7 @@ def container_cpus() -> int:
 
 def container_cpu_list(root: str = "/sys/fs/cgroup") -> list[int]:
     """The CPUs this container may use, by number: its cgroup's cpuset (v2 `cpuset.cpus.effective`), else every CPU
-    of the machine, at most its CPU quota's count. Not this process's affinity, which a binding may have narrowed (a
-    worker started by a Ray whose daemons were bound to the serving CPU inherits that one CPU)."""
+    of the machine, at most its CPU quota's count. Not this process's affinity, which a binding narrows."""
     cpus = list(range(os.cpu_count() or 1))
     try:
         with open(os.path.join(root, "cpuset.cpus.effective")) as f:
@@ -97,11 +96,14 @@ def cpu_split(cpus: list[int] | None = None) -> tuple[list[int], list[int]] | No
 
 
 def bind_process(cpus: list[int]) -> None:
-    """Run every thread of this process on `cpus` (threads started later inherit it from the thread starting them)."""
+    """Run every thread of this process on `cpus` (threads started later inherit it from the thread starting them).
+    A no-op where the OS has no per-thread affinity (not Linux)."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, PermissionError, OSError):  # a thread that just ended; a cpuset that forbids it
+        except OSError:  # a thread that just ended; a cpuset that forbids it
             continue
 
 
