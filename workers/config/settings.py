@@ -67,10 +67,10 @@ class BatchingConfig(StrictModel):
     max_padding_per_row: int = Field(
         8,
         ge=0,
-        description="Rows are left-padded to the batch's widest row, so a pass computes rows x widest positions: a "
-        "call joins a batch only while the padding stays within this many positions per row or half the batch's real "
-        "positions. Keeps a prompt's prefill (hundreds of positions) out of a batch of decoding rows (a few each), "
-        "whose work it would multiply by the batch size.",
+        description="Where a worker pads its rows to the batch's widest (an EAGLE-3 head's drafting), a pass computes "
+        "rows x widest positions: a call joins a batch only while the padding stays within this many positions per "
+        "row or half the batch's real positions. Target workers and draft models run packed passes (no padding): a "
+        "prompt's chunk joins decoding rows there.",
     )
     max_wait_ms: float = Field(
         50.0,

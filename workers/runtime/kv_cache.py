@@ -2,13 +2,15 @@
 
 A cache entry remembers the token ids whose keys/values it holds, so a caller can never feed a continuation onto a
 stale cache: `sync` keeps only the longest prefix that agrees with the sequence the caller names and rolls the rest
-back. Each entry owns one slot of a shared `SlotKVCache`; its length is the number of tokens it holds, so rolling back
-copies nothing. Memory is accounted per request in cached positions against a configured capacity.
+back. Each entry owns a run of positions of the worker's `KVArena` (kv_arena.py); its length is the number of tokens
+it holds, so rolling back copies nothing. Memory is accounted per request in cached positions against the capacity,
+and the runs (which grow ahead of the positions held) must fit the arena.
 
 Prefix caching (`KVCacheConfig.prefix_caching`, on by default as in vLLM): a released entry is retained, not freed,
-and a new request whose tokens start with what a retained entry holds takes that entry over (its slot, nothing
+and a new request whose tokens start with what a retained entry holds takes that entry over (its run, nothing
 copied), rolled back to the shared prefix.
-Positions rolled back stay behind as the entry's `spare` until something is written over them: a later call whose
+Positions rolled back stay behind in the run as the entry's `spare` until something is written over them: a later
+call whose
 sequence goes on with the same tokens gets them back without computing them (a chunked prompt's later chunks over a
 cached prefix; a draft model's own accepted drafts).
 Retained entries give way, least recently used first, to running requests' positions and past `RETAINED_MAX`. The
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 
 from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.errors import KVCapacityError, RequestNotFoundError
-from specserve.workers.runtime.slot_cache import BatchPlan, SlotKVCache
+from specserve.workers.runtime.kv_arena import KVArena, Run, blocks
 from specserve.workers.runtime.worker_state import common_prefix_length
 
 PREFIX_MIN_TOKENS = 16  # a shorter shared prefix (a chat template's first tokens) is computed again
@@ -37,9 +39,9 @@ RETAIN_LESS = 32
 
 @dataclass
 class CacheEntry:
-    slot: int  # the request's row of the shared SlotKVCache
+    run: Run | None = None  # its positions in the worker's KVArena (None: none yet)
     tokens: list[int] = field(default_factory=list)  # token ids whose K/V the cache holds, in order
-    spare: list[int] = field(default_factory=list)  # tokens rolled back whose K/V still follow `tokens` in the slot
+    spare: list[int] = field(default_factory=list)  # tokens rolled back whose K/V still follow `tokens` in the run
     queried: int = 0  # the request's positions counted in the store's prefix_queries (all before this one)
     last_used: float = field(default_factory=time.monotonic)
 
@@ -49,7 +51,7 @@ class CacheEntry:
 
     @property
     def extent(self) -> int:
-        """Positions of the slot in use: held and spare."""
+        """Positions of the run in use: held and spare."""
         return len(self.tokens) + len(self.spare)
 
 
@@ -57,21 +59,21 @@ class KVCacheStore:
     """Request id -> CacheEntry, with capacity accounting (in cached positions) and LRU order."""
 
     def __init__(self, config: KVCacheConfig, bytes_per_token: int, capacity_tokens: int):
-        """capacity_tokens: the positions the shared buffers may hold (memory_budget.py), every slot as long as the
-        longest."""
+        """capacity_tokens: the positions the arena holds (memory_budget.py)."""
         self.capacity_tokens = capacity_tokens
         self.bytes_per_token = bytes_per_token
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self._used = 0
-        self.cache = SlotKVCache()
-        self._free_slots: list[int] = []
-        self._next_slot = 0
+        self.cache = KVArena(capacity_tokens)
         self.prefix_caching = config.prefix_caching
         self._retained: OrderedDict[int, CacheEntry] = OrderedDict()  # released entries, least recently used first
         self._retained_count = 0  # keys of retained entries
         self._retained_tokens = 0
         self.prefix_queries = 0  # new requests' tokens looked up, and of those found cached (vLLM's counters)
         self.prefix_hits = 0
+        self.moves = 0  # runs moved to grow, and compactions (each slides every run down)
+        self.compactions = 0
+        self._needs: dict[int, int] = {}  # during fit_runs: id(entry) -> the positions its pass needs
 
     @property
     def used_tokens(self) -> int:
@@ -87,58 +89,108 @@ class KVCacheStore:
 
     @property
     def allocated_bytes(self) -> int:
-        """What the shared buffers hold now (they grow by doubling within the capacity, and shrink)."""
-        slots, length = self.cache.capacity
-        return slots * length * self.bytes_per_token if self.cache.allocated else 0
+        """What the requests' runs reserve in the arena now (live and retained; a run grows ahead of its positions)."""
+        return (self.cache.capacity - self.cache.allocator.free_positions) * self.bytes_per_token
 
-    def fit_buffers(self, request_ids: Sequence[str], max_position: int) -> None:
-        """Before a forward pass of these requests that writes up to `max_position`: make sure the shared buffers can
-        hold it within the capacity. Retained prefixes and spare positions give way first, then the live requests move
-        to the lowest slots; KVCapacityError (the caller evicts or preempts) when even that does not fit. Slots may
-        change: read them after this."""
-        max_slot = max(self._entries[r].slot for r in request_ids)
-        if self.cache.fits(max_slot, max_position, self.capacity_tokens):
-            return
-        # Compacted, every entry takes a slot as long as the pass's longest row: retained prefixes give way until that
-        # fits, least recently used first; then the entries move and the buffers are reshaped, once each, as long as
-        # the capacity allows up to twice the row (it grows on: a prompt in chunks, a long answer). Every reshape
-        # copies every buffer: GBs, seconds on a CPU, for slots x a 4K prompt.
-        need = max_position + 1
-        while self._retained and (len(self._entries) + len(self._retained)) * need > self.capacity_tokens:
-            self._forget_retained()
-        slots = self._compact(shrink=False)
-        longest = max(need, *(e.extent for e in (*self._entries.values(), *self._retained.values())))
-        if slots * longest <= self.capacity_tokens:  # never shorter than an entry (an idle request's, a prefix)
-            self.cache.shrink(slots, max(longest, min(2 * need, self.capacity_tokens // slots)))
-        else:
-            self._give_back_memory(tight=True)
-        max_slot = max(self._entries[r].slot for r in request_ids)
-        if not self.cache.fits(max_slot, max_position, self.capacity_tokens):
-            raise KVCapacityError(
-                f"KV cache capacity exceeded: a forward pass needs buffers of {max_slot + 1} slots x "
-                f"{max_position + 1} positions, over the capacity of {self.capacity_tokens} positions "
-                f"({self.capacity_bytes} bytes; raise kv_cache's budget or lower load)"
-            )
+    def fit_runs(self, request_ids: Sequence[str], extents: Sequence[int]) -> None:
+        """Before a forward pass of these requests that makes each hold `extents` positions: grow their runs to that.
+        A run grows in place, else moves (its positions copied); where the arena has no free run long enough, the
+        runs slide down together if that frees enough, else live requests' spare positions and then retained prefixes
+        (least recently used first) give way. KVCapacityError (the caller evicts or preempts) when even that does not
+        fit. Runs may move: read them after this."""
+        try:
+            for rid, extent in zip(request_ids, extents, strict=True):
+                self._fit(rid, extent)
+                # it keeps what it grew to when a later row's room compacts or cuts runs
+                self._needs[id(self._entries[rid])] = extent
+        finally:
+            self._needs = {}
 
-    def _compact(self, shrink: bool = True) -> int:
-        """Live and retained entries into slots 0..n-1 (their held positions copied, lowest first), nothing spare;
-        the buffers shrunk to fit (`shrink`). Returns n."""
-        entries = sorted((*self._entries.values(), *self._retained.values()), key=lambda e: e.slot)
-        for target, entry in enumerate(entries):
-            entry.spare.clear()
-            if entry.slot != target:
-                if entry.length:
-                    self.cache.copy_slot(entry.slot, target, entry.length)
-                entry.slot = target
-        self._free_slots.clear()
-        self._next_slot = len(entries)
-        if shrink:
-            self._give_back_memory(tight=True)
-        return len(entries)
+    def _fit(self, rid: str, extent: int) -> None:
+        entry = self._entries[rid]
+        while not self._grow(entry, extent):
+            if self.cache.allocator.free_positions >= blocks(extent) - self._size(entry) and not self._packed():
+                self._compact(last=entry)  # copies what is held, where giving up a prefix would lose it
+            elif any(e.spare for e in self._entries.values()):
+                self._drop_spare()
+            elif self._retained:
+                self._forget_retained()
+            else:
+                raise KVCapacityError(
+                    f"KV cache capacity exceeded: request {rid!r} needs {extent} positions, "
+                    f"{self.cache.allocator.free_positions} of the arena's {self.capacity_tokens} are free "
+                    f"({self.capacity_bytes} bytes; raise kv_cache's budget or lower load)"
+                )
 
-    def plan_buffers(self, plan: BatchPlan, max_slot: int, max_position: int) -> None:
-        """Set the shared buffers for the forward pass `fit_buffers` made room for."""
-        self.cache.plan(plan, max_slot, max_position, self.capacity_tokens)
+    @staticmethod
+    def _size(entry: CacheEntry) -> int:
+        return entry.run.size if entry.run is not None else 0
+
+    def _grow(self, entry: CacheEntry, need: int) -> bool:
+        """The entry's run holds `need` positions: grown in place where the arena allows, else moved to a free run
+        (twice the size where one is free, for a row that goes on growing). False when neither fits."""
+        size = self._size(entry)
+        if size >= need:
+            return True
+        allocator = self.cache.allocator
+        want = blocks(max(need, 2 * size))
+        if entry.run is not None:
+            after = allocator.free_after(entry.run)
+            if after >= blocks(need) - size:
+                return allocator.extend(entry.run, min(after, want - size))
+        run = allocator.allocate(want) or allocator.allocate(need)
+        if run is None:
+            return False
+        if entry.run is not None:
+            self.cache.copy(entry.run.base, run.base, entry.extent)
+            allocator.release(entry.run)
+            self.moves += 1
+        entry.run = run
+        return True
+
+    def _runs(self) -> list[CacheEntry]:
+        return sorted((e for e in (*self._entries.values(), *self._retained.values()) if e.run is not None),
+                      key=lambda e: e.run.base)  # fmt: skip
+
+    def _packed(self) -> bool:
+        """No gap between the runs (each trimmed to its extent): compacting would free nothing."""
+        cursor = 0
+        for entry in self._runs():
+            if entry.run.base != cursor or entry.run.size != self._kept_size(entry):
+                return False
+            cursor = entry.run.end
+        return True
+
+    def _drop_spare(self) -> None:
+        """Live requests' spare positions given up, their runs cut to what they hold (or the pass needs)."""
+        for entry in self._entries.values():
+            if entry.spare and entry.run is not None:
+                entry.spare.clear()
+                self.cache.allocator.shrink(entry.run, self._kept_size(entry))
+
+    def _kept_size(self, entry: CacheEntry) -> int:
+        """What an entry's run keeps when runs are cut for room: its positions, or what the pass grew it to."""
+        return blocks(max(entry.extent, self._needs.get(id(entry), 0), 1))
+
+    def _compact(self, last: CacheEntry | None = None) -> None:
+        """Every run trimmed to what it uses and slid down to the arena's start, lowest first, `last` (a growing run)
+        last (their positions copied): the free positions become one run at the end, after `last`."""
+        cursor = 0
+        held = self.cache.stash(last.run.base, last.extent) if last is not None and last.run else None
+        for entry in self._runs():
+            if held is not None and entry is last:
+                continue  # its positions are in `held`: the others may slide over them
+            size = self._kept_size(entry)
+            if entry.run.base != cursor:
+                self.cache.copy(entry.run.base, cursor, entry.extent)
+            entry.run = Run(cursor, size)
+            cursor += size
+        if held is not None:
+            self.cache.unstash(held, cursor)
+            last.run = Run(cursor, self._kept_size(last))
+            cursor = last.run.end
+        self.cache.allocator.reset_after_compaction(cursor)
+        self.compactions += 1
 
     @property
     def cached_tokens(self) -> int:
@@ -162,16 +214,8 @@ class KVCacheStore:
 
     def get_or_create(self, request_id: str) -> CacheEntry:
         if request_id not in self._entries:
-            self._entries[request_id] = CacheEntry(slot=self._new_slot())
+            self._entries[request_id] = CacheEntry()
         return self.get(request_id)
-
-    def _new_slot(self) -> int:
-        if self._free_slots:
-            slot = min(self._free_slots)  # low slots first: keeps the live slots dense, and shrinkable
-            self._free_slots.remove(slot)
-            return slot
-        slot, self._next_slot = self._next_slot, self._next_slot + 1
-        return slot
 
     def sync(self, request_id: str, sequence: Sequence[int], keep_at_most: int,
              prefix_at_most: int | None = None) -> CacheEntry:  # fmt: skip
@@ -212,7 +256,7 @@ class KVCacheStore:
         entry = self.get(request_id)
         drop = entry.length - length
         if drop > 0:
-            entry.spare[:0] = entry.tokens[length:]  # nothing copied: still in the slot, until written over
+            entry.spare[:0] = entry.tokens[length:]  # nothing copied: still in the run, until written over
             del entry.tokens[length:]
             self._used -= drop
 
@@ -247,19 +291,9 @@ class KVCacheStore:
         self._entries[request_id] = entry
 
     def _make_room(self, new_tokens: int) -> None:
-        """Give up retained entries, least recently used first, until `new_tokens` more positions fit beside them, and
-        until the slots they keep, each as long as the longest entry (the shared buffers' shape), fit the capacity."""
-        while self._retained and (self._used + self._retained_tokens + new_tokens > self.capacity_tokens
-                                  or self._footprint() > self.capacity_tokens):  # fmt: skip
+        """Give up retained entries, least recently used first, until `new_tokens` more positions fit beside them."""
+        while self._retained and self._used + self._retained_tokens + new_tokens > self.capacity_tokens:
             self._forget_retained()
-        if self._footprint() > self.capacity_tokens:
-            for entry in self._entries.values():
-                entry.spare.clear()
-
-    def _footprint(self) -> int:
-        """Positions the shared buffers need for the live and retained entries: slots x the longest."""
-        entries = (*self._entries.values(), *self._retained.values())
-        return len(entries) * max((e.extent for e in entries), default=0)
 
     def forget_retained(self) -> None:
         """Give up every retained prefix (a bench's rows start cold, so that none prefills for free)."""
@@ -269,7 +303,7 @@ class KVCacheStore:
     def _forget_retained(self) -> None:
         _, entry = self._retained.popitem(last=False)
         self._retained_tokens -= entry.length
-        self._free_slots.append(entry.slot)
+        self._free_run(entry)
 
     def reserve(self, request_id: str, new_tokens: int) -> None:
         """Check that `new_tokens` more positions fit (retained prefixes give way); raise KVCapacityError otherwise."""
@@ -303,7 +337,8 @@ class KVCacheStore:
         self._used -= entry.length
         entry.spare.clear()
         if self.prefix_caching and entry.length - RETAIN_LESS >= PREFIX_MIN_TOKENS:
-            del entry.tokens[entry.length - RETAIN_LESS :]  # the slot's positions beyond are dead: nothing copied
+            del entry.tokens[entry.length - RETAIN_LESS :]  # the run's positions beyond are dead: nothing copied
+            self.cache.allocator.shrink(entry.run, entry.length)
             self._retained[self._retained_count] = entry
             self._retained_count += 1
             self._retained_tokens += entry.length
@@ -311,27 +346,12 @@ class KVCacheStore:
                 self._forget_retained()
             self._make_room(0)
         else:
-            self._free_slots.append(entry.slot)
-        self._give_back_memory()
-        return True
-
-    def _give_back_memory(self, tight: bool = False) -> None:
-        """Shrink the shared buffers when the live and retained entries use a quarter of them or less (`tight`: to
-        exactly what they use)."""
+            self._free_run(entry)
         if not self._entries and not self._retained:
             self.cache.reset()
-            self._free_slots.clear()
-            self._next_slot = 0
-            return
-        while self._next_slot - 1 in self._free_slots:  # trailing free slots are no longer needed
-            self._free_slots.remove(self._next_slot - 1)
-            self._next_slot -= 1
-        slots, length = self.cache.capacity
-        longest = max(e.extent for e in (*self._entries.values(), *self._retained.values()))
-        if tight:
-            slots, length = min(slots, self._next_slot), min(length, longest)
-        while slots >= 8 and self._next_slot * 4 <= slots:
-            slots //= 2
-        while length >= 512 and longest * 4 <= length:
-            length //= 2
-        self.cache.shrink(slots, length)
+        return True
+
+    def _free_run(self, entry: CacheEntry) -> None:
+        if entry.run is not None:
+            self.cache.allocator.release(entry.run)
+            entry.run = None

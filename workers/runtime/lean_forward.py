@@ -22,32 +22,34 @@ from collections.abc import Callable
 import torch
 
 from specserve.workers.errors import ModelLoadError
-from specserve.workers.runtime.slot_cache import single_row_mask
+from specserve.workers.runtime.ragged import single_row_mask
 
 # transformers classes whose `XForCausalLM.forward` is: embed_tokens -> rotary_emb -> decoder layers (given an
 # already prepared 4D mask) -> norm -> lm_head on the kept positions.
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-# (input_ids [B, T], position_ids [B, T], attention_mask [B, 1, T, kv_len], cache, logits_to_keep) -> [B, keep, V]
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object, int], torch.Tensor]
+# (input_ids [B, T], position_ids [B, T], attention_mask [B, 1, T, kv_len] or None, cache, logits_to_keep: the last
+# n columns, or a 1D tensor of the columns, **attention's kwargs: ragged=RaggedPlan) -> [B, keep, V]
+Forward = Callable[..., torch.Tensor]
 # The same inputs -> (logits [B, keep, V], features [B, T, len(layers) * H]: the inputs of the capture layers)
-CaptureForward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, object, int], tuple[torch.Tensor, torch.Tensor | None]
-]
+CaptureForward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 _PROBE_TOKENS = 6
+_NO_MASK = torch.zeros((1, 1, 1, 1))  # a prepared 4D mask passes transformers' mask preparation unchanged
 
 
 def full_forward(model) -> Forward:
     """The model's own forward, as a Forward."""
 
-    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep):
-        return _model_forward(model, input_ids, position_ids, attention_mask, cache, logits_to_keep).logits
+    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep, **extra):
+        return _model_forward(model, input_ids, position_ids, attention_mask, cache, logits_to_keep, **extra).logits
 
     return forward
 
 
 def _model_forward(model, input_ids, position_ids, attention_mask, cache, logits_to_keep, **extra):
+    if attention_mask is None:  # a ragged pass: its plan masks; transformers' mask preparation must keep out
+        attention_mask = _NO_MASK.to(model.dtype)
     return model(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -62,8 +64,8 @@ def _model_forward(model, input_ids, position_ids, attention_mask, cache, logits
 def _lean(model) -> Forward:
     run = _lean_layers(model, ())
 
-    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep):
-        return run(input_ids, position_ids, attention_mask, cache, logits_to_keep)[0]
+    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep, **extra):
+        return run(input_ids, position_ids, attention_mask, cache, logits_to_keep, **extra)[0]
 
     return forward
 
@@ -74,7 +76,7 @@ def _lean_layers(model, capture: tuple[int, ...]) -> CaptureForward:
     layers = list(base.layers[: base.config.num_hidden_layers])
     wanted = frozenset(capture)
 
-    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep):
+    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep, **extra):
         hidden = base.embed_tokens(input_ids)  # [B, T, H]
         position_embeddings = base.rotary_emb(hidden, position_ids=position_ids)
         captured = {}
@@ -88,9 +90,11 @@ def _lean_layers(model, capture: tuple[int, ...]) -> CaptureForward:
                 cache=cache,
                 use_cache=cache is not None,
                 position_embeddings=position_embeddings,
+                **extra,
             )
         hidden = base.norm(hidden)
-        logits = model.lm_head(hidden[:, -logits_to_keep:])  # [B, keep, V]
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = model.lm_head(hidden[:, kept])  # [B, keep, V]
         return logits, (torch.cat([captured[i] for i in capture], dim=-1) if capture else None)
 
     return forward
@@ -106,9 +110,9 @@ def capture_forward(model, layers: tuple[int, ...], lean: bool) -> CaptureForwar
     if lean:
         return _lean_layers(model, tuple(layers))
 
-    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep):
+    def forward(input_ids, position_ids, attention_mask, cache, logits_to_keep, **extra):
         out = _model_forward(
-            model, input_ids, position_ids, attention_mask, cache, logits_to_keep, output_hidden_states=True
+            model, input_ids, position_ids, attention_mask, cache, logits_to_keep, output_hidden_states=True, **extra
         )
         return out.logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 

@@ -1,6 +1,6 @@
 """Continuous batching for a worker's model thread: calls queue up while a batch runs and the next batch takes as
-many as fit (batch size, token budget, little padding), oldest first. Requests join and leave between forward
-passes; a request never appears twice in one batch.
+many as fit (batch size, token budget; little padding where the worker's forward pads its rows), oldest first.
+Requests join and leave between forward passes; a request never appears twice in one batch.
 
 A batch waits briefly (`max_wait_ms`, at most the previous batch's run time) for the requests that are expected
 back with their next round before that time is up. Without that, requests that once fell out of step (one went
@@ -48,8 +48,11 @@ class Batcher:
         run: Callable[[Sequence[Any]], list[Any]],
         config: BatchingConfig,
         on_batch: Callable[[int, float], None] | None = None,
+        pads_rows: bool = True,
     ):
+        """pads_rows: the worker's forward pads every row to the batch's widest (the padding limit applies)."""
         self._executor = executor
+        self.pads_rows = pads_rows
         self._run = run
         self.config = config
         self._on_batch = on_batch  # (rows, seconds) after each batch
@@ -117,7 +120,10 @@ class Batcher:
 
     def _padding_fits(self, rows: int, widest: int, tokens: int) -> bool:
         """Whether a batch of `rows` rows, `tokens` real positions and its widest row `widest` wastes little on
-        padding (the runner left-pads every row to the widest)."""
+        padding where the worker pads every row to the widest (an EAGLE-3 head's drafting); a packed forward
+        (ModelRunner's, runtime/ragged.py) pads nothing, so a prompt's chunk joins decoding rows."""
+        if not self.pads_rows:
+            return True
         return rows * widest - tokens <= max(self.config.max_padding_per_row * rows, tokens // 2)
 
     def _take(self) -> list[_Job]:

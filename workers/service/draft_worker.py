@@ -65,6 +65,11 @@ class DraftWorker:
         self.feature_size = drafter.feature_size if isinstance(drafter, EagleDrafter) else None
         self._draft_cost: DraftCost | None = None
 
+    @property
+    def pads_rows(self) -> bool:
+        """Whether a batch's rows are padded to its widest: an EAGLE-3 head's are; a draft model's pass is packed."""
+        return self.feature_size is not None
+
     def propose(
         self,
         request_id: str,

@@ -92,7 +92,8 @@ class _Servicer:
         self.worker = worker
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=type(self).__name__)
         self.busy_s = 0.0  # seconds of model work done: busy fraction for autoscaling
-        self.batcher = Batcher(self._executor, self._run_batch, batching or BatchingConfig(), self._count_batch)
+        self.batcher = Batcher(self._executor, self._run_batch, batching or BatchingConfig(), self._count_batch,
+                               pads_rows=worker.pads_rows)  # fmt: skip
         self.sampling = SamplingCache()
 
     def _count_batch(self, rows: int, seconds: float) -> None:

@@ -62,6 +62,8 @@ class TargetWorker:
     def vocab_size(self) -> int:
         return self.verifier.vocab_size
 
+    pads_rows = False  # a packed pass (runtime/ragged.py): a prompt's chunk beside decoding rows costs its columns
+
     def verify(
         self,
         request_id: str,
@@ -108,29 +110,20 @@ class TargetWorker:
         return [r if isinstance(r, Exception) else dataclasses.replace(r, **batch) for r in results]
 
     def _verify_rows(self, rows: list[_Row]) -> list[VerifyResult]:
-        """The chains in one forward pass, the trees in another (the batch's fields are set by verify_batch)."""
-        out: list[VerifyResult | None] = [None] * len(rows)
+        """The chains and the trees in one forward pass (the batch's fields are set by verify_batch)."""
         chains = [i for i, row in enumerate(rows) if row.tree is None]
         trees = [i for i, row in enumerate(rows) if row.tree is not None]
-        if chains:
-            for i, verified in zip(chains, self._verify_chains([rows[i] for i in chains]), strict=True):
-                out[i] = verified
-        if trees:
-            capture = any(rows[i].want_features for i in trees)
-            verdicts = self.verifier.verify_trees([rows[i].tree for i in trees], capture=capture)
-            for i, v in zip(trees, verdicts, strict=True):
-                features = encode_features(v.feature_start, v.features) if rows[i].want_features else b""
-                out[i] = VerifyResult(v.accepted, v.next_token, features=features, path=v.path, logprobs=v.logprobs)
-        return out
-
-    def _verify_chains(self, rows: list[_Row]) -> list[VerifyResult]:
-        """One forward pass for the rows; with features captured only when a row asks for them."""
-        verdicts = self.verifier.verify_rows([row.verify for row in rows], capture=any(r.want_features for r in rows))
-        out = []
-        for v, row in zip(verdicts, rows, strict=True):
-            features = encode_features(v.feature_start, v.features) if row.want_features else b""
-            out.append(VerifyResult(v.accepted, v.next_token, features=features, logprobs=v.logprobs,
-                                    prompt_logprobs=v.prompt_logprobs))  # fmt: skip
+        capture = any(row.want_features for row in rows)
+        chained, treed = self.verifier.verify_mixed([rows[i].verify for i in chains], [rows[i].tree for i in trees],
+                                                    capture=capture)  # fmt: skip
+        out: list[VerifyResult | None] = [None] * len(rows)
+        for i, v in zip(chains, chained, strict=True):
+            features = encode_features(v.feature_start, v.features) if rows[i].want_features else b""
+            out[i] = VerifyResult(v.accepted, v.next_token, features=features, logprobs=v.logprobs,
+                                  prompt_logprobs=v.prompt_logprobs)  # fmt: skip
+        for i, v in zip(trees, treed, strict=True):
+            features = encode_features(v.feature_start, v.features) if rows[i].want_features else b""
+            out[i] = VerifyResult(v.accepted, v.next_token, features=features, path=v.path, logprobs=v.logprobs)
         return out
 
     def release(self, request_id: str) -> bool:

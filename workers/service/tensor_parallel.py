@@ -149,6 +149,19 @@ class TensorParallelRunner:
         except RuntimeError as e:
             self._fail(f"collective failed mid-forward: {e}", e)
 
+    def forward_mixed(self, chains: Sequence[ForwardRow], trees: Sequence[TreeRow],
+                      capture: bool = False) -> tuple[list[RowOutput], list[RowOutput]]:  # fmt: skip
+        """Rank 0 alone captures features, as forward_tree."""
+        chains = [replace(r, sequence=list(r.sequence)) for r in chains]
+        trees = [replace(r, sequence=list(r.sequence), tokens=list(r.tokens), parents=list(r.parents)) for r in trees]
+        self._mirror(("mixed", (chains, trees)))
+        try:
+            return self.runner.forward_mixed(chains, trees, capture=capture)
+        except (KVCapacityError, ValueError):
+            raise  # raised identically on every rank, before any collective
+        except RuntimeError as e:
+            self._fail(f"collective failed mid-forward: {e}", e)
+
     def keep_path(self, request_id: str, nodes: Sequence[int]) -> None:
         self._mirror(("keep_path", (request_id, list(nodes))))
         self.runner.keep_path(request_id, nodes)
@@ -174,8 +187,9 @@ def follow(runner: ModelRunner) -> None:
             runner.release(payload)
         elif kind == "keep_path":
             runner.keep_path(*payload)
-        elif kind in ("batch", "tree"):
-            forward = runner.logits_for_batch if kind == "batch" else runner.forward_tree
+        elif kind in ("batch", "tree", "mixed"):
+            forward = {"batch": runner.logits_for_batch, "tree": runner.forward_tree,
+                       "mixed": lambda rows: runner.forward_mixed(*rows)}[kind]  # fmt: skip
             try:
                 forward(payload)
             except (KVCapacityError, ValueError) as e:  # rank 0 raised the same before any collective and answers

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.workers.config.request import SamplingParams
-from specserve.workers.runtime.runner import ForwardRow, ModelRunner
+from specserve.workers.runtime.runner import ForwardRow, ModelRunner, RowOutput
 from specserve.workers.runtime.tree_rows import TreeRow
 from specserve.workers.speculation.codec import normalise
 from specserve.workers.speculation.grammar import Grammars, apply_mask
@@ -94,44 +94,9 @@ class TargetVerifier:
         token is not among them: the next pass computes it); else None. For rows whose params ask (`params.logprobs`)
         the committed tokens' logprobs, from the same raw logits. A row with a response_format verifies its drafted
         tokens up to the grammar's first forbidden one, under the grammar's mask (accepted counts within them). A row
-        that asks for its prompt's logprobs (`prompt_logprobs`) runs in a forward pass of its own: a batch keeps the
-        logits of as many positions in every row as its widest row keeps."""
-        alone = [i for i, row in enumerate(rows) if row.prompt_logprobs is not None]
-        if not alone or len(rows) == 1:
-            return self._verify_batch(rows, capture)
-        rest = [i for i in range(len(rows)) if i not in set(alone)]
-        verdicts: list[Verdict | None] = [None] * len(rows)
-        for group in [[i] for i in alone] + ([rest] if rest else []):
-            for i, verdict in zip(group, self._verify_batch([rows[i] for i in group], capture), strict=True):
-                verdicts[i] = verdict
-        return verdicts
-
-    def _verify_batch(self, rows: Sequence[VerifyRow], capture: bool) -> list[Verdict]:
-        constrained = [constrain_chain(self.grammars, row) for row in rows]
-        rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
-        sequences = [ForwardRow(r.request_id, [*r.tokens, *r.drafted], _kept(r), r.prefix_at_most) for r in rows]
-        # Without capture through logits_for_batch: a tensor-parallel runner mirrors that one on its other ranks.
-        outputs = self.runner.forward_batch(sequences, capture=True) if capture else None
-        all_logits = [out.logits for out in outputs] if outputs else self.runner.logits_for_batch(sequences)
-        verdicts = []
-        for i, row in enumerate(rows):
-            tokens, drafted, params = row.tokens, row.drafted, row.params
-            raw = all_logits[i][-(len(drafted) + 1) :]  # [k + 1, V]
-            logits = apply_mask(controlled_logits(raw, params, tokens, drafted), raw, masks[i])
-            out = self._verify_row(list(drafted), row.draft_probs, params, row.generator, logits)
-            accepted, token = int(out.accepted[0]), int(out.next_token[0])
-            features, start = None, 0
-            if outputs:
-                start = outputs[i].start
-                features = outputs[i].features[: len(tokens) + accepted - start]  # computed and now committed
-            logprobs = None
-            if params.logprobs is not None:  # raw logits rows 0..accepted chose the accepted tokens and the next one
-                logprobs = token_logprobs(raw[: accepted + 1], list(drafted[:accepted]) + [token], params.logprobs)
-            prompt = None
-            if row.prompt_logprobs is not None:  # rows 0..L-2 chose committed tokens 1..L-1
-                prompt = token_logprobs(all_logits[i][: len(tokens) - 1], tokens[1:], row.prompt_logprobs, ranks=True)
-            verdicts.append(Verdict(accepted, token, features, start, logprobs, prompt_logprobs=prompt))
-        return verdicts
+        that asks for its prompt's logprobs (`prompt_logprobs`) keeps the logits of every position it feeds (only it:
+        a packed pass keeps each row's own)."""
+        return self.verify_mixed(rows, (), capture)[0]
 
     def verify_trees(self, calls: Sequence[TreeCall], capture: bool = False) -> list[Verdict]:
         """Verify many requests' drafted trees in one forward pass; the accepted path of each stays in its cache.
@@ -141,12 +106,45 @@ class TargetVerifier:
         path's), as `verify_rows`. A tree with a response_format loses its forbidden nodes (with their
         subtrees) before the forward pass and is verified under the grammar's mask; its path names the caller's
         nodes."""
+        return self.verify_mixed((), calls, capture)[1]
+
+    def verify_mixed(self, rows: Sequence[VerifyRow], calls: Sequence[TreeCall],
+                     capture: bool = False) -> tuple[list[Verdict], list[Verdict]]:  # fmt: skip
+        """`verify_rows` and `verify_trees` in one forward pass: a worker's chains (prompt chunks and plain steps
+        among them) and trees share the reading of the weights."""
+        constrained = [constrain_chain(self.grammars, row) for row in rows]
+        rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
+        sequences = [ForwardRow(r.request_id, [*r.tokens, *r.drafted], _kept(r), r.prefix_at_most) for r in rows]
         pruned = [constrain_tree(self.grammars, call.tree, call.params) for call in calls]
         calls = [
             call if p is None else TreeCall(p.tree, call.params, call.generator)
             for call, p in zip(calls, pruned, strict=True)
         ]
-        outputs = self.runner.forward_tree([call.tree for call in calls], capture=capture)
+        chained, treed = self.runner.forward_mixed(sequences, [call.tree for call in calls], capture=capture)
+        return self._chain_verdicts(rows, masks, chained), self._tree_verdicts(calls, pruned, treed)
+
+    def _chain_verdicts(self, rows: Sequence[VerifyRow], masks, outputs: Sequence[RowOutput]) -> list[Verdict]:
+        verdicts = []
+        for row, allowed, out in zip(rows, masks, outputs, strict=True):
+            tokens, drafted, params = row.tokens, row.drafted, row.params
+            raw = out.logits[-(len(drafted) + 1) :]  # [k + 1, V]
+            logits = apply_mask(controlled_logits(raw, params, tokens, drafted), raw, allowed)
+            verified = self._verify_row(list(drafted), row.draft_probs, params, row.generator, logits)
+            accepted, token = int(verified.accepted[0]), int(verified.next_token[0])
+            features, start = None, 0
+            if out.features is not None:
+                start = out.start
+                features = out.features[: len(tokens) + accepted - start]  # computed and now committed
+            logprobs = None
+            if params.logprobs is not None:  # raw logits rows 0..accepted chose the accepted tokens and the next one
+                logprobs = token_logprobs(raw[: accepted + 1], list(drafted[:accepted]) + [token], params.logprobs)
+            prompt = None
+            if row.prompt_logprobs is not None:  # rows 0..L-2 chose committed tokens 1..L-1
+                prompt = token_logprobs(out.logits[: len(tokens) - 1], tokens[1:], row.prompt_logprobs, ranks=True)
+            verdicts.append(Verdict(accepted, token, features, start, logprobs, prompt_logprobs=prompt))
+        return verdicts
+
+    def _tree_verdicts(self, calls: Sequence[TreeCall], pruned, outputs: Sequence[RowOutput]) -> list[Verdict]:
         verdicts = []
         for call, out, cut in zip(calls, outputs, pruned, strict=True):
             tree, logits = call.tree, out.logits  # [N + 1, V]

@@ -169,8 +169,10 @@ def test_a_target_worker_batches_rows_that_want_features_with_rows_that_do_not(t
     runner.capture_features((2, 2, 1))
     worker = TargetWorker(TargetVerifier(runner), target.path)
     captured = []
-    forward = runner.forward_batch
-    runner.forward_batch = lambda rows, capture=False: captured.append(capture) or forward(rows, capture)
+    forward = runner.forward_mixed
+    runner.forward_mixed = lambda chains, trees, capture=False: (
+        captured.append(capture) or forward(chains, trees, capture)
+    )
     greedy = SamplingParams()
     prompts = {"a": list(range(3, 12)), "b": list(range(20, 26)), "c": list(range(30, 40))}
 

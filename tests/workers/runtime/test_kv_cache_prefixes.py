@@ -1,6 +1,7 @@
 """Prefix caching in a worker's KV cache store (workers/runtime/kv_cache.py): a released request's cache is retained
 and a later request that starts with its tokens takes it over, computing only what follows; the logits are those of a
-full forward. Retained caches give way to running requests, past RETAINED_MAX and past the capacity's footprint."""
+full forward. Retained caches give way to running requests and past RETAINED_MAX; the arena's runs slide together
+before a retained prefix is given up for room."""
 
 import pytest
 import torch
@@ -77,28 +78,31 @@ def test_short_prefixes_and_a_store_without_prefix_caching_compute_everything(ta
     off = ModelRunner(target, KVCacheConfig(prefix_caching=False))
     off.logits_for("a", TURN_1, 1)
     off.release("a")
-    assert off.store.cached_tokens == 0 and off.store.cache.capacity == off.store.cache._initial
+    assert off.store.cached_tokens == 0 and off.store.allocated_bytes == 0
     off.logits_for("b", TURN_1 + [5], 1)
     assert off.store.prefix_hits == 0 and off.forward_positions == 2 * len(TURN_1) + 1
 
 
 def test_retained_caches_give_way_to_running_requests(target):
-    """Every slot is as long as the longest: "c" of 150 beside both retained entries would need 3 x 150 positions."""
+    """ "c" of 250 beside both retained entries (48 each) would need 346 positions of 320: the least recently released
+    gives way; the other's run, left between free ones, slides down (compaction) rather than being given up."""
     runner = ModelRunner(target, KVCacheConfig(capacity_tokens=320))
     runner.logits_for("a", TURN_1, 1)  # 80 positions, 48 kept
     runner.logits_for("b", [5 + i % 50 for i in range(80)], 1)
     runner.release("a")
     runner.release("b")
     assert runner.store.cached_tokens == 2 * KEPT
-    runner.logits_for("c", [9] * 150, 1)  # needs 150: the least recently released ("a") gives way
-    assert runner.store.used_tokens == 150 and runner.store.cached_tokens == KEPT
+    runner.logits_for("c", [9] * 250, 1)  # needs 250: the least recently released ("a") gives way
+    assert runner.store.used_tokens == 250 and runner.store.cached_tokens == KEPT
+    assert runner.store.compactions == 1
     runner.release("c")
     runner.logits_for("d", TURN_1 + [1], 1)
     assert runner.store.prefix_hits == 0  # "a" was given up
 
 
-def test_retained_caches_keep_the_buffers_within_the_capacity(target):
-    """Every slot is as long as the longest entry: a long retained entry among many must not multiply memory."""
+def test_a_long_retained_entry_among_short_ones_takes_its_own_length(target):
+    """Each run is as long as its entry (whole blocks): eight short prefixes and a long one fit 800 positions
+    together (a slot layout would give each the longest's length: 9 x 368)."""
     runner = ModelRunner(target, KVCacheConfig(capacity_tokens=800))
     for i in range(8):
         runner.logits_for(f"r{i}", [3 + (i * 13 + j) % 200 for j in range(50)], 1)
@@ -107,8 +111,8 @@ def test_retained_caches_keep_the_buffers_within_the_capacity(target):
     runner.logits_for("long", [7 + j % 100 for j in range(400)], 1)
     runner.release("long")
     store = runner.store
-    assert store._footprint() <= 800 and len(store._retained) < 9
-    assert store._retained and max(e.length for e in store._retained.values()) == 400 - kv_cache.RETAIN_LESS
+    assert len(store._retained) == 9 and store.allocated_bytes <= 800 * store.bytes_per_token
+    assert max(e.length for e in store._retained.values()) == 400 - kv_cache.RETAIN_LESS
 
 
 def test_at_most_retained_max_entries(target, monkeypatch):
@@ -121,8 +125,8 @@ def test_at_most_retained_max_entries(target, monkeypatch):
 
 
 def test_compacting_for_a_short_pass_keeps_a_longer_idle_request_whole(target):
-    """A pass that outgrows the buffers compacts and reshapes them for its own rows; an idle request longer than
-    those rows keeps every position it holds (its next call continues as a full recompute would)."""
+    """Runs growing and moving around retained ones: an idle request longer than the growing rows keeps every
+    position it holds (its next call continues as a full recompute would)."""
     runner = ModelRunner(target, KVCacheConfig(capacity_tokens=400))
     idle = [5 + (3 * i) % 150 for i in range(150)]
     runner.logits_for("idle", idle, 1)
@@ -136,3 +140,35 @@ def test_compacting_for_a_short_pass_keeps_a_longer_idle_request_whole(target):
     torch.testing.assert_close(
         runner.logits_for("idle", nxt, 1), full_logits(target.model, nxt)[-1:], rtol=0, atol=1e-5
     )
+
+
+def test_a_run_that_cannot_grow_in_a_fragmented_arena_compacts_and_every_request_goes_on_unchanged(target):
+    runner = ModelRunner(target, KVCacheConfig(capacity_tokens=256, prefix_caching=False))
+    seqs = {r: [3 + (11 * i + 7 * n) % 200 for i in range(40)] for n, r in enumerate("abc")}
+    for r, seq in seqs.items():  # runs of 48 at 0, 48, 96
+        runner.logits_for(r, seq, 1)
+    runner.release("b")  # a hole of 48 between a and c
+    seqs["a"] = seqs["a"] + [5 + i % 90 for i in range(110)]  # a needs 150: no free run is that long
+    runner.logits_for("a", seqs["a"], 1)
+    assert runner.store.compactions == 1
+    for r in "ac":
+        nxt = seqs[r] + [42]
+        torch.testing.assert_close(runner.logits_for(r, nxt, 1), full_logits(target.model, nxt)[-1:], rtol=0, atol=1e-5)
+
+
+def test_a_compaction_for_one_row_of_a_pass_keeps_the_room_another_row_grew_for_it(target):
+    """c grows first (in place), then a's growth compacts the arena: c's run keeps the positions this pass writes,
+    not just those it held, or c's new keys land in a's run."""
+    runner = ModelRunner(target, KVCacheConfig(capacity_tokens=256, prefix_caching=False))
+    seqs = {r: [3 + (11 * i + 7 * n) % 200 for i in range(40)] for n, r in enumerate("abc")}
+    for r, seq in seqs.items():
+        runner.logits_for(r, seq, 1)
+    runner.release("b")
+    seqs["c"] = seqs["c"] + [9 + i % 50 for i in range(20)]
+    seqs["a"] = seqs["a"] + [5 + i % 90 for i in range(110)]
+    out = runner.logits_for_batch([ForwardRow("c", seqs["c"], 1), ForwardRow("a", seqs["a"], 1)])
+    assert runner.store.compactions == 1
+    for r, logits in zip("ca", out, strict=True):
+        torch.testing.assert_close(logits, full_logits(target.model, seqs[r])[-1:], rtol=0, atol=1e-5)
+        nxt = seqs[r] + [42]
+        torch.testing.assert_close(runner.logits_for(r, nxt, 1), full_logits(target.model, nxt)[-1:], rtol=0, atol=1e-5)

@@ -5,8 +5,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime.lean_forward import _agrees, _lean, full_forward, lean_forward
 from specserve.workers.runtime.loading import load_model
+from specserve.workers.runtime.ragged import single_row_mask
 from specserve.workers.runtime.runner import ForwardRow, ModelRunner
-from specserve.workers.runtime.slot_cache import single_row_mask
 
 
 @pytest.fixture(scope="module")

@@ -229,3 +229,30 @@ def test_each_result_carries_how_long_its_call_queued_for_its_batch():
     assert (first.next_token, second.next_token) == (1, 2)
     assert first.queued_seconds < 0.05
     assert 0.15 <= second.queued_seconds < 2.0
+
+
+def test_a_packed_workers_batch_takes_a_prefill_beside_decoding_rows():
+    """A target worker's pass is packed (runtime/ragged.py): a prompt's 90 positions cost 90 columns beside the
+    decoding rows, not 20 rows padded to 90, so it joins their batch."""
+
+    async def main():
+        gate = threading.Event()
+        seen = []
+
+        def run(items):
+            gate.wait(5)
+            seen.append(list(items))
+            return list(items)
+
+        batcher = Batcher(ThreadPoolExecutor(1), run, BatchingConfig(max_batch_size=32), pads_rows=False)
+        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
+        await asyncio.sleep(0.05)
+        decoding = [asyncio.ensure_future(batcher.submit(f"d{i}", i, 5)) for i in range(1, 16)]
+        prefill = asyncio.ensure_future(batcher.submit("p", 100, 90))
+        plain = [asyncio.ensure_future(batcher.submit(f"s{i}", 200 + i, 1)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, prefill, *decoding, *plain)
+        return seen
+
+    assert asyncio.run(main()) == [[0], list(range(1, 16)) + [100, 200, 201, 202, 203]]
