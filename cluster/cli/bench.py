@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
@@ -154,4 +155,8 @@ def _add_extras(p: argparse.ArgumentParser) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from specserve.cluster.bench.runner import main_bench
 
+    # made before the run, not found missing after it (a long-prompt run lost its 14 minutes that way)
+    for output in (args.json, args.plot):
+        if output:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
     return main_bench(args)

@@ -202,7 +202,9 @@ def test_the_scheduler_sizes_trees_by_k_costs_and_load():
     assert fixed.target_worker != auto.target_worker
 
 
-def test_a_tree_is_pruned_for_its_target_workers_batch_whose_rows_are_padded_to_the_widest():
+def test_a_tree_is_pruned_for_its_target_workers_packed_batch():
+    """Alone no node pays against a steep verify cost; beside a fixed-k row the packed forward's cost is the rows'
+    mean width, so some do (the forward is shared); the round's time beyond the forward makes more pay."""
     s = Scheduler(["d"], ["t"])
     steep = VerifyCosts(tuple(0.1 * w for w in range(1, MAX_TREE_NODES + 2)))  # every node costs another step
     s.planner_costs = PlannerCosts(steep, DraftCost())
@@ -211,11 +213,12 @@ def test_a_tree_is_pruned_for_its_target_workers_batch_whose_rows_are_padded_to_
     assert s.plan_round(auto).k == MAX_TREE_NODES and s.prune_tree(auto, _tree(MAX_TREE_NODES)) is None  # alone
     fixed = s.add([4, 5, 6], SamplingParams(max_new_tokens=30), SpecParams(method="eagle-tree", k=5), frozenset())
     s.apply_round(fixed, fixed.round, VerifyResult(0, 8, features=_features(0, 3), path=[]))
-    assert s.plan_round(fixed).k == 5  # its 5 nodes widen the worker's verify forward for every row
+    assert s.plan_round(fixed).k == 5
     auto.pruning.plain_rounds = 0
     assert s.plan_round(auto).k == MAX_TREE_NODES
-    assert len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) == 5  # as wide as the batch's forward: free
+    beside = len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens)
+    assert 0 < beside < MAX_TREE_NODES
     # the round's time beyond the forward, measured (the head's drafting, the hops), makes more nodes pay
     s.release(fixed)
     s.batches["t"].tree_overhead.observe(1.0)
-    assert s.plan_round(auto).k == MAX_TREE_NODES and len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) > 5
+    assert s.plan_round(auto).k == MAX_TREE_NODES and len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) > beside

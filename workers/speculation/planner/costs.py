@@ -28,6 +28,11 @@ class VerifyCosts:
     def verify(self, k: int) -> float:
         return self.verify_s[min(k, self.max_k)]
 
+    def mean_verify(self, k: float) -> float:
+        """A packed batch whose rows draft k on average (fractional): between the widths around it."""
+        low = math.floor(k)
+        return self.verify(low) + (self.verify(low + 1) - self.verify(low)) * (k - low)
+
 
 @dataclass(frozen=True)
 class DraftCost:
@@ -87,6 +92,17 @@ class VerifySurface:
     def for_rows(self, rows: int, widest: int) -> VerifyCosts:
         """A batch of `rows` rows' cost per width 1..widest, as one row's VerifyCosts (its rate is the batch's)."""
         return VerifyCosts(tuple(self.at(rows, w) for w in range(1, widest + 1)))
+
+
+def packed_seconds(verify: VerifySurface | VerifyTimings, rows: int, columns: int) -> float:
+    """A packed pass (runtime/ragged.py) of `rows` rows feeding `columns` positions in all: the measured cost of
+    `rows` rows of the mean width, between the widths around it. A row pays for its own positions, not the widest's
+    (the surface is measured on rows of one width, where the two agree)."""
+    rows = max(1, rows)
+    mean = max(1.0, columns / rows)
+    low = math.floor(mean)
+    t = verify.at(rows, low)
+    return t + (verify.at(rows, low + 1) - t) * (mean - low) if mean > low else t
 
 
 @dataclass

@@ -2,8 +2,8 @@
 for the whole batch. One planner for every path (the in-process engine is a batch of one; the scheduler plans each
 target worker's requests together) and every chain drafter (an EAGLE-3 head, prompt lookup, a draft model).
 
-A target worker verifies its requests' rounds in one forward, every row left-padded to the widest, so a round of
-the batch costs T(rows, widest + 1) on the target plus the drafting on the critical path, and commits
+A target worker verifies its requests' rounds in one packed forward (each row feeds its own positions), so a round
+of the batch costs T(rows, mean width + 1) on the target plus the drafting on the critical path, and commits
 sum_i (1 + E_i(k_i)) tokens, E_i the expected accepted tokens of request i's chain of k_i (acceptance.py). The
 planner tries every width w (0: a plain decoding step for the whole batch) and keeps the one with the most
 committed tokens per second: SmartSpec's goodput (arXiv 2406.14066) over a measured cost surface, with no table to
@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 from specserve.workers.speculation.methods import LOOKUP_CHAIN
 from specserve.workers.speculation.planner.acceptance import expected_accepted
-from specserve.workers.speculation.planner.costs import DecayedByRows, DraftCost, VerifySurface, VerifyTimings
+from specserve.workers.speculation.planner.costs import (
+    DecayedByRows,
+    DraftCost,
+    VerifySurface,
+    VerifyTimings,
+    packed_seconds,
+)
 
 MAX_AUTO_K = 8  # the longest chain k='auto' drafts: a head's acceptance at position 9+ is too small to pay for it
 
@@ -162,12 +168,11 @@ def plan_batch(
 ) -> BatchPlan:
     """Each request's draft for this round, maximising the batch's committed tokens per second:
 
-        rate(w) = sum_i (1 + E_i(k_i)) / ((T(rows, widest k_i + 1) + drafting) * slowdown(drafting or not, rows)),
+        rate(w) = sum_i (1 + E_i(k_i)) / ((T(rows, mean k_i + 1) + drafting) * slowdown(drafting or not, rows)),
 
     k_i <= w (fixed-k rows: their k), over w = 0..max_width (w = 0: no 'auto' row drafts); slowdown: the worker's
-    realized rounds over their plans (`RealizedRounds`; 1 without). Every row of the batch is padded to the widest,
-    so the rows under a width draft up to it (a longer chain accepts more at no extra verify cost), each with its best
-    option."""
+    realized rounds over their plans (`RealizedRounds`; 1 without). The pass is packed, so each row pays for its own
+    positions (`packed_seconds`); the rows under a width draft up to it, each with its best option."""
     n = len(rows)
     best: BatchPlan | None = None
     for width in range(0, max_width + 1):
@@ -179,7 +184,8 @@ def plan_batch(
             widest = max(widest, plan.k)
         if widest < width and width > 0:
             break  # no row can draft this many: wider widths plan the same
-        seconds = verify.at(n, widest + 1) + _drafting_s(plans, costs, batched_drafts)
+        columns = sum(p.k + 1 for p in plans)
+        seconds = packed_seconds(verify, n, columns) + _drafting_s(plans, costs, batched_drafts)
         slowdown = realized.factor(widest > 0, n) if realized is not None else 1.0
         committed = sum(1.0 + (_planned(p, row.options) if p.k else 0.0) for p, row in zip(plans, rows, strict=True))
         rate = committed / (seconds * slowdown)

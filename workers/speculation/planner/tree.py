@@ -11,14 +11,14 @@ is the one that maximises the round's rate with it counted (Dinkelbach: a b that
 against the rate the rounds achieve); leaving it out verified trees too small (served, 1 stream: 2.44 tokens a round
 where 8-node trees committed 2.68, results/2026-11-28-0957-smollm2-load).
 
-And of whose round: a target worker verifies its requests' trees in one forward, every row padded to the widest, so
-the b best nodes of each request cost the batch T(rows, widest + 1), not this row's own width. Pruned one by one,
-each at its own width, a batch of 4 trees paid a 17-wide forward for one confident request while the others cut theirs
-to 2-3 nodes (2.20 tokens a round against 2.70 for fixed 8-node trees at the same verify time, same run). So the
-node count is the batch's: one cap for every tree row of the worker (`TreeRow`: the others as their last trees
-were), chosen for the batch's committed tokens per second, as the chain planner chooses the batch's width
-(goodput.py). Pure functions and small per-request state (`TreePruning`), shared by the in-process engine (a batch of
-one) and the distributed scheduler.
+And of whose round: a target worker verifies its requests' trees in one packed forward, so the b best nodes of each
+request cost the batch T(rows, mean width + 1), not this row's own width alone. Pruned one by one, each at its own
+width (when rows were still padded to the widest), a batch of 4 trees paid a 17-wide forward for one confident
+request while the others cut theirs to 2-3 nodes (2.20 tokens a round against 2.70 for fixed 8-node trees at the same
+verify time, same run). So the node count is the batch's: one cap for every tree row of the worker (`TreeRow`: the
+others as their last trees were), chosen for the batch's committed tokens per second, as the chain planner chooses
+the batch's width (goodput.py). Pure functions and small per-request state (`TreePruning`), shared by the in-process
+engine (a batch of one) and the distributed scheduler.
 """
 
 from __future__ import annotations
@@ -85,16 +85,16 @@ class TreeRow:
 def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float, others: Sequence[TreeRow] = (),
                     fixed_s: float = 0.0) -> int:  # fmt: skip
     """The cap b (0: none) on every tree row of the batch (this one's `scores` and the `others`) whose round commits
-    the most tokens per second: sum of rows' (1 + E(b)) / (T(widest) + fixed_s), `verify` the batch's cost per width.
-    The request keeps its b best nodes."""
+    the most tokens per second: sum of rows' (1 + E(b)) / (T(mean width) + fixed_s), `verify` the batch's cost per
+    width (a packed pass: each row pays for its own positions). The request keeps its b best nodes."""
     own = expected_accepted_by_size(scores[: verify.max_k], factor)
     best, best_rate = 0, -1.0
     for b in range(0, len(own) + 1):
-        widest, committed = b, 1.0 + (own[b - 1] if b else 0.0)
+        drafted, committed = b, 1.0 + (own[b - 1] if b else 0.0)
         for row in others:
             width, commits = row.at_cap(b)
-            widest, committed = max(widest, width), committed + commits
-        rate = committed / (verify.verify(widest) + fixed_s)
+            drafted, committed = drafted + width, committed + commits
+        rate = committed / (verify.mean_verify(drafted / (1 + len(others))) + fixed_s)
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = b, rate
     return best

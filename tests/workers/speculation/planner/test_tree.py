@@ -71,7 +71,7 @@ def _batch_rate(rows: list[list[float]], counts: list[int], verify: VerifyCosts,
     """Expected committed tokens a second of a batch whose rows keep `counts` nodes of trees with these scores."""
     by_size = [expected_accepted_by_size(s, 1.0) for s in rows]
     committed = sum(1.0 + (e[b - 1] if b else 0.0) for e, b in zip(by_size, counts, strict=True))
-    return committed / (verify.verify(max(counts)) + fixed_s)
+    return committed / (verify.mean_verify(sum(counts) / len(counts)) + fixed_s)
 
 
 def test_the_rounds_time_beyond_the_forward_makes_more_nodes_pay():
@@ -81,20 +81,23 @@ def test_the_rounds_time_beyond_the_forward_makes_more_nodes_pay():
     assert best_node_count(scores, steep, 1.0, fixed_s=0.05) > bare > 0
 
 
-def test_a_batchs_trees_share_one_cap_that_pays_for_the_whole_forward():
-    steep = VerifyCosts(tuple(0.05 + 0.01 * w for w in range(17)))  # a batch's forward, its rows padded to the widest
+def test_a_batchs_trees_share_one_cap_chosen_for_the_packed_forward():
+    """One cap for every tree row: the one with the most committed tokens a second for the batch, whose packed
+    forward costs its mean width (each row pays for its own nodes), other rows at a set width included."""
+    steep = VerifyCosts(tuple(0.05 + 0.01 * w for w in range(17)))  # a batch's forward by its rows' mean width
     confident = [math.log(0.95) * (i + 1) for i in range(16)]
     modest = [math.log(p) for p in (0.6, 0.3, 0.2, 0.1, 0.05)]
     rows = [confident, modest, modest, modest]
-    alone = [best_node_count(s, steep, 1.0) for s in rows]
-    assert alone[0] > alone[1] > 0  # each on its own width: the confident row pads everyone's
     others = [TreeRow(by_size=tuple(expected_accepted_by_size(s, 1.0))) for s in rows[1:]]
     cap = best_node_count(confident, steep, 1.0, others)
-    capped = [min(cap, len(s)) for s in rows]
-    assert _batch_rate(rows, capped, steep) > _batch_rate(rows, alone, steep)
-    # nodes up to a set width another row verifies cost nothing more
-    assert best_node_count(modest, steep, 1.0, [TreeRow(width=5, expected=1.0)]) == 5
-    assert best_node_count(modest, steep, 1.0, [TreeRow(width=3, expected=1.0)]) >= 3
+    rate = lambda c: _batch_rate(rows, [min(c, len(s)) for s in rows], steep)  # noqa: E731
+    assert rate(cap) == pytest.approx(max(rate(c) for c in range(17)))
+    # a row at a set width adds its positions and its tokens to the batch's
+    chain = TreeRow(width=3, expected=1.5)
+    cap = best_node_count(modest, steep, 1.0, [chain])
+    with_chain = lambda c: (2.0 + expected_accepted_by_size(modest, 1.0)[c - 1] if c else 1.0) + 1.5  # noqa: E731
+    best = max(range(6), key=lambda c: with_chain(c) / steep.mean_verify((c + 3) / 2))
+    assert cap == best
 
 
 def test_tree_rounds_weigh_their_measured_time_beyond_the_verify():
