@@ -2,11 +2,11 @@
 decode on the same target worker.
 
 vLLM mixes a chunk into the decode step's own forward under a token budget (`max_num_batched_tokens`), so the decode
-rows pay only the chunk's marginal cost. specserve's runner left-pads a batch's rows to the widest, so a chunk of 256
-beside rows of 4 would cost five chunks: a chunk runs as its own forward between the other requests' verify batches
-(workers/service/batcher.py keeps such a batch apart). A chunk's seconds are then what each decoding stream on the
-worker waits for a round, and what the prompt gains: a fixed 256 tokens cost ~1.3 s deep in a 4K prompt on 2 cores,
-where a chat round took ~0.14 s (results/2026-11-27-2334-smollm2-long-prompt: the streams' p99 gap 18x alone).
+rows pay only the chunk's marginal cost; so does specserve's packed pass (workers/runtime/ragged.py) where the chunk
+arrives with their calls, else the chunk runs as a forward of its own. Either way a chunk's seconds are what each
+decoding stream on the worker waits for a round, and what the prompt gains: a fixed 256 tokens cost ~1.3 s deep in
+a 4K prompt on 2 cores, where a chat round took ~0.14 s (results/2026-11-27-2334-smollm2-long-prompt: the streams'
+p99 gap 18x alone). The decoding rounds counted are chains' and trees' alike (the scheduler's apply_round).
 
 So while others decode there, a chunk is sized to cost about CHUNK_SHARE of their round (their round's wall time,
 drafting and hops included, as measured while no chunk ran beside it): each stream's round grows to about

@@ -363,19 +363,19 @@ class Scheduler:
         a head's tree the round's time beyond the target's forward."""
         if req.features is not None and reply.features:
             req.features.received(reply.features)
+        # Not the prompt's round, nor the request's first drafting one: its drafter's catch-up over the prompt (a
+        # head's extension over up to 910 positions of features, a draft model's prefill) is not a steady round.
+        steady = req.state.generated and (req.state.stats.drafted or not (tree.tokens if tree else drafted))
+        if steady and round_s > 0:  # chains and trees alike: the decoding round a prompt's chunks are paced by
+            self.chunks.round_ran(req.target_worker, round_s, req.chunk_epoch)
         if req.method.tree:
             if plan.nodes and not plan.drafted and req.pruning is not None and round_s > 0 and req.state.stats.drafted:
                 # a head's tree round (not its first: the head's catch-up) beyond the forward, for the next prunings
                 beyond = round_s - reply.queued_seconds - reply.batch_seconds
                 self.batches.setdefault(req.target_worker, BatchWidth()).tree_overhead.observe(beyond)
             return req.commit_tree(plan, tree, list(reply.path or ()), reply)
-        # Not the prompt's round, nor the request's first drafting one: its drafter's catch-up over the prompt (a
-        # head's extension over up to 910 positions of features, a draft model's prefill) is not a steady round.
-        steady = req.state.generated and (req.state.stats.drafted or not drafted)
         if plan.forecast is not None and round_s > 0 and steady and req.target_worker in self.batches:
             self.batches[req.target_worker].realized.observe(plan.forecast, round_s)
-        if steady and round_s > 0:
-            self.chunks.round_ran(req.target_worker, round_s, req.chunk_epoch)
         if req.planner is not None:
             req.observe_round(plan, drafted, reply.accepted)
         return req.state.commit_round(list(drafted), reply.accepted, reply.next_token, logprobs=reply.logprobs)

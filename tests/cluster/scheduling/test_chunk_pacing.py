@@ -84,3 +84,19 @@ def test_the_scheduler_paces_a_long_prompt_beside_a_decoding_request_and_chunks_
     assert len(third.new_tokens) == 64  # alone: the setting
     long.told["t1"] = list(range(3, 503))[:450]  # 50 left: beside nobody, within a chunk: the first round's
     assert s.plan_prefill_chunk(long) is None
+
+
+def test_tree_rounds_pace_a_long_prompts_chunks_as_chain_rounds_do():
+    """The served default drafts trees: its decoding rounds are what chunks beside them are paced by (before, only a
+    chain's round was counted, so beside a tree method every chunk took the whole setting: 4 chat streams' gaps
+    1.5-3 s while a 4K prompt prefilled in chunks of 256)."""
+    s = Scheduler([], ["t1"], prefill_chunk=64)
+    chat = s.add(list(range(3, 13)), SamplingParams(max_new_tokens=50), SpecParams(method="ngram-tree", k=3),
+                 frozenset())  # fmt: skip
+    for _ in range(3):  # its first round is its prompt's, then plain tree rounds (no lookup match) of 0.1 s
+        plan = s.plan_round(chat)
+        s.plan_verify(chat, [], b"")
+        s.apply_round(chat, plan, VerifyResult(0, 7), round_s=0.1)
+    assert s.chunks.status()["t1"]["round_ms"] == 100.0
+    long = s.add(list(range(3, 503)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+    assert len(s.plan_prefill_chunk(long).new_tokens) == 16  # a quarter of the setting beside chat, as for chains
