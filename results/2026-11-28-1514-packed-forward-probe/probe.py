@@ -42,10 +42,15 @@ out = {
     "one_row_1_position_at_300_ms": median_ms(lambda i: [ForwardRow("c0", base[0] + [5 + i], 1)], 21),
     "one_row_5_positions_at_300_ms": median_ms(lambda i: [ForwardRow("c0", base[0] + [5 + i] * 5, 5)], 21),
     "four_rows_5_positions_at_300_ms": median_ms(
-        lambda i: [ForwardRow(f"c{r}", base[r] + [5 + i] * 5, 5) for r in range(4)], 21),
+        lambda i: [ForwardRow(f"c{r}", base[r] + [5 + i] * 5, 5) for r in range(4)], 21
+    ),
     "four_rows_5_positions_and_a_64_chunk_at_2800_ms": median_ms(
-        lambda i: [ForwardRow(f"c{r}", base[r] + [5 + i] * 5, 5) for r in range(4)]
-        + [ForwardRow("L", long[:2800] + [7 + i] * 64, 1)], 9),
+        lambda i: (
+            [ForwardRow(f"c{r}", base[r] + [5 + i] * 5, 5) for r in range(4)]
+            + [ForwardRow("L", long[:2800] + [7 + i] * 64, 1)]
+        ),
+        9,
+    ),
     "a_64_chunk_at_2800_alone_ms": median_ms(lambda i: [ForwardRow("L", long[:2800] + [7 + i] * 64, 1)], 9),
 }
 t0 = time.perf_counter()
