@@ -260,7 +260,7 @@ class WorkerMetrics:
         self.capacity = Gauge("specserve_kv_cache_capacity_tokens", "KV capacity in positions (sized from the "
                               "memory budget).", tag_keys=keys)  # fmt: skip
         self.capacity_bytes = Gauge("specserve_kv_cache_capacity_bytes", "KV cache memory budget.", tag_keys=keys)
-        self.allocated_bytes = Gauge("specserve_kv_cache_allocated_bytes", "KV buffers' memory now.", tag_keys=keys)
+        self.allocated_bytes = Gauge("specserve_kv_cache_allocated_bytes", "KV arena reserved now.", tag_keys=keys)
         self.requests = Gauge("specserve_kv_cache_requests", "Requests with a cache on the worker.", tag_keys=keys)
         self.cached = Gauge("specserve_kv_cache_cached_tokens", "Positions released requests left for later "
                             "prefixes.", tag_keys=keys)  # fmt: skip

@@ -31,8 +31,8 @@ class KVCacheConfig(StrictModel):
     """The memory of a worker's KV cache, and prefix caching."""
 
     capacity_tokens: int | None = Field(
-        None, gt=0, description="Positions the worker's KV buffers may hold, in all (every request's slot counts as "
-        "long as the longest): unset, as many as the memory budget holds (below)."
+        None, gt=0, description="Positions the worker's KV arena holds, in all (each request's run of 16-position "
+        "blocks counts what it reserves): unset, as many as the memory budget holds (below)."
     )  # fmt: skip
     kv_cache_memory_bytes: int | None = Field(
         None, gt=0, description="The KV cache's memory budget in bytes on any device, as vLLM's "

@@ -21,7 +21,7 @@ CPU_SHARE = 0.25  # of the memory available at start, at most, for a CPU worker'
 
 @dataclass(frozen=True)
 class KVBudget:
-    capacity_tokens: int  # positions the buffers may hold, every slot as long as the longest
+    capacity_tokens: int  # positions the KV arena holds (kv_arena.py)
     capacity_bytes: int
     source: str  # what set it, for the log and status
 
