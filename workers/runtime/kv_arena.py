@@ -64,12 +64,7 @@ class RunAllocator:
         size = blocks(size)
         for i, free in enumerate(self._free):
             if free.size >= size:
-                run = Run(free.base, size)
-                if free.size == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = Run(free.base + size, free.size - size)
-                return run
+                return self._take(i, size)
         return None
 
     def extend(self, run: Run, more: int) -> bool:
@@ -77,13 +72,18 @@ class RunAllocator:
         more = blocks(more)
         for i, free in enumerate(self._free):
             if free.base == run.end and free.size >= more:
-                run.size += more
-                if free.size == more:
-                    del self._free[i]
-                else:
-                    self._free[i] = Run(free.base + more, free.size - more)
+                run.size += self._take(i, more).size
                 return True
         return False
+
+    def _take(self, i: int, size: int) -> Run:
+        """The first `size` positions of free run i."""
+        free = self._free[i]
+        if free.size == size:
+            del self._free[i]
+        else:
+            self._free[i] = Run(free.base + size, free.size - size)
+        return Run(free.base, size)
 
     def free_after(self, run: Run) -> int:
         """Free positions right after `run` (what `extend` could take)."""

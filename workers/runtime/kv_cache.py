@@ -10,9 +10,8 @@ Prefix caching (`KVCacheConfig.prefix_caching`, on by default as in vLLM): a rel
 and a new request whose tokens start with what a retained entry holds takes that entry over (its run, nothing
 copied), rolled back to the shared prefix.
 Positions rolled back stay behind in the run as the entry's `spare` until something is written over them: a later
-call whose
-sequence goes on with the same tokens gets them back without computing them (a chunked prompt's later chunks over a
-cached prefix; a draft model's own accepted drafts).
+call whose sequence goes on with the same tokens gets them back without computing them (a chunked prompt's later
+chunks over a cached prefix; a draft model's own accepted drafts).
 Retained entries give way, least recently used first, to running requests' positions and past `RETAINED_MAX`. The
 keys and values reused are those the same tokens would get computed again (a causal model's prefix does not depend
 on what follows it), so outputs do not change.
@@ -71,8 +70,7 @@ class KVCacheStore:
         self._retained_tokens = 0
         self.prefix_queries = 0  # new requests' tokens looked up, and of those found cached (vLLM's counters)
         self.prefix_hits = 0
-        self.moves = 0  # runs moved to grow, and compactions (each slides every run down)
-        self.compactions = 0
+        self.compactions = 0  # each slides every run down (a run that only moves copies itself alone)
         self._needs: dict[int, int] = {}  # during fit_runs: id(entry) -> the positions its pass needs
 
     @property
@@ -144,7 +142,6 @@ class KVCacheStore:
         if entry.run is not None:
             self.cache.copy(entry.run.base, run.base, entry.extent)
             allocator.release(entry.run)
-            self.moves += 1
         entry.run = run
         return True
 
@@ -176,7 +173,7 @@ class KVCacheStore:
         """Every run trimmed to what it uses and slid down to the arena's start, lowest first, `last` (a growing run)
         last (their positions copied): the free positions become one run at the end, after `last`."""
         cursor = 0
-        held = self.cache.stash(last.run.base, last.extent) if last is not None and last.run else None
+        held = self.cache.stash(last.run.base, last.extent) if last is not None and last.run is not None else None
         for entry in self._runs():
             if held is not None and entry is last:
                 continue  # its positions are in `held`: the others may slide over them

@@ -52,7 +52,8 @@ class RaggedPlan:
     rows: list[RaggedRow]
     write: torch.Tensor  # [N] long: the arena row of each packed column's keys/values
     per_row: bool  # attend row by row (CPU) or gathered into one padded batch (CUDA)
-    masks: list[torch.Tensor | None]  # per row: additive [1, 1, n, extent] in the model's dtype, None for one query
+    # per row (the per-row way only): additive [1, 1, n, extent] in the model's dtype, None for one query
+    masks: list[torch.Tensor | None]
     gathered: tuple[torch.Tensor, ...] | None = None  # the gathered way's indices and mask (see _gather_plan)
 
     @property
@@ -65,11 +66,10 @@ class RaggedPlan:
         write = torch.cat([torch.arange(r.base + r.start, r.base + r.extent, dtype=torch.long) for r in rows]).to(
             device
         )  # [N]
+        if not per_row:  # one padded mask for the batch
+            return cls(arena, list(rows), write, per_row, [], _gather_plan(rows, dtype, device))
         masks = [None if r.n == 1 and r.allowed is None else _additive(_allowed(r), dtype, device) for r in rows]
-        plan = cls(arena, list(rows), write, per_row, masks)
-        if not per_row:
-            plan.gathered = _gather_plan(rows, dtype, device)
-        return plan
+        return cls(arena, list(rows), write, per_row, masks)
 
 
 def _allowed(row: RaggedRow) -> torch.Tensor:
