@@ -181,14 +181,15 @@ def _scrape(url: str) -> dict[str, float]:
 ROUNDS = "ray_specserve_spec_decode_draft_tokens_per_round_count"  # one observation per round, drafting or not
 
 
-def _scrape_when(url: str, health: str, timeout_s: float = 90.0) -> dict[str, float]:
-    """Ray exports metrics every few seconds: scrape until the exported round count equals the scheduler's own."""
+def _scrape_when(url: str, health: str, timeout_s: float = 90.0, settled=lambda values: True) -> dict[str, float]:
+    """Ray exports metrics every few seconds: scrape until the exported round count equals the scheduler's own and
+    `settled` holds (one process's metrics need not all leave in the same export)."""
     deadline = time.time() + timeout_s
     while True:
         body = json.loads(urllib.request.urlopen(health, timeout=10).read())
         rounds = body.get("models", body)["tiny"]["rounds"]  # /health: {"status", "models": {name: status}}
         values = _scrape(url)
-        if values.get(ROUNDS, 0) == rounds or time.time() > deadline:
+        if (values.get(ROUNDS, 0) == rounds and settled(values)) or time.time() > deadline:
             return values
         time.sleep(2)
 
@@ -197,16 +198,20 @@ def test_metrics_move_by_the_expected_amounts(server, client):
     url, health = server["metrics"], server["http"] + "/health"
     before = _scrape_when(url, health)
     out = client.generate(PROMPTS[3], max_new_tokens=N, k=4)
-    after = _scrape_when(url, health)
+    s = out["stats"]
+    moved = {"spec_decode_num_draft_tokens_total": s["drafted"], "spec_decode_num_accepted_tokens_total": s["accepted"]}
+    after = _scrape_when(url, health, settled=lambda values: all(
+        values.get("ray_specserve_" + name, 0.0) - before.get("ray_specserve_" + name, 0.0) == n
+        for name, n in moved.items()))  # fmt: skip
 
     def delta(name):
         return after.get("ray_specserve_" + name, 0.0) - before.get("ray_specserve_" + name, 0.0)
 
-    s = out["stats"]
     per_pos = sum(delta(f'spec_decode_num_accepted_tokens_per_pos_total position="{i}"'.replace(" ", ""))
                   for i in range(16))  # fmt: skip
     assert delta("spec_decode_draft_tokens_per_round_count") == s["rounds"]
-    assert 0 < delta("spec_decode_num_drafts_total") <= s["rounds"]  # rounds that drafted (k = 4: all but the last)
+    # rounds that drafted (k = 4: all but the last)
+    assert 0 < delta("spec_decode_num_drafts_total") <= s["rounds"], (s, after)
     assert delta("spec_decode_num_draft_tokens_total") == s["drafted"] <= 4 * delta("spec_decode_num_drafts_total")
     assert delta("spec_decode_num_accepted_tokens_total") == s["accepted"] == per_pos  # 0-based positions
     assert delta("generation_tokens_total") == len(out["token_ids"]) and delta("prompt_tokens_total") > 0

@@ -21,7 +21,7 @@ from specserve.workers.service.local_processes import free_port
 
 pytestmark = pytest.mark.slow
 
-STREAMS, SECONDS = 64, float(os.environ.get("SPECSERVE_LOAD_SECONDS", "60"))
+STREAMS, SECONDS = 64, float(os.environ.get("SPECSERVE_LOAD_SECONDS", "30"))
 CAPACITY_TOKENS = 4096
 
 
