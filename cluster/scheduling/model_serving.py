@@ -196,7 +196,7 @@ class ModelServing:
                 **s.scheduler.feature_traffic.to_dict(),
                 "kv_capacity": dict(s.kv_capacity),  # per worker, as it registered (memory_budget.py)
                 # requests placed on the worker that held their prompt's prefix (affinity.py), by kind
-                "prefix_affinity_placed": {k: a.placed for k, a in s.scheduler.affinity.items()},
+                "prefix_affinity_placed": {k: a.placed for k, a in s.scheduler.prefixes.affinity.items()},
                 "prefill_chunks": s.scheduler.chunks.status(),  # per target worker: its chunks' pacing
                 "admission": self.admission.summary(),  # this replica's, over every model it serves
             }

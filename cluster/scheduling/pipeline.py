@@ -33,6 +33,7 @@ import grpc
 from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.costs import measured_costs
 from specserve.cluster.scheduling.faults import WorkerFaults
+from specserve.cluster.scheduling.prefill import Prefill
 from specserve.cluster.scheduling.round_times import RoundClock, RoundTimes
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.cluster.scheduling.scheduler import FALLBACK_K, Scheduler
@@ -80,6 +81,7 @@ class Pipeline:
         # One prefill chunk in flight per target worker, as vLLM's step budget lets one chunk's tokens of prefill
         # into a step however many prompts wait: the other requests' rounds get the worker between chunks.
         self._chunking: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.prefill = Prefill(scheduler, self.faults, self._verify, self._propose, self._chunking)
         self._costs_failed = False  # a worker could not report its costs: AdaptiveK stays in charge
 
     async def _call(self, req: SchedRequest, call: Call, fn, resends: int = 3):
@@ -125,8 +127,7 @@ class Pipeline:
         try:
             if self.scheduler.wants_costs(req):
                 await self._fetch_costs(req)
-            while (chunk := self.scheduler.plan_prefill_chunk(req)) is not None:
-                await self._prefill_chunk(req, chunk)
+            await self.prefill.run(req)
             while not req.state.finished:
                 clock = RoundClock()
                 plan = self.scheduler.plan_round(req)
@@ -151,20 +152,6 @@ class Pipeline:
                 self.times.add(clock.record(time.perf_counter() - sent))
         finally:
             self.release_soon(req)
-
-    async def _prefill_chunk(self, req: SchedRequest, call: Call) -> None:
-        """One chunk of a long prompt's prefill: a verify of no drafted tokens whose token is not committed (only the
-        last chunk's round commits one); a failed target is handled as a round's."""
-        client = self.targets[call.worker]
-        try:
-            async with self._chunking[call.worker]:
-                reply = await self._verify(req, call)
-        except WorkerUnavailable as e:
-            await self.faults.failed(call.worker, client, e)
-            if self.scheduler.stranded(req):
-                await self.faults.await_target(req)
-            return
-        self.scheduler.prefilled(req, call, reply)
 
     async def _fetch_costs(self, req: SchedRequest | None = None) -> None:
         """Ask a target worker, then a draft worker if there is one, for their measured costs (costs.py), once per

@@ -34,6 +34,7 @@ class SchedRequest:
     tree_yield: TreeYield = field(default_factory=TreeYield)  # a head's trees' accepted nodes, beside lookups
     pruning: TreePruning | None = None  # "eagle-tree" with k='auto', once the target's verify costs are known
     told: dict[str, list[int]] = field(default_factory=dict)  # worker -> tokens it has been sent, in order
+    recorded: set[str] = field(default_factory=set)  # workers whose holding its prompt the prefix records know
     chunk_epoch: int = 0  # its target worker's prefill chunks when this round was planned (chunk_pacing.py)
     pipelined_rounds: int = 0  # rounds whose draft was ready when the previous verification ended
     resent: int = 0  # calls that re-sent a whole prefix after a worker lost the request

@@ -13,10 +13,11 @@ import logging
 import uuid
 from collections.abc import Sequence
 
-from specserve.cluster.scheduling.affinity import PrefixAffinity
 from specserve.cluster.scheduling.calls import Call
 from specserve.cluster.scheduling.chunk_pacing import ChunkPacer
 from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
+from specserve.cluster.scheduling.placement import WorkerPlacement
+from specserve.cluster.scheduling.prefixes import PrefixRecords
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import NgramConfig
@@ -45,7 +46,7 @@ class NoTargetWorker(RuntimeError):
     """No healthy target worker is left to run a request on."""
 
 
-class Scheduler:
+class Scheduler(WorkerPlacement):
     """One model's scheduling state machine: places requests on draft and target workers, plans each round's calls
     and applies their results. Plain data in, plain data out: `Pipeline` makes the calls. A Serve `SchedulerReplica`
     hosts one per model; it is not a scheduler itself."""
@@ -72,26 +73,9 @@ class Scheduler:
         # from every reply); None: not known yet (or a worker could not report them: FALLBACK_K).
         self.planner_costs: PlannerCosts | None = None
         self.batches: dict[str, BatchWidth] = {}  # target worker -> its requests' planned chain width
-        self.affinity = {"target": PrefixAffinity(), "draft": PrefixAffinity()}  # who holds which prefix
+        self.prefixes = PrefixRecords()  # which worker holds which prompt prefix
 
-    # -- placement -------------------------------------------------------------------------------------------------
-
-    def _least_loaded(self, workers: list[str], attr: str, prompt: list[int] | None = None) -> str | None:
-        """The healthy worker running fewest requests; with `prompt`, the one holding most of it where that draws
-        the request (affinity.py)."""
-        healthy = [w for w in workers if w not in self.unhealthy]
-        if not healthy:
-            return None
-        load = {w: 0 for w in healthy}
-        for req in self.requests.values():
-            w = getattr(req, attr)
-            if w in load:
-                load[w] += 1
-        if prompt is not None and len(healthy) > 1:
-            held = self.affinity["target" if attr == "target_worker" else "draft"].place(prompt, load)
-            if held is not None:
-                return held
-        return min(healthy, key=lambda w: (load[w], healthy.index(w)))
+    # -- placement (placement.py: which workers, which holds each request) ------------------------------------------
 
     def add(
         self,
@@ -123,67 +107,7 @@ class Scheduler:
         self.requests[state.request_id] = req
         return req
 
-    def mark_unhealthy(self, worker: str) -> None:
-        """Move the worker's requests elsewhere; they re-send their committed prefix to the new worker."""
-        moved = sum(worker in (req.draft_worker, req.target_worker) for req in self.requests.values())
-        log.warning("worker %s failed: its %d requests move to other workers", worker, moved)
-        self._move_requests(worker)
-
-    def _move_requests(self, worker: str) -> None:
-        self.unhealthy.add(worker)
-        for req in self.requests.values():
-            if req.draft_worker == worker:
-                req.draft_worker = self._least_loaded(self.draft_workers, "draft_worker")  # None: target-only
-                if req.draft_worker is None and req.features is not None:
-                    req.features.drop()
-            if req.target_worker == worker:
-                # No replacement: the request stays stranded on the failed worker and its driver fails it.
-                req.target_worker = self._least_loaded(self.target_workers, "target_worker") or worker
-            req.told.pop(worker, None)
-
-    def add_worker(self, kind: str, worker: str) -> None:
-        """A new worker joined its pool (or a replaced one came back under the same name)."""
-        workers = self.draft_workers if kind == "draft" else self.target_workers
-        if worker not in workers:
-            workers.append(worker)
-        log.info("%s worker %s attached%s", kind, worker, " (back from unhealthy)" if worker in self.unhealthy else "")
-        self.unhealthy.discard(worker)
-        self.forget_worker(worker)
-
-    def remove_worker(self, worker: str) -> None:
-        """The worker left its pool: its requests move to the others, as for a failure."""
-        log.info("worker %s detached", worker)
-        if worker in self.draft_workers or worker in self.target_workers:
-            self._move_requests(worker)
-        for workers in (self.draft_workers, self.target_workers):
-            if worker in workers:
-                workers.remove(worker)
-        self.unhealthy.discard(worker)
-        self.batches.pop(worker, None)
-        self.forget_worker(worker)
-
-    def healthy(self, kind: str) -> list[str]:
-        workers = self.draft_workers if kind == "draft" else self.target_workers
-        return [w for w in workers if w not in self.unhealthy]
-
-    def forget_worker(self, worker: str) -> None:
-        """The worker was replaced by a fresh process: it has been told nothing, and holds no prefix."""
-        for req in self.requests.values():
-            req.told.pop(worker, None)
-        for affinity in self.affinity.values():
-            affinity.forget(worker)
-        self.chunks.forget(worker)
-
     # -- planning ---------------------------------------------------------------------------------------------------
-
-    def stranded(self, req: SchedRequest) -> bool:
-        """The request's target worker failed and no healthy one was left to take it."""
-        return req.target_worker in self.unhealthy
-
-    def rehome(self, req: SchedRequest) -> bool:
-        """A stranded request onto a healthy target worker if one is there now; whether it has one."""
-        req.target_worker = self._least_loaded(self.target_workers, "target_worker") or req.target_worker
-        return not self.stranded(req)
 
     def plan_round(self, req: SchedRequest) -> RoundPlan:
         """The request's next round: a plain step, a chain (a fixed k's, or for 'auto' the goodput planner's at its
@@ -297,7 +221,7 @@ class Scheduler:
         held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
         cap = self._head_prefix(req)
         if not held:
-            held = self.affinity["target"].held(req.state.tokens[: req.state.prompt_len - 1], [req.target_worker])[1]
+            held = self.prefixes.target_held(req)
             held = held if cap is None else min(held, cap)
         others = any(r.target_worker == req.target_worker and r.state.generated for r in self.requests.values())
         size = self.chunks.size(req.target_worker, others)  # others decoding there wait for each chunk
@@ -309,21 +233,29 @@ class Scheduler:
                           want_features=want, prefix_at_most=cap)  # fmt: skip
 
     def _head_prefix(self, req: SchedRequest) -> int | None:
-        """A head's request new to its target worker takes from the target's prefix cache no more than its draft
-        worker's head holds, where this scheduler saw the target keep more of the prompt than the head (requests of
-        other methods): the target sends no features for cached positions, and a head lacking its prompt drafts
-        badly (sglang #31600). None: no cap (no head, the request is on the worker already, or nothing known)."""
-        if req.features is None or req.draft_worker is None or req.target_worker in req.told:
-            return None
-        prompt = req.state.tokens[:-1]
-        head = self.affinity["draft"].held(prompt, [req.draft_worker])[1]
-        return head if self.affinity["target"].held(prompt, [req.target_worker])[1] > head else None
+        return self.prefixes.head_prefix(req, self.requests.values())  # a head's request: what its head holds
 
     def prefilled(self, req: SchedRequest, call: Call, reply: VerifyResult) -> None:
-        """A prefill chunk's reply: its features wait for the head's first draft call (its token is not committed)."""
+        """A prefill chunk's reply: its features wait for its feed (its token is not committed)."""
         self.chunks.chunk_ran(call.worker, len(call.new_tokens), reply.batch_seconds)
         if req.features is not None and reply.features:
             req.features.received(reply.features)
+
+    def plan_feed(self, req: SchedRequest, chunk: Call) -> Call | None:
+        """A prefilled chunk for the request's draft worker (its features for a head, its tokens for a draft model),
+        drafting nothing: its drafter's catch-up over the prompt goes in the chunks' steps (prefill.py)."""
+        if req.draft_worker is None or req.draft_worker in self.unhealthy:
+            return None
+        if req.features is not None and req.features.pending is None:
+            return None
+        features = req.features.to_send() if req.features is not None else b""
+        sequence = req.state.tokens[: chunk.committed_len + 1]  # the head's entry of a position reads the next token
+        return self._call(req, req.draft_worker, sequence, k=0, features=features)
+
+    def fed(self, req: SchedRequest, call: Call) -> None:
+        """A chunk's feed succeeded: its features are the head's (the prompt is not all there: no prefix record)."""
+        if req.features is not None:
+            req.features.delivered(call.features)
 
     def verified(self, reply: VerifyResult) -> None:
         """A round's verify reply: its batch's cost, for k='auto'."""
@@ -363,6 +295,7 @@ class Scheduler:
         a head's tree the round's time beyond the target's forward."""
         if req.features is not None and reply.features:
             req.features.received(reply.features)
+        self.prefixes.holds_prompt(req, req.target_worker, "target")
         # Not the prompt's round, nor the request's first drafting one: its drafter's catch-up over the prompt (a
         # head's extension over up to 910 positions of features, a draft model's prefill) is not a steady round.
         steady = req.state.generated and (req.state.stats.drafted or not (tree.tokens if tree else drafted))
@@ -385,16 +318,16 @@ class Scheduler:
         return self.planner_costs is None and req.spec.k == "auto" and req.method.drafts
 
     def drafted(self, req: SchedRequest, call: Call) -> None:
-        """A draft call succeeded: the features it carried are the head's now."""
+        """A draft call succeeded: the features it carried are the head's now, and its worker holds the prompt."""
         if req.features is not None:
             req.features.delivered(call.features)
+        self.prefixes.holds_prompt(req, call.worker, "draft")
 
     def release(self, req: SchedRequest) -> list[str]:
         """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for
         the caller to release it there."""
         self.requests.pop(req.request_id, None)
-        for worker, sequence in req.told.items():  # what each worker keeps for later requests' prefixes
-            self.affinity["draft" if worker in self.draft_workers else "target"].record(worker, sequence)
+        self.prefixes.released(req, self.draft_workers)
         if req.method.suffix and req.state.finished:
             self.suffix_cache.remember_request(req.request_id, req.state.tokens, req.state.prompt_len)
         return list(req.told)

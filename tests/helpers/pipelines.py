@@ -56,6 +56,21 @@ async def generate_in_turns(w: LocalWorkers, turns) -> list:
     return done
 
 
+async def generate_beside(w: LocalWorkers, running, joining) -> tuple:
+    """(prompt ids, params, spec) `running` through one Scheduler + Pipeline, and `joining` started once `running`
+    has drafted (its prompt computed on its target and its drafter): returns both requests."""
+    drafts, targets = _clients(w)
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets)
+    first = asyncio.create_task(pipeline.generate(*running, frozenset()))
+    while not first.done() and not any(r.state.stats.drafted for r in pipeline.scheduler.requests.values()):
+        await asyncio.sleep(0.002)
+    second = await pipeline.generate(*joining, frozenset())
+    results = (await first, second)
+    await pipeline.drain_releases()
+    await _close(pipeline)
+    return results
+
+
 def _clients(w: LocalWorkers, timeout_s: float = 30.0) -> tuple[dict, dict]:
     """gRPC clients of `w`'s draft and target workers, by name."""
     drafts = {n: DraftClient(a, timeout_s=timeout_s) for n, a in w.draft_addresses.items()}

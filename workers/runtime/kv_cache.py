@@ -8,7 +8,10 @@ and the runs (which grow ahead of the positions held) must fit the arena.
 
 Prefix caching (`KVCacheConfig.prefix_caching`, on by default as in vLLM): a released entry is retained, not freed,
 and a new request whose tokens start with what a retained entry holds takes that entry over (its run, nothing
-copied), rolled back to the shared prefix.
+copied), rolled back to the shared prefix. Where a running request holds a longer prefix of the new one's tokens (a
+system prompt or document that concurrent requests share), those positions are copied into the new request's own
+run: runs are contiguous, so two requests cannot share blocks as vLLM's block tables do, but a copy of the keys and
+values costs far less than computing them (46 KB a position for SmolLM2-135M in fp32, a memory copy).
 Positions rolled back stay behind in the run as the entry's `spare` until something is written over them: a later
 call whose sequence goes on with the same tokens gets them back without computing them (a chunked prompt's later
 chunks over a cached prefix; a draft model's own accepted drafts).
@@ -71,6 +74,7 @@ class KVCacheStore:
         self.prefix_queries = 0  # new requests' tokens looked up, and of those found cached (vLLM's counters)
         self.prefix_hits = 0
         self.compactions = 0  # each slides every run down (a run that only moves copies itself alone)
+        self.prefix_copies = 0  # new requests that copied a running request's prefix
         self._needs: dict[int, int] = {}  # during fit_runs: id(entry) -> the positions its pass needs
 
     @property
@@ -270,15 +274,22 @@ class KVCacheStore:
             del entry.spare[:n]  # the same tokens after the same prefix: the same keys/values
 
     def _start_from_prefix(self, request_id: str, sequence: Sequence[int], keep_at_most: int) -> None:
-        """Give the new request the retained entry that holds the longest prefix of `sequence` (taken over, nothing
-        copied), when that prefix is at least PREFIX_MIN_TOKENS long. Running requests' caches are not shared: an
-        EAGLE-3 head's worker reuses released caches the same way, and a prefix the target skips is one the head must
-        already hold (else its drafts start from nothing there)."""
+        """Give the new request the longest prefix of `sequence` the store holds, when it is at least PREFIX_MIN_TOKENS
+        long: a retained entry's is taken over (nothing copied), a running request's longer one copied. A head's
+        request caps it at what its head holds (`prefix_at_most`): the head needs the skipped positions' entries."""
         best, hit = None, 0
         for key, entry in self._retained.items():
             n = min(common_prefix_length(entry.tokens, sequence), keep_at_most)
             if n > hit:
                 best, hit = key, n
+        source, shared = None, 0
+        for entry in self._entries.values():
+            n = min(common_prefix_length(entry.tokens, sequence), keep_at_most)
+            if n > shared:
+                source, shared = entry, n
+        if shared > hit and shared >= PREFIX_MIN_TOKENS:
+            self._copy_prefix(request_id, source, shared)
+            return
         if hit < PREFIX_MIN_TOKENS:
             return
         entry = self._retained.pop(best)
@@ -286,6 +297,22 @@ class KVCacheStore:
         self._used += entry.length  # rolled back to the shared prefix by the caller
         entry.queried = 0
         self._entries[request_id] = entry
+
+    def _copy_prefix(self, request_id: str, source: CacheEntry, n: int) -> None:
+        """The new request's run holds a copy of `source`'s first n positions; nothing when they do not fit (then
+        they are computed, and the capacity error, if any, is the pass's)."""
+        self._make_room(n)
+        if self._used + n > self.capacity_tokens:
+            return
+        entry = self._entries[request_id] = CacheEntry()
+        try:
+            self._fit(request_id, n)  # may move the source's run: read it after
+        except KVCapacityError:
+            return
+        self.cache.copy(source.run.base, entry.run.base, n)
+        entry.tokens = list(source.tokens[:n])
+        self._used += n
+        self.prefix_copies += 1
 
     def _make_room(self, new_tokens: int) -> None:
         """Give up retained entries, least recently used first, until `new_tokens` more positions fit beside them."""

@@ -159,8 +159,8 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
     async def Propose(self, request, context):
         try:
             _check_request_id(request.request_id)
-            if not 1 <= request.k <= MAX_K:
-                raise InvalidRequestError("k", f"must be in 1..{MAX_K}, got {request.k}")
+            if not 0 <= request.k <= MAX_K:  # 0: the tokens (and features) cached, nothing drafted
+                raise InvalidRequestError("k", f"must be in 0..{MAX_K}, got {request.k}")
             call = ProposeCall(
                 request.request_id,
                 request.committed_len,

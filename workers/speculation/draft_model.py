@@ -30,16 +30,22 @@ class ModelDrafter:
 
     def propose_batch(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """Draft for many requests at once: one forward pass per drafting step over every row still drafting (rows
-        leave as they reach their own k). Each row's tokens are those it would draft alone."""
+        leave as they reach their own k). Each row's tokens are those it would draft alone. A row of k = 0 joins the
+        first pass only, to cache its tokens (a long prompt's chunk, fed ahead of its first draft)."""
         seqs = [list(row.tokens) for row in rows]
         drafted: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]  # per row: one [V] row per drafted token
+        fed = [b for b, row in enumerate(rows) if row.k == 0]
         while True:
             active = [b for b, row in enumerate(rows) if len(drafted[b]) < row.k]
-            if not active:
+            if not active and not fed:
                 break
-            logits = self.runner.logits_for_batch([ForwardRow(rows[b].request_id, seqs[b], 1) for b in active])
-            for b, row_logits in zip(active, logits, strict=True):
+            passed = sorted(active + fed)
+            logits = self.runner.logits_for_batch([ForwardRow(rows[b].request_id, seqs[b], 1) for b in passed])
+            fed = []
+            for b, row_logits in zip(passed, logits, strict=True):
+                if b not in active:
+                    continue
                 params = rows[b].params
                 token, q = draw_token(row_logits[0], params, len(seqs[b]), self.max_support, seqs[b])
                 if q is not None:

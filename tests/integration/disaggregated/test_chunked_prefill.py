@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from specserve.cluster.scheduling import features
 from specserve.cluster.scheduling.pipeline import Pipeline
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
@@ -18,13 +19,17 @@ CHUNK, N = 32, 16
 LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
 
 
-async def _generate(w: LocalWorkers, requests) -> tuple[list, list[int]]:
+async def _generate(w: LocalWorkers, requests, drafted: list | None = None) -> tuple[list, list[int]]:
     """Every (ids, spec) at once on a pipeline that chunks prefills; returns the requests and the new tokens of each
-    target call, in order."""
+    target call, in order; `drafted` gets each draft call's (request id, k, new tokens)."""
     fed = []
     for worker in w.targets.values():
         verify_batch = worker.verify_batch
         worker.verify_batch = lambda calls, v=verify_batch: fed.extend(len(c.new_tokens) for c in calls) or v(calls)
+    for worker in w.drafts.values() if drafted is not None else ():
+        propose_batch = worker.propose_batch
+        worker.propose_batch = lambda calls, p=propose_batch: drafted.extend(
+            (c.request_id, c.k, len(c.new_tokens)) for c in calls) or p(calls)  # fmt: skip
     drafts = {n: DraftClient(a) for n, a in w.draft_addresses.items()}
     targets = {n: TargetClient(a) for n, a in w.target_addresses.items()}
     pipeline = Pipeline(Scheduler(list(drafts), list(targets), prefill_chunk=CHUNK), drafts, targets)
@@ -42,19 +47,31 @@ def test_a_long_prompt_prefills_in_chunks_beside_a_short_one_and_decodes_as_targ
     long, short = target.tokenizer(LONG)["input_ids"], target.tokenizer("import json")["input_ids"]
     assert len(long) > 4 * CHUNK
 
+    drafted = []
+
     async def main():
         async with LocalWorkers(target, [draft]) as w:
-            return await _generate(w, [(long, SpecParams(method=method, k=3)), (short, SpecParams(method=method, k=3))])
+            requests = [(long, SpecParams(method=method, k=3)), (short, SpecParams(method=method, k=3))]
+            return await _generate(w, requests, drafted)
 
     reqs, fed = asyncio.run(main())
     for req in reqs:
         assert req.state.generated == own_greedy_loop(target.model, req.state.tokens[: req.state.prompt_len], N, set())
     assert max(fed) <= CHUNK + 4 and fed.count(CHUNK) >= len(long) // CHUNK - 1  # no call took the whole prompt
+    if method == "draft":  # the draft model cached each chunk as it came (k = 0), and its first draft took the rest
+        calls = [(k, n) for rid, k, n in drafted if rid == reqs[0].request_id]
+        first = next(i for i, (k, _) in enumerate(calls) if k > 0)
+        assert first >= len(long) // CHUNK - 1 and all(k == 0 for k, _ in calls[:first])
+        assert max(n for _, n in calls[: first + 1]) <= CHUNK + 4 and reqs[0].state.stats.drafted > 0
 
 
-def test_a_heads_request_reads_every_chunks_features(tmp_path_factory, device):
+def test_a_heads_request_is_fed_every_chunks_features_as_it_comes(tmp_path_factory, device, monkeypatch):
+    """Each chunk's features go to the head while the next chunk runs (prefill.py), from position 0 on, though one
+    call carries at most 40 positions' features here (the wire's limit, MAX_FEATURE_BYTES: 910 of SmolLM2-135M), so
+    the head reads the whole prompt, which one first draft call could not bring it."""
     target, head_dir = build_pairs(tmp_path_factory.mktemp("chunked_pairs"), device)["byte"]
     long = target.tokenizer(LONG)["input_ids"]
+    monkeypatch.setattr(features, "MAX_FEATURE_BYTES", 40 * 3 * target.model.config.hidden_size * 2)  # float16
 
     async def main():
         async with LocalWorkers(target, [], eagle_head=head_dir) as w:
@@ -69,7 +86,9 @@ def test_a_heads_request_reads_every_chunks_features(tmp_path_factory, device):
     req, fed, handed = asyncio.run(main())
     assert req.state.generated == own_greedy_loop(target.model, long, N, set())
     assert max(fed) <= CHUNK + 4 and req.state.stats.drafted > 0
-    assert handed[0][0] == 0 and handed[0][1] >= len(long) - 1 - CHUNK  # the chunks' features, from position 0
+    ends = [start + n for start, n in handed]
+    assert handed[0][0] == 0 and all(start == end for (start, _), end in zip(handed[1:], ends, strict=False))
+    assert max(n for _, n in handed) <= CHUNK + 4 and len(handed) > len(long) // CHUNK  # chunk by chunk, no gap
 
 
 def test_one_prefill_chunk_at_a_time_per_target_worker(models_dir, tiny_target, device):

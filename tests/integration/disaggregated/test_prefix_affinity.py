@@ -41,7 +41,7 @@ def test_a_second_turn_goes_where_its_history_is_cached(tiny_target, device):
 
     first, second, pipeline, stores = asyncio.run(main())
     assert first.target_worker == second.target_worker == "target-0"
-    assert pipeline.scheduler.affinity["target"].placed == 1
+    assert pipeline.scheduler.prefixes.affinity["target"].placed == 1
     assert stores["target-0"].prefix_hits >= len(history) + N - 1 - RETAIN_LESS and stores["target-1"].prefix_hits == 0
     prompt = second.state.tokens[: second.state.prompt_len]
     assert second.state.generated == own_greedy_loop(target.model, prompt, N, set())

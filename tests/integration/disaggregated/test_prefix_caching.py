@@ -13,7 +13,7 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.runtime.kv_cache import RETAIN_LESS
 from tests.helpers.eagle_disaggregated import build_pairs, prompts_of, sample_disaggregated
 from tests.helpers.greedy_oracle import own_greedy_loop
-from tests.helpers.pipelines import generate_all, generate_in_turns
+from tests.helpers.pipelines import generate_all, generate_beside, generate_in_turns
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
 from tests.helpers.workers import LocalWorkers, load_pair
 
@@ -110,6 +110,49 @@ def test_a_chunked_second_turn_keeps_its_whole_cached_history_and_the_heads(pair
     assert computed < computed_off - hits + second.state.prompt_len // 24 + 1
     on, off = second.state.stats, second_off.state.stats
     assert (on.rounds, on.drafted, on.accepted) == (off.rounds, off.drafted, off.accepted)
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_a_request_beside_a_running_one_with_its_prompt_copies_it_on_target_and_drafter(pairs, models_dir, tiny_target,
+                                                                                       device, method):  # fmt: skip
+    """Two requests with one long prompt (a system prompt, a document), the second sent while the first decodes: the
+    second copies the first's cached prompt on the target worker and on the draft worker (a draft model's KV, the
+    head's entries), computes only its own question, and both decode exactly as target-only decoding does. The head's
+    request drafts from the copied entries: it drafts and accepts as with prefix caching off."""
+    if method == "draft":
+        target, draft = load_pair(tiny_target, models_dir, device, "prefix_draft")
+        prompt, drafts, head_dir = target.tokenizer("def fibonacci(n):\n    if n < 2:" * 3)["input_ids"], [draft], None
+    else:
+        (target, head_dir), drafts = pairs["byte"], []
+        prompt = prompts_of(target, "byte")[2]
+    spec, long = SpecParams(method=method, k=3), SamplingParams(max_new_tokens=8 * N)
+    question = [ord(c) + 3 for c in "\nand then?"] if method == "eagle" else target.tokenizer(" # why")["input_ids"]
+
+    async def beside(prefix_caching: bool):
+        async with LocalWorkers(target, drafts, eagle_head=head_dir, prefix_caching=prefix_caching) as w:
+            runner = w.targets["target-0"].verifier.runner
+            before = runner.forward_positions
+            joining = (prompt + question, SamplingParams(max_new_tokens=N), spec)
+            first, second = await generate_beside(w, (prompt, long, spec), joining)
+            drafter = w.drafts["draft-0"]
+            drafter_store = drafter.drafter if method == "eagle" else drafter.store
+            return first, second, runner.store, drafter_store, runner.forward_positions - before
+
+    first, second, store, drafter_store, computed = asyncio.run(beside(True))
+    _, second_off, _, _, computed_off = asyncio.run(beside(False))
+    assert first.state.generated[:N] == own_greedy_loop(target.model, prompt, N, set())
+    assert second.state.generated == second_off.state.generated == own_greedy_loop(target.model, prompt + question,
+                                                                                    N, set())  # fmt: skip
+    assert not first.state.finished or first.state.stats.rounds > second.state.stats.rounds  # it ran beside
+    shared = len(prompt) - 17  # the prompt's whole blocks less the one position a head cannot give (prefixes.py)
+    assert store.prefix_copies == 1 and store.prefix_hits >= shared
+    assert computed <= computed_off - shared
+    assert drafter_store.prefix_hits >= shared  # the drafter's copy too
+    if method == "eagle":
+        on, off = second.state.stats, second_off.state.stats
+        assert (on.rounds, on.drafted, on.accepted) == (off.rounds, off.drafted, off.accepted)
+    else:
+        assert drafter_store.prefix_copies == 1
 
 
 @pytest.mark.slow

@@ -75,6 +75,24 @@ def test_propose_batch_drafts_what_each_row_drafts_alone(target):
             assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-7)
 
 
+def test_a_fed_row_caches_its_tokens_beside_drafting_rows_and_drafts_nothing(target):
+    """k = 0 (a prompt's chunk fed ahead of its first draft): the row's tokens are cached in the drafting rows' first
+    pass, nothing is drafted for it, the other rows draft as alone, and its next call computes only what is new."""
+    runner = ModelRunner(target, KVCacheConfig())
+    worker = DraftWorker(ModelDrafter(runner), target.vocab_size, "d", runner.store)
+    chunk = list(range(10, 42))
+    fed, drafting = worker.propose_batch([ProposeCall("long", 32, chunk, 0, GREEDY),
+                                          ProposeCall("a", 3, [3, 4, 5], 4, GREEDY)])  # fmt: skip
+    alone = DraftWorker(ModelDrafter(ModelRunner(target, KVCacheConfig())), target.vocab_size, "d")
+    assert fed.drafted == [] and drafting.drafted == alone.propose("a", 3, [3, 4, 5], 4, GREEDY).drafted
+    assert runner.store.get("long").length == 32
+    before = runner.forward_positions
+    later = worker.propose("long", 35, [42, 43, 44], 2, GREEDY)
+    assert runner.forward_positions - before == 3 + 1  # the new tokens, then the second drafted token's step
+    whole = DraftWorker(ModelDrafter(ModelRunner(target, KVCacheConfig())), target.vocab_size, "d")
+    assert later.drafted == whole.propose("long", 35, chunk + [42, 43, 44], 2, GREEDY).drafted
+
+
 def test_a_row_evicted_by_an_earlier_row_is_re_sent_not_orphaned(target):
     worker = _worker(target, capacity=40)
     for rid, base in (("r1", 20), ("r2", 40)):

@@ -172,3 +172,33 @@ def test_a_compaction_for_one_row_of_a_pass_keeps_the_room_another_row_grew_for_
         torch.testing.assert_close(logits, full_logits(target.model, seqs[r])[-1:], rtol=0, atol=1e-5)
         nxt = seqs[r] + [42]
         torch.testing.assert_close(runner.logits_for(r, nxt, 1), full_logits(target.model, nxt)[-1:], rtol=0, atol=1e-5)
+
+
+def test_a_new_request_copies_a_running_requests_prefix_and_both_go_on_as_alone(target):
+    """A running request's positions are copied into the new request's own run (a shared system prompt among
+    concurrent requests): it computes only what follows, and neither request's later positions reach the other's."""
+    runner = ModelRunner(target, KVCacheConfig())
+    runner.logits_for("a", TURN_1, 1)
+    other = TURN_1[:60] + [99, 98, 97]
+    before = runner.forward_positions
+    logits = runner.logits_for("b", other, 1)
+    assert runner.forward_positions - before == 3 and runner.store.prefix_hits == 60
+    assert runner.store.prefix_copies == 1 and runner.store.used_tokens == len(TURN_1) + len(other)
+    assert torch.allclose(logits, full_logits(target.model, other)[-1:], atol=1e-5, rtol=0)
+    for rid, seq in (("a", TURN_1 + [42, 43]), ("b", other + [7]), ("a", TURN_1 + [42, 43, 44])):
+        torch.testing.assert_close(runner.logits_for(rid, seq, 1), full_logits(target.model, seq)[-1:], rtol=0,
+                                   atol=1e-5)  # fmt: skip
+
+
+def test_a_retained_prefix_is_taken_over_unless_a_running_one_is_longer_and_both_obey_prefix_at_most(target):
+    runner = ModelRunner(target, KVCacheConfig())
+    runner.logits_for("running", TURN_1[:40] + [5, 6], 1)
+    runner.logits_for("done", TURN_1, 1)  # copies the running request's 40
+    runner.release("done")  # KEPT positions retained
+    assert runner.store.prefix_copies == 1 and runner.store.prefix_hits == 40
+    runner.logits_for("b", TURN_1 + [1], 1)  # the retained prefix is longer: taken over, nothing copied
+    assert runner.store.prefix_copies == 1 and runner.store.cached_tokens == 0
+    (logits,) = runner.logits_for_batch([ForwardRow("c", TURN_1 + [2], 1, prefix_at_most=20)])
+    assert runner.store.prefix_copies == 2 and runner.store.get("c").length == len(TURN_1) + 1
+    assert runner.store.prefix_hits == 40 + KEPT + 20
+    assert torch.allclose(logits, full_logits(target.model, TURN_1 + [2])[-1:], atol=1e-5, rtol=0)

@@ -48,7 +48,6 @@ def call_draft(models, message):
     "fields, status, text",
     [
         (dict(request_id="", k=2), grpc.StatusCode.INVALID_ARGUMENT, "invalid request_id"),
-        (dict(request_id="a", k=0), grpc.StatusCode.INVALID_ARGUMENT, "invalid k"),
         (dict(request_id="a", k=99), grpc.StatusCode.INVALID_ARGUMENT, "invalid k"),
         (dict(request_id="a", k=2, sampling=pb.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
          "invalid temperature"),

@@ -283,6 +283,59 @@ def test_features_that_start_earlier_roll_the_head_back(target):
     assert drafter.drafting.length("r") == 0
 
 
+def test_a_row_of_k_0_only_extends_its_cache_beside_drafting_rows(target):
+    """A prompt's chunk fed to the head (k = 0, features): its entries are added in the drafting rows' pass, nothing
+    is drafted for it, and its later draft equals a head's that got every feature at once."""
+    head = random_head(target.model.config, 64, seed=6, std=0.3)
+    g = torch.Generator().manual_seed(7)
+    first, rest, other = (torch.randn(n, 3 * HIDDEN, generator=g) for n in (8, 4, 12))
+    tokens, a = list(range(3, 16)), list(range(30, 43))
+    drafter, fresh, alone = (load_eagle_drafter(target, head) for _ in range(3))
+    drafter.add_features("r", 0, first)
+    for d in (drafter, alone):
+        d.add_features("a", 0, other)
+    fed, drafting = drafter.propose_batch([DraftRow("r", tokens[:9], 0, SamplingParams()),
+                                           DraftRow("a", a, 3, SamplingParams())])  # fmt: skip
+    assert fed.tokens == [] and drafter.drafting.length("r") == 8
+    assert drafting.tokens == alone.propose("a", a, 3, SamplingParams()).tokens
+    drafter.add_features("r", 8, rest)
+    fresh.add_features("r", 0, torch.cat([first, rest]))
+    assert (
+        drafter.propose("r", tokens, 4, SamplingParams()).tokens
+        == fresh.propose("r", tokens, 4, SamplingParams()).tokens
+    )
+
+
+def test_a_new_request_copies_a_running_requests_head_entries_of_their_shared_prompt(target):
+    """A target that served a new request's prompt from a running request's cache (kv_cache.py) sends features from
+    there on only: the head copies the running request's entries before that, drafts as a head fed every feature
+    drafts, and the running request goes on as it would alone."""
+    head = random_head(target.model.config, 64, seed=4, std=0.3)
+    g = torch.Generator().manual_seed(5)
+    features, own, more = (torch.randn(n, 3 * HIDDEN, generator=g) for n in (16, 2, 1))
+    tokens = list(range(3, 20))  # 17 committed tokens: 16 entries
+    drafter, fresh, alone = (load_eagle_drafter(target, head) for _ in range(3))
+    for d in (drafter, alone):
+        d.add_features("a", 0, features)
+        d.propose("a", tokens, 3, SamplingParams())
+    other = tokens[:12] + [30, 31]  # entry i reads feature i and token i + 1: entries 0..10 are a's
+    assert drafter.held_prefix(other) == 11
+    drafter.add_features("b", 11, own)  # its target computed positions 11 and 12 only
+    fresh.add_features("b", 0, torch.cat([features[:11], own]))
+    assert (
+        drafter.propose("b", other, 4, SamplingParams()).tokens == fresh.propose("b", other, 4, SamplingParams()).tokens
+    )
+    assert drafter.prefix_hits == drafter.prefix_queries == 11
+    for d in (drafter, alone):
+        d.add_features("a", 16, more)
+    nxt = tokens + [25]
+    assert drafter.propose("a", nxt, 4, SamplingParams()).tokens == alone.propose("a", nxt, 4, SamplingParams()).tokens
+    assert drafter.held_prefix(other) == 13  # b's own now
+    drafter.release("a")
+    drafter.release("b")
+    assert drafter.held_prefix(other) == 0  # a running request's cache counts while it runs (released without tokens)
+
+
 def test_a_head_that_does_not_fit_the_target_is_refused(target, tmp_path):
     other = save_tiny_llama(tmp_path / "other", seed=9, layers=LAYERS, hidden=HIDDEN)
     config = Eagle3Config.for_target(target.model.config, 64, target_identity=target_identity(other))

@@ -54,6 +54,9 @@ class EagleDrafter:
         # same tokens: a target that served that request's prefix from its own cache sends no features for it.
         self._retained: OrderedDict[int, tuple[list[int], RequestKV, tuple[int, torch.Tensor] | None]] = OrderedDict()
         self._retained_count = 0
+        # Running requests' tokens when their caches were first extended: a new request that shares them gets a copy
+        # of the entries built from them (concurrent requests with one system prompt or document).
+        self._first_tokens: dict[str, list[int]] = {}
         # positions new requests' targets sent no features for (served from their prefix caches), and of those found
         # in a released request's head cache
         self.prefix_queries = 0
@@ -86,17 +89,25 @@ class EagleDrafter:
 
     def propose_batch(self, rows: Sequence[DraftRow]) -> list[Proposal]:
         """Draft for many requests at once: one head forward extends every request's cache, then one chained step per
-        drafted token over all of them. A request without target features yet proposes nothing."""
+        drafted token over all of them. A request without target features yet proposes nothing; a row of k = 0 with
+        new features only extends its cache (a long prompt's chunk, fed ahead of its first draft)."""
         proposals = [Proposal(tokens=[], probs=None) for _ in rows]
         ready = []  # (index into rows, the row for Eagle3Drafting.extend)
         for b, (request_id, tokens, k, _) in enumerate(rows):
-            extension = self._extension(request_id, tokens) if k > 0 else None
+            extension = self._extension(request_id, tokens) if k > 0 or request_id in self._pending else None
             if extension is not None:
                 ready.append((b, extension))
         if not ready:
             return proposals
-        drafting_rows = [rows[b] for b, _ in ready]
         step = self.drafting.extend([extension for _, extension in ready])
+        drafting = [i for i, (b, _) in enumerate(ready) if rows[b].k > 0]
+        if not drafting:
+            return proposals
+        if len(drafting) < len(ready):
+            ready = [ready[i] for i in drafting]
+            index = torch.tensor(drafting, dtype=torch.long, device=step.hidden.device)
+            step = DraftStep(step.logits.index_select(0, index), step.hidden.index_select(0, index))
+        drafting_rows = [rows[b] for b, _ in ready]
         chain = self.drafting.chain([request_id for request_id, _, _, _ in drafting_rows], step)
         drafted: list[list[int]] = [[] for _ in ready]
         probs: list[list[torch.Tensor]] = [[] for _ in ready]
@@ -165,6 +176,8 @@ class EagleDrafter:
             self.drafting.restart(request_id, start)
         elif start < length:
             self.drafting.rollback(request_id, start)
+        if request_id not in self._first_tokens:
+            self._first_tokens[request_id] = list(tokens)
         return request_id, features, list(tokens[start + 1 : end + 1])
 
     def _draw(
@@ -190,6 +203,7 @@ class EagleDrafter:
         """Forget the request; with its committed `tokens`, its cache is retained for later requests that start with
         them (prefix caching, as the target's KV cache store does)."""
         state = self.drafting.release(request_id)
+        self._first_tokens.pop(request_id, None)
         pending = self._pending.pop(request_id, None)  # the last rounds' features, never drafted from
         if tokens is not None and state is not None and state.offset == 0 and state.count >= PREFIX_MIN_TOKENS:
             self._retained[self._retained_count] = (list(tokens), state, pending)
@@ -202,12 +216,23 @@ class EagleDrafter:
         self._retained.clear()
 
     def held_prefix(self, tokens: Sequence[int]) -> int:
-        """The most leading positions of `tokens` a retained cache holds entries for (with the features it was still
-        to read): what a new request's target may serve from its own prefix cache without leaving the head a gap."""
+        """The most leading positions of `tokens` a retained or running request's cache holds entries for (with the
+        features it was still to read): what a new request's target may serve from its own prefix cache without
+        leaving the head a gap."""
         best = 0
-        for held, state, pending in self._retained.values():
+        for held, state, pending in (*self._retained.values(), *self._running()):
             best = max(best, min(_reach(state, pending), common_prefix_length(held, tokens) - 1))
         return best
+
+    def _running(self) -> list[tuple[list[int], RequestKV, None]]:
+        """Running requests' caches that start at position 0, with the tokens they were first built from (their
+        entries before those tokens' last depend on those tokens only)."""
+        found = []
+        for request_id, tokens in self._first_tokens.items():
+            state = self.drafting.held(request_id)
+            if state is not None and state.offset == 0:
+                found.append((tokens, state, None))
+        return found
 
     def _reuse(
         self, request_id: str, tokens: Sequence[int], start: int, features: torch.Tensor
@@ -227,6 +252,11 @@ class EagleDrafter:
                 return start, features, start
             missing = pending[1][: start - state.end].to(features.dtype)
             return state.end, torch.cat([missing, features]), state.end
+        for held, state, _ in self._running():  # a running request's entries: copied, it goes on with its own
+            if state.end >= start and common_prefix_length(held, tokens) >= start + 1:
+                self.drafting.install(request_id, state.prefix_copy(start))
+                self.prefix_hits += start
+                return start, features, start
         return start, features, 0
 
 

@@ -47,6 +47,13 @@ class RequestKV:
         """The position the next entry is for."""
         return self.offset + self.count
 
+    def prefix_copy(self, n: int) -> RequestKV:
+        """A cache of its own holding this one's first n entries (of a cache that starts at position 0): another
+        request that shares the prefix they were built from."""
+        copy = RequestKV(self.keys.shape[0], self.keys.shape[2], self.keys.dtype, self.keys.device)
+        copy.append(self.keys[:, :n], self.values[:, :n])
+        return copy
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys, values [nkv, m, hd]."""
         end = self.count + keys.shape[1]
@@ -111,6 +118,10 @@ class Eagle3Drafting:
     def release(self, request_id: str) -> RequestKV | None:
         """Forget the request; returns its cache (for prefix reuse), None when it held none."""
         return self._requests.pop(request_id, None)
+
+    def held(self, request_id: str) -> RequestKV | None:
+        """The request's cache, None when it holds none."""
+        return self._requests.get(request_id)
 
     def install(self, request_id: str, state: RequestKV) -> None:
         """Give the request a cache released by another (the caller rolls it back to the prefix they share)."""

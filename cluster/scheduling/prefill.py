@@ -1,0 +1,77 @@
+"""A long prompt's prefill before its first round (the pipeline's), in chunks: each a short call to its target worker
+that shares the worker's passes with other requests' rounds (`Scheduler.plan_prefill_chunk`, one chunk in flight per
+worker), and each fed on to its draft worker while the next chunk runs (`Scheduler.plan_feed`): a head gets the
+chunk's features, a draft model caches its tokens. The drafter's catch-up over the prompt is then spread over the
+chunks rather than one long call at the first draft that every other request on the draft worker waits for, and a
+head reads the whole prompt, where one first draft call carries only the newest positions' features (MAX_FEATURE_BYTES,
+910 positions of SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from specserve.cluster.scheduling.calls import Call
+from specserve.cluster.scheduling.faults import WorkerFaults
+from specserve.cluster.scheduling.sched_request import SchedRequest
+from specserve.cluster.scheduling.scheduler import Scheduler
+from specserve.cluster.scheduling.worker_clients import WorkerFull, WorkerUnavailable
+from specserve.workers.service.results import ProposeResult, VerifyResult
+
+log = logging.getLogger(__name__)
+
+CallFn = Callable[[SchedRequest, Call], Awaitable]
+
+
+class Prefill:
+    def __init__(self, scheduler: Scheduler, faults: WorkerFaults, verify: CallFn, propose: CallFn,
+                 chunking: dict[str, asyncio.Lock]):  # fmt: skip
+        """verify / propose: the pipeline's calls (re-sent where the worker lost the request); chunking: a lock per
+        target worker, held by its chunk in flight."""
+        self.scheduler, self.faults = scheduler, faults
+        self._verify: Callable[[SchedRequest, Call], Awaitable[VerifyResult]] = verify
+        self._propose: Callable[[SchedRequest, Call], Awaitable[ProposeResult]] = propose
+        self._chunking = chunking
+
+    async def run(self, req: SchedRequest) -> None:
+        """Every chunk of the request's prompt but what goes with its first round; returns once the last feed is in."""
+        feed: asyncio.Task | None = None
+        try:
+            while (chunk := self.scheduler.plan_prefill_chunk(req)) is not None:
+                feed = await self._chunk(req, chunk, feed)
+        finally:
+            if feed is not None:  # also when the request was cancelled: its release goes after the feed
+                await asyncio.gather(feed, return_exceptions=True)
+
+    async def _chunk(self, req: SchedRequest, call: Call, feed: asyncio.Task | None) -> asyncio.Task | None:
+        """One chunk: a verify of no drafted tokens whose token is not committed (only the last chunk's round commits
+        one); a failed target is handled as a round's. Returns the chunk's feed, under way."""
+        try:
+            async with self._chunking[call.worker]:
+                reply = await self._verify(req, call)
+        except WorkerUnavailable as e:
+            await self.faults.failed(call.worker, self.faults.targets[call.worker], e)
+            if self.scheduler.stranded(req):
+                await self.faults.await_target(req)
+            return feed
+        if feed is not None:
+            await feed  # the previous chunk's features were taken: the request's relay holds this chunk's alone
+        self.scheduler.prefilled(req, call, reply)
+        fed = self.scheduler.plan_feed(req, call)
+        return asyncio.get_running_loop().create_task(self._feed(req, fed)) if fed is not None else None
+
+    async def _feed(self, req: SchedRequest, call: Call) -> None:
+        """The chunk on the request's draft worker; where that fails, its first draft call catches up as before."""
+        try:
+            await self._propose(req, call)
+        except WorkerUnavailable as e:
+            await self.faults.failed(call.worker, self.faults.drafts[call.worker], e)
+        except WorkerFull:
+            pass
+        except Exception:  # noqa: BLE001 - the first draft call re-sends what the worker lacks
+            log.warning("feeding request %s's prompt to draft worker %s failed", req.request_id, call.worker,
+                        exc_info=True)  # fmt: skip
+        else:
+            self.scheduler.fed(req, call)
