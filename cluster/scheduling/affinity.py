@@ -7,7 +7,8 @@ its workers held, as hashes of 16-token blocks chained from the start (vLLM's bl
 prefixes), least recently recorded first out past a bound; a new request goes to the worker holding the most of its
 prompt when that is at least a tenth of it and the worker's load is within `max_imbalance` requests of the least
 loaded one (Ray Serve LLM's PrefixCacheAffinityRouter: its match_rate_threshold 0.1 and imbalanced_threshold), else
-to the least loaded. It is a hint: a worker may have given the prefix up since (its cache computes it again).
+to the least loaded. It is a hint: a worker may have given the prefix up since (its cache computes it again). Block
+hashes are Python's hashes of int tuples, equal in every process: scheduler replicas share their records (prefixes.py).
 """
 
 from __future__ import annotations
@@ -39,9 +40,15 @@ class PrefixAffinity:
         self._holders: OrderedDict[int, set[str]] = OrderedDict()
         self.placed = 0  # requests placed by their prefix (not by load alone)
 
-    def record(self, worker: str, tokens: Sequence[int]) -> None:
-        """`worker` holds `tokens`' KV cache (a request ended there)."""
-        for h in block_hashes(tokens):
+    def record(self, worker: str, tokens: Sequence[int]) -> list[int]:
+        """`worker` holds `tokens`' KV cache (a request runs or ended there); returns their block hashes."""
+        hashes = block_hashes(tokens)
+        self.add(worker, hashes)
+        return hashes
+
+    def add(self, worker: str, hashes: Sequence[int]) -> None:
+        """`worker` holds the prefix whose block hashes these are (another scheduler replica's record)."""
+        for h in hashes:
             self._holders.setdefault(h, set()).add(worker)
             self._holders.move_to_end(h)
         while len(self._holders) > self.max_blocks:

@@ -22,6 +22,7 @@ from specserve.cluster.app_config import AppConfig, ModelPairConfig
 from specserve.cluster.scheduling.admission import Admission
 from specserve.cluster.scheduling.detokenize import IncrementalText, byte_pieces
 from specserve.cluster.scheduling.pipeline import Pipeline, build_pipeline
+from specserve.cluster.scheduling.prefixes import PrefixRecord
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
 from specserve.cluster.scheduling.stops import StopCut, StopMatcher
@@ -125,6 +126,17 @@ class ModelServing:
         return self.admission.running + self.admission.queued
 
     # -- membership ----------------------------------------------------------------------------------------------
+
+    def take_prefix_records(self) -> dict[str, list[tuple]]:
+        """Per model, the prefix records made here since the last call (for the other scheduler replicas)."""
+        out = {name: [tuple(r) for r in model.scheduler.prefixes.take_outbox()] for name, model in self.models.items()}
+        return {name: rows for name, rows in out.items() if rows}
+
+    def merge_prefix_records(self, records: dict[str, list]) -> None:
+        """The other scheduler replicas' prefix records, per model (prefixes.py)."""
+        for name, rows in records.items():
+            if name in self.models:
+                self.models[name].scheduler.prefixes.merge(PrefixRecord(*row) for row in rows)
 
     def sync_workers(self, members: list[dict]) -> None:
         """Make each model's workers match the registry's members (rows of model, kind, worker_id, address)."""

@@ -5,31 +5,63 @@ from its target's cache.
 A worker holds a request's prompt while it runs (a target after its first round, a draft worker after its first
 draft: kv_cache.py copies a running request's prefix for a new one) and after it ends (its cache retained). Both are
 recorded; either may be gone since (a hint: the worker computes again what it lacks). Outputs never depend on it.
+Several scheduler replicas share their records through the app's registry each poll (about a second): a
+conversation's next turn, routed by Serve to another replica, still goes where its history is.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from specserve.cluster.scheduling.affinity import BLOCK_TOKENS, PrefixAffinity
 from specserve.cluster.scheduling.sched_request import SchedRequest
+
+OUTBOX_MAX = 4096  # records a replica keeps for the others between two polls (one a request's prompt or release)
+
+
+class PrefixRecord(NamedTuple):
+    """A worker holds the prefix of these block hashes (affinity.py); plain values, for the registry actor."""
+
+    kind: str  # "target" | "draft"
+    worker: str  # its Serve replica id, the same in every scheduler replica
+    hashes: list[int]
 
 
 class PrefixRecords:
     def __init__(self):
         self.affinity = {"target": PrefixAffinity(), "draft": PrefixAffinity()}  # who holds which prefix
+        # This replica's records not yet shared with the other scheduler replicas (the newest OUTBOX_MAX)
+        self.outbox: deque[PrefixRecord] = deque(maxlen=OUTBOX_MAX)
 
     def holds_prompt(self, req: SchedRequest, worker: str, kind: str) -> None:
         """`worker` (of `kind`) holds the running request's prompt (recorded once)."""
         if worker not in req.recorded:
             req.recorded.add(worker)
-            self.affinity[kind].record(worker, req.state.tokens[: req.state.prompt_len])
+            self._record(kind, worker, req.state.tokens[: req.state.prompt_len])
 
     def released(self, req: SchedRequest, draft_workers: Iterable[str]) -> None:
         """The request ended: what each of its workers was told stays there for later requests' prefixes."""
         drafts = set(draft_workers)
         for worker, sequence in req.told.items():
-            self.affinity["draft" if worker in drafts else "target"].record(worker, sequence)
+            self._record("draft" if worker in drafts else "target", worker, sequence)
+
+    def _record(self, kind: str, worker: str, tokens: list[int]) -> None:
+        self.outbox.append(PrefixRecord(kind, worker, self.affinity[kind].record(worker, tokens)))
+
+    def take_outbox(self) -> list[PrefixRecord]:
+        """The records made since the last call (for the other scheduler replicas: registry.py's `share_prefixes`)."""
+        records = list(self.outbox)
+        self.outbox.clear()
+        return records
+
+    def merge(self, records: Iterable[PrefixRecord]) -> None:
+        """Another scheduler replica's records: its requests' prompts on the workers this replica shares with it, so
+        that a conversation's next turn finds its history whichever replica Serve routes it to."""
+        for record in records:
+            if record.kind in self.affinity:
+                self.affinity[record.kind].add(record.worker, record.hashes)
 
     def forget(self, worker: str) -> None:
         """The worker left or was replaced (its caches with it)."""

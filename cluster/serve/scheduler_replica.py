@@ -44,6 +44,7 @@ class SchedulerReplica:
         self._seen: tuple[str, int] | None = None  # (registry incarnation, version) last applied
         self._rows: list[dict] = []
         self.replica = uuid.uuid4().hex  # how the registry counts this replica's running requests while draining
+        self._prefix_cursor: tuple[str, int] = ("", 0)  # (registry incarnation, the newest prefix record taken)
         log.info("scheduler replica started: models %s", ", ".join(self.serving.models))
 
     # -- worker membership ---------------------------------------------------------------------------------------
@@ -68,6 +69,18 @@ class SchedulerReplica:
         if seen is None or seen != self._seen:
             self.serving.sync_workers(rows)
         self._seen, self._rows = seen, rows
+        await self._share_prefixes(snap)
+
+    async def _share_prefixes(self, snap: dict) -> None:
+        """Pass this replica's prefix records to the others and take theirs (prefixes.py), where there are others."""
+        records = self.serving.take_prefix_records()
+        if snap.get("scheduler_replicas", 1) <= 1:
+            return
+        incarnation, since = self._prefix_cursor
+        since = since if incarnation == snap["incarnation"] else 0  # a restarted registry numbers them from 0 again
+        newest, theirs = await self.registry.share_prefixes.remote(self.replica, records, since)
+        self.serving.merge_prefix_records(theirs)
+        self._prefix_cursor = (snap["incarnation"], newest)
 
     async def check_health(self) -> None:
         await self._ensure_polling()

@@ -1,5 +1,6 @@
 """The worker registry alone: membership, versions, heartbeats and expiry; its restart (Ray re-running the
-constructor with the same arguments) keeps the secret, and a scheduler polling it keeps its workers meanwhile."""
+constructor with the same arguments) keeps the secret, and a scheduler polling it keeps its workers meanwhile; the
+scheduler replicas' prefix records pass through it, so that a request finds its history from any replica."""
 
 import asyncio
 
@@ -101,6 +102,7 @@ class _Handle:
 
     def __init__(self, registry: WorkerRegistry):
         self.snapshot = _Method(registry.snapshot)
+        self.share_prefixes = _Method(registry.share_prefixes)
 
 
 def test_scheduler_keeps_its_workers_while_a_restarted_registry_relearns_them(tiny_target):
@@ -137,3 +139,50 @@ def test_scheduler_keeps_its_workers_while_a_restarted_registry_relearns_them(ti
     assert sorted(seen[1]) == ["t1", "t2"]  # nobody dropped by an empty, just-restarted registry
     assert sorted(seen[2]) == ["t1", "t2", "t3"]  # a new worker joins at once
     assert sorted(seen[3]) == ["t1", "t3"]  # past the rejoin window the registry's view is the truth
+
+
+def test_prefix_records_reach_the_other_replicas_once_and_the_log_is_bounded(monkeypatch):
+    from specserve.cluster.serve import registry as module
+
+    monkeypatch.setattr(module, "PREFIX_LOG_MAX", 3)
+    reg = WorkerRegistry()
+    newest, theirs = reg.share_prefixes("a", {"m": [("target", "t1", [1, 2])]}, 0)
+    assert (newest, theirs) == (1, {})  # its own are not sent back
+    newest, theirs = reg.share_prefixes("b", {"m": [("draft", "d1", [3])]}, 0)
+    assert newest == 2 and theirs == {"m": [("target", "t1", [1, 2])]}
+    assert reg.share_prefixes("b", {}, newest) == (2, {})  # nothing new since
+    reg.share_prefixes("a", {"m": [("target", "t1", [4]), ("target", "t2", [5]), ("target", "t1", [6])]}, 1)
+    assert reg.share_prefixes("b", {}, 0)[1]["m"] == [("target", "t1", [4]), ("target", "t2", [5]),
+                                                      ("target", "t1", [6])]  # fmt: skip # the newest 3 only
+
+
+def test_a_turn_routed_to_another_scheduler_replica_goes_where_its_history_is(tiny_target):
+    """Replica a ran turn 1 on target t2; Serve routes turn 2 to replica b, which learnt it from a's records at
+    their polls, and places it on t2 though t1 is as loaded."""
+    from specserve.cluster.serve.scheduler_replica import SchedulerReplica
+    from specserve.workers.config.request import SamplingParams, SpecParams
+
+    args = {"models": [{"name": "tiny", "target": tiny_target, "draft": "ngram", "device": "cpu"}]}
+    reg = WorkerRegistry(secret="s")
+    reg.register("tiny", "target", "t1", "127.0.0.1:1")
+    reg.register("tiny", "target", "t2", "127.0.0.1:2")
+    a, b = SchedulerReplica(args), SchedulerReplica(args)
+    history = [3 + (7 * i) % 200 for i in range(160)]
+    spec = SpecParams(method="none")
+
+    async def main():
+        for replica in (a, b):
+            replica.registry = _Handle(reg)
+            await replica._poll_once()
+        scheduler = a.serving.models["tiny"].scheduler
+        scheduler.add([1, 2], SamplingParams(), spec, frozenset())  # t1 busy: turn 1 goes to t2
+        turn_1 = scheduler.add(history, SamplingParams(), spec, frozenset())
+        turn_1.told["t2"] = history + [5, 6]
+        scheduler.release(turn_1)
+        for replica in (a, b):
+            await replica._poll_once()
+        return b.serving.models["tiny"].scheduler.add(history + [5, 6, 7, 8], SamplingParams(), spec, frozenset())
+
+    turn_2 = asyncio.run(main())
+    assert turn_2.target_worker == "t2"
+    assert b.serving.models["tiny"].scheduler.prefixes.affinity["target"].placed == 1
