@@ -18,7 +18,7 @@ from typing import NamedTuple
 from specserve.cluster.scheduling.affinity import BLOCK_TOKENS, PrefixAffinity
 from specserve.cluster.scheduling.sched_request import SchedRequest
 
-OUTBOX_MAX = 4096  # records a replica keeps for the others between two polls (one a request's prompt or release)
+OUTBOX_MAX = 2048  # records a replica keeps for the others between two polls (a request makes 2-4)
 
 
 class PrefixRecord(NamedTuple):

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 REGISTRY_NAMESPACE = "specserve"
-PREFIX_LOG_MAX = 16384  # prefix records kept for the scheduler replicas (one a request's prompt, or its release)
+PREFIX_LOG_MAX = 2048  # records kept for the scheduler replicas (a request makes 2-4), ~20 MB at 4K-token prompts
 
 
 @dataclass(frozen=True)
