@@ -35,8 +35,17 @@ with served(target, None, "cpu", "float32") as client:
     timed_stream(client, warm_long, 8)  # unmeasured: the buffers' growth
     for ids in prompts:
         t = timed_stream(client, ids, 96)
-        rows.append({"prompt_tokens": len(ids), "ttft_s": t.ttft_s, "decode_s": t.latency_s - t.ttft_s,
-                     "tokens": len(t.token_ids), "rounds": t.rounds, "accepted": t.accepted,
-                     "tokens_per_round": len(t.token_ids) / max(1, t.rounds), "token_ids": t.token_ids})
+        rows.append(
+            {
+                "prompt_tokens": len(ids),
+                "ttft_s": t.ttft_s,
+                "decode_s": t.latency_s - t.ttft_s,
+                "tokens": len(t.token_ids),
+                "rounds": t.rounds,
+                "accepted": t.accepted,
+                "tokens_per_round": len(t.token_ids) / max(1, t.rounds),
+                "token_ids": t.token_ids,
+            }
+        )
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items() if k != "token_ids"})
 json.dump(rows, open(sys.argv[2], "w"), indent=1)
