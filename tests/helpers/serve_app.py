@@ -2,6 +2,7 @@
 the bad-input cases (serve_bad_input_cases.py, star-imported there) compare the next valid request against."""
 
 PROMPTS = ["def add(a, b):", "class Stack:", "for i in range(3):", "import json"]
+METRICS_REPORT_S = 1  # how often the metric tests' Ray exports each process's metrics (its metrics_report_interval_ms)
 
 
 def tiny_app_config(tiny_target: str, tiny_draft: str):

@@ -20,7 +20,7 @@ import pytest
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from tests.helpers.serve_app import PROMPTS  # integration/served/test_app.py's `reference` fixture holds their outputs
+from tests.helpers.serve_app import METRICS_REPORT_S, PROMPTS  # test_app.py: its `reference` holds their outputs
 
 
 def g(prompt="def f(x):", ids=None, model="", method=None, k=None, messages=None, **sampling) -> pb.GenerateRequest:
@@ -359,11 +359,11 @@ def _refused(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
-def _settled(url: str, quiet_s: float = 12.0) -> dict[tuple[str, str], float]:
-    """The counts once earlier tests' refusals are exported: unchanged for longer than Ray's 10 s report period."""
+def _settled(url: str, quiet_s: float = 4.0 * METRICS_REPORT_S) -> dict[tuple[str, str], float]:
+    """The counts once earlier tests' refusals are exported: unchanged for longer than the app's Ray report period."""
     last, since = _refused(url), time.time()
     while time.time() - since < quiet_s:
-        time.sleep(2)
+        time.sleep(0.5)
         now = _refused(url)
         if now != last:
             last, since = now, time.time()
@@ -386,7 +386,7 @@ def test_refused_requests_are_counted_by_route_and_status(server):
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in expected}
         if delta == expected or time.time() > deadline:
             break
-        time.sleep(2)
+        time.sleep(0.5)
     assert delta == expected, (delta, after)
 
 
