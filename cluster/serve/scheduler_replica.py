@@ -19,6 +19,7 @@ from specserve.cluster.serve.replica_env import app_name, every, resolve_paths, 
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0
+MERGE_SLICE = 64  # other replicas' prefix records merged between two turns of the event loop
 # A restarted registry knows only the workers that re-registered since: within this long of its restart, pollers keep
 # the workers they knew (every live one re-registers within a heartbeat).
 REJOIN_S = 2 * HEARTBEAT_S + POLL_S
@@ -79,7 +80,10 @@ class SchedulerReplica:
         incarnation, since = self._prefix_cursor
         since = since if incarnation == snap["incarnation"] else 0  # a restarted registry numbers them from 0 again
         newest, theirs = await self.registry.share_prefixes.remote(self.replica, records, since)
-        self.serving.merge_prefix_records(theirs)
+        for model, rows in theirs.items():  # in slices: 2,048 records of 100 blocks took 0.2 s here, the rounds waiting
+            for start in range(0, len(rows), MERGE_SLICE):
+                self.serving.merge_prefix_records({model: rows[start : start + MERGE_SLICE]})
+                await asyncio.sleep(0)
         self._prefix_cursor = (snap["incarnation"], newest)
 
     async def check_health(self) -> None:
