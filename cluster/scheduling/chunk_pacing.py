@@ -27,6 +27,7 @@ MIN_CHUNK_TOKENS = 16  # fewer is mostly a call's fixed cost
 MAX_STEP = 2.0  # a chunk's size changes at most this factor from the last one's
 DECAY = 0.8  # weight of the older mean in the decoding rounds' time
 FIT_DECAY = 0.7  # weight of older chunks in the cost fit
+IN_FLIGHT = -1  # a round's epoch when it started beside a chunk
 
 
 @dataclass
@@ -85,8 +86,10 @@ class ChunkPacer:
             w.size = min(self.max_tokens, max(MIN_CHUNK_TOKENS, round(want)))
 
     def epoch(self, worker: str) -> int:
-        """Read at a round's start; `round_ran` compares it."""
-        return self._at(worker).epoch
+        """Read at a round's start; `round_ran` compares it. A round that starts while a chunk runs gets IN_FLIGHT:
+        it waits for that chunk's pass (or rides in it) even where it is answered after the chunk."""
+        w = self._at(worker)
+        return w.epoch if w.done == w.epoch else IN_FLIGHT
 
     def round_ran(self, worker: str, seconds: float, epoch: int) -> None:
         """A decoding request's round took `seconds`; it counts when no chunk was planned or running meanwhile."""

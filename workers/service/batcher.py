@@ -8,7 +8,14 @@ through a slower draft, one started later) split into two batches that alternate
 forward pass: on a target whose step cost is mostly per pass, half the throughput. Each request's return time (from
 its answer to its next call) is measured, so a batch waits for a request on its way back from a plain step (a few
 ms) or a draft call (tens of ms on a CPU), and not for one that will not be back in time: a draft worker, whose
-requests come back only after a verify, does not hold every draft call for requests a forward pass away."""
+requests come back only after a verify, does not hold every draft call for requests a forward pass away.
+
+A prompt's prefill (a chunk of a long one, a new request's whole prompt, a chunk fed to a draft worker) makes a long
+pass, and a decoding request that misses it waits all of it out: a batch holding a prefill waits longer
+(`prefill_wait_ms`) for the decoding requests expected back, so that their rows ride in its pass (vLLM's mixed
+prefill-decode step). Without it a long prompt's chunks split the streams beside it into groups that ride in every
+other chunk's pass, each stream's round paying two. Where a worker pads its rows (a head's drafting), decoding rows
+are taken before a prefill that would not fit beside them; that prefill goes first in the next batch."""
 
 from __future__ import annotations
 
@@ -35,6 +42,8 @@ class _Job:
     item: Any
     cost: int  # new positions it feeds
     future: asyncio.Future = field(repr=False)
+    prefill: bool = False  # a prompt's positions, no decoding round waits on it
+    passed: bool = False  # left out of a batch once: first in the next
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -70,13 +79,14 @@ class Batcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    async def submit(self, key: str, item: Any, cost: int) -> Any:
+    async def submit(self, key: str, item: Any, cost: int, prefill: bool = False) -> Any:
+        """prefill: the call feeds a prompt's positions (its own or a chunk), with no decoding round waiting on it."""
         served = self._served_at.get(key)
         if served is not None:
             gap = time.perf_counter() - served
             self._return_s[key] = (self._return_s.get(key, gap) + gap) / 2
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(key, item, cost, future))
+        self._queue.append(_Job(key, item, cost, future, prefill))
         if self._arrived is not None:
             self._arrived.set()
         if self._drainer is None or self._drainer.done():
@@ -102,11 +112,17 @@ class Batcher:
         return coming
 
     async def _gather(self) -> None:
-        """Wait (bounded) until every request expected back within the wait budget is queued again."""
-        now = time.perf_counter()
-        deadline = now + min(self.config.max_wait_ms / 1e3, self._last_run_s)
-        coming = self._coming(now, deadline)
-        while coming - {job.key for job in self._queue} and len(self._queue) < self.config.max_batch_size:
+        """Wait (bounded) until every request expected back within the wait budget is queued again; once the queue
+        holds a prefill (also one that arrives during the wait), the budget is the longer one: a request that misses
+        a prompt's pass waits all of it out."""
+        start = time.perf_counter()
+        while len(self._queue) < self.config.max_batch_size:
+            budget_ms = self.config.max_wait_ms
+            if any(job.prefill for job in self._queue):
+                budget_ms = max(budget_ms, self.config.prefill_wait_ms)
+            deadline = start + min(budget_ms / 1e3, self._last_run_s)
+            if not self._coming(start, deadline) - {job.key for job in self._queue}:
+                return
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
@@ -128,7 +144,8 @@ class Batcher:
 
     def _take(self) -> list[_Job]:
         batch, keys, tokens, widest, rest = [], set(), 0, 0, []
-        for job in self._queue:
+        # Oldest first, but a prefill not yet passed over after the decoding rows (stable: arrival order kept).
+        for job in sorted(self._queue, key=lambda j: j.prefill and not j.passed):
             if job.future.done():  # the caller gave up (deadline, cancellation)
                 continue
             fits = len(batch) < self.config.max_batch_size and (
@@ -142,15 +159,16 @@ class Batcher:
                 tokens += job.cost
                 widest = max(widest, job.cost)
             else:
+                job.passed = True
                 rest.append(job)
-        self._queue = rest
+        self._queue = sorted(rest, key=lambda j: j.arrived)
         return batch
 
     async def _drain(self) -> None:
         batch: list[_Job] = []
         try:
             while True:
-                if self._served_at and self.config.max_wait_ms > 0:
+                if self._served_at and (self.config.max_wait_ms > 0 or self.config.prefill_wait_ms > 0):
                     await self._gather()
                 batch = self._take()
                 if not batch:

@@ -102,10 +102,10 @@ class _Servicer:
     def _run_batch(self, items: list) -> list:
         raise NotImplementedError
 
-    async def _batched(self, context: grpc.aio.ServicerContext, key: str, item, cost: int):
+    async def _batched(self, context: grpc.aio.ServicerContext, key: str, item, cost: int, prefill: bool = False):
         """Queue one call for the next batch; its own error becomes its own status code."""
         try:
-            return await self.batcher.submit(key, item, cost)
+            return await self.batcher.submit(key, item, cost, prefill)
         except Exception as e:  # noqa: BLE001 - mapped to a status code below
             await self._abort(context, e)
 
@@ -173,7 +173,7 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
         except ValueError as e:
             await self._abort(context, e)
         cost = len(call.new_tokens) + call.k + (call.features.rows if call.features is not None else 0)
-        proposed = await self._batched(context, call.request_id, call, cost)
+        proposed = await self._batched(context, call.request_id, call, cost, prefill=call.k == 0)  # a prompt's chunk
         return pb.ProposeResponse(
             drafted=proposed.drafted,
             draft_probs=proposed.draft_probs,
@@ -215,7 +215,9 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             )
         except ValueError as e:
             await self._abort(context, e)
-        result = await self._batched(context, call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1)
+        prefill = not call.drafted and len(call.new_tokens) > 1  # a prompt or its chunk: a decoding round feeds one
+        cost = len(call.new_tokens) + len(call.drafted) + 1
+        result = await self._batched(context, call.request_id, call, cost, prefill)
         return pb.VerifyResponse(
             accepted=result.accepted,
             next_token=result.next_token,

@@ -54,7 +54,9 @@ def test_a_round_with_a_chunk_beside_it_is_not_the_round_a_chunk_is_sized_by():
     pacer.started("t1", True)
     pacer.round_ran("t1", 5.0, during)  # planned before the chunk started: ignored
     pacer.round_ran("t1", 5.0, pacer.epoch("t1"))  # planned while it runs: ignored
+    while_it_ran = pacer.epoch("t1")
     pacer.chunk_ran("t1", 64, 0.4)
+    pacer.round_ran("t1", 5.0, while_it_ran)  # planned while it ran, answered after it: ignored too
     assert pacer.status()["t1"]["round_ms"] == 100.0
     assert pacer.size("t1", True) == 32  # 64 x (2 x 0.1 / 0.4)
     pacer.round_ran("t1", 0.3, pacer.epoch("t1"))  # after it: counts

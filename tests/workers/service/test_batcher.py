@@ -256,3 +256,63 @@ def test_a_packed_workers_batch_takes_a_prefill_beside_decoding_rows():
         return seen
 
     assert asyncio.run(main()) == [[0], list(range(1, 16)) + [100, 200, 201, 202, 203]]
+
+
+def _chunks_beside_streams(config, prefill: bool) -> list[list[str]]:
+    """A long prompt's chunks (each sent 2 ms after the last one's answer) beside four decoding streams that spend
+    30 ms drafting between rounds, against a 50 ms forward. Returns each batch's keys."""
+    seen: list[list[str]] = []
+
+    def run(items):
+        time.sleep(0.05)
+        seen.append(sorted(key for key, _ in items))
+        return list(items)
+
+    batcher = Batcher(ThreadPoolExecutor(1), run, config, pads_rows=False)
+
+    async def stream(key: str):
+        for r in range(8):
+            await batcher.submit(key, (key, r), 5)
+            await asyncio.sleep(0.03)
+        batcher.forget(key)
+
+    async def chunks():
+        await asyncio.sleep(0.06)  # the streams are under way: each chunk starts out of step with them
+        for c in range(6):
+            await batcher.submit("long", ("long", c), 64, prefill=prefill)
+            await asyncio.sleep(0.002)
+        batcher.forget("long")
+
+    async def main():
+        await asyncio.gather(chunks(), *(stream(f"s{i}") for i in range(4)))
+
+    asyncio.run(main())
+    return seen
+
+
+def test_a_prompts_chunk_waits_for_the_decoding_rows_coming_back_so_they_share_its_pass():
+    config = BatchingConfig(max_wait_ms=10, prefill_wait_ms=100)
+    alone = [b for b in _chunks_beside_streams(config, prefill=False) if "long" in b]
+    # Not marked as a prefill, a chunk waits 10 ms at most: the streams (30 ms away) miss every other chunk, which
+    # runs alone while they wait.
+    assert sum(b == ["long"] for b in alone) >= len(alone) // 2, alone
+    shared = [b for b in _chunks_beside_streams(config, prefill=True) if "long" in b]
+    # Marked, it waits for the streams expected back within 100 ms: after the first, every chunk carries their rows.
+    assert all(len(b) == 5 for b in shared[1:]), shared
+
+
+def test_a_padded_workers_decoding_rows_go_before_a_prefill_that_came_first_and_it_runs_next():
+    async def main():
+        gate = threading.Event()
+        batcher, seen = _batcher(BatchingConfig(max_batch_size=32, prefill_wait_ms=0), gate)
+        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
+        await asyncio.sleep(0.05)
+        feed = asyncio.ensure_future(batcher.submit("p", 100, 90, prefill=True))  # a chunk fed to a head
+        decoding = [asyncio.ensure_future(batcher.submit(f"d{i}", i, 5)) for i in range(1, 5)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, feed, *decoding)
+        return seen
+
+    # The drafts would otherwise wait out the feed's pass; the feed, passed over once, is next.
+    assert asyncio.run(main()) == [[0], [1, 2, 3, 4], [100]]
