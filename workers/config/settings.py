@@ -83,9 +83,9 @@ class BatchingConfig(StrictModel):
     prefill_wait_ms: float = Field(
         150.0,
         ge=0,
-        description="How long a batch of prompt positions alone (a long prompt's chunk, a new request's prompt, a chunk "
-        "fed to a draft worker) may wait for the decoding requests expected back, at most the previous batch's run "
-        "time, so that their rounds ride in its pass instead of waiting it out and then running their own.",
+        description="How long a batch holding a prompt's positions (a long prompt's chunk, a new request's prompt, "
+        "a chunk fed to a draft worker) may wait for the decoding requests expected back, at most the previous "
+        "batch's run time: their rounds ride in its pass instead of waiting it out and then running their own.",
     )
 
 
