@@ -9,13 +9,15 @@ a 4K prompt on 2 cores, where a chat round took ~0.14 s (results/2026-11-27-2334
 p99 gap 18x alone). The decoding rounds counted are chains' and trees' alike (the scheduler's apply_round).
 
 So while others decode there, a chunk is sized to cost about CHUNK_SHARE of their round (their round's wall time,
-drafting and hops included, as measured while no chunk ran beside it): each stream's round grows to about
-1 + CHUNK_SHARE of its own, and the prompt gets the worker for about CHUNK_SHARE of every such round. A chunk's
-cost is fitted as a fixed part and a part per position (decayed least squares over the latest chunks: deeper in the
-prompt both grow). Where even the smallest chunk's fixed part (a forward's reading of every weight: 70-250 ms for
-SmolLM2 on 2 cores, deeper in a 4K prompt) overruns the budget, shrinking would only slow the prompt: the chunk is
-then as long as makes its per-position part equal its fixed part. Steps are at most MAX_STEP, so the fit sees
-several sizes. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
+drafting and hops included, as measured while no chunk ran beside it, nor started before it ended): their rows ride
+in the chunk's pass (the batcher holds a prompt's pass for them, `prefill_wait_ms`), so each stream's round grows to
+about CHUNK_SHARE of its own, and the prompt gets most of the worker. A chunk's cost is fitted as a fixed part and a
+part per position (decayed least squares over the prompt's latest chunks: deeper in the prompt both grow). The fit is
+per prompt: two prompts chunking on one worker at different depths, fitted as one, gave a per-position part near zero
+and 256-token chunks beside the streams. Where even the smallest chunk's fixed part (a forward's reading of every
+weight: 70-250 ms for SmolLM2 on 2 cores, deeper in a 4K prompt) overruns the budget, shrinking would only slow the
+prompt: the chunk is then as long as makes its per-position part equal its fixed part. Steps are at most MAX_STEP, so
+the fit sees several sizes. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ MAX_STEP = 2.0  # a chunk's size changes at most this factor from the last one's
 DECAY = 0.8  # weight of the older mean in the decoding rounds' time
 FIT_DECAY = 0.7  # weight of older chunks in the cost fit
 IN_FLIGHT = -1  # a round's epoch when it started beside a chunk
+PROMPTS_KEPT = 8  # prompts whose chunk fits a worker keeps (the newest)
 
 
 @dataclass
 class _Worker:
     round_s: float | None = None  # a decoding request's round, while no chunk ran beside it (decayed mean)
-    size: int | None = None  # the next chunk's tokens beside decoding requests (None: not measured yet)
+    size: int | None = None  # the latest paced size, where a new prompt starts (None: not measured yet)
+    sizes: dict[str, int] = field(default_factory=dict)  # per prompt (request id): its next chunk's tokens
     epoch: int = 0  # chunks planned so far: a round that saw this change had a chunk beside it
     done: int = 0  # the epoch of the latest chunk that ran (below `epoch`: one is in flight)
     beside: bool = False  # whether the chunk in flight was planned beside decoding requests
     chunks: int = 0
     chunk_s: float = 0.0  # the latest chunk's seconds
-    fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: 1, n, s, n^2, n*s
+    fits: dict[str, list[float]] = field(default_factory=dict)  # per prompt, decayed sums: 1, n, s, n^2, n*s
 
 
 class ChunkPacer:
@@ -54,14 +58,14 @@ class ChunkPacer:
     def _at(self, worker: str) -> _Worker:
         return self._workers.setdefault(worker, _Worker())
 
-    def size(self, worker: str, others_decoding: bool) -> int:
-        """The next chunk's size on `worker`: the setting's while none decode beside it or their round is not
-        measured, else the size that costs CHUNK_SHARE of their round (a quarter of the setting until a chunk beside
-        them was measured)."""
+    def size(self, worker: str, others_decoding: bool, prompt: str = "") -> int:
+        """The next chunk of `prompt` (a request id) on `worker`: the setting's while none decode beside it or their
+        round is not measured, else the size that costs CHUNK_SHARE of their round (for a prompt not measured yet the
+        worker's latest; a quarter of the setting until a chunk beside them was measured)."""
         w = self._at(worker)
         if not others_decoding or w.round_s is None:
             return self.max_tokens
-        return w.size or min(self.max_tokens, max(MIN_CHUNK_TOKENS, self.max_tokens // 4))
+        return w.sizes.get(prompt) or w.size or min(self.max_tokens, max(MIN_CHUNK_TOKENS, self.max_tokens // 4))
 
     def started(self, worker: str, others_decoding: bool) -> None:
         """A chunk of `size`'s answer goes to the worker."""
@@ -69,21 +73,27 @@ class ChunkPacer:
         w.epoch += 1
         w.beside = others_decoding and w.round_s is not None
 
-    def chunk_ran(self, worker: str, positions: int, seconds: float) -> None:
-        """The chunk in flight fed `positions` positions in `seconds` of its worker's batch; one beside decoding
-        requests moves the size towards its budget."""
+    def chunk_ran(self, worker: str, positions: int, seconds: float, prompt: str = "") -> None:
+        """The chunk in flight (of `prompt`) fed `positions` positions in `seconds` of its worker's batch; one beside
+        decoding requests moves the prompt's size towards its budget."""
         w = self._at(worker)
         w.done = w.epoch
         if positions <= 0 or seconds <= 0:
             return
         w.chunks += 1
         w.chunk_s = seconds
-        w.fit = [FIT_DECAY * old + new for old, new in zip(w.fit, (1, positions, seconds, positions**2,
-                                                                  positions * seconds), strict=True)]  # fmt: skip
+        fit = w.fits.pop(prompt, None) or [0.0] * 5
+        sample = (1, positions, seconds, positions**2, positions * seconds)
+        w.fits[prompt] = [FIT_DECAY * old + new for old, new in zip(fit, sample, strict=True)]
         if w.beside and w.round_s is not None:
-            want = _fitted_size(w.fit, CHUNK_SHARE * w.round_s, positions, seconds)
+            want = _fitted_size(w.fits[prompt], CHUNK_SHARE * w.round_s, positions, seconds)
             want = min(MAX_STEP * positions, max(positions / MAX_STEP, want))
             w.size = min(self.max_tokens, max(MIN_CHUNK_TOKENS, round(want)))
+            w.sizes.pop(prompt, None)
+            w.sizes[prompt] = w.size
+        for kept in (w.fits, w.sizes):  # the newest prompts' (finished ones are not told apart: few chunk at once)
+            while len(kept) > PROMPTS_KEPT:
+                kept.pop(next(iter(kept)))
 
     def epoch(self, worker: str) -> int:
         """Read at a round's start; `round_ran` compares it. A round that starts while a chunk runs gets IN_FLIGHT:

@@ -224,7 +224,7 @@ class Scheduler(WorkerPlacement):
             held = self.prefixes.target_held(req)
             held = held if cap is None else min(held, cap)
         others = any(r.target_worker == req.target_worker and r.state.generated for r in self.requests.values())
-        size = self.chunks.size(req.target_worker, others)  # others decoding there wait for each chunk
+        size = self.chunks.size(req.target_worker, others, req.request_id)  # others decoding there wait for each chunk
         if req.state.prompt_len - held <= (size if req.told.get(req.target_worker) else self.chunks.max_tokens):
             return None  # the rest goes with the first round's call
         self.chunks.started(req.target_worker, others)
@@ -237,7 +237,7 @@ class Scheduler(WorkerPlacement):
 
     def prefilled(self, req: SchedRequest, call: Call, reply: VerifyResult) -> None:
         """A prefill chunk's reply: its features wait for its feed (its token is not committed)."""
-        self.chunks.chunk_ran(call.worker, len(call.new_tokens), reply.batch_seconds)
+        self.chunks.chunk_ran(call.worker, len(call.new_tokens), reply.batch_seconds, req.request_id)
         if req.features is not None and reply.features:
             req.features.received(reply.features)
 

@@ -102,3 +102,31 @@ def test_tree_rounds_pace_a_long_prompts_chunks_as_chain_rounds_do():
     assert s.chunks.status()["t1"]["round_ms"] == 100.0
     long = s.add(list(range(3, 503)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
     assert len(s.plan_prefill_chunk(long).new_tokens) == 16  # a quarter of the setting beside chat, as for chains
+
+
+def _alternate(pacer: ChunkPacer, costs: dict, rounds: int = 8) -> dict[str, list[int]]:
+    """Prompts chunking in turn on one worker (one chunk in flight at a time), each at its own cost."""
+    sizes: dict[str, list[int]] = {prompt: [] for prompt in costs}
+    for _ in range(rounds):
+        for prompt, cost in costs.items():
+            n = pacer.size("t1", True, prompt)
+            pacer.started("t1", True)
+            pacer.chunk_ran("t1", n, cost(n), prompt)
+            sizes[prompt].append(n)
+    return sizes
+
+
+def test_two_prompts_chunking_at_different_depths_are_each_sized_by_their_own_cost():
+    """A second long prompt arrives while the first still prefills (the long-prompt bench on a 2-core CPU): one chunk
+    each in turn. Fitted as one, the shallow prompt's big cheap chunks beside the deep one's small dear ones sent the
+    deep prompt's next chunk from 25 to 88 tokens here (0.68 s against a 0.2 s budget), and a served run's to 256."""
+    deep = lambda n: 0.15 + 0.006 * n  # noqa: E731 - 3K positions into its prompt: more attention a position
+    shallow = lambda n: 0.02 + 0.001 * n  # noqa: E731
+    pacer = ChunkPacer(256)
+    pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
+    first = _alternate(pacer, {"a": deep})["a"]
+    assert first[-1] == 25  # its fixed part is over half the budget: as long as makes 0.15 s = 25 x 6 ms
+    sizes = _alternate(pacer, {"a": deep, "b": shallow})
+    assert sizes["b"][0] == 25  # a new prompt starts at the worker's latest size
+    assert max(sizes["a"]) == 25, sizes
+    assert abs(shallow(sizes["b"][-1]) - CHUNK_SHARE * 0.1) < 0.01, sizes  # 180 tokens, by MAX_STEP steps
