@@ -1,10 +1,10 @@
 """A long prompt's prefill before its first round (the pipeline's), in chunks: each a short call to its target worker
-that shares the worker's passes with other requests' rounds (`Scheduler.plan_prefill_chunk`, one chunk in flight per
-worker), and each fed on to its draft worker while the next chunk runs (`Scheduler.plan_feed`): a head gets the
-chunk's features, a draft model caches its tokens. The drafter's catch-up over the prompt is then spread over the
-chunks rather than one long call at the first draft that every other request on the draft worker waits for, and a
-head reads the whole prompt, where one first draft call carries only the newest positions' features (MAX_FEATURE_BYTES,
-910 positions of SmolLM2-135M).
+that shares the worker's passes with other requests' rounds (`Scheduler.plan_prefill_chunk`; one prompt prefills at
+a time on a worker, first come first served), and each fed on to its draft worker while the next chunk runs
+(`Scheduler.plan_feed`): a head gets the chunk's features, a draft model caches its tokens. The drafter's catch-up
+over the prompt is then spread over the chunks rather than one long call at the first draft that every other request
+on the draft worker waits for, and a head reads the whole prompt, where one first draft call carries only the newest
+positions' features (MAX_FEATURE_BYTES, 910 positions of SmolLM2-135M).
 """
 
 from __future__ import annotations
@@ -29,19 +29,33 @@ class Prefill:
     def __init__(self, scheduler: Scheduler, faults: WorkerFaults, verify: CallFn, propose: CallFn,
                  chunking: dict[str, asyncio.Lock]):  # fmt: skip
         """verify / propose: the pipeline's calls (re-sent where the worker lost the request); chunking: a lock per
-        target worker, held by its chunk in flight."""
+        target worker, held by the prompt prefilling there."""
         self.scheduler, self.faults = scheduler, faults
         self._verify: Callable[[SchedRequest, Call], Awaitable[VerifyResult]] = verify
         self._propose: Callable[[SchedRequest, Call], Awaitable[ProposeResult]] = propose
         self._chunking = chunking
 
     async def run(self, req: SchedRequest) -> None:
-        """Every chunk of the request's prompt but what goes with its first round; returns once the last feed is in."""
+        """Every chunk of the request's prompt but what goes with its first round; returns once the last feed is in.
+        A prompt holds its target worker's chunk lock from its first chunk to its last: prompts prefill there first
+        come, first served (vLLM's FCFS), where taking turns chunk by chunk made every prompt that overlapped another
+        wait about twice its time."""
         feed: asyncio.Task | None = None
+        lock: asyncio.Lock | None = None
         try:
-            while (chunk := self.scheduler.plan_prefill_chunk(req)) is not None:
+            while True:
+                if lock is not self._chunking[req.target_worker]:  # the first chunk, or the request moved
+                    if lock is not None:
+                        lock.release()
+                        lock = None
+                    await self._chunking[req.target_worker].acquire()
+                    lock = self._chunking[req.target_worker]
+                if (chunk := self.scheduler.plan_prefill_chunk(req)) is None:
+                    break
                 feed = await self._chunk(req, chunk, feed)
         finally:
+            if lock is not None:
+                lock.release()
             if feed is not None:  # also when the request was cancelled: its release goes after the feed
                 await asyncio.gather(feed, return_exceptions=True)
 
@@ -49,8 +63,7 @@ class Prefill:
         """One chunk: a verify of no drafted tokens whose token is not committed (only the last chunk's round commits
         one); a failed target is handled as a round's. Returns the chunk's feed, under way."""
         try:
-            async with self._chunking[call.worker]:
-                reply = await self._verify(req, call)
+            reply = await self._verify(req, call)
         except WorkerUnavailable as e:
             await self.faults.failed(call.worker, self.faults.targets[call.worker], e)
             if self.scheduler.stranded(req):

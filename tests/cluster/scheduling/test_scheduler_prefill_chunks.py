@@ -57,3 +57,37 @@ def test_a_later_turn_takes_its_cached_history_over_in_one_call_and_chunks_only_
     elsewhere = other.add(list(range(3, 103)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
     elsewhere.target_worker = "t2"
     assert _chunks(other, elsewhere)[0] == (32, 32)  # nothing recorded: from the start
+
+
+def test_two_long_prompts_on_one_worker_prefill_first_come_first_served():
+    """The pipeline's Prefill over a real scheduler; the worker calls are stand-ins that take 10 ms. Taking turns chunk
+    by chunk, two prompts that overlap each wait about both prompts' time; first come, first served, the first
+    finishes in its own and the second in both (vLLM's FCFS)."""
+    import asyncio
+    import collections
+
+    from specserve.cluster.scheduling.prefill import Prefill
+    from specserve.workers.service.results import ProposeResult, VerifyResult
+
+    s = Scheduler([], ["t1"], prefill_chunk=32)
+    order: list[str] = []
+
+    async def verify(req, call):
+        order.append(req.request_id)
+        await asyncio.sleep(0.01)
+        return VerifyResult(accepted=0, next_token=5, batch_rows=1, batch_tokens=1, batch_seconds=0.01)
+
+    async def propose(req, call):
+        return ProposeResult(drafted=[])
+
+    async def main():
+        prefill = Prefill(s, None, verify, propose, collections.defaultdict(asyncio.Lock))
+        a = s.add(list(range(3, 131)), SamplingParams(max_new_tokens=4), SPEC, frozenset())  # 4 chunks of 32
+        b = s.add(list(range(5, 133)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+        first = asyncio.ensure_future(prefill.run(a))
+        await asyncio.sleep(0.015)  # b arrives while a's second chunk runs
+        await asyncio.gather(first, prefill.run(b))
+        return a.request_id, b.request_id
+
+    a, b = asyncio.run(main())
+    assert order == [a] * 3 + [b] * 3, order  # the fourth chunk of each goes with its first round
