@@ -43,14 +43,14 @@ class Prefill:
         feed: asyncio.Task | None = None
         lock: asyncio.Lock | None = None
         try:
-            while True:
+            while self.scheduler.has_prefill_chunk(req):  # a short prompt never queues behind a long one
                 if lock is not self._chunking[req.target_worker]:  # the first chunk, or the request moved
                     if lock is not None:
                         lock.release()
                         lock = None
                     await self._chunking[req.target_worker].acquire()
                     lock = self._chunking[req.target_worker]
-                if (chunk := self.scheduler.plan_prefill_chunk(req)) is None:
+                if (chunk := self.scheduler.plan_prefill_chunk(req)) is None:  # the worker's cache served it meanwhile
                     break
                 feed = await self._chunk(req, chunk, feed)
         finally:

@@ -216,6 +216,20 @@ class Scheduler(WorkerPlacement):
         fits a round's call (and for a request that asks for its prompt's logprobs, which one call computes). A new
         request's first chunk starts past the prefix its worker likely caches (affinity.py: a later turn's history
         is one call's take-over, not a call a chunk)."""
+        if (chunk := self._next_chunk(req)) is None:
+            return None
+        held, size, others, cap = chunk
+        self.chunks.started(req.target_worker, others)
+        want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
+        return self._call(req, req.target_worker, req.state.tokens[: held + size], drafted=[], draft_probs=b"",
+                          want_features=want, prefix_at_most=cap)  # fmt: skip
+
+    def has_prefill_chunk(self, req: SchedRequest) -> bool:
+        """Whether `plan_prefill_chunk` would plan one now (nothing planned or counted)."""
+        return self._next_chunk(req) is not None
+
+    def _next_chunk(self, req: SchedRequest) -> tuple[int, int, bool, int | None] | None:
+        """(positions its worker holds, the chunk's size, whether others decode there, the head's prefix cap)."""
         if not self.chunks.max_tokens or req.state.generated or req.prompt_logprobs is not None:
             return None
         held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
@@ -227,10 +241,7 @@ class Scheduler(WorkerPlacement):
         size = self.chunks.size(req.target_worker, others, req.request_id)  # others decoding there wait for each chunk
         if req.state.prompt_len - held <= (size if req.told.get(req.target_worker) else self.chunks.max_tokens):
             return None  # the rest goes with the first round's call
-        self.chunks.started(req.target_worker, others)
-        want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
-        return self._call(req, req.target_worker, req.state.tokens[: held + size], drafted=[], draft_probs=b"",
-                          want_features=want, prefix_at_most=cap)  # fmt: skip
+        return held, size, others, cap
 
     def _head_prefix(self, req: SchedRequest) -> int | None:
         return self.prefixes.head_prefix(req, self.requests.values())  # a head's request: what its head holds

@@ -62,7 +62,8 @@ def test_a_later_turn_takes_its_cached_history_over_in_one_call_and_chunks_only_
 def test_two_long_prompts_on_one_worker_prefill_first_come_first_served():
     """The pipeline's Prefill over a real scheduler; the worker calls are stand-ins that take 10 ms. Taking turns chunk
     by chunk, two prompts that overlap each wait about both prompts' time; first come, first served, the first
-    finishes in its own and the second in both (vLLM's FCFS)."""
+    finishes in its own and the second in both (vLLM's FCFS). A short prompt never waits behind them: the first
+    form of this queued every new request for the worker, and chat streams stalled for a long prompt's prefill."""
     import asyncio
     import collections
 
@@ -86,7 +87,10 @@ def test_two_long_prompts_on_one_worker_prefill_first_come_first_served():
         b = s.add(list(range(5, 133)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
         first = asyncio.ensure_future(prefill.run(a))
         await asyncio.sleep(0.015)  # b arrives while a's second chunk runs
-        await asyncio.gather(first, prefill.run(b))
+        second = asyncio.ensure_future(prefill.run(b))
+        chat = s.add(list(range(3, 23)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+        await asyncio.wait_for(prefill.run(chat), 0.005)  # a short prompt has no chunk to queue for
+        await asyncio.gather(first, second)
         return a.request_id, b.request_id
 
     a, b = asyncio.run(main())
