@@ -11,21 +11,27 @@ p99 gap 18x alone). The decoding rounds counted are chains' and trees' alike (th
 So while others decode there, a chunk is sized to cost about CHUNK_SHARE of their round (their round's wall time,
 drafting and hops included, as measured while no chunk ran beside it, nor started before it ended): their rows ride
 in the chunk's pass (the batcher holds a prompt's pass for them, `prefill_wait_ms`), so each stream's round grows to
-about CHUNK_SHARE of its own, and the prompt gets most of the worker. A chunk's cost is fitted as a fixed part and a
-part per position (decayed least squares over the prompt's latest chunks: deeper in the prompt both grow). The fit is
-per prompt: two prompts chunking on one worker at different depths, fitted as one, gave a per-position part near zero
-and 256-token chunks beside the streams. Where even the smallest chunk's fixed part (a forward's reading of every
-weight: 70-250 ms for SmolLM2 on 2 cores, deeper in a 4K prompt) overruns the budget, shrinking would only slow the
-prompt: the chunk is then as long as makes its per-position part equal its fixed part. Steps are at most MAX_STEP, so
-the fit sees several sizes. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
+about CHUNK_SHARE of its own. A chunk's cost is fitted as a fixed part and a part per position (decayed least squares
+over the prompt's latest chunks: deeper in the prompt both grow). The fit is per prompt: two prompts chunking on one
+worker at different depths, fitted as one, gave a per-position part near zero and 256-token chunks beside the
+streams. Where the fixed part (a forward's reading of every weight, the decoding rows beside the chunk: 70-250 ms for
+SmolLM2 on 2 cores) would take more than half that pass, shrinking would only slow the prompt: the chunk is then as
+long as makes its own positions PROMPT_SHARE of its pass.
+
+The two settings trade the prompt's TTFT against the streams' gaps; on the 2-core CPU neither trade meets both of
+issue 54's bounds (TTFT within 1.5x alone, the streams' p99 gap within 2x). The long-prompt bench, quick, one run each
+(results/2026-11-28-2145-smollm2-long-prompt-merged): CHUNK_SHARE 2 gave 2.4x / 1.7x, 3 gave 2.1x / 2.0x (these
+settings), and 2 with the prompt's share at 2/3 gave 1.45x / 3.6x. Steps are at most MAX_STEP, so the fit sees several
+sizes. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CHUNK_SHARE = 2.0  # a chunk costs about this many of the decoding requests' rounds
+CHUNK_SHARE = 3.0  # a chunk's pass costs about this many of the decoding requests' rounds
 MIN_CHUNK_TOKENS = 16  # fewer is mostly a call's fixed cost
+PROMPT_SHARE = 1 / 2  # of a chunk's pass, at least this much is the chunk's own positions
 MAX_STEP = 2.0  # a chunk's size changes at most this factor from the last one's
 DECAY = 0.8  # weight of the older mean in the decoding rounds' time
 FIT_DECAY = 0.7  # weight of older chunks in the cost fit
@@ -120,12 +126,12 @@ class ChunkPacer:
 
 
 def _fitted_size(fit: list[float], budget_s: float, positions: int, seconds: float) -> float:
-    """The size whose fitted cost (fixed + per position) is the budget; where the fixed part alone overruns it, the
-    size at which the per-position part equals the fixed part. With no spread of sizes yet: proportional."""
+    """The size whose fitted cost (fixed + per position) is the budget, but at least the size at which the positions
+    take PROMPT_SHARE of the pass. With no spread of sizes yet: proportional."""
     w, n, s, nn, ns = fit
     spread = w * nn - n * n
     per = (w * ns - n * s) / spread if spread > 1e-9 * max(1.0, nn * w) else 0.0
     if per <= 0:
         return positions * budget_s / seconds
     fixed = max(0.0, (s - per * n) / w)
-    return (budget_s - fixed) / per if budget_s > 2 * fixed else fixed / per
+    return max((budget_s - fixed) / per, PROMPT_SHARE / (1 - PROMPT_SHARE) * fixed / per)
