@@ -38,8 +38,8 @@ class Prefill:
     async def run(self, req: SchedRequest) -> None:
         """Every chunk of the request's prompt but what goes with its first round; returns once the last feed is in.
         A prompt holds its target worker's chunk lock from its first chunk to its last: prompts prefill there first
-        come, first served (vLLM's FCFS), where taking turns chunk by chunk made every prompt that overlapped another
-        wait about twice its time."""
+        come, first served (vLLM's FCFS). Taking turns chunk by chunk, both prompts of an overlap finish about when
+        the second would; this way the first finishes sooner and the second no later."""
         feed: asyncio.Task | None = None
         lock: asyncio.Lock | None = None
         try:
