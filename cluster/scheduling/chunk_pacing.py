@@ -18,11 +18,11 @@ streams. Where the fixed part (a forward's reading of every weight, the decoding
 SmolLM2 on 2 cores) would take more than half that pass, shrinking would only slow the prompt: the chunk is then as
 long as makes its own positions PROMPT_SHARE of its pass.
 
-The two settings trade the prompt's TTFT against the streams' gaps; on the 2-core CPU neither trade meets both of
-issue 54's bounds (TTFT within 1.5x alone, the streams' p99 gap within 2x). The long-prompt bench, quick, one run each
-(results/2026-11-28-2145-smollm2-long-prompt-merged): CHUNK_SHARE 2 gave 2.4x / 1.7x, 3 gave 2.1x / 2.0x (these
-settings), and 2 with the prompt's share at 2/3 gave 1.45x / 3.6x. Steps are at most MAX_STEP, so the fit sees several
-sizes. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
+The two settings trade the prompt's TTFT against the streams' gaps; on the 2-core CPU neither trade meets both of issue
+54's bounds (TTFT within 1.5x alone, the streams' p99 gap within 2x). The long-prompt bench, quick
+(results/2026-11-28-2145-smollm2-long-prompt-merged): CHUNK_SHARE 2 gave 2.4x / 1.7x, 3 gave 2.1x / 2.0x and 2.7x / 1.8x
+(these settings), and 2 with the prompt's share at 2/3 gave 1.45x / 3.6x. Steps are at most MAX_STEP, so the fit sees
+several sizes. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
 """
 
 from __future__ import annotations
