@@ -43,14 +43,16 @@ class Prefill:
         feed: asyncio.Task | None = None
         lock: asyncio.Lock | None = None
         try:
-            while self.scheduler.has_prefill_chunk(req):  # a short prompt never queues behind a long one
+            while True:
                 if lock is not self._chunking[req.target_worker]:  # the first chunk, or the request moved
+                    if not self.scheduler.has_prefill_chunk(req):
+                        break  # a short prompt never queues behind a long one
                     if lock is not None:
                         lock.release()
                         lock = None
                     await self._chunking[req.target_worker].acquire()
                     lock = self._chunking[req.target_worker]
-                if (chunk := self.scheduler.plan_prefill_chunk(req)) is None:  # the worker's cache served it meanwhile
+                if (chunk := self.scheduler.plan_prefill_chunk(req)) is None:  # the rest goes with its first round
                     break
                 feed = await self._chunk(req, chunk, feed)
         finally:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from specserve.cluster.scheduling.calls import Call
 from specserve.cluster.scheduling.chunk_pacing import ChunkPacer
@@ -40,6 +41,15 @@ from specserve.workers.speculation.suffix import SuffixCache
 log = logging.getLogger(__name__)
 
 FALLBACK_K = 3  # k='auto' when the workers could not report their costs: a chain length that pays on most hardware
+
+
+class _NextChunk(NamedTuple):
+    """A long prompt's next prefill chunk, before it is planned."""
+
+    held: int  # positions its target worker holds
+    size: int  # the chunk's tokens
+    others: bool  # whether other requests decode on that worker
+    cap: int | None  # the head's prefix cap (prefixes.head_prefix)
 
 
 class NoTargetWorker(RuntimeError):
@@ -218,18 +228,16 @@ class Scheduler(WorkerPlacement):
         is one call's take-over, not a call a chunk)."""
         if (chunk := self._next_chunk(req)) is None:
             return None
-        held, size, others, cap = chunk
-        self.chunks.started(req.target_worker, others)
+        self.chunks.started(req.target_worker, chunk.others)
         want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
-        return self._call(req, req.target_worker, req.state.tokens[: held + size], drafted=[], draft_probs=b"",
-                          want_features=want, prefix_at_most=cap)  # fmt: skip
+        return self._call(req, req.target_worker, req.state.tokens[: chunk.held + chunk.size], drafted=[],
+                          draft_probs=b"", want_features=want, prefix_at_most=chunk.cap)  # fmt: skip
 
     def has_prefill_chunk(self, req: SchedRequest) -> bool:
         """Whether `plan_prefill_chunk` would plan one now (nothing planned or counted)."""
         return self._next_chunk(req) is not None
 
-    def _next_chunk(self, req: SchedRequest) -> tuple[int, int, bool, int | None] | None:
-        """(positions its worker holds, the chunk's size, whether others decode there, the head's prefix cap)."""
+    def _next_chunk(self, req: SchedRequest) -> _NextChunk | None:
         if not self.chunks.max_tokens or req.state.generated or req.prompt_logprobs is not None:
             return None
         held = common_prefix_length(req.told.get(req.target_worker, []), req.state.tokens)
@@ -241,7 +249,7 @@ class Scheduler(WorkerPlacement):
         size = self.chunks.size(req.target_worker, others, req.request_id)  # others decoding there wait for each chunk
         if req.state.prompt_len - held <= (size if req.told.get(req.target_worker) else self.chunks.max_tokens):
             return None  # the rest goes with the first round's call
-        return held, size, others, cap
+        return _NextChunk(held, size, others, cap)
 
     def _head_prefix(self, req: SchedRequest) -> int | None:
         return self.prefixes.head_prefix(req, self.requests.values())  # a head's request: what its head holds

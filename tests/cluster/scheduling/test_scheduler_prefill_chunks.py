@@ -2,8 +2,13 @@
 of the chunk's size before its first round, each told only its new tokens; short prompts, a request that asks for its
 prompt's logprobs and a scheduler without chunking send the prompt with the first round."""
 
+import asyncio
+import collections
+
+from specserve.cluster.scheduling.prefill import Prefill
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
+from specserve.workers.service.results import ProposeResult, VerifyResult
 
 SPEC = SpecParams(method="ngram", k=3)
 
@@ -64,12 +69,6 @@ def test_two_long_prompts_on_one_worker_prefill_first_come_first_served():
     by chunk, two prompts that overlap each wait about both prompts' time; first come, first served, the first
     finishes in its own and the second in both (vLLM's FCFS). A short prompt never waits behind them: the first
     form of this queued every new request for the worker, and chat streams stalled for a long prompt's prefill."""
-    import asyncio
-    import collections
-
-    from specserve.cluster.scheduling.prefill import Prefill
-    from specserve.workers.service.results import ProposeResult, VerifyResult
-
     s = Scheduler([], ["t1"], prefill_chunk=32)
     order: list[str] = []
 
