@@ -23,11 +23,17 @@ The two settings trade the prompt's TTFT against the streams' gaps; on the 2-cor
 (results/2026-11-28-2145-smollm2-long-prompt-merged): CHUNK_SHARE 2 gave 2.4x / 1.7x, 3 gave 2.1x / 2.0x and 2.7x / 1.8x
 (these settings), and 2 with the prompt's share at 2/3 gave 1.45x / 3.6x. Steps are at most MAX_STEP, so the fit sees
 several sizes. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
+
+The decoding rounds planned while a prompt prefills on their worker count its next chunk in their pass (`beside`):
+its positions as tokens the pass commits and its fitted seconds, so their planners verify only the drafted positions
+expected to commit more than the prompt's positions they displace (planner/costs.py's ChunkBeside).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from specserve.workers.speculation.planner.costs import ChunkBeside
 
 CHUNK_SHARE = 3.0  # a chunk's pass costs about this many of the decoding requests' rounds
 MIN_CHUNK_TOKENS = 16  # fewer is mostly a call's fixed cost
@@ -49,7 +55,9 @@ class _Worker:
     beside: bool = False  # whether the chunk in flight was planned beside decoding requests
     chunks: int = 0
     chunk_s: float = 0.0  # the latest chunk's seconds
+    chunk_n: int = 0  # and its positions
     fits: dict[str, list[float]] = field(default_factory=dict)  # per prompt, decayed sums: 1, n, s, n^2, n*s
+    prompt: str | None = None  # the prompt prefilling there now (its first chunk planned, its last not yet run)
 
 
 class ChunkPacer:
@@ -73,11 +81,34 @@ class ChunkPacer:
             return self.max_tokens
         return w.sizes.get(prompt) or w.size or min(self.max_tokens, max(MIN_CHUNK_TOKENS, self.max_tokens // 4))
 
-    def started(self, worker: str, others_decoding: bool) -> None:
-        """A chunk of `size`'s answer goes to the worker."""
+    def started(self, worker: str, others_decoding: bool, prompt: str = "") -> None:
+        """A chunk of `prompt` (of `size`'s answer) goes to the worker."""
         w = self._at(worker)
         w.epoch += 1
         w.beside = others_decoding and w.round_s is not None
+        w.prompt = prompt
+
+    def ended(self, prompt: str) -> None:
+        """The prompt's chunks are over (the rest goes with its first round, or it ended)."""
+        for w in self._workers.values():
+            if w.prompt == prompt:
+                w.prompt = None
+
+    def beside(self, worker: str) -> ChunkBeside | None:
+        """The chunk that a decoding round planned now on `worker` shares its pass with (None: no prompt prefills
+        there): the prompt's next chunk, its seconds by the prompt's cost fit per position (before two sizes were
+        measured, the latest chunk's seconds per position, its fixed part included)."""
+        w = self._workers.get(worker)
+        if w is None or w.prompt is None:
+            return None
+        positions = self.size(worker, True, w.prompt)
+        fit = w.fits.get(w.prompt)
+        per = _per_position(fit) if fit else 0.0
+        if per <= 0:
+            if not w.chunk_n:
+                return None
+            per = w.chunk_s / w.chunk_n
+        return ChunkBeside(positions, per * positions)
 
     def chunk_ran(self, worker: str, positions: int, seconds: float, prompt: str = "") -> None:
         """The chunk in flight (of `prompt`) fed `positions` positions in `seconds` of its worker's batch; one beside
@@ -87,7 +118,7 @@ class ChunkPacer:
         if positions <= 0 or seconds <= 0:
             return
         w.chunks += 1
-        w.chunk_s = seconds
+        w.chunk_s, w.chunk_n = seconds, positions
         fit = w.fits.pop(prompt, None) or [0.0] * 5
         sample = (1, positions, seconds, positions**2, positions * seconds)
         w.fits[prompt] = [FIT_DECAY * old + new for old, new in zip(fit, sample, strict=True)]
@@ -125,12 +156,18 @@ class ChunkPacer:
                 for name, w in self._workers.items()}  # fmt: skip
 
 
+def _per_position(fit: list[float]) -> float:
+    """The fit's seconds per position (0: no spread of sizes yet, or none fitted)."""
+    w, n, s, nn, ns = fit
+    spread = w * nn - n * n
+    return (w * ns - n * s) / spread if spread > 1e-9 * max(1.0, nn * w) else 0.0
+
+
 def _fitted_size(fit: list[float], budget_s: float, positions: int, seconds: float) -> float:
     """The size whose fitted cost (fixed + per position) is the budget, but at least the size at which the positions
     take PROMPT_SHARE of the pass. With no spread of sizes yet: proportional."""
-    w, n, s, nn, ns = fit
-    spread = w * nn - n * n
-    per = (w * ns - n * s) / spread if spread > 1e-9 * max(1.0, nn * w) else 0.0
+    w, n, s, _, _ = fit
+    per = _per_position(fit)
     if per <= 0:
         return positions * budget_s / seconds
     fixed = max(0.0, (s - per * n) / w)

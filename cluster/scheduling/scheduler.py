@@ -155,7 +155,8 @@ class Scheduler(WorkerPlacement):
         worker = req.target_worker
         peers = [row if r is req else r.round.row for r in self.requests.values() if r.target_worker == worker]
         peers = [p for p in peers if p is not None]
-        width = self.batches.setdefault(worker, BatchWidth()).for_round(peers, self.planner_costs, self.max_chain)
+        width = self.batches.setdefault(worker, BatchWidth()).for_round(peers, self.planner_costs, self.max_chain,
+                                                                        self.chunks.beside(worker))  # fmt: skip
         return len(peers), width
 
     def _features_paused(self, req: SchedRequest) -> bool:
@@ -198,7 +199,7 @@ class Scheduler(WorkerPlacement):
 
     def prune_tree(self, req: SchedRequest, tree: DraftTree) -> DraftTree | None:
         """The drafted tree as it is verified: for 'auto', its nodes that pay at the verify cost of the worker's
-        batch of trees (None: none does, a plain step)."""
+        batch of trees and of a prompt's chunk that shares its pass (None: none does, a plain step)."""
         if req.spec.k != "auto" or not tree.tokens:
             return tree if tree.tokens else None
         if req.pruning is None:
@@ -206,7 +207,8 @@ class Scheduler(WorkerPlacement):
         worker = req.target_worker
         others = [r.batch_row() for r in self.requests.values() if r.target_worker == worker and r is not req]
         req.pruning.verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
-        return req.pruning.prune(tree, others, self.batches.setdefault(worker, BatchWidth()).tree_overhead.seconds)
+        overhead = self.batches.setdefault(worker, BatchWidth()).tree_overhead.seconds
+        return req.pruning.prune(tree, others, overhead, self.chunks.beside(worker))
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])
@@ -228,10 +230,14 @@ class Scheduler(WorkerPlacement):
         is one call's take-over, not a call a chunk)."""
         if (chunk := self._next_chunk(req)) is None:
             return None
-        self.chunks.started(req.target_worker, chunk.others)
+        self.chunks.started(req.target_worker, chunk.others, req.request_id)
         want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
         return self._call(req, req.target_worker, req.state.tokens[: chunk.held + chunk.size], drafted=[],
                           draft_probs=b"", want_features=want, prefix_at_most=chunk.cap)  # fmt: skip
+
+    def prefill_ended(self, req: SchedRequest) -> None:
+        """The request's prompt has no more chunks to run (its rest goes with its first round, or it ended)."""
+        self.chunks.ended(req.request_id)
 
     def has_prefill_chunk(self, req: SchedRequest) -> bool:
         """Whether `plan_prefill_chunk` would plan one now (nothing planned or counted)."""
@@ -245,11 +251,18 @@ class Scheduler(WorkerPlacement):
         if not held:
             held = self.prefixes.target_held(req)
             held = held if cap is None else min(held, cap)
-        others = any(r.target_worker == req.target_worker and r.state.generated for r in self.requests.values())
-        size = self.chunks.size(req.target_worker, others, req.request_id)  # others decoding there wait for each chunk
+        # Others decoding there wait for each chunk; so do those about to (a short prompt's first round), else a
+        # moment when every chat stream is between its requests gave a whole chunk: a 2 s pass deep in a 4K prompt.
+        others = any(r.target_worker == req.target_worker and r is not req and self._decodes_soon(r)
+                     for r in self.requests.values())  # fmt: skip
+        size = self.chunks.size(req.target_worker, others, req.request_id)
         if req.state.prompt_len - held <= (size if req.told.get(req.target_worker) else self.chunks.max_tokens):
             return None  # the rest goes with the first round's call
         return _NextChunk(held, size, others, cap)
+
+    def _decodes_soon(self, req: SchedRequest) -> bool:
+        """Decoding, or its prompt goes with its first round (no chunks of its own to wait for)."""
+        return bool(req.state.generated) or req.state.prompt_len <= (self.chunks.max_tokens or req.state.prompt_len)
 
     def _head_prefix(self, req: SchedRequest) -> int | None:
         return self.prefixes.head_prefix(req, self.requests.values())  # a head's request: what its head holds

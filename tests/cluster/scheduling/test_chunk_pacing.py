@@ -2,6 +2,8 @@
 setting's chunk; beside decoding requests a chunk moves, by proportional steps, to the size that costs CHUNK_SHARE of
 their round as measured while no chunk ran beside it; within [MIN_CHUNK_TOKENS, the setting]."""
 
+import pytest
+
 from specserve.cluster.scheduling.chunk_pacing import CHUNK_SHARE, MAX_STEP, MIN_CHUNK_TOKENS, ChunkPacer
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
@@ -131,3 +133,29 @@ def test_two_prompts_chunking_at_different_depths_are_each_sized_by_their_own_co
     assert sizes["b"][0] == 25  # a new prompt starts at the worker's latest size
     assert max(sizes["a"]) == 25, sizes
     assert abs(shallow(sizes["b"][-1]) - CHUNK_SHARE * 0.1) < 0.01, sizes  # 260 tokens (the setting's 256)
+
+
+def test_while_a_prompt_prefills_a_decoding_round_is_told_of_the_chunk_in_its_pass():
+    """From a prompt's first chunk to its last (`ended`), `beside` is its next chunk: that chunk's positions, at the
+    prompt's fitted seconds per position (before two sizes were measured, the latest chunk's per position)."""
+    from specserve.workers.speculation.planner.costs import ChunkBeside
+
+    pacer = ChunkPacer(256)
+    pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
+    assert pacer.beside("t1") is None  # nothing prefills there
+    n = pacer.size("t1", True, "a")
+    pacer.started("t1", True, "a")
+    assert pacer.beside("t1") is None  # no chunk of it measured yet: nothing to weigh it by
+    pacer.chunk_ran("t1", n, 0.05 + 0.004 * n, "a")
+    first = pacer.beside("t1")
+    assert first == ChunkBeside(pacer.size("t1", True, "a"), pytest.approx(first.positions * (0.05 + 0.004 * n) / n))
+    for _ in range(4):
+        n = pacer.size("t1", True, "a")
+        pacer.started("t1", True, "a")
+        pacer.chunk_ran("t1", n, 0.05 + 0.004 * n, "a")
+    fitted = pacer.beside("t1")
+    assert fitted.positions == pacer.size("t1", True, "a")
+    assert fitted.seconds == pytest.approx(0.004 * fitted.positions)  # the fit's part per position, not the fixed
+    assert pacer.beside("t2") is None  # another worker
+    pacer.ended("a")
+    assert pacer.beside("t1") is None

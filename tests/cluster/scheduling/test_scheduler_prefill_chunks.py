@@ -94,3 +94,34 @@ def test_two_long_prompts_on_one_worker_prefill_first_come_first_served():
 
     a, b = asyncio.run(main())
     assert order == [a] * 3 + [b] * 3, order  # the fourth chunk of each goes with its first round
+
+
+def test_decoding_rounds_beside_a_prompts_chunks_draft_only_what_beats_the_chunks_positions():
+    """k='auto' chains on a worker where a long prompt prefills: their plan counts its next chunk in the pass (its
+    positions as tokens, its fitted seconds), so beside a chunk whose positions cost 2 ms each they draft less than
+    alone; once its prefill ends they draft as before."""
+    from specserve.workers.speculation.planner.acceptance import PositionAcceptance
+    from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts
+    from tests.helpers.cost_surfaces import cpu_surface
+
+    s = Scheduler(["d1"], ["t1"], prefill_chunk=128)
+    s.planner_costs = PlannerCosts(cpu_surface(), draft=DraftCost(step_s=0.003, fixed_s=0.002))
+    auto = SpecParams(method="draft", k="auto")
+    chats = [s.add(list(range(3, 23)), SamplingParams(max_new_tokens=200), auto, frozenset()) for _ in range(4)]
+    for chat in chats:
+        chat.planner.draft = PositionAcceptance((0.7, 0.6, 0.5, 0.4))
+    for _ in range(3):  # the prompt's round, the drafter's catch-up, then a steady round of 0.1 s each
+        for chat in chats:
+            k = s.plan_round(chat).k
+            s.apply_round(chat, chat.round, VerifyResult(0, 7), [3] * k, round_s=0.1)
+    alone = [s.plan_round(chat).k for chat in chats]
+    assert min(alone) > 0
+    long = s.add(list(range(3, 1003)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+    for _ in range(3):  # chunks whose positions cost 2 ms each beside a 50 ms fixed part
+        call = s.plan_prefill_chunk(long)
+        n = len(call.new_tokens)
+        s.prefilled(long, call, VerifyResult(0, 5, batch_rows=5, batch_tokens=n, batch_seconds=0.05 + 0.002 * n))
+    beside = [s.plan_round(chat).k for chat in chats]
+    assert max(beside) < min(alone), (alone, beside)
+    s.prefill_ended(long)
+    assert [s.plan_round(chat).k for chat in chats] == alone

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specserve.workers.speculation.planner.costs import PlannerCosts
+from specserve.workers.speculation.planner.costs import ChunkBeside, PlannerCosts
 from specserve.workers.speculation.planner.goodput import RealizedRounds, RoundForecast, RowChoice, plan_batch
 from specserve.workers.speculation.planner.tree import RoundOverhead
 
@@ -37,12 +37,16 @@ class BatchWidth:
     realized: RealizedRounds = field(default_factory=RealizedRounds)  # the worker's rounds against their plans
     forecast: RoundForecast | None = None  # what the current plan's rounds are expected to take
     tree_overhead: RoundOverhead = field(default_factory=RoundOverhead)  # its tree rounds' time beyond the verify
+    beside: bool = False  # whether the plan counted a prompt's chunk in the pass
 
-    def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int) -> int:
-        if self.rows != len(rows) or self.plans_left <= 0:
+    def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int,
+                  beside: ChunkBeside | None = None) -> int:  # fmt: skip
+        """The width of this round of one of `rows` (the worker's requests), `beside` a prompt's chunk in its pass."""
+        if self.rows != len(rows) or self.plans_left <= 0 or self.beside != (beside is not None):
             plan = plan_batch(rows, costs.surface, costs.drafters, max_width, batched_drafts=True,
-                              realized=self.realized)  # fmt: skip
+                              realized=self.realized, beside=beside)  # fmt: skip
             self.width, self.rows, self.plans_left = plan.width, len(rows), len(rows)
+            self.beside = beside is not None
             self.forecast = RoundForecast(plan.width > 0, len(rows), plan.seconds)
             self._track()
         self.plans_left -= 1

@@ -35,6 +35,19 @@ class VerifyCosts:
 
 
 @dataclass(frozen=True)
+class ChunkBeside:
+    """Another request's prompt chunk that shares a decoding round's forward pass (chunked prefill): its positions,
+    and what they add to the pass's seconds (the chunk's fitted cost per position times them, cluster/scheduling/
+    chunk_pacing.py). The planners count its positions as tokens the pass commits, one for one with decoded ones (a
+    token budget's exchange rate, as vLLM's `max_num_batched_tokens` charges a step's prefill and decode tokens
+    alike): a drafted position then pays only where it is expected to commit more than the prompt's position it
+    displaces, and beside a deep prompt's chunk the rounds verify narrower."""
+
+    positions: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class DraftCost:
     """A drafter's seconds for k drafts: fixed_s + k step_s (n-gram lookup: zero)."""
 

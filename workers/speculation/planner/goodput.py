@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from specserve.workers.speculation.methods import LOOKUP_CHAIN
 from specserve.workers.speculation.planner.acceptance import expected_accepted
 from specserve.workers.speculation.planner.costs import (
+    ChunkBeside,
     DecayedByRows,
     DraftCost,
     VerifySurface,
@@ -165,6 +166,7 @@ def plan_batch(
     max_width: int,
     batched_drafts: bool = True,
     realized: RealizedRounds | None = None,
+    beside: ChunkBeside | None = None,
 ) -> BatchPlan:
     """Each request's draft for this round, maximising the batch's committed tokens per second:
 
@@ -172,8 +174,10 @@ def plan_batch(
 
     k_i <= w (fixed-k rows: their k), over w = 0..max_width (w = 0: no 'auto' row drafts); slowdown: the worker's
     realized rounds over their plans (`RealizedRounds`; 1 without). The pass is packed, so each row pays for its own
-    positions (`packed_seconds`); the rows under a width draft up to it, each with its best option."""
+    positions (`packed_seconds`); the rows under a width draft up to it, each with its best option. A prompt's chunk
+    `beside` them in the pass adds its positions to the committed tokens and its seconds to the round's."""
     n = len(rows)
+    chunk, chunk_s = (beside.positions, beside.seconds) if beside is not None else (0, 0.0)
     best: BatchPlan | None = None
     for width in range(0, max_width + 1):
         plans, widest = [], 0
@@ -185,10 +189,10 @@ def plan_batch(
         if widest < width and width > 0:
             break  # no row can draft this many: wider widths plan the same
         columns = sum(p.k + 1 for p in plans)
-        seconds = packed_seconds(verify, n, columns) + _drafting_s(plans, costs, batched_drafts)
+        seconds = packed_seconds(verify, n, columns) + _drafting_s(plans, costs, batched_drafts) + chunk_s
         slowdown = realized.factor(widest > 0, n) if realized is not None else 1.0
         committed = sum(1.0 + (_planned(p, row.options) if p.k else 0.0) for p, row in zip(plans, rows, strict=True))
-        rate = committed / (seconds * slowdown)
+        rate = (committed + chunk) / (seconds * slowdown)
         if best is None or rate > best.rate * (1.0 + 1e-9):
             best = BatchPlan(tuple(plans), widest, rate, seconds)
     return best

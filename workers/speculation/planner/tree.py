@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.planner.costs import VerifyCosts
+from specserve.workers.speculation.planner.costs import ChunkBeside, VerifyCosts
 
 MAX_TREE_NODES = 16  # the tree drafted for k='auto', pruned each round
 
@@ -83,18 +83,20 @@ class TreeRow:
 
 
 def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float, others: Sequence[TreeRow] = (),
-                    fixed_s: float = 0.0) -> int:  # fmt: skip
+                    fixed_s: float = 0.0, beside: ChunkBeside | None = None) -> int:  # fmt: skip
     """The cap b (0: none) on every tree row of the batch (this one's `scores` and the `others`) whose round commits
     the most tokens per second: sum of rows' (1 + E(b)) / (T(mean width) + fixed_s), `verify` the batch's cost per
-    width (a packed pass: each row pays for its own positions). The request keeps its b best nodes."""
+    width (a packed pass: each row pays for its own positions); with a prompt's chunk `beside` in the pass, its
+    positions and seconds count too. The request keeps its b best nodes."""
     own = expected_accepted_by_size(scores[: verify.max_k], factor)
+    chunk, chunk_s = (beside.positions, beside.seconds) if beside is not None else (0, 0.0)
     best, best_rate = 0, -1.0
     for b in range(0, len(own) + 1):
         drafted, committed = b, 1.0 + (own[b - 1] if b else 0.0)
         for row in others:
             width, commits = row.at_cap(b)
             drafted, committed = drafted + width, committed + commits
-        rate = committed / (verify.mean_verify(drafted / (1 + len(others))) + fixed_s)
+        rate = (committed + chunk) / (verify.mean_verify(drafted / (1 + len(others))) + fixed_s + chunk_s)
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = b, rate
     return best
@@ -121,16 +123,19 @@ class TreePruning:
             return False
         return True
 
-    def prune(self, tree: DraftTree, others: Sequence[TreeRow] = (), fixed_s: float = 0.0) -> DraftTree | None:
+    def prune(self, tree: DraftTree, others: Sequence[TreeRow] = (), fixed_s: float = 0.0,
+              beside: ChunkBeside | None = None) -> DraftTree | None:  # fmt: skip
         """The tree's best nodes that pay for their verification in the batch (`others`: its other rows, `verify`
-        its cost per width; `fixed_s`: the round's seconds beyond the verify forward), or None (a plain step) when
-        none does."""
+        its cost per width; `fixed_s`: the round's seconds beyond the verify forward; `beside`: a prompt's chunk in
+        the pass), or None (a plain step) when none does."""
         scores = sorted(tree.scores, reverse=True)
         self.by_size = tuple(expected_accepted_by_size(scores, self.calibration.factor))
-        count = best_node_count(scores, self.verify, self.calibration.factor, others, fixed_s)
+        count = best_node_count(scores, self.verify, self.calibration.factor, others, fixed_s, beside)
         self.predicted = sum(math.exp(s) for s in scores[:count])
-        # Backing off saves a head's levels; a lookup tree costs nothing to draft, and the next match may pay.
-        self.backoff = 0 if count or not self.costly else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
+        # Backing off saves a head's levels; a lookup tree costs nothing to draft, and the next match may pay. Nor
+        # beside a prompt's chunk: its prefill ends soon, and the trees that lose to it now pay again then.
+        costly = self.costly and beside is None
+        self.backoff = 0 if count or not costly else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
         self.plain_rounds = self.backoff
         return tree.best(count) if count else None
 

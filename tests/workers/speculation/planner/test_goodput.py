@@ -166,3 +166,23 @@ def test_drafting_that_pays_on_paper_stops_when_its_rounds_take_longer_than_plan
     alike_plan = plan_batch(rows, cpu_surface(), COSTS, 8, realized=alike)
     assert alike_plan.width == paper.width
     assert alike_plan.rate == pytest.approx(paper.rate / alike.factor(True, 4)) and alike.factor(True, 4) > 1.8
+
+
+def test_beside_a_prompts_chunk_the_batch_drafts_no_wider_and_its_forecast_counts_the_chunk():
+    """A chunk's positions count as tokens of the pass and its seconds as the round's (ChunkBeside): the width is
+    the one with the most tokens a second of both, narrower beside a chunk of cheap positions, and the round's
+    forecast includes the chunk."""
+    from specserve.workers.speculation.planner.costs import ChunkBeside
+
+    rows = [head_row((0.8, 0.7, 0.6, 0.5, 0.4, 0.35, 0.3, 0.25))] * 4
+    alone = plan_batch(rows, cpu_surface(), COSTS, 8, batched_drafts=True)
+    chunk = ChunkBeside(96, 96 * 0.006)  # deep in a long prompt: 6 ms a position
+    beside = plan_batch(rows, cpu_surface(), COSTS, 8, batched_drafts=True, beside=chunk)
+    assert 0 < beside.width < alone.width
+    shallow = plan_batch(rows, cpu_surface(), COSTS, 8, batched_drafts=True, beside=ChunkBeside(96, 96 * 0.002))
+    assert shallow.width == 0  # its positions commit more a second than any drafted one
+    packed = lambda n, columns: packed_seconds(cpu_surface(), n, columns)  # noqa: E731
+    with_chunk = lambda k: ((4 * (1 + expected_accepted(rows[0].options[0].rates, k)) + 96)  # noqa: E731
+                            / (packed(4, 4 * (k + 1)) + HEAD.of(k) + chunk.seconds))  # fmt: skip
+    assert beside.rate == pytest.approx(max(with_chunk(k) for k in range(9)))
+    assert beside.seconds == pytest.approx(packed(4, 4 * (beside.width + 1)) + HEAD.of(beside.width) + chunk.seconds)

@@ -121,3 +121,35 @@ def test_tree_rounds_weigh_their_measured_time_beyond_the_verify():
     assert rounds.overhead.rounds == 0
     rounds.took(RoundPlan(nodes=16), 0.03, steady=True)
     assert rounds.overhead.seconds == pytest.approx(0.03)
+
+
+def test_beside_a_prompts_chunk_a_node_pays_only_where_it_commits_more_than_the_chunks_positions_it_displaces():
+    """A chunk's positions count as the pass's tokens (ChunkBeside): the cap is the one with the most tokens a second
+    of chunk and trees together, never more nodes than without the chunk, and fewer beside a chunk whose positions
+    are cheap (shallow in its prompt) than beside one whose positions are dear (deep)."""
+    from specserve.workers.speculation.planner.costs import ChunkBeside
+
+    steep = VerifyCosts(tuple(0.05 + 0.003 * w for w in range(17)))  # 3 ms a drafted position, as a CPU batch's
+    scores = [math.log(p) for p in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.08)]
+    alone = best_node_count(scores, steep, 1.0)
+    shallow, deep = ChunkBeside(64, 64 * 0.003), ChunkBeside(64, 64 * 0.006)
+    beside_shallow = best_node_count(scores, steep, 1.0, beside=shallow)
+    beside_deep = best_node_count(scores, steep, 1.0, beside=deep)
+    assert 0 < beside_shallow < beside_deep < alone
+    by_size = expected_accepted_by_size(scores, 1.0)
+    rate = lambda b, c: (1 + (by_size[b - 1] if b else 0) + c.positions) / (steep.verify(b) + c.seconds)  # noqa: E731
+    for chunk, cap in ((shallow, beside_shallow), (deep, beside_deep)):
+        assert rate(cap, chunk) == pytest.approx(max(rate(b, chunk) for b in range(len(scores) + 1)))
+
+
+def test_a_tree_that_loses_to_a_prompts_chunk_does_not_back_the_head_off():
+    """Beside a chunk a head's tree may pay for no node this round; the prefill ends soon and the trees pay again
+    then, so the head drafts the next round (backing off is for trees that pay for nothing on their own)."""
+    from specserve.workers.speculation.planner.costs import ChunkBeside
+    from specserve.workers.speculation.planner.tree import TreePruning
+
+    modest = DraftTree([10, 11], [ROOT, 0], [math.log(0.3), math.log(0.1)])
+    head = TreePruning(VerifyCosts(tuple(0.05 + 0.003 * w for w in range(17))))
+    assert head.prune(modest) is not None  # alone its first node pays
+    assert head.prune(modest, beside=ChunkBeside(128, 128 * 0.002)) is None  # beside a cheap chunk, none does
+    assert head.backoff == 0 and head.wants_tree()
