@@ -56,7 +56,6 @@ class Prefill:
                     break
                 feed = await self._chunk(req, chunk, feed)
         finally:
-            self.scheduler.prefill_ended(req)
             if lock is not None:
                 lock.release()
             if feed is not None:  # also when the request was cancelled: its release goes after the feed

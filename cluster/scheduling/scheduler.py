@@ -235,10 +235,6 @@ class Scheduler(WorkerPlacement):
         return self._call(req, req.target_worker, req.state.tokens[: chunk.held + chunk.size], drafted=[],
                           draft_probs=b"", want_features=want, prefix_at_most=chunk.cap)  # fmt: skip
 
-    def prefill_ended(self, req: SchedRequest) -> None:
-        """The request's prompt has no more chunks to run (its rest goes with its first round, or it ended)."""
-        self.chunks.ended(req.request_id)
-
     def has_prefill_chunk(self, req: SchedRequest) -> bool:
         """Whether `plan_prefill_chunk` would plan one now (nothing planned or counted)."""
         return self._next_chunk(req) is not None
@@ -269,7 +265,9 @@ class Scheduler(WorkerPlacement):
 
     def prefilled(self, req: SchedRequest, call: Call, reply: VerifyResult) -> None:
         """A prefill chunk's reply: its features wait for its feed (its token is not committed)."""
-        self.chunks.chunk_ran(call.worker, len(call.new_tokens), reply.batch_seconds, req.request_id)
+        chunk = len(call.new_tokens)
+        self.chunks.chunk_ran(call.worker, chunk, reply.batch_seconds, req.request_id, reply.batch_tokens,
+                              depth=call.committed_len - chunk)  # fmt: skip
         if req.features is not None and reply.features:
             req.features.received(reply.features)
 
@@ -327,6 +325,7 @@ class Scheduler(WorkerPlacement):
         a head's tree the round's time beyond the target's forward."""
         if req.features is not None and reply.features:
             req.features.received(reply.features)
+        self.chunks.ended(req.request_id)  # a prompt that prefilled in chunks: its first round is in
         self.prefixes.holds_prompt(req, req.target_worker, "target")
         # Not the prompt's round, nor the request's first drafting one: its drafter's catch-up over the prompt (a
         # head's extension over up to 910 positions of features, a draft model's prefill) is not a steady round.
@@ -359,6 +358,7 @@ class Scheduler(WorkerPlacement):
         """The request ended (finished, failed or cancelled): forget it. Returns the workers that hold its state, for
         the caller to release it there."""
         self.requests.pop(req.request_id, None)
+        self.chunks.ended(req.request_id)
         self.prefixes.released(req, self.draft_workers)
         if req.method.suffix and req.state.finished:
             self.suffix_cache.remember_request(req.request_id, req.state.tokens, req.state.prompt_len)

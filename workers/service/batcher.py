@@ -152,6 +152,9 @@ class Batcher:
                 not batch
                 or tokens + job.cost <= self.config.max_batch_tokens
                 and self._padding_fits(len(batch) + 1, max(widest, job.cost), tokens + job.cost)
+                # a fed chunk's rows on a padded worker (a head's) lengthen every draft beside them, while their
+                # target waits for those drafts: it runs next, while the target verifies them
+                and not (self.pads_rows and job.prefill and not job.passed)
             )
             if fits and job.key not in keys:
                 batch.append(job)

@@ -99,7 +99,7 @@ def test_two_long_prompts_on_one_worker_prefill_first_come_first_served():
 def test_decoding_rounds_beside_a_prompts_chunks_draft_only_what_beats_the_chunks_positions():
     """k='auto' chains on a worker where a long prompt prefills: their plan counts its next chunk in the pass (its
     positions as tokens, its fitted seconds), so beside a chunk whose positions cost 2 ms each they draft less than
-    alone; once its prefill ends they draft as before."""
+    alone; once the prompt's first round is in they draft as before."""
     from specserve.workers.speculation.planner.acceptance import PositionAcceptance
     from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts
     from tests.helpers.cost_surfaces import cpu_surface
@@ -123,5 +123,6 @@ def test_decoding_rounds_beside_a_prompts_chunks_draft_only_what_beats_the_chunk
         s.prefilled(long, call, VerifyResult(0, 5, batch_rows=5, batch_tokens=n, batch_seconds=0.05 + 0.002 * n))
     beside = [s.plan_round(chat).k for chat in chats]
     assert max(beside) < min(alone), (alone, beside)
-    s.prefill_ended(long)
+    long.told["t1"] = list(long.state.tokens)
+    s.apply_round(long, s.plan_round(long), VerifyResult(0, 7), [], round_s=0.5)  # its first round: prefill over
     assert [s.plan_round(chat).k for chat in chats] == alone

@@ -317,3 +317,22 @@ def test_a_padded_workers_decoding_rows_go_before_a_prefill_that_came_first_and_
 
     # The drafts would otherwise wait out the feed's pass; the feed, passed over once, is next.
     assert asyncio.run(main()) == [[0], [1, 2, 3, 4], [100]]
+
+
+def test_a_padded_workers_fed_chunk_runs_after_the_drafts_even_where_its_padding_would_fit():
+    """A chunk's 40 positions beside drafts of 30 would pad little, but every draft would take the chunk's width
+    while the target waits for the drafts (served: a 36 ms draft batch where the drafts alone took 12 ms)."""
+
+    async def main():
+        gate = threading.Event()
+        batcher, seen = _batcher(BatchingConfig(max_batch_size=32, prefill_wait_ms=0), gate)
+        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
+        await asyncio.sleep(0.05)
+        feed = asyncio.ensure_future(batcher.submit("p", 100, 40, prefill=True))
+        decoding = [asyncio.ensure_future(batcher.submit(f"d{i}", i, 30)) for i in range(1, 3)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, feed, *decoding)
+        return seen
+
+    assert asyncio.run(main()) == [[0], [1, 2], [100]]
