@@ -164,7 +164,8 @@ class ChunkPacer:
 
     def status(self) -> dict:
         """Per worker: the decoding round it paces against, the next chunk's size beside it, chunks run, the last
-        one's seconds."""
+        one's seconds, and the pass cost's fit (ms: fixed, a position, a thousand keys; None before one)."""
         return {name: {"round_ms": round(1e3 * w.round_s, 1) if w.round_s else None, "next_tokens": w.size,
-                       "chunks": w.chunks, "last_chunk_ms": round(1e3 * w.chunk_s, 1)}
+                       "chunks": w.chunks, "last_chunk_ms": round(1e3 * w.chunk_s, 1),
+                       "pass_fit_ms": [round(1e3 * c, 4) for c in w.cost.coef] if w.cost.coef else None}
                 for name, w in self._workers.items()}  # fmt: skip

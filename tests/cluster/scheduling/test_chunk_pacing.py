@@ -154,6 +154,7 @@ def test_while_a_prompt_prefills_a_decoding_round_is_told_of_the_chunk_in_its_pa
         pacer.chunk_ran("t1", n, 0.05 + 0.004 * n, "a")
     fitted = pacer.beside("t1")
     assert fitted.positions == pacer.size("t1", True, "a")
+    assert pacer.status()["t1"]["pass_fit_ms"] == pytest.approx([50.0, 4.0, 0.0], abs=1e-6)  # what the status shows
     assert fitted.seconds == pytest.approx(0.004 * fitted.positions)  # the fit's part per position, not the fixed
     assert pacer.beside("t2") is None  # another worker
     pacer.ended("a")
