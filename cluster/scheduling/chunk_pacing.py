@@ -57,6 +57,7 @@ class _Worker:
     chunk_n: int = 0  # and its positions
     cost: PassCost = field(default_factory=PassCost)  # its passes with a chunk in them
     next_depth: int = 0  # where the prompt prefilling there takes its next chunk from
+    prompt: str | None = None  # the prompt prefilling there now (its first chunk planned, its first round not in)
 
     @property
     def round_s(self) -> float | None:
@@ -64,8 +65,6 @@ class _Worker:
         round (its rest, its head's catch-up over 4K positions) do not pace the next prompt (as a decayed mean they
         moved it from 91 to 227 ms, and the next prompt's passes to 0.9 s)."""
         return sorted(self.rounds)[len(self.rounds) // 2] if self.rounds else None
-
-    prompt: str | None = None  # the prompt prefilling there now (its first chunk planned, its first round not in)
 
 
 class ChunkPacer:
@@ -130,7 +129,7 @@ class ChunkPacer:
         w.cost.add(positions, depth, batch_positions, seconds)
         w.next_depth = depth + positions
         if w.beside and w.round_s is not None:
-            want = self._paced(w, CHUNK_SHARE * w.round_s)
+            want = w.cost.chunk_for(CHUNK_SHARE * w.round_s, w.next_depth)  # the chunk's own time
             if want is None:  # not fitted yet: the whole pass in proportion, as if its fixed part were a round's
                 want = positions * (CHUNK_SHARE + 1) * w.round_s / seconds
             want = min(MAX_STEP * positions, max(positions / MAX_STEP, want))
@@ -139,11 +138,6 @@ class ChunkPacer:
             w.sizes[prompt] = w.size
         while len(w.sizes) > PROMPTS_KEPT:  # the newest prompts' (finished ones are not told apart: few chunk at once)
             w.sizes.pop(next(iter(w.sizes)))
-
-    @staticmethod
-    def _paced(w: _Worker, own_s: float) -> float | None:
-        """The next chunk whose own positions add `own_s` to its pass (None: the pass cost is not fitted yet)."""
-        return w.cost.chunk_for(own_s, w.next_depth)
 
     def epoch(self, worker: str) -> int:
         """Read at a round's start; `round_ran` compares it. A round that starts while a prompt prefills there (from

@@ -99,14 +99,12 @@ class PassCost:
             return None
         return self.coef[1] * chunk + self.coef[2] * attended(chunk, depth)
 
-    def without_chunk(self, others: int) -> float | None:
-        """A pass of `others` positions and no chunk."""
-        return None if self.coef is None else self.coef[0] + self.coef[1] * others
-
     def chunk_for(self, seconds: float, depth: int) -> float | None:
         """The chunk whose own positions at `depth` add `seconds` (None: not fitted)."""
-        if self.coef is None or seconds <= 0:
-            return None if self.coef is None else 0.0
+        if self.coef is None:
+            return None
+        if seconds <= 0:
+            return 0.0
         _, b, c = self.coef
         # b n + c n (depth + (n + 1) / 2) / 1e3 = seconds: a quadratic in n
         p, q = c / 2e3, b + c * (depth + 0.5) / 1e3

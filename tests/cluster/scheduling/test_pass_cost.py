@@ -19,7 +19,6 @@ def test_passes_of_several_sizes_and_depths_give_back_each_part():
         assert (cost.coef is None) == (i < 2)
     assert cost.coef == pytest.approx((0.05, 0.003, 0.0011), rel=1e-6)
     assert cost.chunk_seconds(64, 3000) == pytest.approx(0.003 * 64 + 0.0011 * attended(64, 3000))
-    assert cost.without_chunk(8) == pytest.approx(0.05 + 0.003 * 8)
     seconds = cost.chunk_seconds(77, 2500)
     assert cost.chunk_for(seconds, 2500) == pytest.approx(77)  # the inverse: deep, fewer positions for the same time
     assert cost.chunk_for(seconds, 100) > 120
