@@ -132,7 +132,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "committed_len", "new_tokens", "drafted", "draft_probs", "sampling", "want_features", "parents", "prompt_len", "end_token_ids", "prompt_logprobs", "prefix_at_most")
+    __slots__ = ("request_id", "committed_len", "new_tokens", "drafted", "draft_probs", "sampling", "want_features", "parents", "prompt_len", "end_token_ids", "prompt_logprobs", "prefix_at_most", "expected_len")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class VerifyRequest(_message.Message):
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_AT_MOST_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed_len: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -157,7 +158,8 @@ class VerifyRequest(_message.Message):
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: int
     prefix_at_most: int
-    def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., prefix_at_most: _Optional[int] = ...) -> None: ...
+    expected_len: int
+    def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., prefix_at_most: _Optional[int] = ..., expected_len: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted", "next_token", "bonus", "batch_seconds", "batch_rows", "batch_tokens", "features", "path", "logprobs", "prompt_logprobs", "queued_seconds")

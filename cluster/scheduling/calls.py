@@ -26,6 +26,7 @@ class Call:
     prompt_logprobs: int | None = None  # verify calls: the committed tokens' logprobs too (the prompt's), top-n
     prefix_at_most: int | None = None  # verify calls of a request new to the worker: the most positions taken from
     # another request's cached prefix (a head's request: what its draft worker's head holds)
+    expected_len: int | None = None  # verify calls of a prompt's chunk: the prompt's whole length (its KV run's size)
     # The whole sequence committed_len counts (never sent unless the worker lost the request). Kept on the call
     # because a concurrent restart may clear what the scheduler remembers telling the worker.
     sequence: list[int] = field(default_factory=list, repr=False)

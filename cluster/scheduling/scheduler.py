@@ -233,7 +233,8 @@ class Scheduler(WorkerPlacement):
         self.chunks.started(req.target_worker, chunk.others, req.request_id)
         want = req.features is not None and req.draft_worker is not None  # the head reads the prompt's features too
         return self._call(req, req.target_worker, req.state.tokens[: chunk.held + chunk.size], drafted=[],
-                          draft_probs=b"", want_features=want, prefix_at_most=chunk.cap)  # fmt: skip
+                          draft_probs=b"", want_features=want, prefix_at_most=chunk.cap,
+                          expected_len=req.state.prompt_len)  # fmt: skip
 
     def has_prefill_chunk(self, req: SchedRequest) -> bool:
         """Whether `plan_prefill_chunk` would plan one now (nothing planned or counted)."""

@@ -177,6 +177,7 @@ class TargetClient(_Client):
                 end_token_ids=params.end_token_ids,
                 prompt_logprobs=call.prompt_logprobs,
                 prefix_at_most=call.prefix_at_most,
+                expected_len=call.expected_len,
             ),
         )
         return VerifyResult(

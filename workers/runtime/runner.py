@@ -26,6 +26,7 @@ class ForwardRow:
     sequence: Sequence[int]  # the request's whole sequence; only the positions its cache does not hold are fed
     n: int  # logits wanted: after each of the sequence's last n positions (1 <= n <= len(sequence))
     prefix_at_most: int | None = None  # a request new here: the most positions taken from a cached prefix (kv_cache)
+    expected_len: int | None = None  # the length the sequence soon reaches (a chunked prompt's): its KV run's size
 
     def check(self) -> None:
         """ValueError unless 1 <= n <= len(sequence)."""
@@ -124,7 +125,8 @@ class ModelRunner:
         tails = [list(row.sequence[start:]) for row, start in zip((*chains, *trees), starts, strict=True)]
         news = tails[: len(chains)] + [t + list(r.tokens) for t, r in zip(tails[len(chains) :], trees, strict=True)]
         self.store.reserve_batch(ids, [len(new) for new in news])  # a tree's positions too, while it is verified
-        self.store.fit_runs(ids, [start + len(new) for start, new in zip(starts, news, strict=True)])
+        expected = [r.expected_len for r in chains] + [None] * len(trees)
+        self.store.fit_runs(ids, [start + len(new) for start, new in zip(starts, news, strict=True)], expected)
         positions = [list(range(start, start + len(tail))) for start, tail in zip(starts, tails, strict=True)]
         allowed: list[torch.Tensor | None] = [None] * len(chains)
         for i, row in enumerate(trees, start=len(chains)):  # a node sits at its depth below the last committed token

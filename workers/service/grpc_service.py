@@ -212,6 +212,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
                 list(request.parents) if request.parents else None,
                 _prompt_logprobs(request),
                 request.prefix_at_most if request.HasField("prefix_at_most") else None,
+                request.expected_len if request.HasField("expected_len") else None,
             )
         except ValueError as e:
             await self._abort(context, e)

@@ -41,6 +41,7 @@ class VerifyCall:
     parents: list[int] | None = None  # the drafted tokens form a tree (ROOT or an earlier node each); None: a chain
     prompt_logprobs: int | None = None  # the committed tokens' logprobs too (the prompt's), with this many alternatives
     prefix_at_most: int | None = None  # a request new here: the most positions taken from a cached prefix (kv_cache)
+    expected_len: int | None = None  # the length its sequence soon reaches (a chunked prompt's): its KV run's size
 
 
 @dataclass
@@ -97,7 +98,7 @@ class TargetWorker:
             tokens = self.committed.advance(call.request_id, call.committed_len, call.new_tokens)
             generator = make_generator(call.params.seed, TARGET_SALT, len(tokens))
             verify = VerifyRow(call.request_id, tokens, call.drafted, call.draft_probs, call.params, generator,
-                               call.prompt_logprobs, call.prefix_at_most)  # fmt: skip
+                               call.prompt_logprobs, call.prefix_at_most, call.expected_len)  # fmt: skip
             tree = None
             if call.parents is not None:
                 row = TreeRow(call.request_id, tokens, call.drafted, call.parents, call.prefix_at_most)

@@ -36,6 +36,7 @@ class VerifyRow(NamedTuple):
     # the forward computes the whole sequence and keeps every position's logits; None: not asked
     prompt_logprobs: int | None = None
     prefix_at_most: int | None = None  # a request new to the cache: the most positions taken from a cached prefix
+    expected_len: int | None = None  # the length its sequence soon reaches (a chunked prompt's): its KV run's size
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,9 @@ class TargetVerifier:
         among them) and trees share the reading of the weights."""
         constrained = [constrain_chain(self.grammars, row) for row in rows]
         rows, masks = [row for row, _ in constrained], [allowed for _, allowed in constrained]
-        sequences = [ForwardRow(r.request_id, [*r.tokens, *r.drafted], _kept(r), r.prefix_at_most) for r in rows]
+        sequences = [
+            ForwardRow(r.request_id, [*r.tokens, *r.drafted], _kept(r), r.prefix_at_most, r.expected_len) for r in rows
+        ]
         pruned = [constrain_tree(self.grammars, call.tree, call.params) for call in calls]
         calls = [
             call if p is None else TreeCall(p.tree, call.params, call.generator)

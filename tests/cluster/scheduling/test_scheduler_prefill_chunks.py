@@ -18,6 +18,7 @@ def _chunks(s: Scheduler, req) -> list[tuple[int, int]]:
     while (call := s.plan_prefill_chunk(req)) is not None:
         out.append((call.committed_len, len(call.new_tokens)))
         assert call.drafted == [] and not call.want_features
+        assert call.expected_len == req.state.prompt_len  # its worker sizes the prompt's KV run once, never moves it
     return out
 
 
