@@ -15,8 +15,11 @@ prompt's pass for them, `prefill_wait_ms`), so each stream's round is its own pl
 about CHUNK_SHARE / (CHUNK_SHARE + 1) of the worker: within 1.5x its TTFT alone when a round's own part (the pass's
 weights and rows, the draft hop) is no more than half the chunk's. What a chunk's positions cost comes from the
 worker's fit of its passes (pass_cost.py: a fixed part, a part per position, a part per key the chunk attends over),
-so a chunk shrinks as its prompt deepens, before its passes show it. Steps are at most MAX_STEP. Alone on the worker,
-a prompt takes the setting's whole chunk: fewest calls, nobody waits.
+so a chunk shrinks as its prompt deepens, before its passes show it. Only passes beside decoding requests are fitted:
+alone a prompt feeds whole chunks of one size, whose fixed part a fit cannot tell from their positions' (from them it
+read 0.6 s "fixed", and sized the first chunks beside streams to 860 ms passes). A chunk grows at most MAX_GROW over
+the last and shrinks at most MAX_SHRINK: too big is a long gap for every stream beside it, too small only a slightly
+later first token. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
 
 CHUNK_SHARE trades the prompt's TTFT against the streams' gaps. The quick long-prompt bench on the 2-core CPU
 (results/2026-11-28-2305-smollm2-long-prompt-beside): at 3, TTFT 1.39-1.47x alone and the streams' p99 gap 2.0-2.5x
@@ -38,7 +41,8 @@ from specserve.workers.speculation.planner.costs import ChunkBeside
 
 CHUNK_SHARE = 3.0  # a chunk's own positions cost about this many of the decoding requests' rounds
 MIN_CHUNK_TOKENS = 16  # fewer is mostly a call's fixed cost
-MAX_STEP = 2.0  # a chunk's size changes at most this factor from the last one's
+MAX_GROW = 1.25  # a chunk grows at most this factor over the last one (a chunk too big is every stream's long gap)
+MAX_SHRINK = 2.0  # and shrinks at most this factor
 ROUNDS_KEPT = 256  # the decoding rounds whose median a chunk is paced by (4 streams: ~8 s of them)
 IN_FLIGHT = -1  # a round's epoch when it started beside a chunk
 PROMPTS_KEPT = 8  # prompts whose chunk fits a worker keeps (the newest)
@@ -125,14 +129,14 @@ class ChunkPacer:
             return
         w.chunks += 1
         w.chunk_s, w.chunk_n = seconds, positions
-        batch_positions = max(batch_positions, positions)
-        w.cost.add(positions, depth, batch_positions, seconds)
         w.next_depth = depth + positions
+        if w.beside:  # a prompt alone feeds whole chunks: passes of one size, whose fixed part the fit cannot tell
+            w.cost.add(positions, depth, max(batch_positions, positions), seconds)
         if w.beside and w.round_s is not None:
             want = w.cost.chunk_for(CHUNK_SHARE * w.round_s, w.next_depth)  # the chunk's own time
             if want is None:  # not fitted yet: the whole pass in proportion, as if its fixed part were a round's
                 want = positions * (CHUNK_SHARE + 1) * w.round_s / seconds
-            want = min(MAX_STEP * positions, max(positions / MAX_STEP, want))
+            want = min(MAX_GROW * positions, max(positions / MAX_SHRINK, want))
             w.size = min(self.max_tokens, max(MIN_CHUNK_TOKENS, round(want)))
             w.sizes.pop(prompt, None)
             w.sizes[prompt] = w.size

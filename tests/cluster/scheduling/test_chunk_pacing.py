@@ -1,10 +1,10 @@
 """Prefill chunks sized by time while other requests decode on the worker (chunk_pacing.py): alone a prompt takes the
-setting's chunk; beside decoding requests a chunk moves, by proportional steps, to the size that costs CHUNK_SHARE of
-their round as measured while no chunk ran beside it; within [MIN_CHUNK_TOKENS, the setting]."""
+setting's chunk; beside decoding requests a chunk moves, growing slowly and shrinking fast, to the size that costs
+CHUNK_SHARE of their round as measured while no chunk ran beside it; within [MIN_CHUNK_TOKENS, the setting]."""
 
 import pytest
 
-from specserve.cluster.scheduling.chunk_pacing import CHUNK_SHARE, MAX_STEP, MIN_CHUNK_TOKENS, ChunkPacer
+from specserve.cluster.scheduling.chunk_pacing import CHUNK_SHARE, MAX_GROW, MAX_SHRINK, MIN_CHUNK_TOKENS, ChunkPacer
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.service.results import VerifyResult
@@ -35,7 +35,7 @@ def test_beside_decoding_requests_the_size_converges_to_what_costs_its_share_of_
     pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
     cost = lambda n: 0.05 + 0.002 * n  # noqa: E731
     sizes = [_chunk(pacer, "t1", True, cost) for _ in range(12)]
-    assert sizes[0] == 128 and all(b <= a * MAX_STEP for a, b in zip(sizes, sizes[1:], strict=False))
+    assert sizes[0] == 128 and all(b <= a * MAX_GROW for a, b in zip(sizes, sizes[1:], strict=False))
     assert abs(0.002 * sizes[-1] - CHUNK_SHARE * 0.1) < 0.005  # 150 tokens: 0.3 s of their own
     heavy = ChunkPacer(512)  # a fixed part over their round (many rows beside it): the chunk's own time the same
     heavy.round_ran("t1", 0.1, heavy.epoch("t1"))
@@ -43,7 +43,7 @@ def test_beside_decoding_requests_the_size_converges_to_what_costs_its_share_of_
     assert abs(sizes[-1] - 150) <= 3
     flat = ChunkPacer(512)  # a GPU-like cost, flat to a knee: the chunk grows to the setting
     flat.round_ran("t1", 0.1, flat.epoch("t1"))
-    assert [_chunk(flat, "t1", True, lambda n: 0.02) for _ in range(4)][-1] == 512
+    assert [_chunk(flat, "t1", True, lambda n: 0.02) for _ in range(8)][-1] == 512
     assert pacer.size("t2", others_decoding=True) == 512  # another worker measured nothing
 
 
@@ -84,7 +84,7 @@ def test_the_scheduler_paces_a_long_prompt_beside_a_decoding_request_and_chunks_
     first = s.plan_prefill_chunk(long)
     assert len(first.new_tokens) == 16  # a quarter of the setting beside chat
     s.prefilled(long, first, _reply(0.05))  # 16 positions in 0.05 s: the budget is 0.2 s
-    assert len(s.plan_prefill_chunk(long).new_tokens) == 32  # one step of at most MAX_STEP
+    assert len(s.plan_prefill_chunk(long).new_tokens) == round(16 * MAX_GROW)  # one step of at most MAX_GROW
     s.release(chat)
     third = s.plan_prefill_chunk(long)
     assert len(third.new_tokens) == 64  # alone: the setting
@@ -176,7 +176,7 @@ def test_a_pass_that_also_carried_another_prompts_rest_does_not_shrink_the_next_
         pacer.chunk_ran("t1", n, cost(n + others), "b", batch_positions=n + others)
         sizes.append(n)
     budget = CHUNK_SHARE * 0.1 / 0.004  # 75 positions of its own
-    assert all(abs(n - budget) <= 2 for n in sizes[3:]), sizes
+    assert all(abs(n - budget) <= 2 for n in sizes[4:]), sizes  # back within MAX_GROW steps
 
 
 def test_chunks_converged_on_one_size_move_smoothly_when_their_cost_is_noisy():
@@ -211,3 +211,30 @@ def test_a_few_slow_rounds_between_prompts_do_not_pace_the_next_one():
     for _ in range(20):  # the rounds stay slow: the pace follows
         pacer.round_ran("t1", 0.8, pacer.epoch("t1"))
     assert pacer.status()["t1"]["round_ms"] == 800.0
+
+
+def test_a_chunk_grows_slowly_and_shrinks_fast():
+    """A chunk too big is a long gap for every stream beside it, one too small a slightly later first token: after a
+    cheap pass it grows at most MAX_GROW, after a dear one it shrinks up to MAX_SHRINK."""
+    pacer = ChunkPacer(512)
+    pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
+    grown = [_chunk(pacer, "t1", True, lambda n: 0.0005 * n) for _ in range(4)]  # cheap: wants the setting at once
+    assert grown == [128, 160, 200, 250]
+    shrunk = [_chunk(pacer, "t1", True, lambda n: 0.05 * n) for _ in range(2)]  # 100x dearer
+    assert shrunk[0] / MAX_SHRINK <= shrunk[1] < shrunk[0] / MAX_GROW
+
+
+def test_a_prompt_alone_does_not_teach_the_fit_its_fixed_part():
+    """Alone, a prompt feeds whole chunks of one size: their passes cannot tell a fixed part from a part per
+    position, and a fit from them (0.6 s "fixed") sized the chunks beside streams far too big. Only passes beside
+    decoding requests are fitted."""
+    pacer = ChunkPacer(256)
+    for depth in range(0, 4096, 256):  # a 4K prompt alone
+        pacer.started("t1", False, "alone")
+        pacer.chunk_ran("t1", 256, 0.2 + 0.001 * depth, "alone", depth=depth)
+    pacer.ended("alone")
+    assert pacer.status()["t1"]["pass_fit_ms"] is None
+    pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
+    for _ in range(3):
+        _chunk(pacer, "t1", True, lambda n: 0.05 + 0.004 * n)
+    assert pacer.status()["t1"]["pass_fit_ms"] is not None
