@@ -97,6 +97,30 @@ def test_verify_status_codes_and_health(models):
     assert released.released and after.requests == 0 and after.kv_used_tokens == 0
 
 
+def test_a_chunk_that_says_its_prompts_length_gets_a_run_for_all_of_it(models):
+    """expected_len travels the wire: the worker sizes the chunk's KV run for the whole prompt (and a quarter more)
+    at once, as its health's allocated bytes show; a chunk without it holds a run for what it fed."""
+
+    async def main():
+        async with LocalWorkers(models[0], [models[1]]) as w:
+            async with grpc.aio.insecure_channel(w.target_addresses["target-0"]) as channel:
+                stub = pb_grpc.TargetWorkerStub(channel)
+                chunk = list(range(5, 105))
+                allocated = []
+                for rid, expected in (("said", 400), ("unsaid", None)):
+                    await stub.Verify(pb.VerifyRequest(request_id=rid, committed_len=100, new_tokens=chunk,
+                                                       expected_len=expected), timeout=10)  # fmt: skip
+                    health = await stub.Health(pb.HealthRequest(), timeout=10)
+                    per_token = health.kv_capacity_bytes / health.kv_capacity_tokens
+                    allocated.append(round(health.kv_allocated_bytes / per_token))
+                    await stub.Release(pb.ReleaseRequest(request_id=rid), timeout=10)
+                return allocated
+
+    said, unsaid = asyncio.run(main())
+    assert said >= 500  # 400 positions and a quarter
+    assert unsaid < 200  # its 100 fed positions (and what the first, released, keeps for its prefix)
+
+
 def _draft_worker(models):
     target, draft = models
     return build_worker(WorkerSpec("draft", ModelConfig(path=draft.path), vocab_size=target.vocab_size), draft)
