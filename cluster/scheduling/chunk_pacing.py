@@ -22,8 +22,8 @@ the last and shrinks at most MAX_SHRINK: too big is a long gap for every stream 
 later first token. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
 
 CHUNK_SHARE trades the prompt's TTFT against the streams' gaps. The quick long-prompt bench on the 2-core CPU
-(results/2026-11-29-0205-smollm2-long-prompt-moves, runs 09-11): at 3, TTFT 1.41-1.57x alone and the streams' p99 gap
-1.78-2.16x alone. Issue 54 asks <= 1.5x and <= 2x together: a smaller share would move the second towards its bound
+(results/2026-11-29-0205-smollm2-long-prompt-moves, runs 09-13): at 3, TTFT 1.41-1.57x alone and the streams' p99 gap
+1.78-2.31x alone. Issue 54 asks <= 1.5x and <= 2x together: a smaller share would move the second towards its bound
 and the first away; on this machine the two meet only near one share, inside the runs' spread.
 
 The decoding rounds planned while a prompt prefills on their worker count its next chunk in their pass (`beside`):
