@@ -113,8 +113,8 @@ class KVCacheStore:
         expected: per request, the length its sequence soon reaches (a chunked prompt's whole length) or None; a run
         that grows is sized for it where the arena has room (`run_for`), never at the cost of another's positions."""
         try:
-            for i, (rid, extent) in enumerate(zip(request_ids, extents, strict=True)):
-                self._fit(rid, extent, expected[i] if expected is not None else None)
+            for rid, extent, soon in zip(request_ids, extents, expected or [None] * len(request_ids), strict=True):
+                self._fit(rid, extent, soon)
                 # it keeps what it grew to when a later row's room compacts or cuts runs
                 self._needs[id(self._entries[rid])] = extent
         finally:
