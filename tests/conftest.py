@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.models import packaged_heads
 from tests.helpers.workers import save_chatty_target, save_tiny_llama
 
@@ -20,6 +21,10 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+if torch.cuda.is_available():
+    # A test builds several runners in one process: each takes a tenth of the GPU here, not a worker's 0.9.
+    KVCacheConfig.model_fields["gpu_memory_utilization"].default = 0.1
+    KVCacheConfig.model_rebuild(force=True)
 
 
 @pytest.fixture(scope="module", params=DEVICES)

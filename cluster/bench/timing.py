@@ -39,14 +39,19 @@ class Costs:
         return points[0][1]
 
 
+PROBE_POSITIONS = 32_768  # the cost probes' KV capacity: the longest prompt a bench times, and its verify
+
+
 class CostSampler:
     """Per-token costs, sampled a few times per prompt between the rows (so the VM's drift lands on the costs as on
     the rows, and `ratio_to_bound` compares like with like); `costs()` takes the medians of all samples. Without a
     draft model (n-gram drafting costs next to nothing) t_draft is 0 and the verify costs are what matter."""
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, ks, reps: int = 5):
-        self.t_runner = ModelRunner(target, KVCacheConfig())
-        self.d_runner = ModelRunner(draft, KVCacheConfig()) if draft is not None else None
+        # A probe's runs are short: a fixed capacity, so the engine's own runners beside them keep the device's memory.
+        kv = KVCacheConfig(capacity_tokens=PROBE_POSITIONS)
+        self.t_runner = ModelRunner(target, kv)
+        self.d_runner = ModelRunner(draft, kv) if draft is not None else None
         self.verify_ks = sorted(set(ks) | {1, 2, 4, 6, 8})
         self.reps = reps
         self.samples: dict[str, list[float]] = {}

@@ -39,9 +39,9 @@ class KVCacheConfig(StrictModel):
         "kv_cache_memory_bytes (overrides gpu_memory_utilization and cpu_kv_cache_space_gib)."
     )  # fmt: skip
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="On CUDA, the share of the GPU's memory this worker may use (vLLM's): the KV "
-        "cache gets what is left of it after the weights, other processes' use and the largest batch's activations "
-        "(measured once after loading)."
+        0.9, gt=0, le=1, description="On CUDA, the share of the GPU's memory this worker may use (vLLM's, per "
+        "instance: two workers at 0.45 share one GPU): the KV cache gets what is left of it after the worker's "
+        "weights and its largest batch's activations (measured once after loading), never more than is free."
     )  # fmt: skip
     cpu_kv_cache_space_gib: float = Field(
         4.0, gt=0, description="On a CPU, the KV cache's budget in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE), at most a "

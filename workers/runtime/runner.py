@@ -71,7 +71,8 @@ class ModelRunner:
         self._trees: dict[str, tuple[int, list[int]]] = {}  # request -> (its tree's first position, its tokens)
         bytes_per_token = loaded.kv_bytes_per_token
         self.store = KVCacheStore(kv_config, bytes_per_token, PROFILE_TOKENS)  # for the profiling forward only
-        self.budget = kv_budget(kv_config, self.device, bytes_per_token, profile=self._profile_forward)
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        self.budget = kv_budget(kv_config, self.device, bytes_per_token, self._profile_forward, weights)
         self.store = KVCacheStore(kv_config, bytes_per_token, self.budget.capacity_tokens)
         self.forward_calls = self.forward_positions = 0
 

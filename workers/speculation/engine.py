@@ -48,6 +48,7 @@ from specserve.workers.speculation.suffix import SuffixCache
 from specserve.workers.speculation.target import TargetVerifier, TreeCall, Verdict, VerifyRow
 
 log = logging.getLogger(__name__)
+IN_PROCESS_GPU_SHARE = 0.4  # of a GPU, at most, for each of the engine's runners (below)
 
 
 @dataclass
@@ -88,7 +89,9 @@ class SpecEngine:
         (the target's verify cost per width, the drafters' costs; default: measured here on first use; a seeded
         sampled request with k='auto' reproduces exactly under the same costs); tree_costs: likewise, the verify cost
         per width up to a whole tree's that the trees' k='auto' weighs."""
-        kv_config = kv_config or KVCacheConfig()
+        # In process the target, the drafter and whatever else the process runs (the bench's cost probes and HF
+        # rows) share a GPU: each runner takes 0.4 of it at most (vLLM's per-instance rule; a CPU ignores it).
+        kv_config = kv_config or KVCacheConfig(gpu_memory_utilization=IN_PROCESS_GPU_SHARE)
         self.target = target
         self.verifier = TargetVerifier(ModelRunner(target, kv_config))
         self.drafters: dict[str, Drafter] = {NGRAM: NgramDrafter(ngram_config)}  # by proposer (methods.py)

@@ -1,6 +1,7 @@
 """A worker's KV capacity from its memory budget (workers/runtime/memory_budget.py): a capacity or a byte budget the
 settings name; on a CPU the space asked within a quarter of the available memory; on CUDA what
-gpu_memory_utilization leaves after the weights, other processes and the largest forward's activations."""
+gpu_memory_utilization leaves after the worker's own weights and largest forward's activations (per instance, as
+vLLM's), never more than is free."""
 
 import pytest
 import torch
@@ -26,20 +27,48 @@ def test_a_cpu_takes_its_space_within_a_quarter_of_the_available_memory(monkeypa
     assert memory_budget.available_ram_bytes.__module__ and memory_budget.available_ram_bytes() > 0
 
 
-def test_cuda_leaves_room_for_the_weights_others_and_the_largest_forward(monkeypatch):
+def _fake_cuda(monkeypatch, free_gib: float, total_gib: float = 80):
+    """torch.cuda's memory queries, faked: `free_gib` free of `total_gib`, 10 GiB allocated in this process before
+    the profiling forward, whose activations take 3 GiB."""
     allocated = {"now": 10 * GIB, "peak": 10 * GIB}
 
     def profile():
-        allocated["peak"] = allocated["now"] + 3 * GIB  # the profiling forward's activations
+        allocated["peak"] = allocated["now"] + 3 * GIB
 
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (60 * GIB, 80 * GIB))  # 20 GiB used: weights, others
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (int(free_gib * GIB), int(total_gib * GIB)))
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: allocated["now"])
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
     monkeypatch.setattr(cuda, "empty_cache", lambda: None)
-    budget = kv_budget(KVCacheConfig(), torch.device("cuda", 0), 2048, profile=profile)
-    assert budget.capacity_bytes == pytest.approx(int(80 * GIB * 0.9) - 20 * GIB - 3 * GIB, abs=2048)
+    return profile
+
+
+CUDA = torch.device("cuda", 0)
+
+
+def test_cuda_counts_its_own_weights_and_activations_not_what_others_hold(monkeypatch):
+    # 20 of 80 GiB used by another worker and this one's 2 GiB of weights: at 0.45 this worker still gets its share.
+    profile = _fake_cuda(monkeypatch, free_gib=60)
+    budget = kv_budget(KVCacheConfig(gpu_memory_utilization=0.45), CUDA, 2048, profile=profile, weights_bytes=2 * GIB)
+    assert budget.capacity_bytes == pytest.approx(int(80 * GIB * 0.45) - 2 * GIB - 3 * GIB, abs=2048)
+    # Alone on the GPU, the default 0.9 is what it gets.
+    alone = kv_budget(
+        KVCacheConfig(), CUDA, 2048, profile=_fake_cuda(monkeypatch, free_gib=77.5), weights_bytes=2 * GIB
+    )
+    assert alone.capacity_bytes == pytest.approx(int(80 * GIB * 0.9) - 2 * GIB - 3 * GIB, abs=2048)
+
+
+def test_cuda_takes_no_more_than_is_free_and_says_which_setting_asked_for_more(monkeypatch, caplog):
+    profile = _fake_cuda(monkeypatch, free_gib=30)
+    with caplog.at_level("WARNING", logger=memory_budget.__name__):
+        budget = kv_budget(KVCacheConfig(), CUDA, 2048, profile=profile, weights_bytes=2 * GIB)
+    assert budget.capacity_bytes == pytest.approx(
+        30 * GIB - 3 * GIB - int(memory_budget.LEFT_FREE * 80 * GIB), abs=2048
+    )
+    assert "gpu_memory_utilization 0.90" in caplog.text
     with pytest.raises(MemoryError, match="no memory left for the KV cache"):
-        kv_budget(KVCacheConfig(gpu_memory_utilization=0.2), torch.device("cuda", 0), 2048, profile=profile)
+        kv_budget(KVCacheConfig(), CUDA, 2048, profile=_fake_cuda(monkeypatch, free_gib=5), weights_bytes=2 * GIB)
+    with pytest.raises(MemoryError, match="no memory left for the KV cache"):
+        kv_budget(KVCacheConfig(gpu_memory_utilization=0.05), CUDA, 2048, profile=profile, weights_bytes=2 * GIB)
