@@ -10,6 +10,7 @@ import torch
 
 from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.models import packaged_heads
+from specserve.workers.speculation import engine as engine_module
 from tests.helpers.workers import save_chatty_target, save_tiny_llama
 
 # Keep tests quiet and single-threaded per process: CI has 2 cores and Ray tests start several processes.
@@ -22,9 +23,11 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 if torch.cuda.is_available():
-    # A test builds several runners in one process: each takes a tenth of the GPU here, not a worker's 0.9.
-    KVCacheConfig.model_fields["gpu_memory_utilization"].default = 0.1
+    # A test builds several runners in one process (a module's engines stay alive together): each takes 2% of the
+    # GPU here, not a worker's 0.9 or an in-process engine's 0.4.
+    KVCacheConfig.model_fields["gpu_memory_utilization"].default = 0.02
     KVCacheConfig.model_rebuild(force=True)
+    engine_module.IN_PROCESS_GPU_SHARE = 0.02
 
 
 @pytest.fixture(scope="module", params=DEVICES)

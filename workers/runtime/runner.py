@@ -15,6 +15,7 @@ from specserve.workers.runtime.memory_budget import kv_budget
 from specserve.workers.runtime.ragged import RaggedPlan, RaggedRow, tree_allowed, use_ragged_attention
 from specserve.workers.runtime.tree_rows import TreeRow
 
+ARENA_ROW = "kv-arena-allocation"  # the request id of the pass that allocates the arena
 PROFILE_TOKENS = 4096  # BatchingConfig.max_batch_tokens' default: the most positions one pass feeds
 
 
@@ -74,6 +75,18 @@ class ModelRunner:
         weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         self.budget = kv_budget(kv_config, self.device, bytes_per_token, self._profile_forward, weights)
         self.store = KVCacheStore(kv_config, bytes_per_token, self.budget.capacity_tokens)
+        if self.device.type == "cuda":  # a CPU's pages are touched only as positions are written: lazily there
+            self.allocate_arena()
+        self.forward_calls = self.forward_positions = 0
+
+    def allocate_arena(self) -> None:
+        """Allocate the KV arena's buffers now, not at the first pass: on a GPU the budget was measured against the
+        memory free when the runner was built, and runners built side by side would each count the same memory. A
+        one-position pass allocates them in the shapes the model writes (a tensor-parallel rank's heads too); it
+        leaves no request, prefix or count behind."""
+        self.forward_batch([ForwardRow(ARENA_ROW, [3], 1)])
+        self.store.release(ARENA_ROW)
+        self.store.forget_retained()
         self.forward_calls = self.forward_positions = 0
 
     def _profile_forward(self) -> None:

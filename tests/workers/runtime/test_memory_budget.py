@@ -6,9 +6,11 @@ vLLM's), never more than is free."""
 import pytest
 import torch
 
-from specserve.workers.config.settings import KVCacheConfig
+from specserve.workers.config.settings import KVCacheConfig, ModelConfig
 from specserve.workers.runtime import memory_budget
+from specserve.workers.runtime.loading import load_model
 from specserve.workers.runtime.memory_budget import GIB, kv_budget
+from specserve.workers.runtime.runner import ModelRunner
 
 CPU = torch.device("cpu")
 
@@ -46,6 +48,7 @@ def _fake_cuda(monkeypatch, free_gib: float, total_gib: float = 80):
 
 
 CUDA = torch.device("cuda", 0)
+WORKER = KVCacheConfig(gpu_memory_utilization=0.9)  # a worker's default, named: tests on a GPU lower the default
 
 
 def test_cuda_counts_its_own_weights_and_activations_not_what_others_hold(monkeypatch):
@@ -54,21 +57,32 @@ def test_cuda_counts_its_own_weights_and_activations_not_what_others_hold(monkey
     budget = kv_budget(KVCacheConfig(gpu_memory_utilization=0.45), CUDA, 2048, profile=profile, weights_bytes=2 * GIB)
     assert budget.capacity_bytes == pytest.approx(int(80 * GIB * 0.45) - 2 * GIB - 3 * GIB, abs=2048)
     # Alone on the GPU, the default 0.9 is what it gets.
-    alone = kv_budget(
-        KVCacheConfig(), CUDA, 2048, profile=_fake_cuda(monkeypatch, free_gib=77.5), weights_bytes=2 * GIB
-    )
+    alone = kv_budget(WORKER, CUDA, 2048, profile=_fake_cuda(monkeypatch, free_gib=77.5), weights_bytes=2 * GIB)
     assert alone.capacity_bytes == pytest.approx(int(80 * GIB * 0.9) - 2 * GIB - 3 * GIB, abs=2048)
 
 
 def test_cuda_takes_no_more_than_is_free_and_says_which_setting_asked_for_more(monkeypatch, caplog):
     profile = _fake_cuda(monkeypatch, free_gib=30)
     with caplog.at_level("WARNING", logger=memory_budget.__name__):
-        budget = kv_budget(KVCacheConfig(), CUDA, 2048, profile=profile, weights_bytes=2 * GIB)
+        budget = kv_budget(WORKER, CUDA, 2048, profile=profile, weights_bytes=2 * GIB)
     assert budget.capacity_bytes == pytest.approx(
         30 * GIB - 3 * GIB - int(memory_budget.LEFT_FREE * 80 * GIB), abs=2048
     )
     assert "gpu_memory_utilization 0.90" in caplog.text
     with pytest.raises(MemoryError, match="no memory left for the KV cache"):
-        kv_budget(KVCacheConfig(), CUDA, 2048, profile=_fake_cuda(monkeypatch, free_gib=5), weights_bytes=2 * GIB)
+        kv_budget(WORKER, CUDA, 2048, profile=_fake_cuda(monkeypatch, free_gib=5), weights_bytes=2 * GIB)
     with pytest.raises(MemoryError, match="no memory left for the KV cache"):
         kv_budget(KVCacheConfig(gpu_memory_utilization=0.05), CUDA, 2048, profile=profile, weights_bytes=2 * GIB)
+
+
+def test_the_arena_allocated_up_front_leaves_no_request_behind_and_changes_no_logits(tiny_target, device):
+    target = load_model(ModelConfig(path=tiny_target, device=device))
+    early, lazy = ModelRunner(target, KVCacheConfig()), ModelRunner(target, KVCacheConfig())
+    early.allocate_arena()
+    # A GPU's runner holds its buffers from when it was built (its budget was measured then); a CPU's idle arena
+    # gives its pages back (KVArena.reset).
+    assert early.store.cache.allocated == lazy.store.cache.allocated == (device == "cuda")
+    assert len(early.store) == 0 and early.store.cached_tokens == 0 and early.store.used_tokens == 0
+    assert early.forward_calls == 0
+    prompt = [3 + (5 * i) % 90 for i in range(40)]
+    torch.testing.assert_close(early.logits_for("a", prompt, 3), lazy.logits_for("a", prompt, 3))
