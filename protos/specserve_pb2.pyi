@@ -162,7 +162,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., want_features: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., prefix_at_most: _Optional[int] = ..., expected_len: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "bonus", "batch_seconds", "batch_rows", "batch_tokens", "features", "path", "logprobs", "prompt_logprobs", "queued_seconds")
+    __slots__ = ("accepted", "next_token", "bonus", "batch_seconds", "batch_rows", "batch_tokens", "features", "path", "logprobs", "prompt_logprobs", "queued_seconds", "batch_forward_seconds")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class VerifyResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     bonus: bool
@@ -185,7 +186,8 @@ class VerifyResponse(_message.Message):
     logprobs: Logprobs
     prompt_logprobs: Logprobs
     queued_seconds: float
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., batch_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., features: _Optional[bytes] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., queued_seconds: _Optional[float] = ...) -> None: ...
+    batch_forward_seconds: float
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., bonus: _Optional[bool] = ..., batch_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., features: _Optional[bytes] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., queued_seconds: _Optional[float] = ..., batch_forward_seconds: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("want_costs",)

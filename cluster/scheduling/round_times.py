@@ -33,6 +33,7 @@ class RoundRecord:
     verify_wait: float = 0.0
     verify_queue: float = 0.0
     verify_work: float = 0.0
+    verify_forward: float = 0.0  # of verify_work, the target forward's host time (a GPU: launching its kernels)
     stream: float = 0.0  # the round's tokens on their way to the client (detokenizing, the reply stream)
     # The chain plan against the round (k='auto''s diagnostic; 0 where the round had no plan): what it meant to draft,
     # the accepted tokens it expected and the seconds it forecast for the worker's round; what was drafted, accepted,
@@ -62,7 +63,8 @@ class RoundRecord:
         return {
             "total": self.total, "plan": self.plan, "draft_queue": self.draft_queue, "draft_work": self.draft_work,
             "draft_hop": self.draft_hop, "verify_queue": self.verify_queue, "verify_work": self.verify_work,
-            "verify_hop": self.verify_hop, "stream": self.stream, "overhead": self.overhead,
+            "verify_forward": self.verify_forward, "verify_hop": self.verify_hop, "stream": self.stream,
+            "overhead": self.overhead,
         }  # fmt: skip
 
 
@@ -78,6 +80,7 @@ class RoundClock:
         self.waited = {hop: 0.0 for hop in HOPS}
         self.queued = {hop: 0.0 for hop in HOPS}
         self.worked = {hop: 0.0 for hop in HOPS}
+        self.forwarded = 0.0  # the verify batches' forward host time (VerifyResult.batch_forward_seconds)
         self.prediction: dict[str, float] = {}  # planned_k, expected_accepted, forecast
         self.outcome: dict[str, float] = {}  # drafted, accepted, realized
 
@@ -101,6 +104,7 @@ class RoundClock:
         """A worker's reply for this round (a ProposeResult or VerifyResult): its queue time and batch's seconds."""
         self.queued[hop] += getattr(result, "queued_seconds", 0.0) or 0.0
         self.worked[hop] += getattr(result, "batch_seconds", 0.0) or 0.0
+        self.forwarded += getattr(result, "batch_forward_seconds", 0.0) or 0.0
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -116,7 +120,7 @@ class RoundClock:
             total=total, plan=max(0.0, total - waits - stream_s),
             draft_wait=self.waited["draft"], draft_queue=self.queued["draft"], draft_work=self.worked["draft"],
             verify_wait=self.waited["verify"], verify_queue=self.queued["verify"], verify_work=self.worked["verify"],
-            stream=stream_s, **self.prediction, **self.outcome,
+            verify_forward=self.forwarded, stream=stream_s, **self.prediction, **self.outcome,
         )  # fmt: skip
 
 

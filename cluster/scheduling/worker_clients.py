@@ -187,6 +187,7 @@ class TargetClient(_Client):
             batch_rows=response.batch_rows,
             batch_tokens=response.batch_tokens,
             queued_seconds=response.queued_seconds,
+            batch_forward_seconds=response.batch_forward_seconds,
             features=response.features,
             path=list(response.path),
             logprobs=list(from_proto(response.logprobs)) if response.HasField("logprobs") else None,

@@ -70,7 +70,8 @@ class SchedulerMetrics:
             "specserve_round_seconds_total",
             "Served rounds' wall time by part (cluster/scheduling/round_times.py): total, plan (the scheduler's own), "
             "draft_queue / draft_work / draft_hop and verify_queue / verify_work / verify_hop (the worker's batcher, "
-            "its batch's compute, the rest of the call), stream (to the client), overhead (total less the work).",
+            "its batch's compute, the rest of the call), verify_forward (of verify_work, the forward pass's host time: "
+            "on a GPU its launches), stream (to the client), overhead (total less the work).",
             ("model_name", "part"),
         )
         self.rounds = Counter("specserve_rounds_total", "Served rounds (each commits one or more tokens).", m)

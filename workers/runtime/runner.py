@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ class ModelRunner:
         self.capture_layers: tuple[int, ...] | None = None  # set by capture_features
         self.forward_calls = 0
         self.forward_positions = 0
+        self.forward_seconds = 0.0
         self._trees: dict[str, tuple[int, list[int]]] = {}  # request -> (its tree's first position, its tokens)
         bytes_per_token = loaded.kv_bytes_per_token
         self.store = KVCacheStore(kv_config, bytes_per_token, PROFILE_TOKENS)  # for the profiling forward only
@@ -78,6 +80,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # a CPU's pages are touched only as positions are written: lazily there
             self.allocate_arena()
         self.forward_calls = self.forward_positions = 0
+        self.forward_seconds = 0.0
 
     def allocate_arena(self) -> None:
         """Allocate the KV arena's buffers now, not at the first pass: on a GPU the budget was measured against the
@@ -88,6 +91,7 @@ class ModelRunner:
         self.store.release(ARENA_ROW)
         self.store.forget_retained()
         self.forward_calls = self.forward_positions = 0
+        self.forward_seconds = 0.0
 
     def _profile_forward(self) -> None:
         """The largest forward a worker runs (a batch's token budget of prompt), for the activations' peak memory."""
@@ -177,6 +181,7 @@ class ModelRunner:
              allowed: list[torch.Tensor | None], keeps: list[int], capture: bool) -> list[RowOutput]:  # fmt: skip
         """One packed pass over the rows' new tokens (at `positions`, seeing what `allowed` says, else causal); each
         row's logits at its last keeps[b] tokens (and its features)."""
+        t0 = time.perf_counter()
         rows, offset = [], 0
         for entry, start, new, seen in zip(entries, starts, news, allowed, strict=True):
             rows.append(RaggedRow(base=entry.run.base, start=start, offset=offset, n=len(new), allowed=seen))
@@ -197,6 +202,9 @@ class ModelRunner:
             self.store.cache.plan = None
         self.forward_calls += 1
         self.forward_positions += offset
+        # The pass's host time: its plan and its layers' calls. On a GPU that is launching the kernels (they finish
+        # at the first read of the logits, counted by whoever reads them): what graph capture would cut.
+        self.forward_seconds += time.perf_counter() - t0
         logits = out[0].float()  # [K, V]
         outputs, first = [], 0
         for row, start, keep in zip(rows, starts, keeps, strict=True):

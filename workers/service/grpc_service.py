@@ -227,6 +227,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             batch_rows=result.batch_rows,
             batch_tokens=result.batch_tokens,
             queued_seconds=result.queued_seconds,
+            batch_forward_seconds=result.batch_forward_seconds,
             features=result.features,
             path=result.path or [],
             logprobs=to_proto(result.logprobs) if result.logprobs is not None else None,

@@ -43,6 +43,7 @@ class VerifyResult:
     batch_rows: int = 0  # requests in that batch
     batch_tokens: int = 0  # positions the batch's forward pass fed
     queued_seconds: float = 0.0  # from the call's arrival at the worker's batcher to its batch's start
+    batch_forward_seconds: float = 0.0  # of batch_seconds, the forward pass's host time (a GPU: its launches)
     features: bytes = b""  # EAGLE-3: the committed positions' features (codec.encode_features), when the call asked
     path: list[int] | None = None  # a tree's accepted nodes, root-down; a chain: None ([] off the wire)
     logprobs: list[TokenLogprob] | None = None  # the accepted tokens' and next_token's, when params.logprobs asks

@@ -85,7 +85,7 @@ class TargetWorker:
         """Verify many requests in one target forward pass. Each call gets its own result or its own error (bad
         input, lost request, no KV room), never another row's. Request ids must be distinct."""
         t0 = time.perf_counter()
-        fed = self.verifier.runner.forward_positions
+        fed, forward_s = self.verifier.runner.forward_positions, self.verifier.runner.forward_seconds
 
         def prepare(call: VerifyCall) -> _Row:
             check_token_ids("new_tokens", call.new_tokens, self.vocab_size)
@@ -107,7 +107,13 @@ class TargetWorker:
 
         results, rows = run_calls(self.committed, calls, prepare, self._verify_rows, self.release)
         seconds, tokens = time.perf_counter() - t0, self.verifier.runner.forward_positions - fed
-        batch = {"batch_seconds": seconds, "batch_rows": rows, "batch_tokens": tokens}
+        forward_s = self.verifier.runner.forward_seconds - forward_s
+        batch = {
+            "batch_seconds": seconds,
+            "batch_rows": rows,
+            "batch_tokens": tokens,
+            "batch_forward_seconds": forward_s,
+        }
         return [r if isinstance(r, Exception) else dataclasses.replace(r, **batch) for r in results]
 
     def _verify_rows(self, rows: list[_Row]) -> list[VerifyResult]:

@@ -30,7 +30,8 @@ def _round(monkeypatch, now: _Time) -> RoundRecord:
     now.now += 0.002
     with clock.waiting("verify"):
         now.now += 0.014
-    clock.worker("verify", VerifyResult(accepted=1, next_token=7, batch_seconds=0.008, queued_seconds=0.002))
+    clock.worker("verify", VerifyResult(accepted=1, next_token=7, batch_seconds=0.008, queued_seconds=0.002,
+                                        batch_forward_seconds=0.006))  # fmt: skip
     assert clock.verified(2, 1) == pytest.approx(0.027)  # drafted 2 (a shorter chain), accepted 1
     now.now += 0.003
     return clock.record(stream_s=0.003)
@@ -44,6 +45,7 @@ def test_a_rounds_wall_time_is_split_into_its_parts(monkeypatch):
     assert (parts["draft_queue"], parts["draft_work"], parts["draft_hop"]) == pytest.approx((0.001, 0.005, 0.003))
     assert (parts["verify_queue"], parts["verify_work"], parts["verify_hop"]) == pytest.approx((0.002, 0.008, 0.004))
     assert parts["stream"] == pytest.approx(0.003)
+    assert parts["verify_forward"] == pytest.approx(0.006)  # of verify_work: the forward's host time, not a new part
     assert parts["overhead"] == pytest.approx(0.030 - 0.013)  # all but the workers' compute
     split = ("plan", "draft_queue", "draft_work", "draft_hop", "verify_queue", "verify_work", "verify_hop", "stream")
     assert sum(parts[p] for p in split) == pytest.approx(parts["total"])

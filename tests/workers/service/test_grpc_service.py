@@ -121,6 +121,20 @@ def test_a_chunk_that_says_its_prompts_length_gets_a_run_for_all_of_it(models):
     assert unsaid < 200  # its 100 fed positions (and what the first, released, keeps for its prefix)
 
 
+def test_a_verify_reply_splits_its_batch_into_the_forward_and_the_rest(models):
+    """batch_forward_seconds travels the wire: the forward pass's host time, within its batch's seconds."""
+
+    async def main():
+        async with LocalWorkers(models[0], [models[1]]) as w:
+            async with grpc.aio.insecure_channel(w.target_addresses["target-0"]) as channel:
+                stub = pb_grpc.TargetWorkerStub(channel)
+                call = pb.VerifyRequest(request_id="a", committed_len=40, new_tokens=list(range(5, 45)), drafted=[7, 8])
+                return await stub.Verify(call, timeout=10)
+
+    reply = asyncio.run(main())
+    assert 0 < reply.batch_forward_seconds < reply.batch_seconds
+
+
 def _draft_worker(models):
     target, draft = models
     return build_worker(WorkerSpec("draft", ModelConfig(path=draft.path), vocab_size=target.vocab_size), draft)
