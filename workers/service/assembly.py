@@ -117,6 +117,10 @@ async def start_worker_server(
         f"; KV cache {budget.capacity_bytes / GIB:.2f} GiB, {budget.capacity_tokens} positions ({budget.source})"
         if budget is not None else "",
     )  # fmt: skip
+    if built.runner is not None and not getattr(built.runner, "lean", True):
+        # transformers' own forward: its wrappers cost a launch-bound GPU step milliseconds (lean_forward.py)
+        log.info("%s worker runs transformers' own forward, not the lean one: its probe disagreed or the "
+                    "architecture is not one it knows", built.spec.role)  # fmt: skip
     return server, port
 
 

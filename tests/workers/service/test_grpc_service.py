@@ -228,6 +228,19 @@ def test_an_assembled_draft_worker_drafts_in_the_targets_vocabulary_and_logs_its
                         rf"\d+\.\d\d GiB, \d+ positions \({budget} .*\)", message)  # fmt: skip
 
 
+def test_a_worker_on_transformers_own_forward_says_so_at_start(models, caplog):
+    built = _draft_worker(models)
+    built.runner.lean = False  # as where the lean path's probe disagreed
+
+    async def main():
+        server, _ = await start_worker_server(built)
+        await server.stop(None)
+
+    with caplog.at_level("INFO", logger="specserve.workers.service.assembly"):
+        asyncio.run(main())
+    assert any("runs transformers' own forward" in r.getMessage() for r in caplog.records)
+
+
 def test_a_requests_sampling_is_validated_on_its_first_call_only(models, monkeypatch):
     """Later rounds of a request reuse its validated parameters; a new request, a released one coming back, or
     changed fields are validated again, and bad fields still answer INVALID_ARGUMENT naming the field."""
