@@ -145,8 +145,15 @@ class LevelRow:
     tokens_per_round: float = 0.0  # tokens committed per verify round (1.0: nothing drafted was accepted)
     round_ms: dict[str, float] = field(default_factory=dict)  # each part's mean a round (round_times.py)
     identical: bool | None = None  # speculative rows: every request off ran too gave off's tokens
+    identical_share: float | None = None  # of those requests, the share that did (bf16 on a GPU: near-ties flip)
     segment_tokens_per_s: list[float] = field(default_factory=list)
     outputs: dict[int, set[tuple[int, ...]]] = field(default_factory=dict, repr=False)  # request index -> outputs
+
+
+def _identical(row: LevelRow) -> str:
+    if row.identical is None:
+        return "-"
+    return "yes" if row.identical else f"NO ({row.identical_share:.0%} of requests)"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -183,8 +190,9 @@ def compare(row: LevelRow, pairs: list[tuple[Segment, Segment]], off: LevelRow) 
     row.vs_off = row.tokens_per_s / paired_off.tokens_per_s if paired_off.tokens_per_s > 0 else None
     row.pair_ratios = [m.tokens_per_s / o.tokens_per_s if o.tokens_per_s > 0 else math.nan for m, o in pairs]
     row.ratio_ci95 = ratio_ci95(row.pair_ratios)
-    common = row.outputs.keys() & off.outputs.keys()
-    row.identical = bool(common) and all(len(row.outputs[i] | off.outputs[i]) == 1 for i in common)
+    same = [len(row.outputs[i] | off.outputs[i]) == 1 for i in row.outputs.keys() & off.outputs.keys()]
+    row.identical = bool(same) and all(same)
+    row.identical_share = sum(same) / len(same) if same else None
 
 
 def _request(client, prompts: list[list[int]], i: int, mode: str, new_tokens: int, deadline: float) -> Request:
@@ -340,7 +348,7 @@ def format_levels(rows: list[LevelRow]) -> str:
             "-" if r.ratio_ci95 is None else f"{r.ratio_ci95[0]:.2f}-{r.ratio_ci95[1]:.2f}",
             "-" if r.spread is None else f"{r.spread:.0%}",
             f"{r.ttft_ms_p50:.0f}", f"{r.ttft_ms_p99:.0f}", f"{r.tpot_ms_p50:.1f}", f"{r.tpot_ms_p99:.1f}",
-            f"{r.tokens_per_round:.2f}", "-" if r.identical is None else ("yes" if r.identical else "NO"),
+            f"{r.tokens_per_round:.2f}", _identical(r),
             _ms(r.round_ms, "draft_work", "verify_work"), _ms(r.round_ms, "overhead"),
         ])  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

@@ -205,6 +205,7 @@ def summarize(out: Path) -> dict:
             "target_only_tok_s": base and base["tokens_per_s"],
             "hf_generate_tok_s": hf and hf["tokens_per_s"],
             "greedy_rows_identical": f"{sum(bool(r['identical']) for r in greedy)}/{len(greedy)}",
+            "greedy_identical_share": {r["name"]: r.get("identical_share") for r in greedy},
             "rows_tok_s": {name: round(r["tokens_per_s"], 1) for name, r in rows.items() if r.get("tokens_per_s")},
         }
         if base and hf and hf["tokens_per_s"]:
@@ -218,6 +219,8 @@ def summarize(out: Path) -> dict:
             entry["served_default_vs_off"] = {str(r["streams"]): r.get("vs_off") for r in levels
                                               if r.get("speculation") != "off"}  # fmt: skip
             entry["served_identical"] = all(r.get("identical") is not False for r in levels)
+            entry["served_identical_share"] = {str(r["streams"]): r.get("identical_share") for r in levels
+                                               if r.get("speculation") != "off"}  # fmt: skip
             entry["orchestration"] = served.get("orchestration")
         summary[dtype] = entry
     static = load("hf-static.json")

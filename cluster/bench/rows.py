@@ -75,6 +75,7 @@ class Row:
     bound: float | None = None
     ratio_to_bound: float | None = None
     identical: bool | None = None  # greedy rows: same tokens as target-only; sampling rows: None (compare laws)
+    identical_share: float | None = None  # greedy rows: the share of prompts whose tokens were target-only's
     default: bool = False  # the drafting a served model gets unless a request names one (its method at k='auto')
     # Position j: the fraction of rounds drafting j+1 or more tokens whose first j+1 drafts were all accepted.
     acceptance_by_position: list[float] | None = None

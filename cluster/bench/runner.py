@@ -141,7 +141,15 @@ def _fill_speedups(rows: list[Row]) -> None:
             if row.bound:
                 row.ratio_to_bound = row.speedup / row.bound
             if temp == 0 and row is not base:
-                row.identical = row.outputs == base.outputs
+                _compare_outputs(row, base)
+
+
+def _compare_outputs(row: Row, base: Row) -> None:
+    """A greedy row against target-only's: identical, and the share of prompts that were (bf16 on a GPU is not
+    batch-invariant: a forward over several positions may flip a near-tie)."""
+    row.identical = row.outputs == base.outputs
+    same = [a == b for a, b in zip(row.outputs, base.outputs, strict=False)]
+    row.identical_share = sum(same) / len(same) if same else None
 
 
 def _fixed_ngram(row: Row) -> bool:
@@ -159,7 +167,7 @@ def _best_prompt_lookup(engine: SpecEngine, rows: list[Row], target_only: RowFn,
     fn = fn if conversations is None else converse(engine.tokenizer, fn)
     measure([(rerun, target_only), (row, fn)], prompts, cfg, bar, items=conversations, cold=engine.forget_prefixes)
     row.speedup = row.tokens_per_s / rerun.tokens_per_s
-    row.identical = row.outputs == greedy_base.outputs
+    _compare_outputs(row, greedy_base)
     if conversations is not None:
         row.categories = category_figures(row, rerun, [c.question.category for c in conversations])
     at = next(i for i, r in enumerate(rows) if r.method == "hf-prompt-lookup") + 1

@@ -100,6 +100,7 @@ def test_a_mode_is_compared_with_the_off_segments_paired_with_it():
     fixed = _row(2, "k=2", [one[0][0]])
     compare(fixed, one, _row(2, OFF, [one[0][1]]))
     assert fixed.identical is False and fixed.ratio_ci95 is None  # request 1 differs; one pair: no interval
+    assert fixed.identical_share == pytest.approx(0.5) and row.identical_share == 1.0  # of requests 0 and 1
 
 
 def _rows() -> list[LevelRow]:

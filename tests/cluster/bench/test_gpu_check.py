@@ -73,7 +73,7 @@ def test_the_summary_names_the_issues_figures(tmp_path):
         "levels": [
             {"streams": 1, "speculation": "off", "vs_off": None, "identical": None},
             {"streams": 1, "speculation": "default", "vs_off": 1.6, "identical": True},
-            {"streams": 64, "speculation": "default", "vs_off": 0.9, "identical": True},
+            {"streams": 64, "speculation": "default", "vs_off": 0.9, "identical": False, "identical_share": 0.75},
         ],
     }
     (tmp_path / "served.json").write_text(json.dumps(_bench([base, hf], load)))
@@ -84,7 +84,8 @@ def test_the_summary_names_the_issues_figures(tmp_path):
     summary = summarize(tmp_path)
     assert summary["served"]["served_off_1_stream_vs_in_process"] == 0.8
     assert summary["served"]["served_default_vs_off"] == {"1": 1.6, "64": 0.9}
-    assert summary["served"]["served_identical"] is True
+    assert summary["served"]["served_identical"] is False
+    assert summary["served"]["served_identical_share"]["64"] == 0.75
     assert summary["bf16"]["target_only_vs_hf_generate"] == 2.0
     assert summary["bf16"]["greedy_rows_identical"] == "1/2"
     assert summary["hf_static_vs_eager"] == 3.0
