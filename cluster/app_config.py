@@ -112,6 +112,9 @@ class ModelPairConfig(StrictModel):
         "auto", description="Model dtype; auto: bfloat16 on CUDA, float32 on a CPU (as vLLM's auto)."
     )
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="auto = cuda when available, else cpu.")
+    enforce_eager: bool = Field(
+        False, description="On CUDA, no CUDA graphs: every forward pass eager (vLLM's enforce_eager)."
+    )  # fmt: skip
     k: int | Literal["auto"] = Field(
         "auto", description=f"Default tokens drafted per round (1..{MAX_K}), or 'auto': the goodput planner's, per "
         "request and round, from the workers' measured costs and the request's acceptance (0 where drafting does "

@@ -12,7 +12,7 @@ the time runs out):
 5. served, bf16: the served load bench (the Serve app on `--device cuda`: the draft pool and the target pool share
    the one GPU; its default drafting against speculation off at 1, 4, 16 and 64 streams, each round's accounting;
    the orchestration tax beside in-process target-only);
-6. bf16: the in-process rows again;
+6. bf16: the in-process rows again (CUDA graphs), then target-only and the default drafting with --enforce-eager;
 7. HF generate with its static cache compiled, if it compiles within its share of the time.
 
 The summary names the issue's figures: in-process target-only against HF generate, served speculation-off at one
@@ -193,7 +193,7 @@ def summarize(out: Path) -> dict:
         except (OSError, ValueError):
             return None
 
-    for dtype in ("served", "bf16", "fp32"):
+    for dtype in ("served", "bf16", "fp32", "bf16-eager"):
         bench = load(f"{dtype}.json")
         if not bench:
             continue
@@ -267,7 +267,21 @@ def main_gpu_check(args) -> int:
               "--load-fixed-k", "none", "--json", str(out / "served.json")]  # fmt: skip
     check.run(Step("served", _specserve(*served), 300, "served.json"), reserve_s=20)
     # Eager on an H200 (2026-11-27) the served step took 291 s at four levels and the bf16 rows ~150 s.
-    rows("bf16", half, reserve_s=20)
+    rows("bf16", half, reserve_s=60)
+    # The same rows eager (--enforce-eager): what the graphs buy, in one run.
+    eager = [
+        *common,
+        "--methods",
+        METHODS.split(",")[-1],
+        "--k",
+        "auto",
+        "--dtype",
+        half,
+        "--no-load",
+        "--enforce-eager",
+    ]
+    check.run(Step("bf16-eager", _specserve(*eager, "--json", str(out / "bf16-eager.json")), 120, "bf16-eager.json"),
+              reserve_s=20)  # fmt: skip
     static = [py, "-c", "import sys; from specserve.cluster.bench.gpu_check import hf_static; "
               "hf_static(*sys.argv[1:])", MODEL, device, str(out / "hf-static.json")]  # fmt: skip
     check.run(Step("hf-static", static, 90, "hf-static.json"))

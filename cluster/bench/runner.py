@@ -302,10 +302,13 @@ def main_bench(args) -> int:
     structured = _structured(args, bool(spec))
     cfg = replace(cfg, hf_rows=False) if structured else cfg  # transformers' generate takes no response_format
     tp_n = _extras(args, draft_path)
-    target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device, "dtype": args.dtype})
+    eager = getattr(args, "enforce_eager", False)
+    target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device, "dtype": args.dtype,
+                                        "enforce_eager": eager})  # fmt: skip
     draft_cfg = None
     if draft_path:
-        draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device, "dtype": args.dtype})
+        draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device, "dtype": args.dtype,
+                                           "enforce_eager": eager})  # fmt: skip
     target = load_model(target_cfg)
     head = _eagle_head(args, target_path)
     engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None, eagle_head=head)

@@ -58,6 +58,7 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
                    help="with --target: the speculative rows at exactly these k (whole numbers and/or auto), "
                    "e.g. 4,auto")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--enforce-eager", action="store_true", help="in-process rows: no CUDA graphs (vLLM's flag)")
     p.add_argument(
         "--dtype",
         default="float32",

@@ -35,6 +35,8 @@ def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
                    "auto: cuda when available)")  # fmt: skip
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="with --model: weights' dtype (default auto: bfloat16 on CUDA, float32 on a CPU)")  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true", help="with --model: no CUDA graphs, every forward pass "
+                   "eager (vLLM's flag)")  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=int, metavar="N", help="with --model: target ranks per replica")
     p.add_argument("--k", help="with --model: tokens drafted per round, 1..16, or 'auto' (the default)")
     p.add_argument(
@@ -99,6 +101,8 @@ def _model_overrides(args: argparse.Namespace) -> dict:
     for flag in ("device", "dtype"):
         if getattr(args, flag) is not None:
             out[flag] = getattr(args, flag)
+    if args.enforce_eager:
+        out["enforce_eager"] = True
     named = {
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,

@@ -100,7 +100,7 @@ def _worker_body(cfg: ModelPairConfig, kind: str):
     head = resolve_eagle_head(draft_path)
     pool = cfg.target_pool if kind == "target" else cfg.draft_pool
     path = target_path if kind == "target" or head is not None else draft_path
-    model = ModelConfig(path=path, dtype=cfg.dtype, device=cfg.device)
+    model = ModelConfig(path=path, dtype=cfg.dtype, device=cfg.device, enforce_eager=cfg.enforce_eager)
     if kind == "target":
         return TargetWorkerBody(model, pool, eagle_head=head)
     from transformers import AutoConfig

@@ -25,6 +25,10 @@ class ModelConfig(StrictModel):
         "few-position forwards of decoding and verification; the model's parameters then omit the packed layers' "
         "original weights); false: PyTorch's default kernels.",
     )
+    enforce_eager: bool = Field(
+        False, description="On CUDA, run every forward pass eagerly (vLLM's enforce_eager); by default a batch that "
+        "fits a bucket (up to 64 rows of 16 new positions over 8,192 attended) replays a CUDA graph captured for it."
+    )  # fmt: skip
 
 
 class KVCacheConfig(StrictModel):

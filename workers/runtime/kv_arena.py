@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache
 
 BLOCK = 16  # positions: the unit of a run
+SCRATCH_ROWS = BLOCK  # rows past the capacity, written by padding columns only (graphs.py)
 
 
 def blocks(positions: int) -> int:
@@ -129,6 +130,12 @@ class KVArena(Cache):
         return self.allocator.capacity
 
     @property
+    def scratch_row(self) -> int:
+        """The first of SCRATCH_ROWS rows past the capacity that no request holds: a static pass's padding columns
+        write there (graphs.py)."""
+        return self.allocator.capacity
+
+    @property
     def allocated(self) -> bool:
         return bool(self._keys)
 
@@ -173,7 +180,7 @@ class KVArena(Cache):
             raise RuntimeError("KVArena.plan must be set before each forward pass")
         while len(self._keys) <= layer_idx:
             # torch.empty: a CPU worker's pages are touched only as positions are written; nothing unwritten is read
-            shape = (self.capacity, key_states.shape[1], key_states.shape[3])
+            shape = (self.capacity + SCRATCH_ROWS, key_states.shape[1], key_states.shape[3])
             self._keys.append(key_states.new_empty(shape))
             self._values.append(value_states.new_empty(shape))
         keys, values = self._keys[layer_idx], self._values[layer_idx]

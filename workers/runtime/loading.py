@@ -27,6 +27,7 @@ class LoadedModel:
     path: str
     device: torch.device
     dtype: torch.dtype
+    enforce_eager: bool = False  # ModelConfig.enforce_eager: no CUDA graphs (runtime/graphs.py)
 
     @property
     def vocab_size(self) -> int:
@@ -109,7 +110,8 @@ def load_model(config: ModelConfig, distributed_config=None) -> LoadedModel:
         packed = pack_linears(model, keep_weight=lambda name, layer: layer is output)
     log.info("loaded %s (%s) on %s as %s in %.1f s%s", path, hf_config.model_type, device, dtype,
              time.perf_counter() - start, f", {packed} linear layers packed for oneDNN" if packed else "")  # fmt: skip
-    return LoadedModel(model=model, tokenizer=tokenizer, path=path, device=device, dtype=dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path, device=device, dtype=dtype,
+                       enforce_eager=config.enforce_eager)  # fmt: skip
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -68,11 +68,11 @@ class RaggedPlan:
         )  # [N]
         if not per_row:  # one padded mask for the batch
             return cls(arena, list(rows), write, per_row, [], _gather_plan(rows, dtype, device))
-        masks = [None if r.n == 1 and r.allowed is None else _additive(_allowed(r), dtype, device) for r in rows]
+        masks = [None if r.n == 1 and r.allowed is None else _additive(allowed_rows(r), dtype, device) for r in rows]
         return cls(arena, list(rows), write, per_row, masks)
 
 
-def _allowed(row: RaggedRow) -> torch.Tensor:
+def allowed_rows(row: RaggedRow) -> torch.Tensor:
     """[n, extent] bool: the row's own rule, else causal over its new tokens."""
     if row.allowed is not None:
         return row.allowed
@@ -95,7 +95,7 @@ def _gather_plan(rows: Sequence[RaggedRow], dtype, device) -> tuple[torch.Tensor
     queries = torch.stack([r.offset + torch.arange(width).clamp(max=r.n - 1) for r in rows])  # [B, T]
     allowed = torch.zeros((len(rows), width, kv_len), dtype=torch.bool)
     for b, r in enumerate(rows):
-        allowed[b, : r.n, : r.extent] = _allowed(r)
+        allowed[b, : r.n, : r.extent] = allowed_rows(r)
         allowed[b, r.n :, 0] = True  # padding queries see one position: no row of NaNs
     back = torch.cat([b * width + torch.arange(r.n) for b, r in enumerate(rows)])  # [N]
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.workers.config.settings import KVCacheConfig
+from specserve.workers.runtime.graphs import GraphedForward
 from specserve.workers.runtime.kv_cache import KVCacheStore
 from specserve.workers.runtime.lean_forward import CaptureForward, capture_forward, full_forward, lean_forward
 from specserve.workers.runtime.loading import LoadedModel
@@ -71,6 +72,7 @@ class ModelRunner:
         self.forward_calls = 0
         self.forward_positions = 0
         self.forward_seconds = 0.0
+        self.graphs: GraphedForward | None = None  # set once the arena is (below): the profiling passes run eagerly
         self._trees: dict[str, tuple[int, list[int]]] = {}  # request -> (its tree's first position, its tokens)
         bytes_per_token = loaded.kv_bytes_per_token
         self.store = KVCacheStore(kv_config, bytes_per_token, PROFILE_TOKENS)  # for the profiling forward only
@@ -79,6 +81,12 @@ class ModelRunner:
         self.store = KVCacheStore(kv_config, bytes_per_token, self.budget.capacity_tokens)
         if self.device.type == "cuda":  # a CPU's pages are touched only as positions are written: lazily there
             self.allocate_arena()
+        # CUDA graphs over static buffers where the lean path runs (its layers are called directly, nothing host-side
+        # depends on a tensor's values); eager on a CPU and with enforce_eager (vLLM's flag).
+        # A tensor-parallel rank's pass holds collectives, which every rank would have to capture in step: eager.
+        sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.device.type == "cuda" and self.lean and not loaded.enforce_eager and not sharded:
+            self.graphs = GraphedForward(self.store.cache, self.model.dtype, self.device, capture=True)
         self.forward_calls = self.forward_positions = 0
         self.forward_seconds = 0.0
 
@@ -186,20 +194,26 @@ class ModelRunner:
         for entry, start, new, seen in zip(entries, starts, news, allowed, strict=True):
             rows.append(RaggedRow(base=entry.run.base, start=start, offset=offset, n=len(new), allowed=seen))
             offset += len(new)
-        plan = RaggedPlan.build(self.store.cache, rows, self.model.dtype, self.device, self.per_row)
-        self.store.cache.plan = plan
-        input_ids = torch.tensor([[t for new in news for t in new]], device=self.device)  # [1, N]
-        position_ids = torch.tensor([[p for row in positions for p in row]], device=self.device)  # [1, N]
         ends = [(r.offset + r.n, k) for r, k in zip(rows, keeps, strict=True)]
-        kept = torch.tensor([c for end, k in ends for c in range(end - k, end)], device=self.device)  # [K] columns
-        try:
-            if capture:
-                out, features = self._capture_forward(input_ids, position_ids, None, self.store.cache, kept,
-                                                      ragged=plan)  # fmt: skip
-            else:
-                out, features = self._forward(input_ids, position_ids, None, self.store.cache, kept, ragged=plan), None
-        finally:
-            self.store.cache.plan = None
+        columns = [c for end, k in ends for c in range(end - k, end)]  # the kept columns, packed
+        bucket = self.graphs.key_for(rows, capture) if self.graphs is not None else None
+        if bucket is not None:
+            forward = self._capture_forward if capture else self._forward
+            out, features = self.graphs.run(bucket, forward, rows, news, positions, columns)
+        else:
+            plan = RaggedPlan.build(self.store.cache, rows, self.model.dtype, self.device, self.per_row)
+            self.store.cache.plan = plan
+            input_ids = torch.tensor([[t for new in news for t in new]], device=self.device)  # [1, N]
+            position_ids = torch.tensor([[p for row in positions for p in row]], device=self.device)  # [1, N]
+            kept = torch.tensor(columns, device=self.device)  # [K] columns
+            cache = self.store.cache
+            try:
+                if capture:
+                    out, features = self._capture_forward(input_ids, position_ids, None, cache, kept, ragged=plan)
+                else:
+                    out, features = self._forward(input_ids, position_ids, None, cache, kept, ragged=plan), None
+            finally:
+                self.store.cache.plan = None
         self.forward_calls += 1
         self.forward_positions += offset
         # The pass's host time: its plan and its layers' calls. On a GPU that is launching the kernels (they finish

@@ -101,7 +101,16 @@ def test_the_tests_and_fp32_run_before_the_served_step_and_the_rows_take_the_met
                               k="auto", methods="eagle-tree+ngram", skip_tests=False, only="none")  # fmt: skip
     main_gpu_check(args)
     steps = json.loads((tmp_path / "gpu-check.json").read_text())["steps"]
-    assert [s["name"] for s in steps] == ["environment", "model", "tests", "fp32", "served", "bf16", "hf-static"]
+    assert [s["name"] for s in steps] == [
+        "environment",
+        "model",
+        "tests",
+        "fp32",
+        "served",
+        "bf16",
+        "bf16-eager",
+        "hf-static",
+    ]
     assert all(s["skipped"] == "not in --only" for s in steps)
     fp32 = next(s for s in steps if s["name"] == "fp32")["argv"]
     assert fp32[fp32.index("--methods") + 1] == "eagle-tree+ngram" and fp32[fp32.index("--k") + 1] == "auto"
