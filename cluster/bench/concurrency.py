@@ -150,12 +150,6 @@ class LevelRow:
     outputs: dict[int, set[tuple[int, ...]]] = field(default_factory=dict, repr=False)  # request index -> outputs
 
 
-def _identical(row: LevelRow) -> str:
-    if row.identical is None:
-        return "-"
-    return "yes" if row.identical else f"NO ({row.identical_share:.0%} of requests)"
-
-
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -348,7 +342,8 @@ def format_levels(rows: list[LevelRow]) -> str:
             "-" if r.ratio_ci95 is None else f"{r.ratio_ci95[0]:.2f}-{r.ratio_ci95[1]:.2f}",
             "-" if r.spread is None else f"{r.spread:.0%}",
             f"{r.ttft_ms_p50:.0f}", f"{r.ttft_ms_p99:.0f}", f"{r.tpot_ms_p50:.1f}", f"{r.tpot_ms_p99:.1f}",
-            f"{r.tokens_per_round:.2f}", _identical(r),
+            f"{r.tokens_per_round:.2f}",
+            "-" if r.identical is None else ("yes" if r.identical else f"NO ({r.identical_share:.0%})"),
             _ms(r.round_ms, "draft_work", "verify_work"), _ms(r.round_ms, "overhead"),
         ])  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

@@ -328,3 +328,11 @@ def parse_ks(text: str | None) -> tuple[int | str, ...] | None:
         if k not in ks:
             ks.append(k)
     return tuple(ks)
+
+
+def compare_outputs(row: Row, base: Row) -> None:
+    """A greedy row against target-only's: identical, and the share of prompts that were (bf16 on a GPU is not
+    batch-invariant: a forward over several positions may flip a near-tie)."""
+    row.identical = row.outputs == base.outputs
+    same = [a == b for a, b in zip(row.outputs, base.outputs, strict=False)]
+    row.identical_share = sum(same) / len(same) if same else None

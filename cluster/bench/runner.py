@@ -27,6 +27,7 @@ from specserve.cluster.bench.rows import (
     bench_prompts,
     bench_questions,
     best_draft_k,
+    compare_outputs,
     parse_ks,
     parse_methods,
     plan_rows,
@@ -141,15 +142,7 @@ def _fill_speedups(rows: list[Row]) -> None:
             if row.bound:
                 row.ratio_to_bound = row.speedup / row.bound
             if temp == 0 and row is not base:
-                _compare_outputs(row, base)
-
-
-def _compare_outputs(row: Row, base: Row) -> None:
-    """A greedy row against target-only's: identical, and the share of prompts that were (bf16 on a GPU is not
-    batch-invariant: a forward over several positions may flip a near-tie)."""
-    row.identical = row.outputs == base.outputs
-    same = [a == b for a, b in zip(row.outputs, base.outputs, strict=False)]
-    row.identical_share = sum(same) / len(same) if same else None
+                compare_outputs(row, base)
 
 
 def _fixed_ngram(row: Row) -> bool:
@@ -167,7 +160,7 @@ def _best_prompt_lookup(engine: SpecEngine, rows: list[Row], target_only: RowFn,
     fn = fn if conversations is None else converse(engine.tokenizer, fn)
     measure([(rerun, target_only), (row, fn)], prompts, cfg, bar, items=conversations, cold=engine.forget_prefixes)
     row.speedup = row.tokens_per_s / rerun.tokens_per_s
-    _compare_outputs(row, greedy_base)
+    compare_outputs(row, greedy_base)
     if conversations is not None:
         row.categories = category_figures(row, rerun, [c.question.category for c in conversations])
     at = next(i for i, r in enumerate(rows) if r.method == "hf-prompt-lookup") + 1
@@ -302,13 +295,9 @@ def main_bench(args) -> int:
     structured = _structured(args, bool(spec))
     cfg = replace(cfg, hf_rows=False) if structured else cfg  # transformers' generate takes no response_format
     tp_n = _extras(args, draft_path)
-    eager = getattr(args, "enforce_eager", False)
-    target_cfg = validate(ModelConfig, {"path": target_path, "device": args.device, "dtype": args.dtype,
-                                        "enforce_eager": eager})  # fmt: skip
-    draft_cfg = None
-    if draft_path:
-        draft_cfg = validate(ModelConfig, {"path": draft_path, "device": args.device, "dtype": args.dtype,
-                                           "enforce_eager": eager})  # fmt: skip
+    model = {"device": args.device, "dtype": args.dtype, "enforce_eager": getattr(args, "enforce_eager", False)}
+    target_cfg = validate(ModelConfig, {"path": target_path, **model})
+    draft_cfg = validate(ModelConfig, {"path": draft_path, **model}) if draft_path else None
     target = load_model(target_cfg)
     head = _eagle_head(args, target_path)
     engine = SpecEngine(target, load_model(draft_cfg) if draft_cfg else None, eagle_head=head)

@@ -59,12 +59,8 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
                    "e.g. 4,auto")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     p.add_argument("--enforce-eager", action="store_true", help="in-process rows: no CUDA graphs (vLLM's flag)")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16", "auto"],
-        help="weights and activations dtype of both models (auto: float32 on CPU, bfloat16 on CUDA)",
-    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="both models' weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")  # fmt: skip
     _add_extras(p)
     p.set_defaults(func=_bench)
 

@@ -2,7 +2,7 @@
 were, which bf16 on a GPU needs (not batch-invariant: a near-tie may flip)."""
 
 from specserve.cluster.bench.rows import Row
-from specserve.cluster.bench.runner import _fill_speedups
+from specserve.cluster.bench.runner import _fill_speedups  # rows.compare_outputs, as the bench calls it
 
 
 def _row(name: str, method: str, outputs: list[list[int]]) -> Row:
