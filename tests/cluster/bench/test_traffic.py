@@ -12,7 +12,7 @@ def test_documents_are_about_as_long_as_asked_and_differ_by_start(tiny_target):
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     a, b = document(tokenizer, 1500), document(tokenizer, 1500, start=3)
     assert a == document(tokenizer, 1500) and a != b and a[:200] != b[:200]
-    assert abs(count(a) - 1500) < 75 and abs(count(b) - 1500) < 75
+    assert abs(count(a) - 1500) < 30 and abs(count(b) - 1500) < 30  # cut at the word that fits
     assert abs(count(document(tokenizer, 6000)) - 6000) < 300  # long ones wrap around the docstrings
 
 
