@@ -19,7 +19,7 @@ CLOSE = {"rtol": 1e-4, "atol": 1e-4}
 
 @pytest.fixture(scope="module")
 def target(tiny_target, device):
-    return load_model(ModelConfig(path=tiny_target, device=device))
+    return load_model(ModelConfig(path=tiny_target, device=device, dtype="float32"))  # graphs against eager: fp32
 
 
 def _static(target) -> ModelRunner:
