@@ -249,7 +249,7 @@ def main_gpu_check(args) -> int:
         # The tests that take the `device` fixture (tests/conftest.py), on this device only: the packed pass's
         # gathered attention among them, which the CPU runs only in its own tests.
         tests = [py, "-m", "pytest", "tests/workers", "tests/integration/disaggregated", "-q", "-m", "not slow", "-k",
-                 device, "-p", "no:cacheprovider", "--timeout", "60", "--maxfail", "5",
+                 device, "-p", "no:cacheprovider", "--timeout", "60", "--maxfail", "15",
                  "--continue-on-collection-errors", "--junitxml", str(out / "tests.xml")]  # fmt: skip
         check.run(Step("tests", tests, 120), reserve_s=300)
 
