@@ -269,17 +269,8 @@ def main_gpu_check(args) -> int:
     # Eager on an H200 (2026-11-27) the served step took 291 s at four levels and the bf16 rows ~150 s.
     rows("bf16", half, reserve_s=60)
     # The same rows eager (--enforce-eager): what the graphs buy, in one run.
-    eager = [
-        *common,
-        "--methods",
-        METHODS.split(",")[-1],
-        "--k",
-        "auto",
-        "--dtype",
-        half,
-        "--no-load",
-        "--enforce-eager",
-    ]
+    eager = [*common, "--methods", METHODS.split(",")[-1], "--k", "auto", "--dtype", half, "--no-load",
+             "--enforce-eager"]  # fmt: skip
     check.run(Step("bf16-eager", _specserve(*eager, "--json", str(out / "bf16-eager.json")), 120, "bf16-eager.json"),
               reserve_s=20)  # fmt: skip
     static = [py, "-c", "import sys; from specserve.cluster.bench.gpu_check import hf_static; "

@@ -52,7 +52,7 @@ class StaticPass:
 
     def __init__(self, key: BucketKey, arena: KVArena, dtype: torch.dtype, device: torch.device):
         B, T, K, N = key.rows, key.width, key.kv_len, key.rows * key.width
-        self.key = key
+        self.key, self.dtype, self.scratch = key, dtype, arena.scratch_row
         self.input_ids = torch.zeros((1, N), dtype=torch.long, device=device)  # [1, N]
         self.position_ids = torch.zeros((1, N), dtype=torch.long, device=device)  # [1, N]
         self.write = torch.full((N,), arena.scratch_row, dtype=torch.long, device=device)  # [N]
@@ -65,11 +65,12 @@ class StaticPass:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def fill(self, rows: Sequence[RaggedRow], news: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
-             scratch: int, dtype: torch.dtype) -> None:  # fmt: skip
+    def fill(
+        self, rows: Sequence[RaggedRow], news: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> None:
         """Copy a batch into the buffers: real columns where its rows are, padding elsewhere (built on the host,
         one copy a buffer)."""
-        B, T, K = self.key.rows, self.key.width, self.key.kv_len
+        B, T, K, scratch, dtype = self.key.rows, self.key.width, self.key.kv_len, self.scratch, self.dtype
         ids = torch.zeros((B, T), dtype=torch.long)
         pos = torch.zeros((B, T), dtype=torch.long)
         write = torch.full((B, T), scratch, dtype=torch.long)
@@ -100,7 +101,6 @@ class GraphedForward:
         self.arena, self.dtype, self.device, self.capture = arena, dtype, device, capture
         self.passes: dict[BucketKey, StaticPass] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.replays = 0
 
     def key_for(self, rows: Sequence[RaggedRow], capture_features: bool) -> BucketKey | None:
         """The bucket a batch fits, or None (run it eagerly): too many rows, a row too wide (a prompt's chunk), a
@@ -120,14 +120,13 @@ class GraphedForward:
         static = self.passes.get(key)
         if static is None:
             static = self.passes[key] = StaticPass(key, self.arena, self.dtype, self.device)
-        static.fill(rows, news, positions, self.arena.scratch_row, self.dtype)
+        static.fill(rows, news, positions)
         if not self.capture:
             logits, features = self._call(static, forward)
         else:
             if static.graph is None:
                 self._record(static, forward)
             static.graph.replay()
-            self.replays += 1
             logits, features = static.outputs
         T = key.width
         regular = [b * T + j for b, row in enumerate(rows) for j in range(row.n)]  # packed column -> its column here
@@ -145,9 +144,7 @@ class GraphedForward:
 
     def _record(self, static: StaticPass, forward: Callable) -> None:
         """Capture the bucket's graph (torch.cuda.graphs' recipe: warm up on a side stream, then record). The warm-up
-        passes run for real on the batch just filled in, so they must not write: they write to the scratch rows."""
-        real_write = static.write.clone()
-        static.write.fill_(self.arena.scratch_row)
+        passes run for real on the batch just filled in: they write the keys and values its replay writes again."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -158,4 +155,3 @@ class GraphedForward:
         with torch.cuda.graph(graph, pool=self.pool):
             static.outputs = self._call(static, forward)
         static.graph = graph
-        static.write.copy_(real_write)

@@ -213,7 +213,7 @@ class ModelRunner:
                 else:
                     out, features = self._forward(input_ids, position_ids, None, cache, kept, ragged=plan), None
             finally:
-                self.store.cache.plan = None
+                cache.plan = None
         self.forward_calls += 1
         self.forward_positions += offset
         # The pass's host time: its plan and its layers' calls. On a GPU that is launching the kernels (they finish

@@ -120,7 +120,7 @@ async def start_worker_server(
     if built.runner is not None and not getattr(built.runner, "lean", True):
         # transformers' own forward: its wrappers cost a launch-bound GPU step milliseconds (lean_forward.py)
         log.info("%s worker runs transformers' own forward, not the lean one: its probe disagreed or the "
-                    "architecture is not one it knows", built.spec.role)  # fmt: skip
+                 "architecture is not one it knows", built.spec.role)  # fmt: skip
     return server, port
 
 
