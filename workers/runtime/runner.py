@@ -21,6 +21,12 @@ ARENA_ROW = "kv-arena-allocation"  # the request id of the pass that allocates t
 PROFILE_TOKENS = 4096  # BatchingConfig.max_batch_tokens' default: the most positions one pass feeds
 
 
+def probe_ids(n: int, vocab: int) -> list[int]:
+    """n token ids, varied and inside a vocabulary of `vocab` tokens, for the passes that allocate and profile memory:
+    on a GPU an id past the embedding is a device-side assert that poisons the whole process, not an IndexError."""
+    return [(3 + 7 * i) % vocab for i in range(n)]
+
+
 @dataclass(frozen=True)
 class ForwardRow:
     """One request's row of a forward pass (`ModelRunner.forward_batch`): its tokens and how many logits it wants."""
@@ -95,16 +101,19 @@ class ModelRunner:
         memory free when the runner was built, and runners built side by side would each count the same memory. A
         one-position pass allocates them in the shapes the model writes (a tensor-parallel rank's heads too); it
         leaves no request, prefix or count behind."""
-        self.forward_batch([ForwardRow(ARENA_ROW, [3], 1)])
+        self.forward_batch([ForwardRow(ARENA_ROW, probe_ids(1, self._embedded_tokens()), 1)])
         self.store.release(ARENA_ROW)
         self.store.forget_retained()
         self.forward_calls = self.forward_positions = 0
         self.forward_seconds = 0.0
 
+    def _embedded_tokens(self) -> int:
+        return min(self.vocab_size, self.model.get_input_embeddings().num_embeddings)
+
     def _profile_forward(self) -> None:
         """The largest forward a worker runs (a batch's token budget of prompt), for the activations' peak memory."""
         n = min(PROFILE_TOKENS, self.loaded.max_positions or PROFILE_TOKENS)
-        self.forward_batch([ForwardRow("memory-profile", [3 + (7 * i) % 100 for i in range(n)], 1)])
+        self.forward_batch([ForwardRow("memory-profile", probe_ids(n, self._embedded_tokens()), 1)])
 
     def capture_features(self, layers: Sequence[int]) -> None:
         """Let `forward_batch(..., capture=True)` return the residual stream entering `layers` (Hugging Face's
@@ -196,7 +205,9 @@ class ModelRunner:
             offset += len(new)
         ends = [(r.offset + r.n, k) for r, k in zip(rows, keeps, strict=True)]
         columns = [c for end, k in ends for c in range(end - k, end)]  # the kept columns, packed
-        bucket = self.graphs.key_for(rows, capture) if self.graphs is not None else None
+        # Only the lean forward is graph-safe: a runner whose forward was swapped for transformers' own runs eagerly.
+        graphed = self.graphs is not None and self.lean
+        bucket = self.graphs.key_for(rows, capture) if graphed else None
         if bucket is not None:
             forward = self._capture_forward if capture else self._forward
             out, features = self.graphs.run(bucket, forward, rows, news, positions, columns)

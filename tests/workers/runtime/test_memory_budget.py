@@ -86,3 +86,14 @@ def test_the_arena_allocated_up_front_leaves_no_request_behind_and_changes_no_lo
     assert early.forward_calls == 0
     prompt = [3 + (5 * i) % 90 for i in range(40)]
     torch.testing.assert_close(early.logits_for("a", prompt, 3), lazy.logits_for("a", prompt, 3))
+
+
+def test_the_passes_that_allocate_and_profile_memory_stay_inside_a_tiny_vocabulary(tiny_vocab_target, device):
+    # On the H200 (2026-12-04) the profiling pass fed ids up to 102 to an 8-token model: a device-side assert that
+    # failed every later test in the process. A CPU raises IndexError for the same ids.
+    target = load_model(ModelConfig(path=tiny_vocab_target, device=device))
+    runner = ModelRunner(target, KVCacheConfig())
+    runner._profile_forward()
+    runner.allocate_arena()
+    assert runner.forward_calls == 0
+    assert runner.logits_for("a", [1, 2, 3], 1).shape == (1, runner.vocab_size)
