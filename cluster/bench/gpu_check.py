@@ -213,9 +213,12 @@ def summarize(out: Path) -> dict:
         served = (bench.get("meta") or {}).get("load")
         if served:
             levels = served.get("levels") or []
-            off1 = served.get("served_off_1_stream_tok_s")
-            if off1 and base:
-                entry["served_off_1_stream_vs_in_process"] = off1 / base["tokens_per_s"]
+            # Like for like (cluster/bench/orchestration.py): the same 64-token questions decoded served with
+            # speculation off at one stream and in process at the served target's threads. The load level's
+            # short requests carry their prefill too, so they are not that figure.
+            tax = served.get("orchestration") or {}
+            entry["served_off_1_stream_vs_in_process"] = tax.get("vs_same_threads")
+            entry["served_off_1_stream_vs_in_process_all_cores"] = tax.get("vs_all_cores")
             entry["served_default_vs_off"] = {str(r["streams"]): r.get("vs_off") for r in levels
                                               if r.get("speculation") != "off"}  # fmt: skip
             entry["served_identical"] = all(r.get("identical") is not False for r in levels)

@@ -68,8 +68,8 @@ def test_the_summary_names_the_issues_figures(tmp_path):
         "identical": False,
     }
     load = {
-        "served_off_1_stream_tok_s": 80.0,
-        "orchestration": {"vs_same_threads": 0.8},
+        "served_off_1_stream_tok_s": 60.0,  # the load level: short requests, each with its prefill
+        "orchestration": {"vs_same_threads": 0.8, "vs_all_cores": 0.7},
         "levels": [
             {"streams": 1, "speculation": "off", "vs_off": None, "identical": None},
             {"streams": 1, "speculation": "default", "vs_off": 1.6, "identical": True},
@@ -83,6 +83,7 @@ def test_the_summary_names_the_issues_figures(tmp_path):
     )
     summary = summarize(tmp_path)
     assert summary["served"]["served_off_1_stream_vs_in_process"] == 0.8
+    assert summary["served"]["served_off_1_stream_vs_in_process_all_cores"] == 0.7
     assert summary["served"]["served_default_vs_off"] == {"1": 1.6, "64": 0.9}
     assert summary["served"]["served_identical"] is False
     assert summary["served"]["served_identical_share"]["64"] == 0.75
