@@ -256,6 +256,11 @@ def main_gpu_check(args) -> int:
                  "--continue-on-collection-errors", "--junitxml", str(out / "tests.xml")]  # fmt: skip
         check.run(Step("tests", tests, 120), reserve_s=300)
 
+    # Where the head's drafting time goes, bf16 against fp32 (13.2 against 1.9 ms a token on 2026-12-04).
+    profile = [py, "-c", "import sys; from specserve.cluster.bench.head_profile import head_profile; "
+               "head_profile(*sys.argv[1:])", MODEL, device, str(out / "head-profile.json")]  # fmt: skip
+    check.run(Step("head-profile", profile, 90, "head-profile.json"), reserve_s=300)
+
     def rows(name: str, dtype: str, reserve_s: float) -> None:
         methods = getattr(args, "methods", None) or METHODS
         argv = [*common, "--methods", methods, "--k", args.k, "--dtype", dtype, "--no-load"]

@@ -207,8 +207,9 @@ class Scheduler(WorkerPlacement):
         worker = req.target_worker
         others = [r.batch_row() for r in self.requests.values() if r.target_worker == worker and r is not req]
         req.pruning.verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
-        overhead = self.batches.setdefault(worker, BatchWidth()).tree_overhead.seconds
-        return req.pruning.prune(tree, others, overhead, self.chunks.beside(worker))
+        batch = self.batches.setdefault(worker, BatchWidth())
+        return req.pruning.prune(tree, others, batch.tree_overhead.seconds, self.chunks.beside(worker),
+                                 plain_s=batch.plain_overhead.seconds)  # fmt: skip
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])
@@ -338,6 +339,10 @@ class Scheduler(WorkerPlacement):
                 # a head's tree round (not its first: the head's catch-up) beyond the forward, for the next prunings
                 beyond = round_s - reply.queued_seconds - reply.batch_seconds
                 self.batches.setdefault(req.target_worker, BatchWidth()).tree_overhead.observe(beyond)
+            elif not plan.nodes and not plan.chain.k and req.pruning is not None and round_s > 0 and steady:
+                # a plain round of a head's trees: what drafting a tree is weighed against
+                beyond = round_s - reply.queued_seconds - reply.batch_seconds
+                self.batches.setdefault(req.target_worker, BatchWidth()).plain_overhead.observe(beyond)
             return req.commit_tree(plan, tree, list(reply.path or ()), reply)
         if plan.forecast is not None and round_s > 0 and steady and req.target_worker in self.batches:
             self.batches[req.target_worker].realized.observe(plan.forecast, round_s)

@@ -60,6 +60,7 @@ class TreeRounds:
         self.lookups, self.max_chain = lookups, max_chain
         self.tree_yield = TreeYield()
         self.overhead = RoundOverhead()  # a tree round's time beyond its verify forward, which pruning weighs
+        self.plain_overhead = RoundOverhead()  # a plain round's, against which pruning weighs drafting trees at all
 
     def plan(self, state: RequestState) -> RoundPlan:
         """The round's nodes (none: a plain step); prompt lookup's tree drafted with the plan, as the scheduler does;
@@ -88,13 +89,16 @@ class TreeRounds:
     def _pruned(self, tree: DraftTree | None) -> DraftTree | None:
         if tree is None or self.pruning is None:
             return tree
-        return self.pruning.prune(tree, fixed_s=self.overhead.seconds)
+        return self.pruning.prune(tree, fixed_s=self.overhead.seconds, plain_s=self.plain_overhead.seconds)
 
     def took(self, plan: RoundPlan, beyond_s: float, steady: bool) -> None:
         """A round's seconds beyond its verify (drafting, feeding the head, the engine's own), for the head's trees'
-        pruning; `steady`: not the request's first drafting round (the head's catch-up over the prompt)."""
+        pruning: a tree round's and a plain round's apart; `steady`: not the request's first drafting round (the
+        head's catch-up over the prompt)."""
         if plan.nodes and not plan.drafted and steady:
             self.overhead.observe(beyond_s)
+        elif not plan.nodes and not plan.chain.k and steady:
+            self.plain_overhead.observe(beyond_s)
 
     def observe(self, plan: RoundPlan, tree: DraftTree | None, accepted: int) -> None:
         """The round's outcome to what planned it: a lookup's chain, or the head's tree (pruned to nothing: None) and

@@ -4,6 +4,8 @@ step fails or outruns it, and the summary of the issue's figures from the benche
 import json
 import sys
 
+import torch
+
 from specserve.cluster.bench.gpu_check import Check, Step, summarize
 
 
@@ -106,6 +108,7 @@ def test_the_tests_and_fp32_run_before_the_served_step_and_the_rows_take_the_met
         "environment",
         "model",
         "tests",
+        "head-profile",
         "fp32",
         "served",
         "bf16",
@@ -117,3 +120,24 @@ def test_the_tests_and_fp32_run_before_the_served_step_and_the_rows_take_the_met
     assert fp32[fp32.index("--methods") + 1] == "eagle-tree+ngram" and fp32[fp32.index("--k") + 1] == "auto"
     served = next(s for s in steps if s["name"] == "served")["argv"]
     assert served[served.index("--streams") + 1] == "1,16"
+
+
+def test_the_head_profile_times_and_profiles_a_heads_chain_and_tree(models_dir, device):
+    """The check's head-profile step on a real head (a random one on the tiny target): the planner's fitted cost, a
+    chain's and a tree's time, and the operators that took it."""
+    from specserve.cluster.bench.head_profile import placement, profile_drafter
+    from specserve.workers.config.settings import ModelConfig
+    from specserve.workers.runtime.loading import load_model
+    from specserve.workers.speculation.eagle.loading import load_eagle_drafter
+    from tests.helpers.eagle_heads import random_head
+    from tests.helpers.workers import save_tiny_llama
+
+    path = save_tiny_llama(models_dir / "eagle_target", seed=4, layers=8, hidden=32)
+    target = load_model(ModelConfig(path=path, device=device))
+    drafter = load_eagle_drafter(target, random_head(target.model.config, 64, seed=1, std=0.3))
+    result = profile_drafter(drafter, device, k=4, reps=2)
+    assert result["chain_ms"] > 0 and result["tree_ms"] > 0 and result["step_ms"] >= 0
+    ops = [entry["op"] for entry in result["tree_top"]]
+    assert ops and any("mm" in op or "linear" in op or "matmul" in op for op in ops)
+    assert not drafter.drafting._requests  # the profile's request is gone
+    assert f"{torch.device(device)} {target.dtype}" in "".join(placement(drafter))

@@ -222,3 +222,26 @@ def test_a_tree_is_pruned_for_its_target_workers_packed_batch():
     s.release(fixed)
     s.batches["t"].tree_overhead.observe(1.0)
     assert s.plan_round(auto).k == MAX_TREE_NODES and len(s.prune_tree(auto, _tree(MAX_TREE_NODES)).tokens) > beside
+
+
+def test_the_scheduler_weighs_drafting_a_tree_against_its_plain_rounds():
+    """A head's plain rounds are measured apart from its tree rounds; a tree round that commits less a second than
+    plain ones would (the H200's eager bf16 head: 40 ms of drafting beside a 4 ms step) backs the head off for many
+    plain rounds, its tree still verified."""
+    s = Scheduler(["d"], ["t"])
+    s.planner_costs = PlannerCosts(VerifyCosts((0.004,) * (MAX_TREE_NODES + 1)), DraftCost())
+    auto = s.add([1, 2, 3], SamplingParams(max_new_tokens=300), SpecParams(method="eagle-tree", k="auto"), frozenset())
+    s.apply_round(auto, auto.round, VerifyResult(0, 7, features=_features(0, 3), path=[]))
+    auto.pruning = None
+    s.plan_round(auto)  # builds the request's pruning
+    auto.pruning.plain_rounds = 1
+    assert s.plan_round(auto).k == 0  # a plain round: measured apart
+    reply = VerifyResult(0, 8, features=_features(3, 1), path=[], batch_seconds=0.004)
+    s.apply_round(auto, auto.round, reply, round_s=0.005)
+    batch = s.batches["t"]
+    assert batch.plain_overhead.seconds == pytest.approx(0.001) and batch.tree_overhead.rounds == 0
+    batch.tree_overhead.observe(0.040)
+    assert s.plan_round(auto).k == MAX_TREE_NODES
+    assert s.prune_tree(auto, _tree(8)) is not None  # drafted already: its best nodes are verified
+    assert auto.pruning.backoff > 16 and [s.plan_round(auto).k for _ in range(16)] == [0] * 16
+    assert batch.summary()["plain_overhead_ms"] == pytest.approx(1.0)

@@ -408,6 +408,41 @@ def test_greedy_eagle_trees_are_identical_to_target_only(target, budget):
         assert drafted > (MAX_TREE_NODES - 1) * len(PROMPTS)
 
 
+def test_a_head_slower_than_its_trees_save_backs_off_to_plain_steps(target, monkeypatch):
+    """k='auto' compares drafting a tree with not drafting one: a head whose drafting costs more than its nodes save
+    (20 ms a tree beside a 4 ms step, as an eager bf16 head beside a graphed target on the H200) runs plain steps with
+    rare probes; the same head beside a slow step (1 s) drafts every round. Both identical to target-only."""
+    import time
+
+    from specserve.workers.speculation.eagle.drafter import EagleDrafter
+
+    propose = EagleDrafter.propose_tree
+    trees = []
+
+    def slow(self, *args):
+        time.sleep(0.02)
+        tree = propose(self, *args)
+        trees.append(tree is not None)
+        return tree
+
+    monkeypatch.setattr(EagleDrafter, "propose_tree", slow)
+    head = random_head(target.model.config, 64, seed=2, std=0.3)
+    drafted = {}
+    for step_s in (0.004, 1.0):
+        engine = SpecEngine(target, eagle_head=head, tree_costs=VerifyCosts((step_s,) * (MAX_TREE_NODES + 1)))
+        trees.clear()
+        rounds = 0
+        for prompt in PROMPTS:
+            ids = target.tokenizer(prompt)["input_ids"]
+            result = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW),
+                                     SpecParams(method="eagle-tree", k="auto"))  # fmt: skip
+            assert result.token_ids == own_greedy_loop(target.model, ids, MAX_NEW, target.eos_token_ids)
+            rounds += result.stats.rounds
+        drafted[step_s] = sum(trees) / rounds
+    assert drafted[1.0] > 0.8  # every round but the prompt's drafts a tree
+    assert drafted[0.004] < 0.25  # each request's first tree or two, then plain steps
+
+
 @pytest.mark.parametrize("k", [4, "auto"])
 def test_head_trees_beside_lookups_are_identical_to_target_only(target, k):
     """eagle-tree+ngram in process: the head's trees, and prompt lookup's continuations (verified as chain-shaped

@@ -37,6 +37,7 @@ class BatchWidth:
     realized: RealizedRounds = field(default_factory=RealizedRounds)  # the worker's rounds against their plans
     forecast: RoundForecast | None = None  # what the current plan's rounds are expected to take
     tree_overhead: RoundOverhead = field(default_factory=RoundOverhead)  # its tree rounds' time beyond the verify
+    plain_overhead: RoundOverhead = field(default_factory=RoundOverhead)  # its tree requests' plain rounds' time
     beside: bool = False  # whether the plan counted a prompt's chunk in the pass
 
     def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int,
@@ -57,7 +58,8 @@ class BatchWidth:
         return {"width": self.width, "requests": self.rows, "features_paused": bool(self.quiet_below),
                 "slowdown_drafting": self.realized.factor(True, self.rows),
                 "slowdown_plain": self.realized.factor(False, self.rows),
-                "tree_overhead_ms": round(1e3 * self.tree_overhead.seconds, 3)}  # fmt: skip
+                "tree_overhead_ms": round(1e3 * self.tree_overhead.seconds, 3),
+                "plain_overhead_ms": round(1e3 * self.plain_overhead.seconds, 3)}  # fmt: skip
 
     def features_paused(self, requests: int) -> bool:
         """For one verify call of a k='auto' chain, the worker having `requests` requests now. (While paused a

@@ -36,6 +36,14 @@ MAX_TREE_NODES = 16  # the tree drafted for k='auto', pruned each round
 
 MAX_PLAIN_ROUNDS = 16  # the longest run of plain steps between trees that pay for no node
 
+# Plain steps after a tree round that lost to them (its drafting cost more than its nodes saved): as many as keep a
+# later probe's loss within PROBE_SHARE of the time they take, doubling while probes keep losing, at most
+# MAX_LOSING_ROUNDS. A probe is how a change shows (a lighter load, a better-accepted topic). On the H200
+# (2026-12-04) an eager bf16 head drafted 13 ms a token beside a 4 ms graphed target step, and the default drafting
+# ran 0.17x target-only because nothing compared drafting a tree with not drafting one.
+PROBE_SHARE = 0.05
+MAX_LOSING_ROUNDS = 512
+
 
 @dataclass
 class TreeCalibration:
@@ -82,6 +90,18 @@ class TreeRow:
         return b, 1.0 + (self.by_size[b - 1] if b else 0.0)
 
 
+def _round(b: int, own: Sequence[float], verify: VerifyCosts, others: Sequence[TreeRow], fixed_s: float,
+           beside: ChunkBeside | None) -> tuple[float, float]:  # fmt: skip
+    """(tokens committed, seconds) of the batch's round when its trees keep at most b nodes (own: this row's
+    expected accepted nodes by size; a prompt's chunk `beside` counts its positions and seconds)."""
+    chunk, chunk_s = (beside.positions, beside.seconds) if beside is not None else (0, 0.0)
+    drafted, committed = b, 1.0 + (own[b - 1] if b else 0.0)
+    for row in others:
+        width, commits = row.at_cap(b)
+        drafted, committed = drafted + width, committed + commits
+    return committed + chunk, verify.mean_verify(drafted / (1 + len(others))) + fixed_s + chunk_s
+
+
 def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float, others: Sequence[TreeRow] = (),
                     fixed_s: float = 0.0, beside: ChunkBeside | None = None) -> int:  # fmt: skip
     """The cap b (0: none) on every tree row of the batch (this one's `scores` and the `others`) whose round commits
@@ -89,14 +109,10 @@ def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float,
     width (a packed pass: each row pays for its own positions); with a prompt's chunk `beside` in the pass, its
     positions and seconds count too. The request keeps its b best nodes."""
     own = expected_accepted_by_size(scores[: verify.max_k], factor)
-    chunk, chunk_s = (beside.positions, beside.seconds) if beside is not None else (0, 0.0)
     best, best_rate = 0, -1.0
     for b in range(0, len(own) + 1):
-        drafted, committed = b, 1.0 + (own[b - 1] if b else 0.0)
-        for row in others:
-            width, commits = row.at_cap(b)
-            drafted, committed = drafted + width, committed + commits
-        rate = (committed + chunk) / (verify.mean_verify(drafted / (1 + len(others))) + fixed_s + chunk_s)
+        committed, seconds = _round(b, own, verify, others, fixed_s, beside)
+        rate = committed / seconds
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = b, rate
     return best
@@ -124,10 +140,15 @@ class TreePruning:
         return True
 
     def prune(self, tree: DraftTree, others: Sequence[TreeRow] = (), fixed_s: float = 0.0,
-              beside: ChunkBeside | None = None) -> DraftTree | None:  # fmt: skip
+              beside: ChunkBeside | None = None, plain_s: float | None = None) -> DraftTree | None:  # fmt: skip
         """The tree's best nodes that pay for their verification in the batch (`others`: its other rows, `verify`
-        its cost per width; `fixed_s`: the round's seconds beyond the verify forward; `beside`: a prompt's chunk in
-        the pass), or None (a plain step) when none does."""
+        its cost per width; `fixed_s`: a tree round's seconds beyond the verify forward, its drafting included;
+        `beside`: a prompt's chunk in the pass), or None (a plain step) when none does.
+
+        The drafting is spent by now, so it weighs on every b alike. Whether to draft the next trees is another
+        question: against `plain_s`, a plain round's seconds beyond its forward (measured; None: unknown), a tree
+        round that commits less a second than plain steps would backs the head off for as many plain rounds as keep
+        the next probe's loss small (PROBE_SHARE)."""
         scores = sorted(tree.scores, reverse=True)
         self.by_size = tuple(expected_accepted_by_size(scores, self.calibration.factor))
         count = best_node_count(scores, self.verify, self.calibration.factor, others, fixed_s, beside)
@@ -135,9 +156,28 @@ class TreePruning:
         # Backing off saves a head's levels; a lookup tree costs nothing to draft, and the next match may pay. Nor
         # beside a prompt's chunk: its prefill ends soon, and the trees that lose to it now pay again then.
         costly = self.costly and beside is None
-        self.backoff = 0 if count or not costly else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
+        losing = self._losing_rounds(count, others, fixed_s, plain_s) if costly else 0
+        if losing:
+            self.backoff = min(MAX_LOSING_ROUNDS, max(losing, 2 * self.backoff))
+        else:
+            self.backoff = 0 if count or not costly else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
         self.plain_rounds = self.backoff
         return tree.best(count) if count else None
+
+    def _losing_rounds(self, count: int, others: Sequence[TreeRow], fixed_s: float, plain_s: float | None) -> int:
+        """0 when the batch's round with this tree's `count` nodes commits at least as much a second as with a plain
+        step for it (`plain_s`: a plain round's seconds beyond its forward; None: no comparison); otherwise the plain
+        rounds that keep a probe's loss (its seconds less what plain rounds take for its tokens) within PROBE_SHARE
+        of their time."""
+        if plain_s is None:
+            return 0
+        tree_tokens, tree_s = _round(count, self.by_size, self.verify, others, fixed_s, None)
+        plain_tokens, plain_round_s = _round(0, self.by_size, self.verify, others, plain_s, None)
+        plain_rate = plain_tokens / plain_round_s
+        if tree_tokens / tree_s >= plain_rate:
+            return 0
+        loss_s = tree_s - tree_tokens / plain_rate
+        return max(1, math.ceil(loss_s / (PROBE_SHARE * plain_round_s)))
 
     def observe(self, accepted: int) -> None:
         """The verified tree's accepted nodes."""
@@ -146,8 +186,9 @@ class TreePruning:
 
 @dataclass
 class RoundOverhead:
-    """A tree round's seconds beyond its verify forward (the head's drafting, the hops, the scheduler's own): a decayed
-    mean of measured rounds, 0 before any (what `best_node_count` weighs as `fixed_s`)."""
+    """A round's seconds beyond its verify forward (a tree round's: the head's drafting, the hops, the scheduler's
+    own, what `best_node_count` weighs as `fixed_s`; a plain round's: what `TreePruning.prune` weighs as `plain_s`):
+    a decayed mean of measured rounds, 0 before any."""
 
     seconds: float = 0.0
     rounds: int = 0

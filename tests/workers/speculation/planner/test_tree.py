@@ -153,3 +153,53 @@ def test_a_tree_that_loses_to_a_prompts_chunk_does_not_back_the_head_off():
     assert head.prune(modest) is not None  # alone its first node pays
     assert head.prune(modest, beside=ChunkBeside(128, 128 * 0.002)) is None  # beside a cheap chunk, none does
     assert head.backoff == 0 and head.wants_tree()
+
+
+def test_a_head_whose_trees_lose_to_plain_steps_backs_off_for_as_long_as_keeps_a_probe_cheap():
+    """The drafting is spent once a tree is drafted, so its best nodes are still verified; but a tree round that
+    commits less a second than plain rounds would backs the head off, for as many plain rounds as keep the next
+    probe's loss within PROBE_SHARE of their time (the H200's eager bf16 head: 13 ms a token beside a 4 ms step)."""
+    from specserve.workers.speculation.planner.tree import (
+        MAX_LOSING_ROUNDS,
+        MAX_PLAIN_ROUNDS,
+        PROBE_SHARE,
+        TreePruning,
+    )
+
+    gpu = VerifyCosts((0.004,) * 17)  # a graphed step: flat in width
+    good = DraftTree([10, 11, 12], [ROOT, 0, 1], [math.log(0.9), math.log(0.8), math.log(0.7)])
+    slow = TreePruning(gpu)
+    slow.calibration = TreeCalibration(predicted=1.0, accepted=1.0)  # the head's probabilities at their word
+    kept = slow.prune(good, fixed_s=0.040, plain_s=0.001)  # 3 levels of 13 ms against a 1 ms plain overhead
+    assert kept is not None and kept.tokens == good.tokens  # verified: its drafting is already paid
+    tokens = 1 + 0.9 + 0.8 + 0.7  # what this round commits, expected
+    plain_round = 0.004 + 0.001
+    loss = (0.004 + 0.040) - tokens * plain_round  # its seconds less what plain rounds take for as many tokens
+    assert slow.backoff == math.ceil(loss / (PROBE_SHARE * plain_round)) > MAX_PLAIN_ROUNDS
+    assert not any(slow.wants_tree() for _ in range(slow.backoff)) and slow.wants_tree()  # then a probe
+    slow.prune(good, fixed_s=0.040, plain_s=0.001)  # the probe lost again: twice as long, at most the cap
+    assert slow.backoff == min(MAX_LOSING_ROUNDS, 2 * math.ceil(loss / (PROBE_SHARE * plain_round)))
+    # A cheap head's tree pays, and nothing is compared where no plain round was measured (plain_s None)
+    cheap = TreePruning(gpu, calibration=TreeCalibration(predicted=1.0, accepted=1.0))
+    assert cheap.prune(good, fixed_s=0.002, plain_s=0.001) is not None and cheap.backoff == 0
+    unknown = TreePruning(gpu, calibration=TreeCalibration(predicted=1.0, accepted=1.0))
+    assert unknown.prune(good, fixed_s=0.040, plain_s=None) is not None and unknown.backoff == 0
+    # prompt lookup's trees cost nothing to draft: never backed off
+    lookup = TreePruning(gpu, costly=False, calibration=TreeCalibration(predicted=1.0, accepted=1.0))
+    lookup.prune(good, fixed_s=0.040, plain_s=0.001)
+    assert lookup.backoff == 0 and lookup.wants_tree()
+
+
+def test_tree_rounds_measure_their_plain_rounds_apart():
+    from specserve.workers.speculation.planner.round_plan import RoundPlan
+    from specserve.workers.speculation.round_drafting import TreeRounds
+
+    class Head:  # TreeRounds only calls the drafter in propose_tree, which this does not reach
+        pass
+
+    rounds = TreeRounds(Head(), None, CPU)
+    rounds.took(RoundPlan(), 0.002, steady=False)  # the prompt's round
+    assert rounds.plain_overhead.rounds == 0
+    rounds.took(RoundPlan(), 0.002, steady=True)
+    rounds.took(RoundPlan(nodes=16), 0.03, steady=True)
+    assert rounds.plain_overhead.seconds == pytest.approx(0.002) and rounds.overhead.seconds == pytest.approx(0.03)
