@@ -28,7 +28,9 @@ from specserve.workers.runtime.kv_arena import KVArena
 from specserve.workers.runtime.ragged import RaggedPlan, RaggedRow, allowed_rows
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-WIDTH_BUCKETS = (1, 2, 4, 8, 16)  # new positions a row: a step, a chain's k + 1, a tree's tail and nodes
+# New positions a row: a step, a chain's k + 1, a tree's root and nodes. 17: k='auto''s 16-node trees (planner/
+# tree.py's MAX_TREE_NODES + 1), which ran eagerly at ~28 ms on the H200 under a widest bucket of 16.
+WIDTH_BUCKETS = (1, 2, 4, 8, 17)
 KV_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # attended positions, the longest row's
 # Graphs captured at most: each holds its outputs (a bucket of 64 x 16 columns: 100 MB of SmolLM2's bf16 logits)
 # outside the KV budget, within the memory it leaves free (memory_budget.LEFT_FREE); past it, new buckets run eagerly.

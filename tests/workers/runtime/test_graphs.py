@@ -79,6 +79,23 @@ def test_trees_beside_chains_and_their_features_equal_the_packed_pass(target):
         torch.testing.assert_close(a.features, b.features, **CLOSE)
 
 
+def test_a_whole_auto_tree_fits_a_bucket(target):
+    """k='auto' drafts 16-node trees: their verify (the last committed token and 16 nodes, 17 positions) replays a
+    graph, not eagerly."""
+    from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
+
+    long, _ = _prompts()
+    outs, runners = [], (_static(target), _packed(target))
+    for runner in runners:
+        runner.forward_batch([ForwardRow("a", long, 1)])  # the prompt: wider than any bucket, packed
+        nodes = list(range(4, 4 + MAX_TREE_NODES))
+        # as in decoding, the last round's recovered or bonus token (3) is not cached yet: 1 + 16 new positions
+        parents = [-1] + [i // 2 for i in range(MAX_TREE_NODES - 1)]
+        outs.append(runner.forward_mixed([], [TreeRow("a", long + [3], tokens=nodes, parents=parents)])[1][0])
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, **CLOSE)
+    assert [key.width for key in runners[0].graphs.passes] == [MAX_TREE_NODES + 1]
+
+
 def test_a_batch_past_every_bucket_runs_packed(target):
     long, _ = _prompts()
     runner = _static(target)
