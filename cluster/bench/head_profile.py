@@ -104,17 +104,21 @@ def head_profile(model: str, device: str, out: str) -> None:
     head = packaged_head_for(target_path)
     if head is None:
         raise SystemExit(f"no packaged EAGLE-3 head for {model}")
+    torch.set_grad_enabled(False)
     result: dict = {"model": model, "device": device, "context": CONTEXT}
     for dtype in ("bfloat16", "float32") if device == "cuda" else ("float32",):
-        for setup in ("alone", "beside-target"):
+        threads = torch.get_num_threads()
+        for setup in ("alone", "alone-1-thread", "beside-target"):
             target = None
-            if setup == "alone":
+            # a draft worker runs on its few CPU threads (workers/runtime/threads.py), a bench on every core
+            torch.set_num_threads(1 if setup == "alone-1-thread" else threads)
+            if setup.startswith("alone"):
                 drafter = load_head_drafter(head, target_path, dtype=dtype, device=device)
             else:
                 target = load_model(ModelConfig(path=str(target_path), device=device, dtype=dtype))
                 drafter = load_eagle_drafter(target, head)
             entry = profile_drafter(drafter, device)
-            entry["placement"] = placement(drafter)
+            entry["placement"], entry["threads"] = placement(drafter), torch.get_num_threads()
             result[f"{dtype} {setup}"] = entry
             figures = {key: round(value, 2) for key, value in entry.items() if key.endswith("_ms")}
             print(f"head {dtype} {setup}: {figures}; tensors: {entry['placement']}", flush=True)
