@@ -62,15 +62,12 @@ def draft_trees(
     counts = torch.tensor([s.count for s in states], device=device)
     committed = (torch.arange(committed_keys.shape[2], device=device)[None, :] < counts[:, None])[:, None, :]  # [B,1,S]
     starts = torch.tensor([s.end for s in states], device=device)  # [B]: the root's children's position
-    rows = [_Candidates([], [], [], []) for _ in range(batch)]
 
     top = first.logits.float().log_softmax(-1).topk(k, dim=-1)  # [B, K] each
     scores, draft_ids = top.values, top.indices  # [B, K]: the frontier: the root's children
-    root_tokens = head.draft_to_target(draft_ids).tolist()
-    frontier = [  # per row, the frontier's candidate indices
-        [rows[b].add(t, ROOT, s, 0) for t, s in zip(root_tokens[b], scores[b].tolist(), strict=True)]
-        for b in range(batch)
-    ]
+    # Every level's candidates stay on the device until the last level: read back per candidate, they cost a host
+    # synchronisation each (16 a row a level at topk 4), which on a GPU is most of a level's time.
+    levels = [(head.draft_to_target(draft_ids), scores, None)]  # (tokens, scores, the next frontier's picks)
     hidden = first.hidden[:, None].expand(batch, k, -1)  # [B, K, H]: what each frontier node is fed with
     lineage = torch.zeros(batch, k, 0, dtype=torch.long, device=device)  # [B, K, d]: ancestors' frontier slots
     keys, values = [committed_keys], [committed_values]
@@ -93,18 +90,29 @@ def draft_trees(
         child = logp.topk(k, dim=-1)  # [B, K, K]
         child_scores = (scores[:, :, None] + child.values).reshape(batch, k * k)  # [B, K*K]
         child_ids = child.indices.reshape(batch, k * k)
-        child_tokens = head.draft_to_target(child_ids).tolist()
         next_frontier = child_scores.topk(k, dim=-1).indices  # [B, K] into K*K
-        for b in range(batch):
-            added = [
-                rows[b].add(child_tokens[b][c], frontier[b][c // k], float(child_scores[b, c]), depth)
-                for c in range(k * k)
-            ]
-            frontier[b] = [added[c] for c in next_frontier[b].tolist()]
+        levels.append((head.draft_to_target(child_ids), child_scores, next_frontier))
         parent_slot = next_frontier // k  # [B, K]
         lineage = torch.cat([lineage.gather(1, parent_slot[:, :, None].expand(-1, -1, depth - 1)),
                              parent_slot[:, :, None]], dim=-1)  # fmt: skip
         scores = child_scores.gather(1, next_frontier)
         draft_ids = child_ids.gather(1, next_frontier)
         hidden = out.gather(1, parent_slot[:, :, None].expand(-1, -1, out.shape[-1]))  # each child is fed its parent's
-    return [row.best_tree(shape.budget) for row in rows]
+    return _collect(levels, batch, k, shape.budget)
+
+
+def _collect(levels: list, batch: int, k: int, budget: int) -> list[DraftTree]:
+    """Each row's tree from every level's candidates (tokens [B, n], path scores [B, n], and from the second level
+    the picks of the next frontier [B, K] among the K*K), read back together."""
+    host = [(tokens.tolist(), scores.tolist(), picks.tolist() if picks is not None else None)
+            for tokens, scores, picks in levels]  # fmt: skip
+    trees = []
+    for b in range(batch):
+        row = _Candidates([], [], [], [])
+        tokens, scores, _ = host[0]
+        frontier = [row.add(t, ROOT, s, 0) for t, s in zip(tokens[b], scores[b], strict=True)]
+        for depth, (tokens, scores, picks) in enumerate(host[1:], start=1):
+            added = [row.add(tokens[b][c], frontier[c // k], scores[b][c], depth) for c in range(k * k)]
+            frontier = [added[c] for c in picks[b]]
+        trees.append(row.best_tree(budget))
+    return trees
