@@ -70,7 +70,7 @@ def build_worker(spec: WorkerSpec, loaded: LoadedModel | None = None, runner: Mo
     if spec.role == "draft" and spec.eagle_head is not None:
         model = spec.model
         drafter = load_head_drafter(spec.eagle_head, model.path, model.dtype, model.device,
-                                    packed_linears=model.packed_linears)  # fmt: skip
+                                    packed_linears=model.packed_linears, enforce_eager=model.enforce_eager)  # fmt: skip
         worker = DraftWorker(drafter, drafter.head.config.vocab_size, spec.eagle_head)
         return BuiltWorker(spec, None, worker, DraftWorkerServicer(worker, spec.batching))
     if runner is None:

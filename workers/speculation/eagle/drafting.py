@@ -93,6 +93,7 @@ class Eagle3Drafting:
         self.head = head
         self.embed_weight = embed_weight
         self._requests: dict[str, RequestKV] = {}
+        self.level_graphs = None  # LevelGraphs (eagle/tree_levels.py): a tree's levels on static buffers, on CUDA
 
     def length(self, request_id: str) -> int:
         """The position of the request's next entry (its entries are those of positions before it)."""

@@ -21,6 +21,7 @@ from specserve.workers.speculation.eagle.checkpoint import load_head
 from specserve.workers.speculation.eagle.config import default_feature_layers, read_json
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
 from specserve.workers.speculation.eagle.head import Eagle3Head
+from specserve.workers.speculation.eagle.tree_levels import LevelGraphs
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def load_head_drafter(
     device: str = "auto",
     max_support: int = 256,
     packed_linears: bool = True,
+    enforce_eager: bool = False,
 ) -> EagleDrafter:
     """An EagleDrafter for the target at `target_path` without loading the target: its config for the checks
     (identity, hidden size, vocabulary, layers) and its embedding for the drafting. dtype/device as ModelConfig's."""
@@ -90,7 +92,7 @@ def load_head_drafter(
     head = head.to(where).eval()
     if packed_linears:
         pack_linears(head)  # float32 on a CPU only
-    return EagleDrafter(head, embed, layers, max_support)
+    return _with_level_graphs(EagleDrafter(head, embed, layers, max_support), enforce_eager)
 
 
 def load_eagle_drafter(
@@ -113,7 +115,14 @@ def load_eagle_drafter(
     embed = target.model.get_input_embeddings().weight
     log.info("EAGLE-3 head for %s: draft vocabulary %d, features of layers %s", target.path,
              head.config.draft_vocab_size, list(layers))  # fmt: skip
-    return EagleDrafter(head, embed, layers, max_support)
+    return _with_level_graphs(EagleDrafter(head, embed, layers, max_support), target.enforce_eager)
+
+
+def _with_level_graphs(drafter: EagleDrafter, enforce_eager: bool) -> EagleDrafter:
+    """On CUDA (unless enforce_eager), the drafter's tree levels replay CUDA graphs (eagle/tree_levels.py)."""
+    if drafter.device.type == "cuda" and not enforce_eager:
+        drafter.drafting.level_graphs = LevelGraphs(drafter.head, drafter.drafting.embed_weight, capture=True)
+    return drafter
 
 
 def _check_fits(head: Eagle3Head, hidden: int, vocab: int, num_layers: int) -> None:

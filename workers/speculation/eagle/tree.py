@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
-from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting, attend, padded_kv
+from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting, padded_kv
+from specserve.workers.speculation.eagle.tree_levels import EagerLevels
 
 
 @dataclass
@@ -67,38 +67,32 @@ def draft_trees(
     scores, draft_ids = top.values, top.indices  # [B, K]: the frontier: the root's children
     # Every level's candidates stay on the device until the last level: read back per candidate, they cost a host
     # synchronisation each (16 a row a level at topk 4), which on a GPU is most of a level's time.
-    levels = [(head.draft_to_target(draft_ids), scores, None)]  # (tokens, scores, the next frontier's picks)
+    found = [(head.draft_to_target(draft_ids), scores, None)]  # per level: tokens, scores, the next frontier's picks
     hidden = first.hidden[:, None].expand(batch, k, -1)  # [B, K, H]: what each frontier node is fed with
     lineage = torch.zeros(batch, k, 0, dtype=torch.long, device=device)  # [B, K, d]: ancestors' frontier slots
-    keys, values = [committed_keys], [committed_values]
+    graphs = drafting.level_graphs
+    static = graphs.levels(committed_keys, committed_values, committed, k, shape.depth) if graphs else None
+    levels = static or EagerLevels(head, embed, committed_keys, committed_values, committed)
     slots = torch.arange(k, device=device)
     for depth in range(1, shape.depth):
         if shape.min_path_prob and float(scores.max()) < math.log(shape.min_path_prob):
             break  # no frontier node is likely enough to pay for another level of the head
         tokens = head.draft_to_target(draft_ids)  # [B, K] target ids
         positions = (starts + depth - 1)[:, None].expand(batch, k)  # [B, K]
-        q, key, value, residual = head.qkv(F.embedding(tokens, embed), hidden, positions)
-        keys.append(key)
-        values.append(value)
         # each frontier node sees the committed entries, its ancestors at each earlier level, and itself
-        seen = [committed.expand(batch, k, -1)]
-        seen += [lineage[:, :, level, None] == slots for level in range(depth - 1)]  # [B, K, K] each
-        seen.append((slots[:, None] == slots[None, :]).expand(batch, k, k))
-        mask = torch.cat(seen, dim=-1)[:, None]  # [B, 1, K, S + depth K]
-        out = head.finish(attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask), residual)  # [B, K, H]
-        logp = head.logits(out).float().log_softmax(-1)  # [B, K, Vd]
-        child = logp.topk(k, dim=-1)  # [B, K, K]
-        child_scores = (scores[:, :, None] + child.values).reshape(batch, k * k)  # [B, K*K]
-        child_ids = child.indices.reshape(batch, k * k)
+        ancestors = [lineage[:, :, level, None] == slots for level in range(depth - 1)]  # [B, K, K] each
+        out, child_logp, child_ids = levels.run(depth, tokens, hidden, positions, ancestors)  # [B, K, H], [B, K, K]
+        child_scores = (scores[:, :, None] + child_logp).reshape(batch, k * k)  # [B, K*K]
+        child_ids = child_ids.reshape(batch, k * k)
         next_frontier = child_scores.topk(k, dim=-1).indices  # [B, K] into K*K
-        levels.append((head.draft_to_target(child_ids), child_scores, next_frontier))
+        found.append((head.draft_to_target(child_ids), child_scores, next_frontier))
         parent_slot = next_frontier // k  # [B, K]
         lineage = torch.cat([lineage.gather(1, parent_slot[:, :, None].expand(-1, -1, depth - 1)),
                              parent_slot[:, :, None]], dim=-1)  # fmt: skip
         scores = child_scores.gather(1, next_frontier)
         draft_ids = child_ids.gather(1, next_frontier)
         hidden = out.gather(1, parent_slot[:, :, None].expand(-1, -1, out.shape[-1]))  # each child is fed its parent's
-    return _collect(levels, batch, k, shape.budget)
+    return _collect(found, batch, k, shape.budget)
 
 
 def _collect(levels: list, batch: int, k: int, budget: int) -> list[DraftTree]:

@@ -1,0 +1,87 @@
+"""A draft tree's levels on static buffers (workers/speculation/eagle/tree_levels.py): the same trees as the eager
+levels, rows padded to their bucket, buffers reused by later trees; on CUDA the levels replay CUDA graphs."""
+
+import pytest
+import torch
+
+from specserve.workers.speculation.draft_tree import TreeShape
+from specserve.workers.speculation.eagle import tree_levels
+from specserve.workers.speculation.eagle.drafting import Eagle3Drafting
+from specserve.workers.speculation.eagle.tree import draft_trees
+from specserve.workers.speculation.eagle.tree_levels import LevelBucket, LevelGraphs
+from tests.helpers.eagle_heads import random_head
+
+H, FEATURES, VOCAB = 32, 96, 259
+SHAPE = TreeShape(depth=6, topk=4, budget=16)  # k='auto''s shape: every level expanded (no least probability)
+
+
+class _Config:
+    hidden_size, intermediate_size, num_attention_heads, num_key_value_heads = H, 64, 4, 2
+    vocab_size, rms_norm_eps, max_position_embeddings, num_hidden_layers = VOCAB, 1e-6, 512, 8
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def _drafting(device: str, static: bool) -> Eagle3Drafting:
+    head = random_head(_Config(), 48, seed=0, std=0.3).to(device)
+    embed = (torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(0)) * 0.5).to(device)
+    drafting = Eagle3Drafting(head, embed)
+    if static:
+        drafting.level_graphs = LevelGraphs(head, embed, capture=device == "cuda")
+    return drafting
+
+
+def _rows(lengths: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        features = torch.randn(n, FEATURES, generator=g) * 3
+        rows.append((f"r{seed}-{i}", features, torch.randint(3, VOCAB, (n,), generator=g).tolist()))
+    return rows
+
+
+def _trees(drafting: Eagle3Drafting, rows, shape: TreeShape = SHAPE):
+    first = drafting.extend(rows)
+    return draft_trees(drafting, [r for r, _, _ in rows], first, shape)
+
+
+def _assert_same(static_trees, eager_trees):
+    for a, b in zip(static_trees, eager_trees, strict=True):
+        assert a.tokens == b.tokens and a.parents == b.parents
+        torch.testing.assert_close(torch.tensor(a.scores), torch.tensor(b.scores), atol=1e-4, rtol=0)
+
+
+def test_static_levels_draft_the_trees_the_eager_levels_draft(device):
+    static, eager = _drafting(device, True), _drafting(device, False)
+    # ragged rows padded to a bucket of 4, then other rows in the same bucket (its buffers hold the first trees'
+    # keys), then one row alone, then the first rows again, one entry on
+    for lengths, seed in (([9, 4, 13], 1), ([5, 6, 11], 2), ([7], 3), ([9, 4, 13], 1)):
+        rows = _rows(lengths, seed)
+        if seed == 1 and static.level_graphs.buffers:
+            rows = [(r, f[-1:], t[-1:]) for r, f, t in _rows([10, 5, 14], 1)]
+        _assert_same(_trees(static, rows), _trees(eager, rows))
+    buckets = static.level_graphs.buffers
+    assert set(buckets) == {LevelBucket(4, 256, 4, 6), LevelBucket(1, 256, 4, 6)}
+    if device == "cuda":
+        assert all(set(b.graphs) == set(range(1, SHAPE.depth)) for b in buckets.values())
+
+
+def test_a_tree_past_every_bucket_or_the_cap_runs_the_eager_levels(device, monkeypatch):
+    monkeypatch.setattr(tree_levels, "TREE_CONTEXT", (8,))
+    static, eager = _drafting(device, True), _drafting(device, False)
+    rows = _rows([13], 4)  # 13 committed entries: past the one context bucket
+    _assert_same(_trees(static, rows), _trees(eager, rows))
+    assert not static.level_graphs.buffers
+    monkeypatch.setattr(tree_levels, "MAX_BUCKETS", 1)
+    rows = _rows([5], 5)
+    _assert_same(_trees(static, rows), _trees(eager, rows))
+    rows = _rows([3, 6], 6)  # a second bucket: past the cap
+    _assert_same(_trees(static, rows), _trees(eager, rows))
+    assert list(static.level_graphs.buffers) == [LevelBucket(1, 8, 4, 6)]
+
+
+@pytest.mark.parametrize("shape", [TreeShape(depth=3, topk=2, budget=6), TreeShape(depth=4, topk=3, budget=30)])
+def test_other_shapes_take_buckets_of_their_own(device, shape):
+    static, eager = _drafting(device, True), _drafting(device, False)
+    rows = _rows([9, 4], 7)
+    _assert_same(_trees(static, rows, shape), _trees(eager, rows, shape))
+    assert list(static.level_graphs.buffers) == [LevelBucket(2, 256, shape.topk, shape.depth)]

@@ -1,0 +1,178 @@
+"""The levels of an EAGLE-3 head's draft tree (eagle/tree.py): eager, or over static buffers replayed as CUDA graphs.
+
+A tree level feeds the frontier's K nodes of each row through the head's layer (attending over the row's committed
+entries, its ancestors at the earlier levels and itself), then its LM head, and keeps each node's K best children. On
+the H200 (2026-12-04) a level ran ~1.4 ms eagerly in a draft worker, a third of a graphed target step: launches.
+
+`EagerLevels` is what drafting always ran: the keys grow by concatenation. `StaticLevels` runs the same computation
+on buffers of fixed shape per bucket (rows, committed entries, K): keys and values [B, nkv, S + depth K, hd] with
+level d's written at S + (d - 1) K, a mask of the same width, padded rows that see only themselves. With `capture`
+(CUDA) each (bucket, depth) is recorded once as a CUDA graph and replayed; without it (the CPU tests) the static path
+runs eagerly, so that identity with `EagerLevels` is tested in CI, as the target's graphs are (runtime/graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.workers.speculation.eagle.drafting import attend
+from specserve.workers.speculation.eagle.head import Eagle3Head
+
+TREE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+TREE_CONTEXT = (256, 512, 1024, 2048, 4096)  # committed entries, the longest row's
+MAX_LEVEL_GRAPHS = 96  # (bucket, depth) graphs held; later ones run the static path eagerly
+MAX_BUCKETS = 16  # buckets' buffers held (the largest, 64 rows x 4K entries, ~200 MB in bf16); later trees: eager
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    return next((size for size in sizes if n <= size), None)
+
+
+@dataclass(frozen=True)
+class LevelBucket:
+    rows: int
+    context: int
+    topk: int
+    depth: int  # the tree's deepest level: the buffers hold the committed entries and that many levels
+
+
+class EagerLevels:
+    """A tree's levels as drafting ran them before graphs: keys and values concatenated level by level."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 committed: torch.Tensor):  # fmt: skip
+        """keys, values [B, nkv, S, hd]: the rows' committed entries, right-padded; committed [B, 1, S] (True: held)."""
+        self.head, self.embed = head, embed
+        self.keys, self.values, self.committed = [keys], [values], committed
+
+    def run(self, depth: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+            ancestors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Level `depth` (1..): tokens [B, K] (target ids), hidden [B, K, H], positions [B, K]; ancestors: per earlier
+        level, [B, K, K] (True: that level's node is this node's ancestor) -> the nodes' outputs [B, K, H] and their K
+        best children: log-probabilities [B, K, K] and draft ids [B, K, K]."""
+        head = self.head
+        batch, k = tokens.shape
+        q, key, value, residual = head.qkv(F.embedding(tokens, self.embed), hidden, positions)
+        self.keys.append(key)
+        self.values.append(value)
+        itself = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(batch, k, k)
+        mask = torch.cat([self.committed.expand(batch, k, -1), *ancestors, itself], dim=-1)[:, None]
+        out = head.finish(attend(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2), mask), residual)
+        child = head.logits(out).float().log_softmax(-1).topk(k, dim=-1)
+        return out, child.values, child.indices
+
+
+class _Buffers:
+    """One bucket's static inputs and keys/values; per depth its graph (CUDA) and the outputs it writes."""
+
+    def __init__(self, head: Eagle3Head, key: LevelBucket, device: torch.device):
+        cfg, dtype = head.config, head.fc.weight.dtype
+        B, S, K, D = key.rows, key.context, key.topk, key.depth
+        width = S + D * K
+        self.key = key
+        self.keys = torch.zeros(B, cfg.num_key_value_heads, width, cfg.head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.mask = torch.zeros(B, 1, K, width, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(B, K, cfg.hidden_size, dtype=dtype, device=device)
+        self.positions = torch.zeros(B, K, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+class StaticLevels:
+    """A tree's levels on one bucket's static buffers (see the module's docstring)."""
+
+    def __init__(self, graphs: LevelGraphs, buffers: _Buffers, batch: int, keys: torch.Tensor, values: torch.Tensor,
+                 committed: torch.Tensor):  # fmt: skip
+        self.graphs, self.buffers, self.batch = graphs, buffers, batch
+        b, S = buffers, buffers.key.context
+        held = keys.shape[2]
+        b.keys.zero_()
+        b.values.zero_()
+        b.keys[:batch, :, :held] = keys
+        b.values[:batch, :, :held] = values
+        b.mask.zero_()
+        b.mask[:batch, :, :, :held] = committed[:, :, None, :]
+        eye = torch.eye(buffers.key.topk, dtype=torch.bool, device=keys.device)
+        b.mask[batch:, 0, :, S : S + buffers.key.topk] = eye  # padded rows see themselves at level 1 (no empty rows)
+
+    def run(self, depth: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+            ancestors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """As `EagerLevels.run`."""
+        b, batch, S, K = self.buffers, self.batch, self.buffers.key.context, self.buffers.key.topk
+        b.tokens[:batch] = tokens
+        b.hidden[:batch] = hidden
+        b.positions[:batch] = positions
+        for level, seen in enumerate(ancestors):
+            b.mask[:batch, 0, :, S + level * K : S + (level + 1) * K] = seen
+        low = S + (depth - 1) * K
+        b.mask[:batch, 0, :, low : low + K] = torch.eye(K, dtype=torch.bool, device=tokens.device)
+        if depth > 1:  # padded rows: themselves only, at this level too
+            b.mask[batch:, 0, :, low : low + K] = torch.eye(K, dtype=torch.bool, device=tokens.device)
+        out, values, indices = self.graphs.level(b, depth)
+        return out[:batch], values[:batch], indices[:batch]
+
+
+class LevelGraphs:
+    """A head's static tree levels by bucket; with `capture` (CUDA), each (bucket, depth) a CUDA graph."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
+        self.head, self.embed, self.capture = head, embed, capture
+        self.buffers: dict[LevelBucket, _Buffers] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.recorded = 0
+
+    def levels(self, keys: torch.Tensor, values: torch.Tensor, committed: torch.Tensor, topk: int,
+               depth: int) -> StaticLevels | None:  # fmt: skip
+        """The static levels for a tree of these rows (keys, values [B, nkv, S, hd]; committed [B, 1, S]), or None
+        when no bucket fits (more rows, a longer context)."""
+        rows, context = bucket(keys.shape[0], TREE_ROWS), bucket(keys.shape[2], TREE_CONTEXT)
+        if rows is None or context is None:
+            return None
+        key = LevelBucket(rows, context, topk, depth)
+        if key not in self.buffers and len(self.buffers) >= MAX_BUCKETS:
+            return None
+        if key not in self.buffers:
+            self.buffers[key] = _Buffers(self.head, key, keys.device)
+        return StaticLevels(self, self.buffers[key], keys.shape[0], keys, values, committed)
+
+    def level(self, b: _Buffers, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.capture:
+            return self._compute(b, depth)
+        if depth not in b.graphs:
+            if self.recorded >= MAX_LEVEL_GRAPHS:
+                return self._compute(b, depth)
+            self._record(b, depth)
+        b.graphs[depth].replay()
+        return b.outputs[depth]
+
+    def _compute(self, b: _Buffers, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        head, K, end = self.head, b.key.topk, b.key.context + depth * b.key.topk
+        q, key, value, residual = head.qkv(F.embedding(b.tokens, self.embed), b.hidden, b.positions)
+        b.keys[:, :, end - K : end] = key
+        b.values[:, :, end - K : end] = value
+        attn = attend(q, b.keys[:, :, :end], b.values[:, :, :end], b.mask[..., :end])
+        out = head.finish(attn, residual)
+        child = head.logits(out).float().log_softmax(-1).topk(K, dim=-1)
+        return out, child.values, child.indices
+
+    @torch.no_grad()
+    def _record(self, b: _Buffers, depth: int) -> None:
+        """torch.cuda.graphs' recipe: warm up on a side stream (the warm-ups write what the replay writes), then
+        record."""
+        device = b.tokens.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._compute(b, depth)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            b.outputs[depth] = self._compute(b, depth)
+        b.graphs[depth] = graph
+        self.recorded += 1
