@@ -93,9 +93,10 @@ def placement(drafter) -> dict:
 
 
 def head_profile(model: str, device: str, out: str) -> None:
-    """Profile the model's packaged head in each dtype the device runs (bf16 and fp32 on CUDA), alone (as a draft
-    worker loads it) and beside its target in one process (as the in-process engine does: on 2026-12-04 the served
-    draft worker's bf16 trees took ~8.5 ms a round where the in-process probe said 13 ms a token); JSON into `out`."""
+    """Profile the model's packaged head in each dtype the device runs (bf16 and fp32 on CUDA): alone (as a draft
+    worker loads it), alone with its tree levels eager, alone at one CPU thread, and beside its target in one process
+    (as the in-process engine does: on 2026-12-04 the served draft worker's bf16 trees took ~8.5 ms a round where the
+    in-process probe said 13 ms a token); JSON into `out`."""
     from specserve.workers.config.settings import ModelConfig
     from specserve.workers.runtime.loading import load_model
     from specserve.workers.speculation.eagle.loading import load_eagle_drafter
@@ -108,12 +109,13 @@ def head_profile(model: str, device: str, out: str) -> None:
     result: dict = {"model": model, "device": device, "context": CONTEXT}
     for dtype in ("bfloat16", "float32") if device == "cuda" else ("float32",):
         threads = torch.get_num_threads()
-        for setup in ("alone", "alone-1-thread", "beside-target"):
+        for setup in ("alone", "alone-eager", "alone-1-thread", "beside-target"):
             target = None
             # a draft worker runs on its few CPU threads (workers/runtime/threads.py), a bench on every core
             torch.set_num_threads(1 if setup == "alone-1-thread" else threads)
             if setup.startswith("alone"):
-                drafter = load_head_drafter(head, target_path, dtype=dtype, device=device)
+                eager = setup == "alone-eager"  # the tree levels without their CUDA graphs (eagle/tree_levels.py)
+                drafter = load_head_drafter(head, target_path, dtype=dtype, device=device, enforce_eager=eager)
             else:
                 target = load_model(ModelConfig(path=str(target_path), device=device, dtype=dtype))
                 drafter = load_eagle_drafter(target, head)
