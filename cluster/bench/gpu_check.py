@@ -256,6 +256,10 @@ def main_gpu_check(args) -> int:
                  "--continue-on-collection-errors", "--junitxml", str(out / "tests.xml")]  # fmt: skip
         check.run(Step("tests", tests, 120), reserve_s=300)
 
+    # Issue 56 item 5: the TP=2 path on one GPU, both ranks sharing it over gloo (NCCL refuses two ranks a device).
+    tp = [py, "-m", "pytest", "tests/workers/service/test_tensor_parallel.py", "-q", "-k", f"sharded and {device}",
+          "-p", "no:cacheprovider", "--timeout", "120", "--junitxml", str(out / "tp.xml")]  # fmt: skip
+    check.run(Step("tp", tp, 90), reserve_s=300)
     # Where the head's drafting time goes, bf16 against fp32 (13.2 against 1.9 ms a token on 2026-12-04).
     profile = [py, "-c", "import sys; from specserve.cluster.bench.head_profile import head_profile; "
                "head_profile(*sys.argv[1:])", MODEL, device, str(out / "head-profile.json")]  # fmt: skip

@@ -93,8 +93,8 @@ def add_gpu_check_parser(sub, common: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--methods", help="the in-process rows' methods (default: the head's default and the two it grew "
                    "from)")  # fmt: skip
     p.add_argument("--skip-tests", action="store_true", help="leave the tests that take a device out")
-    p.add_argument("--only", metavar="STEP1,STEP2", help="only these steps (environment, model, tests, head-profile, "
-                   "fp32, served, bf16, bf16-eager, hf-static): to rehearse one")  # fmt: skip
+    p.add_argument("--only", metavar="STEP1,STEP2", help="only these steps (environment, model, tests, tp, "
+                   "head-profile, fp32, served, bf16, bf16-eager, hf-static): to rehearse one")  # fmt: skip
     p.set_defaults(func=_gpu_check)
 
 

@@ -176,17 +176,19 @@ class LocalWorkers:
             servicer.close()
 
 
-def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results) -> None:
+def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results, device: str = "cpu") -> None:
     """One rank of a test: shard the model, run `rows` (ForwardRows) through the mirrored runner, rank 0 puts the
-    logits and whether its runner took the lean forward path in `results` (a multiprocessing queue)."""
+    logits and whether its runner took the lean forward path in `results` (a multiprocessing queue). On one GPU both
+    ranks share it over gloo (tensor_parallel.backend_for)."""
     import torch.distributed as dist
 
     from specserve.workers.config.settings import KVCacheConfig, ModelConfig
     from specserve.workers.runtime.runner import ModelRunner
     from specserve.workers.service.tensor_parallel import TensorParallelRunner, follow, init_rank, load_sharded
 
-    init_rank(rank, rendezvous)
-    runner = ModelRunner(load_sharded(ModelConfig(path=path, device="cpu")), KVCacheConfig())
+    init_rank(rank, rendezvous, device)
+    # a set capacity: ranks are processes of their own, where a GPU's default budget (0.9 of it each) cannot hold
+    runner = ModelRunner(load_sharded(ModelConfig(path=path, device=device)), KVCacheConfig(capacity_tokens=4096))
     try:
         if rank == 0:
             tp = TensorParallelRunner(runner)

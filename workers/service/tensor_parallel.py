@@ -68,9 +68,17 @@ def check_replica(model: ModelConfig, tp_size: int) -> str:
     return device
 
 
+def backend_for(device: str, world_size: int) -> str:
+    """NCCL on CUDA with a GPU per rank; gloo on CPU, and on CUDA where ranks share a GPU (NCCL refuses two ranks on
+    one device; gloo moves CUDA tensors through the host): how one GPU runs the TP path, all but NCCL itself."""
+    if device == "cuda" and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
 def init_rank(rank: int, rendezvous: Rendezvous, device: str = "cpu") -> None:
-    """Join the replica's process group: gloo on CPU, NCCL on CUDA (one GPU per rank)."""
-    backend = "nccl" if device == "cuda" else "gloo"
+    """Join the replica's process group (`backend_for`); on CUDA, rank r takes GPU r (mod the GPUs there are)."""
+    backend = backend_for(device, rendezvous.world_size)
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     # transformers' tensor parallelism reads the rank and world size from the environment.

@@ -108,6 +108,7 @@ def test_the_tests_and_fp32_run_before_the_served_step_and_the_rows_take_the_met
         "environment",
         "model",
         "tests",
+        "tp",
         "head-profile",
         "fp32",
         "served",

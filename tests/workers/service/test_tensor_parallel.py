@@ -31,7 +31,9 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["def add(a, b):\n    return", "for i in range(3):", "import json\n\ndata = json.loads("]
 
 
-def test_sharded_logits_equal_the_single_process_model(tiny_target):
+def test_sharded_logits_equal_the_single_process_model(tiny_target, device):
+    """On CPU over gloo; on one GPU both ranks share it, CUDA tensors over gloo (NCCL refuses two ranks a device):
+    every part of the TP path but NCCL itself."""
     rows = [
         ForwardRow("a", list(range(3, 40)), 1),
         ForwardRow("a", list(range(3, 30)) + [7, 8, 9], 4),
@@ -40,19 +42,29 @@ def test_sharded_logits_equal_the_single_process_model(tiny_target):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rendezvous = Rendezvous("127.0.0.1", free_port(), 2, timeout_s=60)
-    procs = [ctx.Process(target=tensor_parallel_logits, args=(r, rendezvous, tiny_target, rows, results))
+    procs = [ctx.Process(target=tensor_parallel_logits, args=(r, rendezvous, tiny_target, rows, results, device))
              for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
     sharded, sharded_lean = results.get(timeout=180)
     for p in procs:
         p.join(30)
-    runner = ModelRunner(load_model(ModelConfig(path=tiny_target, device="cpu")), KVCacheConfig())
+    runner = ModelRunner(load_model(ModelConfig(path=tiny_target, device=device)), KVCacheConfig())
     # The sharded model's wrappers are skipped too (workers/runtime/lean_forward.py).
     assert sharded_lean and runner.lean
     expected = runner.logits_for_batch(rows[:1]) + runner.logits_for_batch(rows[1:])
     for got, want in zip(sharded, expected, strict=True):
-        assert torch.allclose(torch.tensor(got), want, atol=1e-5, rtol=0)
+        assert torch.allclose(torch.tensor(got), want.cpu(), atol=1e-5, rtol=0)
+
+
+def test_ranks_share_one_gpu_over_gloo_and_take_nccl_with_a_gpu_each(monkeypatch):
+    from specserve.workers.service import tensor_parallel
+
+    assert tensor_parallel.backend_for("cpu", 2) == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert tensor_parallel.backend_for("cuda", 2) == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert tensor_parallel.backend_for("cuda", 2) == "nccl"
 
 
 def test_heads_not_divisible_by_the_degree_is_a_clear_error(tiny_target):
