@@ -114,7 +114,7 @@ def head_profile(model: str, device: str, out: str) -> None:
             # a draft worker runs on its few CPU threads (workers/runtime/threads.py), a bench on every core
             torch.set_num_threads(1 if setup == "alone-1-thread" else threads)
             if setup.startswith("alone"):
-                eager = setup == "alone-eager"  # the tree levels without their CUDA graphs (eagle/tree_levels.py)
+                eager = setup == "alone-eager"  # the tree levels without their CUDA graphs (eagle/graphs.py)
                 drafter = load_head_drafter(head, target_path, dtype=dtype, device=device, enforce_eager=eager)
             else:
                 target = load_model(ModelConfig(path=str(target_path), device=device, dtype=dtype))

@@ -93,7 +93,10 @@ class Eagle3Drafting:
         self.head = head
         self.embed_weight = embed_weight
         self._requests: dict[str, RequestKV] = {}
-        self.level_graphs = None  # LevelGraphs (eagle/tree_levels.py): a tree's levels on static buffers, on CUDA
+        # eagle/graphs.py, on CUDA: a tree's levels (LevelGraphs) and the extension (ExtendGraphs) on static
+        # buffers replayed as CUDA graphs
+        self.level_graphs = None
+        self.extend_graphs = None
 
     def length(self, request_id: str) -> int:
         """The position of the request's next entry (its entries are those of positions before it)."""
@@ -160,6 +163,15 @@ class Eagle3Drafting:
         """The new entries of each row in one forward; appends their keys/values; returns the newest outputs [B, H]."""
         head, device = self.head, self.head.fc.weight.device
         counts = [features.shape[0] for _, features, _ in rows]
+        held = [s.count for s in states]
+        key = self.extend_graphs.bucket(counts, max(held)) if self.extend_graphs is not None else None
+        if key is not None:
+            keys, values = padded_kv(states)  # the entries held before these
+            k, v, newest = self.extend_graphs.run(key, [f for _, f, _ in rows], [t for _, _, t in rows],
+                                                  [s.end for s in states], keys, values, held)  # fmt: skip
+            for b, state in enumerate(states):
+                state.append(k[b, :, : counts[b]], v[b, :, : counts[b]])
+            return newest[: len(rows)].clone()  # the buffers are the next replay's
         starts = torch.tensor([s.end for s in states], device=device)
         offsets = torch.tensor([s.offset for s in states], device=device)
         width = max(counts)

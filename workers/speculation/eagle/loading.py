@@ -20,8 +20,8 @@ from specserve.workers.runtime.packed_linear import PackedLinear, pack_linears
 from specserve.workers.speculation.eagle.checkpoint import load_head
 from specserve.workers.speculation.eagle.config import default_feature_layers, read_json
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
+from specserve.workers.speculation.eagle.graphs import ExtendGraphs, LevelGraphs
 from specserve.workers.speculation.eagle.head import Eagle3Head
-from specserve.workers.speculation.eagle.tree_levels import LevelGraphs
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def load_head_drafter(
     head = head.to(where).eval()
     if packed_linears:
         pack_linears(head)  # float32 on a CPU only
-    return _with_level_graphs(EagleDrafter(head, embed, layers, max_support), enforce_eager)
+    return _with_graphs(EagleDrafter(head, embed, layers, max_support), enforce_eager)
 
 
 def load_eagle_drafter(
@@ -115,13 +115,16 @@ def load_eagle_drafter(
     embed = target.model.get_input_embeddings().weight
     log.info("EAGLE-3 head for %s: draft vocabulary %d, features of layers %s", target.path,
              head.config.draft_vocab_size, list(layers))  # fmt: skip
-    return _with_level_graphs(EagleDrafter(head, embed, layers, max_support), target.enforce_eager)
+    return _with_graphs(EagleDrafter(head, embed, layers, max_support), target.enforce_eager)
 
 
-def _with_level_graphs(drafter: EagleDrafter, enforce_eager: bool) -> EagleDrafter:
-    """On CUDA (unless enforce_eager), the drafter's tree levels replay CUDA graphs (eagle/tree_levels.py)."""
+def _with_graphs(drafter: EagleDrafter, enforce_eager: bool) -> EagleDrafter:
+    """On CUDA (unless enforce_eager), the drafter's extension and tree levels replay CUDA graphs
+    (eagle/graphs.py)."""
     if drafter.device.type == "cuda" and not enforce_eager:
-        drafter.drafting.level_graphs = LevelGraphs(drafter.head, drafter.drafting.embed_weight, capture=True)
+        head, embed = drafter.head, drafter.drafting.embed_weight
+        drafter.drafting.level_graphs = LevelGraphs(head, embed, capture=True)
+        drafter.drafting.extend_graphs = ExtendGraphs(head, embed, capture=True)
     return drafter
 
 

@@ -21,7 +21,7 @@ import torch
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.eagle.drafting import DraftStep, Eagle3Drafting, padded_kv
-from specserve.workers.speculation.eagle.tree_levels import EagerLevels
+from specserve.workers.speculation.eagle.graphs import EagerLevels
 
 
 @dataclass

@@ -1,14 +1,14 @@
-"""A draft tree's levels on static buffers (workers/speculation/eagle/tree_levels.py): the same trees as the eager
-levels, rows padded to their bucket, buffers reused by later trees; on CUDA the levels replay CUDA graphs."""
+"""An EAGLE-3 head's drafting on static buffers (workers/speculation/eagle/graphs.py): the same extensions and trees
+as the eager path, rows padded to their bucket, buffers reused by later calls; on CUDA they replay CUDA graphs."""
 
 import pytest
 import torch
 
 from specserve.workers.speculation.draft_tree import TreeShape
-from specserve.workers.speculation.eagle import tree_levels
+from specserve.workers.speculation.eagle import graphs
 from specserve.workers.speculation.eagle.drafting import Eagle3Drafting
+from specserve.workers.speculation.eagle.graphs import ExtendBucket, ExtendGraphs, LevelBucket, LevelGraphs
 from specserve.workers.speculation.eagle.tree import draft_trees
-from specserve.workers.speculation.eagle.tree_levels import LevelBucket, LevelGraphs
 from tests.helpers.eagle_heads import random_head
 
 H, FEATURES, VOCAB = 32, 96, 259
@@ -27,6 +27,7 @@ def _drafting(device: str, static: bool) -> Eagle3Drafting:
     drafting = Eagle3Drafting(head, embed)
     if static:
         drafting.level_graphs = LevelGraphs(head, embed, capture=device == "cuda")
+        drafting.extend_graphs = ExtendGraphs(head, embed, capture=device == "cuda")
     return drafting
 
 
@@ -66,12 +67,12 @@ def test_static_levels_draft_the_trees_the_eager_levels_draft(device):
 
 
 def test_a_tree_past_every_bucket_or_the_cap_runs_the_eager_levels(device, monkeypatch):
-    monkeypatch.setattr(tree_levels, "TREE_CONTEXT", (8,))
+    monkeypatch.setattr(graphs, "TREE_CONTEXT", (8,))
     static, eager = _drafting(device, True), _drafting(device, False)
     rows = _rows([13], 4)  # 13 committed entries: past the one context bucket
     _assert_same(_trees(static, rows), _trees(eager, rows))
     assert not static.level_graphs.buffers
-    monkeypatch.setattr(tree_levels, "MAX_BUCKETS", 1)
+    monkeypatch.setattr(graphs, "MAX_BUCKETS", 1)
     rows = _rows([5], 5)
     _assert_same(_trees(static, rows), _trees(eager, rows))
     rows = _rows([3, 6], 6)  # a second bucket: past the cap
@@ -85,3 +86,43 @@ def test_other_shapes_take_buckets_of_their_own(device, shape):
     rows = _rows([9, 4], 7)
     _assert_same(_trees(static, rows, shape), _trees(eager, rows, shape))
     assert list(static.level_graphs.buffers) == [LevelBucket(2, 256, shape.topk, shape.depth)]
+
+
+def _same_caches(static: Eagle3Drafting, eager: Eagle3Drafting, request_ids: list[str]) -> None:
+    for a, b in zip(static.states(request_ids), eager.states(request_ids), strict=True):
+        assert (a.offset, a.count) == (b.offset, b.count)
+        torch.testing.assert_close(a.keys[:, : a.count], b.keys[:, : b.count], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values[:, : a.count], b.values[:, : b.count], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.last_hidden, b.last_hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_the_static_extension_appends_what_the_eager_one_does(device):
+    """Rows that extend by different counts on caches of different lengths: a prompt's entries (wider than every
+    bucket: eager), then rounds of 1-4 new entries, a rolled-back row and one started again later."""
+    static, eager = _drafting(device, True), _drafting(device, False)
+    g = torch.Generator().manual_seed(8)
+
+    def extend(rows):
+        steps = [d.extend(rows) for d in (static, eager)]
+        torch.testing.assert_close(steps[0].logits, steps[1].logits, atol=1e-4, rtol=1e-4)
+        _same_caches(static, eager, [r for r, _, _ in rows])
+
+    def new(request_id: str, n: int):
+        return (
+            request_id,
+            torch.randn(n, FEATURES, generator=g) * 3,
+            torch.randint(3, VOCAB, (n,), generator=g).tolist(),
+        )
+
+    extend([new("a", 30), new("b", 5), new("c", 12)])
+    assert not static.extend_graphs.buffers  # 30 new entries: past the widest bucket
+    extend([new("a", 1), new("b", 4), new("c", 2)])
+    extend([new("a", 3), new("b", 1), new("c", 1)])
+    for d in (static, eager):
+        d.rollback("b", 7)
+        d.restart("c", 40)
+    extend([new("b", 2), new("c", 3)])  # b from 7 on; c's cache starts again at 40
+    extend([new("a", 1)])
+    assert set(static.extend_graphs.buffers) >= {ExtendBucket(4, 4, 256), ExtendBucket(2, 4, 256)}
+    rows = [new("a", 2), new("b", 1)]
+    _assert_same(_trees(static, rows), _trees(eager, rows))

@@ -1,4 +1,5 @@
-"""The levels of an EAGLE-3 head's draft tree (eagle/tree.py): eager, or over static buffers replayed as CUDA graphs.
+"""CUDA graphs for an EAGLE-3 head's drafting: the per-round extension over the new committed entries
+(Eagle3Drafting.extend) and the levels of a draft tree (eagle/tree.py). Eager otherwise, as drafting always ran.
 
 A tree level feeds the frontier's K nodes of each row through the head's layer (attending over the row's committed
 entries, its ancestors at the earlier levels and itself), then its LM head, and keeps each node's K best children. On
@@ -6,9 +7,10 @@ the H200 (2026-12-04) a level ran ~1.4 ms eagerly in a draft worker, a third of 
 
 `EagerLevels` is what drafting always ran: the keys grow by concatenation. `StaticLevels` runs the same computation
 on buffers of fixed shape per bucket (rows, committed entries, K): keys and values [B, nkv, S + depth K, hd] with
-level d's written at S + (d - 1) K, a mask of the same width, padded rows that see only themselves. With `capture`
-(CUDA) each (bucket, depth) is recorded once as a CUDA graph and replayed; without it (the CPU tests) the static path
-runs eagerly, so that identity with `EagerLevels` is tested in CI, as the target's graphs are (runtime/graphs.py).
+level d's written at S + (d - 1) K, a mask of the same width, padded rows that see only themselves. `ExtendGraphs`
+does the same for the extension, per (rows, new entries, entries held) bucket. With `capture` (CUDA) each bucket (and
+tree depth) is recorded once as a CUDA graph and replayed; without it (the CPU tests) the static path runs eagerly,
+so that identity with the eager path is tested in CI, as the target's graphs are (runtime/graphs.py).
 """
 
 from __future__ import annotations
@@ -176,3 +178,106 @@ class LevelGraphs:
             b.outputs[depth] = self._compute(b, depth)
         b.graphs[depth] = graph
         self.recorded += 1
+
+
+EXTEND_WIDTHS = (1, 2, 4, 8, 17)  # new entries a row a round: 1 + the accepted tokens of a 16-node tree at most
+
+
+@dataclass(frozen=True)
+class ExtendBucket:
+    rows: int
+    width: int
+    context: int  # the rows' entries held before this extension, the longest row's
+
+
+class _ExtendBuffers:
+    def __init__(self, head: Eagle3Head, key: ExtendBucket, feature_size: int, device: torch.device):
+        cfg, dtype = head.config, head.fc.weight.dtype
+        B, M, S = key.rows, key.width, key.context
+        self.key = key
+        self.features = torch.zeros(B, M, feature_size, device=device)
+        self.tokens = torch.zeros(B, M, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, M, dtype=torch.long, device=device)
+        self.keys = torch.zeros(B, cfg.num_key_value_heads, S + M, cfg.head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.mask = torch.zeros(B, 1, M, S + M, dtype=torch.bool, device=device)
+        self.newest = torch.zeros(B, dtype=torch.long, device=device)  # each row's last new entry
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class ExtendGraphs:
+    """The head's per-round extension over the rows' new committed entries (Eagle3Drafting.extend) on static buffers
+    per (rows, new entries, entries held) bucket: a row's new entries see its held ones and the new ones up to
+    themselves; a padded row or column sees its own entry only. With `capture` (CUDA), a graph per bucket."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
+        self.head, self.embed, self.capture = head, embed, capture
+        self.buffers: dict[ExtendBucket, _ExtendBuffers] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def bucket(self, counts: list[int], held: int) -> ExtendBucket | None:
+        rows, width = bucket(len(counts), TREE_ROWS), bucket(max(counts), EXTEND_WIDTHS)
+        context = bucket(max(held, 1), TREE_CONTEXT)
+        if rows is None or width is None or context is None:
+            return None
+        key = ExtendBucket(rows, width, context)
+        return key if key in self.buffers or len(self.buffers) < MAX_BUCKETS else None
+
+    def run(self, key: ExtendBucket, features: list[torch.Tensor], tokens: list[list[int]], starts: list[int],
+            keys: torch.Tensor, values: torch.Tensor, held: list[int]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """Rows' new entries: features [m_b, F] each, their tokens, the position of the first; keys, values [B, nkv,
+        S, hd] the entries held (right-padded), `held` per row -> the new entries' keys and values [B, nkv, M, hd]
+        and the rows' newest outputs [B, H] (the padded rows' too: the caller keeps its own)."""
+        if key not in self.buffers:
+            self.buffers[key] = _ExtendBuffers(self.head, key, features[0].shape[-1], keys.device)
+        b, batch, S, M = self.buffers[key], len(features), key.context, key.width
+        device = keys.device
+        b.features.zero_()
+        b.tokens.zero_()
+        b.mask.zero_()
+        b.keys[:, :, :S].zero_()
+        b.values[:, :, :S].zero_()
+        b.keys[:batch, :, : keys.shape[2]] = keys
+        b.values[:batch, :, : values.shape[2]] = values
+        causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
+        b.mask[:, 0, :, S:] = causal  # the new entries: each sees those up to itself (padding columns too)
+        counts = []
+        for r, (row_features, row_tokens) in enumerate(zip(features, tokens, strict=True)):
+            m = row_features.shape[0]
+            counts.append(m)
+            b.features[r, :m] = row_features.to(device=device, dtype=b.features.dtype)
+            b.tokens[r, :m] = torch.as_tensor(list(row_tokens), dtype=torch.long, device=device)
+            b.mask[r, 0, :, : held[r]] = True
+        first = torch.tensor(starts + [0] * (key.rows - batch), device=device)
+        b.positions.copy_(first[:, None] + torch.arange(M, device=device))
+        b.newest.copy_(torch.tensor(counts + [1] * (key.rows - batch), device=device) - 1)
+        if not self.capture:
+            return self._compute(b)
+        if b.graph is None:
+            self._record(b)
+        b.graph.replay()
+        return b.outputs
+
+    def _compute(self, b: _ExtendBuffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        head, S = self.head, b.key.context
+        q, k, v, residual = head.qkv(F.embedding(b.tokens, self.embed), head.project(b.features), b.positions)
+        b.keys[:, :, S:] = k
+        b.values[:, :, S:] = v
+        out = head.finish(attend(q, b.keys, b.values, b.mask), residual)  # [B, M, H]
+        newest = out.gather(1, b.newest[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [B, H]
+        return k, v, newest
+
+    @torch.no_grad()
+    def _record(self, b: _ExtendBuffers) -> None:
+        device = b.tokens.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._compute(b)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            b.outputs = self._compute(b)
+        b.graph = graph
