@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from specserve.workers.runtime.kv_arena import KVArena
 from specserve.workers.runtime.ragged import RaggedPlan, RaggedRow, allowed_rows
+
+T = TypeVar("T")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # New positions a row: a step, a chain's k + 1, a tree's root and nodes. 17: k='auto''s 16-node trees (planner/
@@ -145,15 +148,21 @@ class GraphedForward:
         return out if isinstance(out, tuple) else (out, None)
 
     def _record(self, static: StaticPass, forward: Callable) -> None:
-        """Capture the bucket's graph (torch.cuda.graphs' recipe: warm up on a side stream, then record). The warm-up
-        passes run for real on the batch just filled in: they write the keys and values its replay writes again."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._call(static, forward)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            static.outputs = self._call(static, forward)
-        static.graph = graph
+        """Capture the bucket's graph. The warm-up passes run for real on the batch just filled in: they write the
+        keys and values its replay writes again."""
+        static.graph, static.outputs = record_graph(lambda: self._call(static, forward), self.device, self.pool)
+
+
+def record_graph(compute: Callable[[], T], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`compute` captured as a CUDA graph, with what it returns (the tensors each replay writes again):
+    torch.cuda.graphs' recipe, two warm-up calls on a side stream, then the recording in the memory `pool`."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            compute()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = compute()
+    return graph, outputs

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.workers.runtime.graphs import bucket, record_graph
 from specserve.workers.speculation.eagle.drafting import attend
 from specserve.workers.speculation.eagle.head import Eagle3Head
 
@@ -27,10 +28,6 @@ TREE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TREE_CONTEXT = (256, 512, 1024, 2048, 4096)  # committed entries, the longest row's
 MAX_LEVEL_GRAPHS = 96  # (bucket, depth) graphs held; later ones run the static path eagerly
 MAX_BUCKETS = 16  # buckets' buffers held (the largest, 64 rows x 4K entries, ~200 MB in bf16); later trees: eager
-
-
-def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
-    return next((size for size in sizes if n <= size), None)
 
 
 @dataclass(frozen=True)
@@ -164,19 +161,7 @@ class LevelGraphs:
 
     @torch.no_grad()
     def _record(self, b: _Buffers, depth: int) -> None:
-        """torch.cuda.graphs' recipe: warm up on a side stream (the warm-ups write what the replay writes), then
-        record."""
-        device = b.tokens.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._compute(b, depth)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            b.outputs[depth] = self._compute(b, depth)
-        b.graphs[depth] = graph
+        b.graphs[depth], b.outputs[depth] = record_graph(lambda: self._compute(b, depth), b.tokens.device, self.pool)
         self.recorded += 1
 
 
@@ -270,14 +255,4 @@ class ExtendGraphs:
 
     @torch.no_grad()
     def _record(self, b: _ExtendBuffers) -> None:
-        device = b.tokens.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._compute(b)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            b.outputs = self._compute(b)
-        b.graph = graph
+        b.graph, b.outputs = record_graph(lambda: self._compute(b), b.tokens.device, self.pool)
