@@ -99,7 +99,7 @@ def head_profile(model: str, device: str, out: str) -> None:
     in-process probe said 13 ms a token); JSON into `out`."""
     from specserve.workers.config.settings import ModelConfig
     from specserve.workers.runtime.loading import load_model
-    from specserve.workers.speculation.eagle.loading import load_eagle_drafter
+    from specserve.workers.speculation.engine import SpecEngine
 
     target_path = resolve_model(model, progress=False)
     head = packaged_head_for(target_path)
@@ -109,23 +109,35 @@ def head_profile(model: str, device: str, out: str) -> None:
     result: dict = {"model": model, "device": device, "context": CONTEXT}
     for dtype in ("bfloat16", "float32") if device == "cuda" else ("float32",):
         threads = torch.get_num_threads()
-        for setup in ("alone", "alone-eager", "alone-1-thread", "beside-target"):
+        for setup in ("alone", "alone-eager", "alone-1-thread", "alone-no-cudnn-attention", "beside-target"):
             target = None
             # a draft worker runs on its few CPU threads (workers/runtime/threads.py), a bench on every core
             torch.set_num_threads(1 if setup == "alone-1-thread" else threads)
             if setup.startswith("alone"):
                 eager = setup == "alone-eager"  # the tree levels without their CUDA graphs (eagle/graphs.py)
                 drafter = load_head_drafter(head, target_path, dtype=dtype, device=device, enforce_eager=eager)
-            else:
-                target = load_model(ModelConfig(path=str(target_path), device=device, dtype=dtype))
-                drafter = load_eagle_drafter(target, head)
-            entry = profile_drafter(drafter, device)
+            else:  # the in-process engine as the bench builds it: its target runner, arena and graphs beside
+                target = SpecEngine(load_model(ModelConfig(path=str(target_path), device=device, dtype=dtype)),
+                                    eagle_head=head)  # fmt: skip
+                drafter = target.drafters["eagle"]
+            # cuDNN's attention plans each new shape (a chain's keys grow a step at a time): the same without it
+            cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(cudnn and setup != "alone-no-cudnn-attention")
+            try:
+                entry = profile_drafter(drafter, device)
+            finally:
+                torch.backends.cuda.enable_cudnn_sdp(cudnn)
             entry["placement"], entry["threads"] = placement(drafter), torch.get_num_threads()
+            if device == "cuda":  # memory pressure slows every allocation (the caching allocator frees and retries)
+                free, total = torch.cuda.mem_get_info()
+                entry["gpu_gib"] = {"free": free / 2**30, "total": total / 2**30,
+                                    "reserved": torch.cuda.memory_reserved() / 2**30}  # fmt: skip
             result[f"{dtype} {setup}"] = entry
             figures = {key: round(value, 2) for key, value in entry.items() if key.endswith("_ms")}
-            print(f"head {dtype} {setup}: {figures}; tensors: {entry['placement']}", flush=True)
-            for op in entry["tree_top"][:8]:
-                print(f"  tree  {op}", flush=True)
+            print(f"head {dtype} {setup}: {figures}; tensors: {entry['placement']}; {entry.get('gpu_gib')}", flush=True)
+            for part in ("chain", "tree"):
+                for op in entry[f"{part}_top"][:6]:
+                    print(f"  {part}  {op}", flush=True)
             del drafter, target
             if device == "cuda":
                 torch.cuda.empty_cache()
