@@ -93,10 +93,11 @@ class Eagle3Drafting:
         self.head = head
         self.embed_weight = embed_weight
         self._requests: dict[str, RequestKV] = {}
-        # eagle/graphs.py, on CUDA: a tree's levels (LevelGraphs) and the extension (ExtendGraphs) on static
-        # buffers replayed as CUDA graphs
+        # eagle/graphs.py, on CUDA: a tree's levels (LevelGraphs), the extension (ExtendGraphs) and a chain's steps
+        # on static buffers replayed as CUDA graphs
         self.level_graphs = None
         self.extend_graphs = None
+        self.chain_graphs = None  # ChainGraphs: a chain's steps
 
     def length(self, request_id: str) -> int:
         """The position of the request's next entry (its entries are those of positions before it)."""
@@ -196,9 +197,17 @@ class Eagle3Drafting:
         """The requests' caches (read by the chain and tree drafting beyond them)."""
         return [self._requests[r] for r in request_ids]
 
-    def chain(self, request_ids: Sequence[str], first: DraftStep) -> DraftChain:
-        """Chained steps after `extend` returned `first` for these requests (same order)."""
-        return DraftChain(self, [self._requests[r] for r in request_ids], first.hidden)
+    def chain(self, request_ids: Sequence[str], first: DraftStep):
+        """Chained steps after `extend` returned `first` for these requests (same order): a DraftChain, or on CUDA
+        its static twin (eagle/graphs.py: StaticChain) where a bucket fits."""
+        states = [self._requests[r] for r in request_ids]
+        if self.chain_graphs is not None:
+            keys, values = padded_kv(states)
+            positions = torch.tensor([s.end for s in states], device=first.hidden.device)
+            static = self.chain_graphs.chain(keys, values, [s.count for s in states], first.hidden, positions)
+            if static is not None:
+                return static
+        return DraftChain(self, states, first.hidden)
 
     def draft_greedy(self, rows: Sequence[tuple[str, torch.Tensor, Sequence[int]]], k: int) -> list[list[int]]:
         """Extend, then draft k greedy tokens per row (target ids)."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.workers.runtime.graphs import bucket, record_graph
-from specserve.workers.speculation.eagle.drafting import attend
+from specserve.workers.speculation.eagle.drafting import DraftStep, attend
 from specserve.workers.speculation.eagle.head import Eagle3Head
 
 TREE_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -256,3 +256,102 @@ class ExtendGraphs:
     @torch.no_grad()
     def _record(self, b: _ExtendBuffers) -> None:
         b.graph, b.outputs = record_graph(lambda: self._compute(b), b.tokens.device, self.pool)
+
+
+CHAIN_STEPS = 16  # chained steps a bucket holds: a chain of k drafts takes k - 1 (SpecParams' k is at most 16)
+
+
+@dataclass(frozen=True)
+class ChainBucket:
+    rows: int
+    context: int  # the rows' committed entries, the longest row's
+
+
+class _ChainBuffers:
+    def __init__(self, head: Eagle3Head, key: ChainBucket, device: torch.device):
+        cfg, dtype = head.config, head.fc.weight.dtype
+        B, S = key.rows, key.context
+        self.key = key
+        self.keys = torch.zeros(B, cfg.num_key_value_heads, S + CHAIN_STEPS, cfg.head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.mask = torch.zeros(B, 1, 1, S + CHAIN_STEPS, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(B, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(B, cfg.hidden_size, dtype=dtype, device=device)
+        self.positions = torch.zeros(B, dtype=torch.long, device=device)  # of the chain's first entry
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class StaticChain:
+    """DraftChain's steps (eagle/drafting.py) on a bucket's static buffers: step j writes its entry at S + j - 1 and
+    attends over the row's committed entries and the chain's entries up to its own; a padded row sees the chain's."""
+
+    def __init__(self, graphs: ChainGraphs, b: _ChainBuffers, keys: torch.Tensor, values: torch.Tensor,
+                 counts: list[int], hidden: torch.Tensor, positions: torch.Tensor):  # fmt: skip
+        self.graphs, self.b, self.batch, self.j = graphs, b, len(counts), 0
+        S, device = b.key.context, keys.device
+        b.keys.zero_()
+        b.values.zero_()
+        b.keys[: self.batch, :, : keys.shape[2]] = keys
+        b.values[: self.batch, :, : values.shape[2]] = values
+        b.mask.zero_()
+        b.mask[: self.batch, 0, 0, :S] = (
+            torch.arange(S, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
+        )
+        b.mask[:, 0, 0, S:] = True  # the chain's own entries (a step attends those up to its own only)
+        b.hidden.zero_()
+        b.hidden[: self.batch] = hidden
+        b.positions.zero_()
+        b.positions[: self.batch] = positions
+
+    def step(self, tokens: torch.Tensor) -> DraftStep:
+        """As DraftChain.step: tokens [B] the rows' last drafted tokens (target ids) -> the DraftStep after them."""
+        self.j += 1
+        if self.j > CHAIN_STEPS:
+            raise ValueError(f"a static chain holds {CHAIN_STEPS} steps")
+        self.b.tokens[: self.batch] = tokens.to(self.b.tokens.device)
+        logits, hidden = self.graphs.step(self.b, self.j)
+        self.b.hidden.copy_(hidden)  # the next step's input (outside the graph: its warm-ups must not move it)
+        return DraftStep(logits[: self.batch], hidden[: self.batch])
+
+
+class ChainGraphs:
+    """A head's chained drafting steps on static buffers per (rows, committed entries) bucket; with `capture` (CUDA),
+    a graph per (bucket, step)."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
+        self.head, self.embed, self.capture = head, embed, capture
+        self.buffers: dict[ChainBucket, _ChainBuffers] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def chain(self, keys: torch.Tensor, values: torch.Tensor, counts: list[int], hidden: torch.Tensor,
+              positions: torch.Tensor) -> StaticChain | None:  # fmt: skip
+        """A chain after the rows' committed entries (keys, values [B, nkv, S, hd], right-padded; counts per row),
+        from their newest outputs `hidden` [B, H] at `positions` [B] (the first chained entry's); None where no
+        bucket fits."""
+        rows, context = bucket(len(counts), TREE_ROWS), bucket(max(keys.shape[2], 1), TREE_CONTEXT)
+        if rows is None or context is None:
+            return None
+        key = ChainBucket(rows, context)
+        if key not in self.buffers:
+            if len(self.buffers) >= MAX_BUCKETS:
+                return None
+            self.buffers[key] = _ChainBuffers(self.head, key, keys.device)
+        return StaticChain(self, self.buffers[key], keys, values, counts, hidden, positions)
+
+    def step(self, b: _ChainBuffers, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.capture:
+            return self._compute(b, j)
+        if j not in b.graphs:
+            b.graphs[j], b.outputs[j] = record_graph(lambda: self._compute(b, j), b.tokens.device, self.pool)
+        b.graphs[j].replay()
+        return b.outputs[j]
+
+    def _compute(self, b: _ChainBuffers, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        head, end = self.head, b.key.context + j
+        positions = (b.positions + (j - 1))[:, None]  # [B, 1]
+        q, k, v, residual = head.qkv(F.embedding(b.tokens[:, None], self.embed), b.hidden[:, None], positions)
+        b.keys[:, :, end - 1 : end] = k
+        b.values[:, :, end - 1 : end] = v
+        hidden = head.finish(attend(q, b.keys[:, :, :end], b.values[:, :, :end], b.mask[..., :end]), residual)[:, 0]
+        return head.logits(hidden), hidden

@@ -20,7 +20,7 @@ from specserve.workers.runtime.packed_linear import PackedLinear, pack_linears
 from specserve.workers.speculation.eagle.checkpoint import load_head
 from specserve.workers.speculation.eagle.config import default_feature_layers, read_json
 from specserve.workers.speculation.eagle.drafter import EagleDrafter
-from specserve.workers.speculation.eagle.graphs import ExtendGraphs, LevelGraphs
+from specserve.workers.speculation.eagle.graphs import ChainGraphs, ExtendGraphs, LevelGraphs
 from specserve.workers.speculation.eagle.head import Eagle3Head
 
 log = logging.getLogger(__name__)
@@ -119,12 +119,13 @@ def load_eagle_drafter(
 
 
 def _with_graphs(drafter: EagleDrafter, enforce_eager: bool) -> EagleDrafter:
-    """On CUDA (unless enforce_eager), the drafter's extension and tree levels replay CUDA graphs
+    """On CUDA (unless enforce_eager), the drafter's extension, tree levels and chain steps replay CUDA graphs
     (eagle/graphs.py)."""
     if drafter.device.type == "cuda" and not enforce_eager:
         head, embed = drafter.head, drafter.drafting.embed_weight
         drafter.drafting.level_graphs = LevelGraphs(head, embed, capture=True)
         drafter.drafting.extend_graphs = ExtendGraphs(head, embed, capture=True)
+        drafter.drafting.chain_graphs = ChainGraphs(head, embed, capture=True)
     return drafter
 
 

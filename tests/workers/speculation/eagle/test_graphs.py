@@ -126,3 +126,24 @@ def test_the_static_extension_appends_what_the_eager_one_does(device):
     assert set(static.extend_graphs.buffers) >= {ExtendBucket(4, 4, 256), ExtendBucket(2, 4, 256)}
     rows = [new("a", 2), new("b", 1)]
     _assert_same(_trees(static, rows), _trees(eager, rows))
+
+
+def test_a_static_chain_drafts_what_a_draft_chain_drafts(device):
+    """Chained steps after ragged rows' caches, fed each step's greedy token: the same logits step by step, for a
+    chain as long as a bucket holds, on buffers a shorter chain used before."""
+    static, eager = _drafting(device, True), _drafting(device, False)
+    static.chain_graphs = graphs.ChainGraphs(static.head, static.embed_weight, capture=device == "cuda")
+    for lengths, seed, steps in (([6, 3], 9, 4), ([9, 4, 13], 10, graphs.CHAIN_STEPS)):
+        rows = _rows(lengths, seed)
+        chains = []
+        for d in (static, eager):
+            first = d.extend(rows)
+            chains.append((d.chain([r for r, _, _ in rows], first), first.logits))
+        (static_chain, logits), (eager_chain, eager_logits) = chains
+        assert isinstance(static_chain, graphs.StaticChain)
+        for _ in range(steps):
+            tokens = static.head.draft_to_target(logits.argmax(-1))
+            torch.testing.assert_close(tokens, eager.head.draft_to_target(eager_logits.argmax(-1)))
+            logits, eager_logits = static_chain.step(tokens).logits, eager_chain.step(tokens).logits
+            torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4)
+    assert set(static.chain_graphs.buffers) == {graphs.ChainBucket(2, 256), graphs.ChainBucket(4, 256)}
