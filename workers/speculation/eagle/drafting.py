@@ -164,12 +164,15 @@ class Eagle3Drafting:
         """The new entries of each row in one forward; appends their keys/values; returns the newest outputs [B, H]."""
         head, device = self.head, self.head.fc.weight.device
         counts = [features.shape[0] for _, features, _ in rows]
-        held = [s.count for s in states]
-        key = self.extend_graphs.bucket(counts, max(held)) if self.extend_graphs is not None else None
+        entries = [s.count for s in states]  # held before these
+        key = self.extend_graphs.bucket(counts, max(entries)) if self.extend_graphs is not None else None
+        static = None
         if key is not None:
             keys, values = padded_kv(states)  # the entries held before these
-            k, v, newest = self.extend_graphs.run(key, [f for _, f, _ in rows], [t for _, _, t in rows],
-                                                  [s.end for s in states], keys, values, held)  # fmt: skip
+            static = self.extend_graphs.run(key, [f for _, f, _ in rows], [t for _, _, t in rows],
+                                            [s.end for s in states], keys, values, entries)  # fmt: skip
+        if static is not None:
+            k, v, newest = static
             for b, state in enumerate(states):
                 state.append(k[b, :, : counts[b]], v[b, :, : counts[b]])
             return newest[: len(rows)].clone()  # the buffers are the next replay's

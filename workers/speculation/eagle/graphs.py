@@ -27,7 +27,31 @@ from specserve.workers.speculation.eagle.head import Eagle3Head
 TREE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TREE_CONTEXT = (256, 512, 1024, 2048, 4096)  # committed entries, the longest row's
 MAX_LEVEL_GRAPHS = 96  # (bucket, depth) graphs held; later ones run the static path eagerly
-MAX_BUCKETS = 16  # buckets' buffers held (the largest, 64 rows x 4K entries, ~200 MB in bf16); later trees: eager
+MAX_BUCKETS = 16  # buckets' buffers held by each kind of step; past them, eager
+# ...and their keys' and values' bytes: the largest bucket, 64 rows x 4K entries, holds ~200 MB in bf16, and a draft
+# worker shares its GPU. Past it, eager: memory stays bounded whatever mix of batches and contexts comes.
+MAX_BUFFER_BYTES = 512 * 2**20
+
+
+class _Held:
+    """One kind of step's buffers by bucket, within MAX_BUCKETS and MAX_BUFFER_BYTES."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.bytes = 0
+
+    def get(self, key, head: Eagle3Head, rows: int, width: int, make):
+        """The bucket's buffers (`make()` them when new and within the caps: keys and values of `rows` x `width`
+        entries), or None."""
+        if key in self.buffers:
+            return self.buffers[key]
+        cfg = head.config
+        size = 2 * rows * cfg.num_key_value_heads * width * cfg.head_dim * head.fc.weight.element_size()
+        if len(self.buffers) >= MAX_BUCKETS or self.bytes + size > MAX_BUFFER_BYTES:
+            return None
+        self.buffers[key] = make()
+        self.bytes += size
+        return self.buffers[key]
 
 
 @dataclass(frozen=True)
@@ -121,9 +145,13 @@ class LevelGraphs:
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
         self.head, self.embed, self.capture = head, embed, capture
-        self.buffers: dict[LevelBucket, _Buffers] = {}
+        self.held = _Held()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.recorded = 0
+
+    @property
+    def buffers(self) -> dict[LevelBucket, _Buffers]:
+        return self.held.buffers
 
     def levels(self, keys: torch.Tensor, values: torch.Tensor, committed: torch.Tensor, topk: int,
                depth: int) -> StaticLevels | None:  # fmt: skip
@@ -133,11 +161,10 @@ class LevelGraphs:
         if rows is None or context is None:
             return None
         key = LevelBucket(rows, context, topk, depth)
-        if key not in self.buffers and len(self.buffers) >= MAX_BUCKETS:
-            return None
-        if key not in self.buffers:
-            self.buffers[key] = _Buffers(self.head, key, keys.device)
-        return StaticLevels(self, self.buffers[key], keys.shape[0], keys, values, committed)
+        made = self.held.get(
+            key, self.head, rows, context + depth * topk, lambda: _Buffers(self.head, key, keys.device)
+        )
+        return StaticLevels(self, made, keys.shape[0], keys, values, committed) if made is not None else None
 
     def level(self, b: _Buffers, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.capture:
@@ -198,25 +225,31 @@ class ExtendGraphs:
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
         self.head, self.embed, self.capture = head, embed, capture
-        self.buffers: dict[ExtendBucket, _ExtendBuffers] = {}
+        self.held = _Held()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def buffers(self) -> dict[ExtendBucket, _ExtendBuffers]:
+        return self.held.buffers
 
     def bucket(self, counts: list[int], held: int) -> ExtendBucket | None:
         rows, width = bucket(len(counts), TREE_ROWS), bucket(max(counts), EXTEND_WIDTHS)
         context = bucket(max(held, 1), TREE_CONTEXT)
         if rows is None or width is None or context is None:
             return None
-        key = ExtendBucket(rows, width, context)
-        return key if key in self.buffers or len(self.buffers) < MAX_BUCKETS else None
+        return ExtendBucket(rows, width, context)
 
     def run(self, key: ExtendBucket, features: list[torch.Tensor], tokens: list[list[int]], starts: list[int],
-            keys: torch.Tensor, values: torch.Tensor, held: list[int]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+            keys: torch.Tensor, values: torch.Tensor, held: list[int]) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
         """Rows' new entries: features [m_b, F] each, their tokens, the position of the first; keys, values [B, nkv,
         S, hd] the entries held (right-padded), `held` per row -> the new entries' keys and values [B, nkv, M, hd]
-        and the rows' newest outputs [B, H] (the padded rows' too: the caller keeps its own)."""
-        if key not in self.buffers:
-            self.buffers[key] = _ExtendBuffers(self.head, key, features[0].shape[-1], keys.device)
-        b, batch, S, M = self.buffers[key], len(features), key.context, key.width
+        and the rows' newest outputs [B, H] (the padded rows' too: the caller keeps its own); None past the caps
+        (the caller runs the eager extension)."""
+        b = self.held.get(key, self.head, key.rows, key.context + key.width,
+                          lambda: _ExtendBuffers(self.head, key, features[0].shape[-1], keys.device))  # fmt: skip
+        if b is None:
+            return None
+        batch, S, M = len(features), key.context, key.width
         device = keys.device
         b.features.zero_()
         b.tokens.zero_()
@@ -321,8 +354,12 @@ class ChainGraphs:
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
         self.head, self.embed, self.capture = head, embed, capture
-        self.buffers: dict[ChainBucket, _ChainBuffers] = {}
+        self.held = _Held()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def buffers(self) -> dict[ChainBucket, _ChainBuffers]:
+        return self.held.buffers
 
     def chain(self, keys: torch.Tensor, values: torch.Tensor, counts: list[int], hidden: torch.Tensor,
               positions: torch.Tensor) -> StaticChain | None:  # fmt: skip
@@ -333,11 +370,10 @@ class ChainGraphs:
         if rows is None or context is None:
             return None
         key = ChainBucket(rows, context)
-        if key not in self.buffers:
-            if len(self.buffers) >= MAX_BUCKETS:
-                return None
-            self.buffers[key] = _ChainBuffers(self.head, key, keys.device)
-        return StaticChain(self, self.buffers[key], keys, values, counts, hidden, positions)
+        made = self.held.get(
+            key, self.head, rows, context + CHAIN_STEPS, lambda: _ChainBuffers(self.head, key, keys.device)
+        )
+        return StaticChain(self, made, keys, values, counts, hidden, positions) if made is not None else None
 
     def step(self, b: _ChainBuffers, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.capture:

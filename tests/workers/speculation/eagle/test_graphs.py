@@ -147,3 +147,18 @@ def test_a_static_chain_drafts_what_a_draft_chain_drafts(device):
             logits, eager_logits = static_chain.step(tokens).logits, eager_chain.step(tokens).logits
             torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=1e-4)
     assert set(static.chain_graphs.buffers) == {graphs.ChainBucket(2, 256), graphs.ChainBucket(4, 256)}
+
+
+def test_past_the_byte_cap_every_step_runs_eagerly(device, monkeypatch):
+    """Buffers within MAX_BUFFER_BYTES a kind of step: a bucket too big for what is left runs eagerly, the same."""
+    static, eager = _drafting(device, True), _drafting(device, False)
+    static.chain_graphs = graphs.ChainGraphs(static.head, static.embed_weight, capture=device == "cuda")
+    monkeypatch.setattr(graphs, "MAX_BUFFER_BYTES", 64 * 1024)  # a one-row bucket's (~36 KB), not two rows'
+    for lengths, seed in (([7], 11), ([5, 9], 12)):
+        rows = _rows(lengths, seed)
+        _assert_same(_trees(static, rows), _trees(eager, rows))
+        first = static.extend([(r, f[-1:], t[-1:]) for r, f, t in _rows([n + 1 for n in lengths], seed)])
+        chain = static.chain([r for r, _, _ in rows], first)
+        assert isinstance(chain, graphs.StaticChain) == (len(lengths) == 1)
+    for held in (static.level_graphs, static.extend_graphs, static.chain_graphs):
+        assert [key.rows for key in held.buffers] == [1] and held.held.bytes <= 64 * 1024
