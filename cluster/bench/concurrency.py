@@ -262,14 +262,16 @@ def _level(client, prompts: list[list[int]], streams: int, cfg: LoadConfig, bar)
     return rows
 
 
-def bench_app(target: str, draft: str | None, device: str, dtype: str) -> dict:
+def bench_app(target: str, draft: str | None, device: str, dtype: str, enforce_eager: bool = False) -> dict:
     """The Serve config of the bench: `target` with `draft` (None: the model's default drafting, as `specserve
-    serve` has it) and the model's default k; small CPU reservations, so that it starts on 2 cores."""
+    serve` has it) and the model's default k; small CPU reservations, so that it starts on 2 cores; with
+    `enforce_eager`, no CUDA graphs in either pool (`specserve serve --enforce-eager`)."""
     from specserve.cluster.app_config import AppConfig, serve_config
     from specserve.workers.service.local_processes import free_port
 
     model = {"name": BENCH_MODEL, "target": target, "device": device, "dtype": dtype, "target_pool": {"num_cpus": 0.5},
-             "draft_pool": {"num_cpus": 0.5}, **({"draft": draft} if draft else {})}  # fmt: skip
+             "draft_pool": {"num_cpus": 0.5}, **({"draft": draft} if draft else {}),
+             **({"enforce_eager": True} if enforce_eager else {})}  # fmt: skip
     app = AppConfig.model_validate({"models": [model], "scheduler": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
     return serve_config(app, grpc_port=free_port(), http_port=free_port())
 
@@ -283,6 +285,7 @@ def load_rows(
     dtype: str = "float32",
     progress: bool = True,
     then: Callable[..., None] | None = None,
+    enforce_eager: bool = False,
 ) -> tuple[list[LevelRow], str, BurstRow | None]:
     """Start the Serve application (and a Ray, unless one is connected), run every level, then the burst (and
     `then`, with the client, while the app still runs), stop them; returns (rows, the drafting the model was served
@@ -293,7 +296,7 @@ def load_rows(
     from specserve.cluster.bench.burst import run_burst
     from specserve.cluster.serve.server import start, stop
 
-    config = bench_app(target, draft, device, dtype)
+    config = bench_app(target, draft, device, dtype, enforce_eager)
     drafting = config["applications"][0]["args"]["models"][0]["draft"]
     info = start(config, ready_timeout_s=1800)
     try:

@@ -355,7 +355,8 @@ def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: 
     def tax_of(client) -> None:
         tax.append(measure_tax(client, engine, prompts, max_new_tokens, threads, target_only.tokens_per_s))
 
-    levels, drafting, burst = load_rows(target, draft, prompts, cfg, args.device, args.dtype, then=tax_of)
+    levels, drafting, burst = load_rows(target, draft, prompts, cfg, args.device, args.dtype, then=tax_of,
+                                        enforce_eager=getattr(args, "enforce_eager", False))  # fmt: skip
     meta["load"] = load_meta(levels, cfg, drafting, tax[0].to_dict() if tax else None, burst)
     meta["load"]["orchestration_line"] = tax[0].line() if tax else None
     meta["load"]["burst_line"] = burst.line() if burst else None

@@ -58,7 +58,8 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
                    help="with --target: the speculative rows at exactly these k (whole numbers and/or auto), "
                    "e.g. 4,auto")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
-    p.add_argument("--enforce-eager", action="store_true", help="in-process rows: no CUDA graphs (vLLM's flag)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (vLLM's flag): in-process rows and, with --load, the served app")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                    help="both models' weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")  # fmt: skip
     _add_extras(p)

@@ -172,6 +172,9 @@ def test_the_bench_serves_the_model_as_specserve_serve_does():
 
     assert model["k"] == ModelPairConfig.model_fields["k"].default  # the model's default k: the bench sets none
     assert bench_app("demo", None, "cpu", "float32")["applications"][0]["args"]["models"][0]["draft"] == "ngram"
+    assert model["enforce_eager"] is False
+    eager = bench_app("demo", "demo", "cuda", "bfloat16", enforce_eager=True)["applications"][0]["args"]["models"][0]
+    assert eager["enforce_eager"] is True  # both pools' workers run every pass eagerly (ModelPairConfig)
 
 
 @pytest.mark.slow
