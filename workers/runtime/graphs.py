@@ -35,9 +35,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # tree.py's MAX_TREE_NODES + 1), which ran eagerly at ~28 ms on the H200 under a widest bucket of 16.
 WIDTH_BUCKETS = (1, 2, 4, 8, 17)
 KV_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # attended positions, the longest row's
-# Graphs captured at most: each holds its outputs (a bucket of 64 x 16 columns: 100 MB of SmolLM2's bf16 logits)
+# Graphs captured at most: each holds its outputs (a bucket of 64 x 17 columns: 107 MB of SmolLM2's bf16 logits)
 # outside the KV budget, within the memory it leaves free (memory_budget.LEFT_FREE); past it, new buckets run eagerly.
 MAX_GRAPHS = 48
+# ...and the outputs they hold, at most this share of the GPU (of LEFT_FREE's 5%): 48 graphs of the widest buckets
+# would hold a few GB, more than 5% of a 24 GB GPU.
+GRAPH_OUTPUT_SHARE = 0.02
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int | None:
@@ -102,10 +105,17 @@ class GraphedForward:
     """Runs a runner's packed pass through a bucket's static buffers: replayed as a CUDA graph (`capture`), or eagerly
     over the same buffers (the CPU tests' way)."""
 
-    def __init__(self, arena: KVArena, dtype: torch.dtype, device: torch.device, capture: bool):
+    def __init__(self, arena: KVArena, dtype: torch.dtype, device: torch.device, capture: bool,
+                 max_output_bytes: int | None = None):  # fmt: skip
+        """max_output_bytes: what the captured graphs' outputs may hold together (default: GRAPH_OUTPUT_SHARE of the
+        GPU; no limit without one); new buckets past it run eagerly."""
         self.arena, self.dtype, self.device, self.capture = arena, dtype, device, capture
         self.passes: dict[BucketKey, StaticPass] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        if max_output_bytes is None and device.type == "cuda":
+            max_output_bytes = int(GRAPH_OUTPUT_SHARE * torch.cuda.get_device_properties(device).total_memory)
+        self.max_output_bytes = max_output_bytes
+        self.output_bytes = 0  # what the recorded graphs' outputs hold
 
     def key_for(self, rows: Sequence[RaggedRow], capture_features: bool) -> BucketKey | None:
         """The bucket a batch fits, or None (run it eagerly): too many rows, a row too wide (a prompt's chunk), a
@@ -116,7 +126,10 @@ class GraphedForward:
         if B is None or T is None or K is None:
             return None
         key = BucketKey(B, T, K, capture_features)
-        return key if key in self.passes or len(self.passes) < MAX_GRAPHS else None
+        if key in self.passes:
+            return key
+        full = self.max_output_bytes is not None and self.output_bytes >= self.max_output_bytes
+        return None if full or len(self.passes) >= MAX_GRAPHS else key
 
     def run(self, key: BucketKey, forward: Callable, rows: Sequence[RaggedRow], news: Sequence[Sequence[int]],
             positions: Sequence[Sequence[int]], kept: Sequence[int]) -> tuple[torch.Tensor, Tensor | None]:  # fmt: skip
@@ -151,6 +164,7 @@ class GraphedForward:
         """Capture the bucket's graph. The warm-up passes run for real on the batch just filled in: they write the
         keys and values its replay writes again."""
         static.graph, static.outputs = record_graph(lambda: self._call(static, forward), self.device, self.pool)
+        self.output_bytes += sum(t.nbytes for t in static.outputs if t is not None)
 
 
 def record_graph(compute: Callable[[], T], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, T]:

@@ -118,3 +118,23 @@ def test_past_the_most_graphs_new_buckets_run_packed(target, monkeypatch):
         outs.append(r.forward_batch([ForwardRow("a", long[:44], 3)])[0])  # 3 new positions: a second bucket
     assert list(runner.graphs.passes) == [BucketKey(1, 1, 256, False)]
     torch.testing.assert_close(outs[0].logits, outs[1].logits, **CLOSE)
+
+
+def test_past_the_output_bytes_new_buckets_run_packed(target):
+    """The graphs' outputs sit outside the KV budget: past `max_output_bytes` (a share of the GPU by default) no new
+    bucket is made, and the buckets made go on replaying."""
+    long, _ = _prompts()
+    runner, packed = _static(target), _packed(target)
+    runner.graphs.max_output_bytes = 1
+    outs = []
+    for r in (runner, packed):
+        r.forward_batch([ForwardRow("a", long[:40], 1)])  # the prompt: packed
+        r.forward_batch([ForwardRow("a", long[:41], 1)])  # a step: the first bucket, recorded on CUDA
+        if r is runner:
+            runner.graphs.output_bytes = max(runner.graphs.output_bytes, 1)  # as a recording adds its outputs' bytes
+        r.forward_batch([ForwardRow("a", long[:42], 1)])  # the same bucket: it goes on
+        outs.append(r.forward_batch([ForwardRow("a", long[:45], 3)])[0])  # 3 new positions: no new bucket
+    assert list(runner.graphs.passes) == [BucketKey(1, 1, 256, False)]
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, **CLOSE)
+    if target.device.type == "cuda":
+        assert 0 < runner.graphs.output_bytes < 1 << 30
