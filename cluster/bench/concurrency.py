@@ -264,14 +264,13 @@ def _level(client, prompts: list[list[int]], streams: int, cfg: LoadConfig, bar)
 
 def bench_app(target: str, draft: str | None, device: str, dtype: str, enforce_eager: bool = False) -> dict:
     """The Serve config of the bench: `target` with `draft` (None: the model's default drafting, as `specserve
-    serve` has it) and the model's default k; small CPU reservations, so that it starts on 2 cores; with
-    `enforce_eager`, no CUDA graphs in either pool (`specserve serve --enforce-eager`)."""
+    serve` has it) and the model's default k; small CPU reservations, so that it starts on 2 cores."""
     from specserve.cluster.app_config import AppConfig, serve_config
     from specserve.workers.service.local_processes import free_port
 
-    model = {"name": BENCH_MODEL, "target": target, "device": device, "dtype": dtype, "target_pool": {"num_cpus": 0.5},
-             "draft_pool": {"num_cpus": 0.5}, **({"draft": draft} if draft else {}),
-             **({"enforce_eager": True} if enforce_eager else {})}  # fmt: skip
+    pool = {"num_cpus": 0.5}
+    model = {"name": BENCH_MODEL, "target": target, "device": device, "dtype": dtype, "target_pool": pool,
+             "draft_pool": pool, **({"draft": draft} if draft else {}), "enforce_eager": enforce_eager}  # fmt: skip
     app = AppConfig.model_validate({"models": [model], "scheduler": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
     return serve_config(app, grpc_port=free_port(), http_port=free_port())
 
@@ -285,7 +284,7 @@ def load_rows(
     dtype: str = "float32",
     progress: bool = True,
     then: Callable[..., None] | None = None,
-    enforce_eager: bool = False,
+    enforce_eager: bool = False,  # no CUDA graphs in either pool
 ) -> tuple[list[LevelRow], str, BurstRow | None]:
     """Start the Serve application (and a Ray, unless one is connected), run every level, then the burst (and
     `then`, with the client, while the app still runs), stop them; returns (rows, the drafting the model was served
@@ -388,13 +387,11 @@ def plot_levels(rows: list[LevelRow], path: str) -> None:
         ax2.plot(xs, [r.ttft_ms_p50 for r in sel], style, color="tab:blue", label=f"TTFT p50, {mode}")
         ax2.plot(xs, [r.tpot_ms_p50 for r in sel], style, color="tab:orange", label=f"TPOT p50, {mode}")
         ax2.plot(xs, [r.tpot_ms_p99 for r in sel], style, color="tab:orange", alpha=0.35, label=f"TPOT p99, {mode}")
-    ax2.set_yscale("log")
-    ax2.set_ylabel("ms")
+    ax2.set(yscale="log", ylabel="ms")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r.streams for r in rows}))
+        ax.set(xticks=sorted({r.streams for r in rows}), xlabel="concurrent streams (closed loop)")
         ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.set_xlabel("concurrent streams (closed loop)")
         ax.legend(fontsize=7)
     ax2.yaxis.set_major_formatter(ScalarFormatter())
     fig.suptitle("specserve bench --load: the Serve app, default speculation vs off (greedy)")
