@@ -95,7 +95,8 @@ def add_gpu_check_parser(sub, common: list[argparse.ArgumentParser]) -> None:
                    "from)")  # fmt: skip
     p.add_argument("--skip-tests", action="store_true", help="leave the tests that take a device out")
     p.add_argument("--only", metavar="STEP1,STEP2", help="only these steps (environment, model, tests, tp, "
-                   "head-profile, fp32, served, bf16, bf16-eager, hf-static): to rehearse one")  # fmt: skip
+                   "head-profile, fp32, served, bf16, bf16-eager, hf-static; and served-eager, "
+                   "which runs only when named)")  # fmt: skip
     p.set_defaults(func=_gpu_check)
 
 

@@ -142,3 +142,21 @@ def test_the_head_profile_times_and_profiles_a_heads_chain_and_tree(models_dir, 
     assert ops and any("mm" in op or "linear" in op or "matmul" in op for op in ops)
     assert not drafter.drafting._requests  # the profile's request is gone
     assert f"{torch.device(device)} {target.dtype}" in "".join(placement(drafter))
+
+
+def test_the_served_eager_step_runs_only_when_named(tmp_path):
+    import argparse
+
+    from specserve.cluster.bench.gpu_check import main_gpu_check
+
+    def names(only: str) -> list[str]:
+        args = argparse.Namespace(out=str(tmp_path / only), budget_s=0.0, device="cpu", model_wheel=None,
+                                  streams="1", k="auto", methods=None, skip_tests=True, only=only)  # fmt: skip
+        main_gpu_check(args)
+        return [s["name"] for s in json.loads((tmp_path / only / "gpu-check.json").read_text())["steps"]]
+
+    assert "served-eager" not in names("served")
+    assert "served-eager" in names("served-eager")  # listed (the zero budget skips running it)
+    argv = next(s for s in json.loads((tmp_path / "served-eager" / "gpu-check.json").read_text())["steps"]
+                if s["name"] == "served-eager")["argv"]  # fmt: skip
+    assert "--enforce-eager" in argv and argv[argv.index("--streams") + 1] == "1"
