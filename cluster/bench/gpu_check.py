@@ -235,6 +235,18 @@ def summarize(out: Path) -> dict:
     return summary
 
 
+def _diagnostics(check: Check, py: str, device: str, out: Path) -> None:
+    """The steps after the tests that say where time goes or whether a path runs at all."""
+    # Issue 56 item 5: the TP=2 path on one GPU, both ranks sharing it over gloo (NCCL refuses two ranks a device).
+    tp = [py, "-m", "pytest", "tests/workers/service/test_tensor_parallel.py", "-q", "-k", f"sharded and {device}",
+          "-p", "no:cacheprovider", "--timeout", "60", "--junitxml", str(out / "tp.xml")]  # fmt: skip
+    check.run(Step("tp", tp, 75), reserve_s=300)  # 14 s on the CPU; a hung collective costs no more than this
+    # Where the head's drafting time goes, bf16 against fp32 (13.2 against 1.9 ms a token on 2026-12-04).
+    profile = [py, "-c", "import sys; from specserve.cluster.bench.head_profile import head_profile; "
+               "head_profile(*sys.argv[1:])", MODEL, device, str(out / "head-profile.json")]  # fmt: skip
+    check.run(Step("head-profile", profile, 90, "head-profile.json"), reserve_s=300)
+
+
 def main_gpu_check(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,14 +270,7 @@ def main_gpu_check(args) -> int:
                  "--continue-on-collection-errors", "--junitxml", str(out / "tests.xml")]  # fmt: skip
         check.run(Step("tests", tests, 120), reserve_s=300)
 
-    # Issue 56 item 5: the TP=2 path on one GPU, both ranks sharing it over gloo (NCCL refuses two ranks a device).
-    tp = [py, "-m", "pytest", "tests/workers/service/test_tensor_parallel.py", "-q", "-k", f"sharded and {device}",
-          "-p", "no:cacheprovider", "--timeout", "60", "--junitxml", str(out / "tp.xml")]  # fmt: skip
-    check.run(Step("tp", tp, 75), reserve_s=300)  # 14 s on the CPU; a hung collective costs no more than this
-    # Where the head's drafting time goes, bf16 against fp32 (13.2 against 1.9 ms a token on 2026-12-04).
-    profile = [py, "-c", "import sys; from specserve.cluster.bench.head_profile import head_profile; "
-               "head_profile(*sys.argv[1:])", MODEL, device, str(out / "head-profile.json")]  # fmt: skip
-    check.run(Step("head-profile", profile, 90, "head-profile.json"), reserve_s=300)
+    _diagnostics(check, py, device, out)
 
     def rows(name: str, dtype: str, reserve_s: float) -> None:
         methods = getattr(args, "methods", None) or METHODS
