@@ -114,8 +114,7 @@ class StaticLevels:
         self.graphs, self.buffers, self.batch = graphs, buffers, batch
         b, S = buffers, buffers.key.context
         held = keys.shape[2]
-        b.keys.zero_()
-        b.values.zero_()
+        # entries past a row's own are masked (weight 0): what earlier trees left there is never read into an output
         b.keys[:batch, :, :held] = keys
         b.values[:batch, :, :held] = values
         b.mask.zero_()
@@ -140,18 +139,26 @@ class StaticLevels:
         return out[:batch], values[:batch], indices[:batch]
 
 
-class LevelGraphs:
-    """A head's static tree levels by bucket; with `capture` (CUDA), each (bucket, depth) a CUDA graph."""
+class _StepGraphs:
+    """What the three kinds of static step share: the head and the embedding they run, whether they record CUDA
+    graphs, their buffers by bucket within the caps, and one memory pool for their graphs."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
         self.head, self.embed, self.capture = head, embed, capture
         self.held = _Held()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.recorded = 0
 
     @property
-    def buffers(self) -> dict[LevelBucket, _Buffers]:
+    def buffers(self) -> dict:
         return self.held.buffers
+
+
+class LevelGraphs(_StepGraphs):
+    """A head's static tree levels by bucket; with `capture` (CUDA), each (bucket, depth) a CUDA graph."""
+
+    def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
+        super().__init__(head, embed, capture)
+        self.recorded = 0
 
     def levels(self, keys: torch.Tensor, values: torch.Tensor, committed: torch.Tensor, topk: int,
                depth: int) -> StaticLevels | None:  # fmt: skip
@@ -218,19 +225,10 @@ class _ExtendBuffers:
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-class ExtendGraphs:
+class ExtendGraphs(_StepGraphs):
     """The head's per-round extension over the rows' new committed entries (Eagle3Drafting.extend) on static buffers
     per (rows, new entries, entries held) bucket: a row's new entries see its held ones and the new ones up to
     themselves; a padded row or column sees its own entry only. With `capture` (CUDA), a graph per bucket."""
-
-    def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
-        self.head, self.embed, self.capture = head, embed, capture
-        self.held = _Held()
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-
-    @property
-    def buffers(self) -> dict[ExtendBucket, _ExtendBuffers]:
-        return self.held.buffers
 
     def bucket(self, counts: list[int], held: int) -> ExtendBucket | None:
         rows, width = bucket(len(counts), TREE_ROWS), bucket(max(counts), EXTEND_WIDTHS)
@@ -254,8 +252,6 @@ class ExtendGraphs:
         b.features.zero_()
         b.tokens.zero_()
         b.mask.zero_()
-        b.keys[:, :, :S].zero_()
-        b.values[:, :, :S].zero_()
         b.keys[:batch, :, : keys.shape[2]] = keys
         b.values[:batch, :, : values.shape[2]] = values
         causal = torch.ones(M, M, dtype=torch.bool, device=device).tril()
@@ -323,8 +319,6 @@ class StaticChain:
                  counts: list[int], hidden: torch.Tensor, positions: torch.Tensor):  # fmt: skip
         self.graphs, self.b, self.batch, self.j = graphs, b, len(counts), 0
         S, device = b.key.context, keys.device
-        b.keys.zero_()
-        b.values.zero_()
         b.keys[: self.batch, :, : keys.shape[2]] = keys
         b.values[: self.batch, :, : values.shape[2]] = values
         b.mask.zero_()
@@ -348,18 +342,9 @@ class StaticChain:
         return DraftStep(logits[: self.batch], hidden[: self.batch])
 
 
-class ChainGraphs:
+class ChainGraphs(_StepGraphs):
     """A head's chained drafting steps on static buffers per (rows, committed entries) bucket; with `capture` (CUDA),
     a graph per (bucket, step)."""
-
-    def __init__(self, head: Eagle3Head, embed: torch.Tensor, capture: bool):
-        self.head, self.embed, self.capture = head, embed, capture
-        self.held = _Held()
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-
-    @property
-    def buffers(self) -> dict[ChainBucket, _ChainBuffers]:
-        return self.held.buffers
 
     def chain(self, keys: torch.Tensor, values: torch.Tensor, counts: list[int], hidden: torch.Tensor,
               positions: torch.Tensor) -> StaticChain | None:  # fmt: skip
