@@ -26,8 +26,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DRAFT_POOL_CPUS = 0.5  # a draft pool replica's CPUs unless set (its drafting is a fraction of a target step)
 IMPORT_PATH = "specserve.cluster.serve.serve_app:build_app"
 AUTOSCALING_POLICY = "specserve.cluster.scheduling.autoscaling:PoolAutoscalingPolicy"
-# The generated add_SpecServeServicer_to_server, with a request deserializer that never raises (INVALID_ARGUMENT,
-# not UNKNOWN, for bytes that are no GenerateRequest).
+# The generated add_SpecServeServicer_to_server, its deserializer never raising (INVALID_ARGUMENT, not UNKNOWN).
 GRPC_SERVICER = "specserve.cluster.serve.public_proto.add_servicer_to_server"
 # The standard grpc.health.v1 service, answered by the ingress (cluster/serve/health.py).
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
@@ -132,6 +131,10 @@ class ModelPairConfig(StrictModel):
         "prefill, max_num_batched_tokens). A chunk over a cached prefix computes nothing it holds. None: one call. "
         "Beside 4 chat streams a 4K-token prompt kept their p99 gap at 6.8 s chunked, 32 s in one call; its own "
         "time to first token was 3.8x its time alone, 1.5x in one call."
+    )  # fmt: skip
+    decode_steps: int = Field(
+        32, ge=1, le=1024, description="Speculation off (method 'none'): the most decoding steps a target worker runs "
+        "in one call, each token streamed back while the next step runs (vLLM V0's num_scheduler_steps). 1: one each."
     )  # fmt: skip
     target_pool: WorkerPoolConfig = Field(default_factory=WorkerPoolConfig, description="Target workers.")
     draft_pool: WorkerPoolConfig = Field(

@@ -229,6 +229,16 @@ class HealthResponse(_message.Message):
     kv_allocated_bytes: int
     def __init__(self, healthy: _Optional[bool] = ..., requests: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., model: _Optional[str] = ..., verify_seconds_by_width: _Optional[_Iterable[float]] = ..., draft_fixed_seconds: _Optional[float] = ..., draft_step_seconds: _Optional[float] = ..., verify_profile_rows: _Optional[_Iterable[int]] = ..., verify_seconds_by_rows: _Optional[_Iterable[float]] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_allocated_bytes: _Optional[int] = ...) -> None: ...
 
+class DecodeRequest(_message.Message):
+    __slots__ = ("first", "steps", "end_token_ids")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    first: VerifyRequest
+    steps: int
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first: _Optional[_Union[VerifyRequest, _Mapping]] = ..., steps: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SpeculationOptions(_message.Message):
     __slots__ = ("method", "k")
     METHOD_FIELD_NUMBER: _ClassVar[int]

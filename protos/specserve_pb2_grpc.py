@@ -200,6 +200,11 @@ class TargetWorkerStub:
                 request_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specserve.v1.TargetWorker/Decode',
+                request_serializer=specserve_dot_protos_dot_specserve__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.TargetWorker/Release',
                 request_serializer=specserve_dot_protos_dot_specserve__pb2.ReleaseRequest.SerializeToString,
@@ -217,6 +222,13 @@ class TargetWorkerServicer:
 
     def Verify(self, request, context):
         """Verify drafted tokens for a request. NOT_FOUND: the worker lost the request's cache (re-send the prefix).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """Run up to `steps` plain decoding steps, one reply a step (DecodeRequest). Errors as Verify's, at any step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -242,6 +254,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
                     request_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyRequest.FromString,
+                    response_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specserve_dot_protos_dot_specserve__pb2.DecodeRequest.FromString,
                     response_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -281,6 +298,33 @@ class TargetWorker:
             target,
             '/specserve.v1.TargetWorker/Verify',
             specserve_dot_protos_dot_specserve__pb2.VerifyRequest.SerializeToString,
+            specserve_dot_protos_dot_specserve__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specserve.v1.TargetWorker/Decode',
+            specserve_dot_protos_dot_specserve__pb2.DecodeRequest.SerializeToString,
             specserve_dot_protos_dot_specserve__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,

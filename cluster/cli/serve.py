@@ -59,6 +59,8 @@ def _add_serve(sub, common: list[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="with --model: chunked prefill's chunk, in tokens (turns it on)")  # fmt: skip
+    p.add_argument("--num-scheduler-steps", type=int, metavar="N",
+                   help="with --model: speculation off, the most decoding steps a call runs (default 32)")  # fmt: skip
     p.add_argument("--speculative-config", metavar="JSON",
                    help="with --model: vLLM's speculative config, e.g. '{\"method\": \"eagle3\", "
                    "\"num_speculative_tokens\": 3}' (docs/speculative-config.md)")  # fmt: skip
@@ -117,6 +119,8 @@ def _model_overrides(args: argparse.Namespace) -> dict:
         out["prefill_chunk_tokens"] = None
     elif args.max_num_batched_tokens is not None or args.enable_chunked_prefill:
         out["prefill_chunk_tokens"] = args.max_num_batched_tokens or 256
+    if args.num_scheduler_steps is not None:
+        out["decode_steps"] = args.num_scheduler_steps
     if args.k is not None:
         out["k"] = args.k if args.k == "auto" else _int_flag("--k", args.k)
     if args.speculative_config is not None:

@@ -64,7 +64,8 @@ class ServedModel:
         tokens = ModelTokenizer(target_path)
         head = resolve_eagle_head(config.draft, target_path)
         pipeline = build_pipeline({}, {}, head, predraft=config.predraft, max_k=config.max_k, ngram=config.ngram,
-                                  worker_wait_s=worker_wait_s, prefill_chunk=config.prefill_chunk_tokens)  # fmt: skip
+                                  worker_wait_s=worker_wait_s, prefill_chunk=config.prefill_chunk_tokens,
+                                  decode_steps=config.decode_steps)  # fmt: skip
         eos = directory_eos_ids(target_path, tokens.tokenizer)
         model = cls(config, tokens, eos, byte_pieces(tokens.tokenizer), pipeline)
         pipeline.faults.wait_changed, pipeline.faults.on_rejoin = model.wait_changed, model.notify_changed

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,7 @@ import grpc
 from specserve.cluster.scheduling.calls import Call, PreDraft
 from specserve.cluster.scheduling.costs import measured_costs
 from specserve.cluster.scheduling.faults import WorkerFaults
+from specserve.cluster.scheduling.plain_steps import PlainSteps
 from specserve.cluster.scheduling.prefill import Prefill
 from specserve.cluster.scheduling.round_times import RoundClock, RoundTimes
 from specserve.cluster.scheduling.sched_request import SchedRequest
@@ -82,6 +84,7 @@ class Pipeline:
         # into a step however many prompts wait: the other requests' rounds get the worker between chunks.
         self._chunking: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.prefill = Prefill(scheduler, self.faults, self._verify, self._propose, self._chunking)
+        self.plain = PlainSteps(scheduler, self.faults, self._verify_round, self._verified)
         self._costs_failed = False  # a worker could not report its costs: AdaptiveK stays in charge
 
     async def _call(self, req: SchedRequest, call: Call, fn, resends: int = 3):
@@ -132,6 +135,13 @@ class Pipeline:
                 clock = RoundClock()
                 plan = self.scheduler.plan_round(req)
                 clock.planned(plan.k, plan.expected, plan.forecast_s)
+                if (steps := self.scheduler.plain_steps(req)) > 1:
+                    async with contextlib.aclosing(self.plain.rounds(req, plan, steps, clock)) as decoded:
+                        async for committed, clock in decoded:
+                            sent = time.perf_counter()
+                            yield committed
+                            self.times.add(clock.record(time.perf_counter() - sent))
+                    continue
                 if req.method.tree:
                     committed = await self._tree_round(req, plan, clock)
                     if committed is not None:  # None: the target failed, the round is re-planned
@@ -246,6 +256,12 @@ class Pipeline:
         round_s = clock.verified(len(tokens), len(reply.path or ()))
         return self.scheduler.apply_round(req, plan, reply, tree=tree, round_s=round_s)
 
+    def _verified(self, reply: VerifyResult, clock: RoundClock) -> None:
+        self.scheduler.verified(reply)
+        self.verify_calls += 1
+        self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
+        clock.worker("verify", reply)
+
     async def _verify_round(
         self,
         req: SchedRequest,
@@ -275,10 +291,7 @@ class Pipeline:
                 if self.scheduler.stranded(req):
                     await self.faults.await_target(req)
                 return None, None
-            self.scheduler.verified(reply)
-            self.verify_calls += 1
-            self.inverse_batch_rows += 1.0 / max(1, reply.batch_rows)
-        clock.worker("verify", reply)
+        self._verified(reply, clock)
         if call.prompt_logprobs is not None and reply.prompt_logprobs is not None:  # the prompt's tokens 1..P-1's
             req.state.prompt_logprobs = reply.prompt_logprobs[: req.state.prompt_len - 1]
         return reply, pre_task
@@ -366,6 +379,7 @@ def build_pipeline(
     ngram: NgramConfig | None = None,
     worker_wait_s: float = 600.0,
     prefill_chunk: int | None = None,
+    decode_steps: int = 1,
 ) -> Pipeline:
     """A model's scheduler and pipelined driver over its workers' clients, for every caller (the Serve app's scheduler
     replica, the plain-actor path, the bench). head: the EAGLE-3 head directory the draft workers run, whose recorded
@@ -373,5 +387,5 @@ def build_pipeline(
     from specserve.workers.speculation.eagle.config import head_acceptance
 
     prior = head_acceptance(head) if head is not None else None
-    scheduler = Scheduler(list(drafts), list(targets), prior, max_k, ngram, prefill_chunk)
+    scheduler = Scheduler(list(drafts), list(targets), prior, max_k, ngram, prefill_chunk, decode_steps)
     return Pipeline(scheduler, drafts, targets, predraft, reconnect, worker_wait_s)

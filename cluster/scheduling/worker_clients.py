@@ -12,6 +12,7 @@ One probe at a time per worker, shared by every waiting call. `max_call_s` bound
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -60,19 +61,25 @@ class _Client:
         self._probe: asyncio.Future | None = None
 
     async def _invoke(self, method, message):
-        call = asyncio.ensure_future(_awaited(method(message, timeout=self.max_call_s, metadata=self.metadata)))
+        response = await self._answered(_awaited(method(message, timeout=self.max_call_s, metadata=self.metadata)))
+        self.wire_bytes += message.ByteSize() + response.ByteSize()
+        return response
+
+    async def _answered(self, awaitable):
+        """What `awaitable` (a call's reply, a stream's next message) gives, waited for as this module says, its
+        status codes as this module's errors; cancelled (the worker told to drop the call) when the wait ends
+        otherwise."""
+        task = asyncio.ensure_future(awaitable)
         try:
             slow = False
-            while not (await asyncio.wait({call}, timeout=self.timeout_s / 3))[0]:
+            while not (await asyncio.wait({task}, timeout=self.timeout_s / 3))[0]:
                 if not await self.alive():
                     raise WorkerUnavailable(f"{self.address}: a call unanswered and no answer to its health check "
                                             f"within {self.timeout_s / 2:.1f} s")  # fmt: skip
                 if not slow:
                     slow = True
                     self.slow_calls += 1
-            response = call.result()
-            self.wire_bytes += message.ByteSize() + response.ByteSize()
-            return response
+            return task.result()
         except grpc.aio.AioRpcError as e:
             if e.code() in _LOST:
                 raise WorkerLostRequest(e.details()) from None
@@ -85,7 +92,7 @@ class _Client:
                 raise WorkerUnavailable(f"{self.address}: {e.code().name}: {e.details()}") from None
             raise
         finally:
-            call.cancel()  # a no-op once answered; else the worker is told to drop the call
+            task.cancel()  # a no-op once answered
 
     async def alive(self) -> bool:
         """Whether the worker answers its health check, healthy, within half of `timeout_s`. Concurrent askers share
@@ -162,34 +169,53 @@ class TargetClient(_Client):
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
     async def verify(self, call: Call, params: SamplingParams) -> VerifyResult:
-        response = await self._invoke(
-            self.stub.Verify,
-            pb.VerifyRequest(
-                request_id=call.request_id,
-                committed_len=call.committed_len,
-                new_tokens=call.new_tokens,
-                drafted=call.drafted,
-                draft_probs=call.draft_probs,
-                sampling=sampling_to_proto(params),
-                want_features=call.want_features,
-                parents=call.parents or [],
-                prompt_len=min(params.prompt_len, call.committed_len),  # a prefill chunk holds part of the prompt
-                end_token_ids=params.end_token_ids,
-                prompt_logprobs=call.prompt_logprobs,
-                prefix_at_most=call.prefix_at_most,
-                expected_len=call.expected_len,
-            ),
-        )
-        return VerifyResult(
-            accepted=response.accepted,
-            next_token=response.next_token,
-            batch_seconds=response.batch_seconds,
-            batch_rows=response.batch_rows,
-            batch_tokens=response.batch_tokens,
-            queued_seconds=response.queued_seconds,
-            batch_forward_seconds=response.batch_forward_seconds,
-            features=response.features,
-            path=list(response.path),
-            logprobs=list(from_proto(response.logprobs)) if response.HasField("logprobs") else None,
-            prompt_logprobs=from_proto(response.prompt_logprobs) if response.HasField("prompt_logprobs") else None,
-        )
+        return _verify_result(await self._invoke(self.stub.Verify, _verify_request(call, params)))
+
+    async def decode(self, call: Call, params: SamplingParams, steps: int,
+                     ends: frozenset[int]) -> AsyncIterator[VerifyResult]:  # fmt: skip
+        """Up to `steps` plain decoding steps from `call` (a plain verify call), run by the worker back to back until
+        one samples a token of `ends`: each step's result as it comes (pb.DecodeRequest). Closing the iterator cancels
+        the steps not yet run."""
+        request = pb.DecodeRequest(first=_verify_request(call, params), steps=steps, end_token_ids=sorted(ends))
+        stream = self.stub.Decode(request, timeout=self.max_call_s * steps, metadata=self.metadata)  # max_call_s a step
+        self.wire_bytes += request.ByteSize()
+        try:
+            while (response := await self._answered(stream.read())) is not grpc.aio.EOF:
+                self.wire_bytes += response.ByteSize()
+                yield _verify_result(response)
+        finally:
+            stream.cancel()  # a no-op once the stream ended
+
+
+def _verify_request(call: Call, params: SamplingParams) -> pb.VerifyRequest:
+    return pb.VerifyRequest(
+        request_id=call.request_id,
+        committed_len=call.committed_len,
+        new_tokens=call.new_tokens,
+        drafted=call.drafted,
+        draft_probs=call.draft_probs,
+        sampling=sampling_to_proto(params),
+        want_features=call.want_features,
+        parents=call.parents or [],
+        prompt_len=min(params.prompt_len, call.committed_len),  # a prefill chunk holds part of the prompt
+        end_token_ids=params.end_token_ids,
+        prompt_logprobs=call.prompt_logprobs,
+        prefix_at_most=call.prefix_at_most,
+        expected_len=call.expected_len,
+    )
+
+
+def _verify_result(response: pb.VerifyResponse) -> VerifyResult:
+    return VerifyResult(
+        accepted=response.accepted,
+        next_token=response.next_token,
+        batch_seconds=response.batch_seconds,
+        batch_rows=response.batch_rows,
+        batch_tokens=response.batch_tokens,
+        queued_seconds=response.queued_seconds,
+        batch_forward_seconds=response.batch_forward_seconds,
+        features=response.features,
+        path=list(response.path),
+        logprobs=list(from_proto(response.logprobs)) if response.HasField("logprobs") else None,
+        prompt_logprobs=from_proto(response.prompt_logprobs) if response.HasField("prompt_logprobs") else None,
+    )

@@ -10,12 +10,13 @@ from tests.helpers.workers import LocalWorkers
 
 
 async def run_pipeline(w: LocalWorkers, requests, predraft=True, during=None, reconnect=None, timeout_s=30.0,
-                       worker_wait_s=600.0):  # fmt: skip
+                       worker_wait_s=600.0, decode_steps=8):  # fmt: skip
     """Generate every (prompt, params, spec) concurrently through a Scheduler + Pipeline on `w`'s workers (clients
-    with `timeout_s`; a request whose target failed waits `worker_wait_s` for one)."""
+    with `timeout_s`; a request whose target failed waits `worker_wait_s` for one; one that never drafts runs up to
+    `decode_steps` plain steps a call, as served)."""
     drafts, targets = _clients(w, timeout_s)
-    pipeline = Pipeline(Scheduler(list(drafts), list(targets)), drafts, targets, predraft=predraft, reconnect=reconnect,
-                        worker_wait_s=worker_wait_s)  # fmt: skip
+    pipeline = Pipeline(Scheduler(list(drafts), list(targets), decode_steps=decode_steps), drafts, targets,
+                        predraft=predraft, reconnect=reconnect, worker_wait_s=worker_wait_s)  # fmt: skip
     tokenizer = next(iter(w.targets.values())).verifier.runner.loaded.tokenizer
     eos = frozenset({tokenizer.eos_token_id})
     jobs = [pipeline.generate(tokenizer(p)["input_ids"], params, spec, eos) for p, params, spec in requests]

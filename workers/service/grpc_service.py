@@ -9,6 +9,7 @@ typed object (`SamplingCache`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -191,48 +192,88 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
 
     async def Verify(self, request, context):
         try:
-            _check_request_id(request.request_id)
-            if len(request.drafted) > MAX_K:  # a tree's mask grows with its square: bound it here
-                raise InvalidRequestError(
-                    "drafted", f"at most {MAX_K} tokens (a tree's nodes), got {len(request.drafted)}"
-                )
-            probs = decode_probs(request.draft_probs, self.worker.vocab_size)
-            if probs is not None and probs.shape[0] != len(request.drafted):
-                raise InvalidRequestError("draft_probs", f"{probs.shape[0]} rows for {len(request.drafted)} drafted")
-            if request.parents and len(request.parents) != len(request.drafted):
-                raise InvalidRequestError("parents", f"{len(request.parents)} for {len(request.drafted)} drafted")
-            call = VerifyCall(
-                request.request_id,
-                request.committed_len,
-                list(request.new_tokens),
-                list(request.drafted),
-                probs,
-                _with_history(self.sampling.get(request.request_id, request.sampling), request, self.worker.vocab_size),
-                request.want_features,
-                list(request.parents) if request.parents else None,
-                _prompt_logprobs(request),
-                request.prefix_at_most if request.HasField("prefix_at_most") else None,
-                request.expected_len if request.HasField("expected_len") else None,
-            )
+            call = self._verify_call(request)
         except ValueError as e:
             await self._abort(context, e)
         prefill = not call.drafted and len(call.new_tokens) > 1  # a prompt or its chunk: a decoding round feeds one
-        cost = len(call.new_tokens) + len(call.drafted) + 1
-        result = await self._batched(context, call.request_id, call, cost, prefill)
-        return pb.VerifyResponse(
-            accepted=result.accepted,
-            next_token=result.next_token,
-            bonus=_bonus(call, result),
-            batch_seconds=result.batch_seconds,
-            batch_rows=result.batch_rows,
-            batch_tokens=result.batch_tokens,
-            queued_seconds=result.queued_seconds,
-            batch_forward_seconds=result.batch_forward_seconds,
-            features=result.features,
-            path=result.path or [],
-            logprobs=to_proto(result.logprobs) if result.logprobs is not None else None,
-            prompt_logprobs=to_proto(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
+        result = await self._batched(context, call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1,
+                                     prefill)  # fmt: skip
+        return _verify_response(call, result)
+
+    async def Decode(self, request, context):
+        """Plain steps back to back: each next step is queued for the batch after this one before this step's reply
+        is written, so the reply's trip to the scheduler overlaps the next step (pb.DecodeRequest)."""
+        try:
+            if request.steps < 1:
+                raise InvalidRequestError("steps", f"must be at least 1, got {request.steps}")
+            if request.first.drafted:
+                raise InvalidRequestError("first.drafted", "a decoding step verifies nothing drafted")
+            call = self._verify_call(request.first)
+        except ValueError as e:
+            await self._abort(context, e)
+        ends = frozenset(request.end_token_ids)
+        step = asyncio.ensure_future(self._batched(context, call.request_id, call, len(call.new_tokens) + 1,
+                                                   len(call.new_tokens) > 1))  # fmt: skip
+        try:
+            for n in range(request.steps):
+                result = await step
+                last = n + 1 == request.steps or result.next_token in ends
+                reply = _verify_response(call, result)
+                if not last:
+                    call = _next_step(call, result.next_token)
+                    step = asyncio.ensure_future(self._batched(context, call.request_id, call, 2))
+                yield reply
+                if last:
+                    return
+        finally:
+            step.cancel()  # the caller went away between steps: the queued step is dropped
+
+    def _verify_call(self, request: pb.VerifyRequest) -> VerifyCall:
+        """The call a VerifyRequest asks for, checked (InvalidRequestError names the field)."""
+        _check_request_id(request.request_id)
+        if len(request.drafted) > MAX_K:  # a tree's mask grows with its square: bound it here
+            raise InvalidRequestError("drafted", f"at most {MAX_K} tokens (a tree's nodes), got {len(request.drafted)}")
+        probs = decode_probs(request.draft_probs, self.worker.vocab_size)
+        if probs is not None and probs.shape[0] != len(request.drafted):
+            raise InvalidRequestError("draft_probs", f"{probs.shape[0]} rows for {len(request.drafted)} drafted")
+        if request.parents and len(request.parents) != len(request.drafted):
+            raise InvalidRequestError("parents", f"{len(request.parents)} for {len(request.drafted)} drafted")
+        return VerifyCall(
+            request.request_id,
+            request.committed_len,
+            list(request.new_tokens),
+            list(request.drafted),
+            probs,
+            _with_history(self.sampling.get(request.request_id, request.sampling), request, self.worker.vocab_size),
+            request.want_features,
+            list(request.parents) if request.parents else None,
+            _prompt_logprobs(request),
+            request.prefix_at_most if request.HasField("prefix_at_most") else None,
+            request.expected_len if request.HasField("expected_len") else None,
         )
+
+
+def _next_step(call: VerifyCall, token: int) -> VerifyCall:
+    """A decoding step's next one: it feeds the token the step sampled (the prompt's one-off fields dropped)."""
+    return dataclasses.replace(call, committed_len=call.committed_len + 1, new_tokens=[token], prompt_logprobs=None,
+                               prefix_at_most=None, expected_len=None)  # fmt: skip
+
+
+def _verify_response(call: VerifyCall, result: VerifyResult) -> pb.VerifyResponse:
+    return pb.VerifyResponse(
+        accepted=result.accepted,
+        next_token=result.next_token,
+        bonus=_bonus(call, result),
+        batch_seconds=result.batch_seconds,
+        batch_rows=result.batch_rows,
+        batch_tokens=result.batch_tokens,
+        queued_seconds=result.queued_seconds,
+        batch_forward_seconds=result.batch_forward_seconds,
+        features=result.features,
+        path=result.path or [],
+        logprobs=to_proto(result.logprobs) if result.logprobs is not None else None,
+        prompt_logprobs=to_proto(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
+    )
 
 
 def _prompt_logprobs(request: pb.VerifyRequest) -> int | None:

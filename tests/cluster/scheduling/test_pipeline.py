@@ -195,3 +195,65 @@ def test_suffix_drafting_reuses_a_finished_answer_for_the_next_request(models, r
     assert first.state.generated == second.state.generated == reference[PROMPTS[0]]
     assert cached == 2  # each finished request's output
     assert second.state.stats.accepted >= len(reference[PROMPTS[0]]) - 4 > first.state.stats.accepted
+
+
+class CountingDecodes:
+    """Counts the Decode streams the pipeline's target clients open (the clients themselves unchanged)."""
+
+    def __init__(self, monkeypatch):
+        self.streams = 0
+        decode = TargetClient.decode
+
+        def counted(client, *args):
+            self.streams += 1
+            return decode(client, *args)
+
+        monkeypatch.setattr(TargetClient, "decode", counted)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_requests_that_never_draft_stream_their_steps_with_identical_output(models, reference, monkeypatch,
+                                                                             decode_steps):  # fmt: skip
+    """Speculation off: up to decode_steps plain steps a Decode call, each applied as its round; a worker that loses
+    the requests mid-stream gets them re-sent; the output is target-only's either way."""
+    counted = CountingDecodes(monkeypatch)
+
+    async def main():
+        async with LocalWorkers(models[0], [models[1]], n_targets=2) as w:
+
+            async def forget(pipeline):
+                for _ in range(4):
+                    await asyncio.sleep(0.03)
+                    for name, client in pipeline.targets.items():
+                        for rid in w.targets[name].committed.least_recent():
+                            await client.release(rid)
+
+            requests = [(p, *greedy("none", 1)) for p in PROMPTS * 2]
+            return await run_pipeline(w, requests, during=forget, decode_steps=decode_steps)
+
+    results, pipeline = asyncio.run(main())
+    assert [r.state.generated for r in results] == list(reference.values()) * 2
+    assert all(r.state.stats.rounds == len(r.state.generated) for r in results)  # a round a step, as one call each
+    assert pipeline.times.rounds == sum(r.state.stats.rounds for r in results)
+    if decode_steps == 1:
+        assert counted.streams == 0
+    else:  # a stream from each request's first step, and again after each loss
+        assert len(results) <= counted.streams < sum(len(r.state.generated) for r in results) // 2
+        assert sum(r.resent for r in results) >= 1
+
+
+def test_a_target_that_dies_mid_stream_leaves_its_requests_to_the_other(models, reference):
+    async def main():
+        async with LocalWorkers(models[0], [models[1]], n_targets=2) as w:
+
+            async def kill(pipeline):
+                await asyncio.sleep(0.05)
+                await w.stop("target-1")
+
+            requests = [(p, *greedy("none", 1)) for p in PROMPTS * 2]
+            results, pipeline = await run_pipeline(w, requests, during=kill, decode_steps=16)
+            return results, pipeline.scheduler.unhealthy
+
+    results, unhealthy = asyncio.run(main())
+    assert [r.state.generated for r in results] == list(reference.values()) * 2
+    assert unhealthy == {"target-1"} and {r.target_worker for r in results} == {"target-0"}

@@ -183,3 +183,22 @@ def test_a_rounds_prediction_is_its_plans_k_expected_acceptance_and_forecast():
     assert expected == pytest.approx(sum(math.prod(rates[: j + 1]) for j in range(k)))
     fixed = s.add([1, 2], params, SpecParams(method="draft", k=3), frozenset())
     assert s.plan_round(fixed).k == 3 and fixed.round.forecast_s == 0.0 and fixed.round.rate == 0.0
+
+
+def test_only_a_decoding_request_that_never_drafts_runs_several_plain_steps_a_call():
+    s = Scheduler(["d1"], ["t1"], decode_steps=6)
+    plain = s.add([1, 2], SamplingParams(max_new_tokens=10), SpecParams(method="none"), frozenset())
+    assert s.plain_steps(plain) == 1  # its prompt's round: one call (its chunks, its first token)
+    plain.state.commit_round([], 0, 5)
+    assert s.plain_steps(plain) == 6
+    plain.state.commit_round([], 0, 6)
+    for token in range(7, 12):
+        plain.state.commit_round([], 0, token)
+    assert plain.state.remaining == 3 and s.plain_steps(plain) == 3  # no step past max_new_tokens
+    drafting = s.add([1, 2], SamplingParams(max_new_tokens=10), SPEC, frozenset())
+    drafting.state.commit_round([], 0, 5)
+    assert s.plain_steps(drafting) == 1
+    scored = s.add([1, 2], SamplingParams(max_new_tokens=10, prompt_logprobs=1), SpecParams(method="none"), frozenset())
+    scored.state.commit_round([], 0, 5)
+    assert s.plain_steps(scored) == 1
+    assert Scheduler([], ["t1"]).plain_steps(plain) == 1  # the default: a call a step
