@@ -262,15 +262,15 @@ def _level(client, prompts: list[list[int]], streams: int, cfg: LoadConfig, bar)
     return rows
 
 
-def bench_app(target: str, draft: str | None, device: str, dtype: str, enforce_eager: bool = False) -> dict:
+def bench_app(target: str, draft: str | None, device: str, dtype: str, **fields) -> dict:
     """The Serve config of the bench: `target` with `draft` (None: the model's default drafting, as `specserve
-    serve` has it) and the model's default k; small CPU reservations, so that it starts on 2 cores."""
+    serve` has it), its default k and `fields` (enforce_eager ...); small CPU reservations, so it starts on 2 cores."""
     from specserve.cluster.app_config import AppConfig, serve_config
     from specserve.workers.service.local_processes import free_port
 
     pool = {"num_cpus": 0.5}
     model = {"name": BENCH_MODEL, "target": target, "device": device, "dtype": dtype, "target_pool": pool,
-             "draft_pool": pool, **({"draft": draft} if draft else {}), "enforce_eager": enforce_eager}  # fmt: skip
+             "draft_pool": pool, **({"draft": draft} if draft else {}), **fields}  # fmt: skip
     app = AppConfig.model_validate({"models": [model], "scheduler": {"num_cpus": 0.5}, "auth": {"api_key_env": None}})
     return serve_config(app, grpc_port=free_port(), http_port=free_port())
 
@@ -284,7 +284,7 @@ def load_rows(
     dtype: str = "float32",
     progress: bool = True,
     then: Callable[..., None] | None = None,
-    enforce_eager: bool = False,  # no CUDA graphs in either pool
+    fields: dict | None = None,  # more of the model's settings (bench_app)
 ) -> tuple[list[LevelRow], str, BurstRow | None]:
     """Start the Serve application (and a Ray, unless one is connected), run every level, then the burst (and
     `then`, with the client, while the app still runs), stop them; returns (rows, the drafting the model was served
@@ -295,7 +295,7 @@ def load_rows(
     from specserve.cluster.bench.burst import run_burst
     from specserve.cluster.serve.server import start, stop
 
-    config = bench_app(target, draft, device, dtype, enforce_eager)
+    config = bench_app(target, draft, device, dtype, **(fields or {}))
     drafting = config["applications"][0]["args"]["models"][0]["draft"]
     info = start(config, ready_timeout_s=1800)
     try:

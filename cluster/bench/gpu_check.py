@@ -286,10 +286,13 @@ def main_gpu_check(args) -> int:
               "--load-fixed-k", "none", "--json", str(out / "served.json")]  # fmt: skip
     # 64 streams beside 1 and 16 need more than the 234 s that two levels took eager (2026-12-04).
     check.run(Step("served", _specserve(*served), 420, "served.json"), reserve_s=20)
-    if "served-eager" in only:  # only when named: both pools without graphs, one stream (what graphs buy served)
-        eager = [*common, "--methods", "ngram", "--k", "3", "--dtype", half, "--load", "--streams", "1",
-                 "--load-fixed-k", "none", "--enforce-eager", "--json", str(out / "served-eager.json")]  # fmt: skip
-        check.run(Step("served-eager", _specserve(*eager), 240, "served-eager.json"), reserve_s=20)
+    # Only when named, one stream each: both pools without graphs (what graphs buy served), and speculation off a
+    # call a step (what streaming plain steps in one call buys: the served overhead before it).
+    for name, extra in (("served-eager", ["--enforce-eager"]), ("served-unary", ["--num-scheduler-steps", "1"])):
+        if name in only:
+            argv = [*common, "--methods", "ngram", "--k", "3", "--dtype", half, "--load", "--streams", "1",
+                    "--load-fixed-k", "none", *extra, "--json", str(out / f"{name}.json")]  # fmt: skip
+            check.run(Step(name, _specserve(*argv), 240, f"{name}.json"), reserve_s=20)
     # Eager on an H200 (2026-11-27) the served step took 291 s at four levels and the bf16 rows ~150 s.
     rows("bf16", half, reserve_s=60)
     # The same rows eager (--enforce-eager): what the graphs buy, in one run.

@@ -338,9 +338,8 @@ def main_bench(args) -> int:
 
 def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: SpecEngine, max_new_tokens: int,
           target_only: Row):  # fmt: skip
-    """The served load bench (cluster/bench/concurrency.py) on the bench's target with its default drafting (the
-    demo family's: its draft model), on the same prompts, then the orchestration tax (cluster/bench/
-    orchestration.py) on the in-process rows' lengths; its JSON entry goes to meta['load']."""
+    """The served load bench (concurrency.py) on the bench's target with its default drafting (the demo's: its draft
+    model), the same prompts, then the orchestration tax (orchestration.py); its JSON entry goes to meta['load']."""
     from specserve.cluster.app_config import DEMO
     from specserve.cluster.bench.concurrency import QUICK_LOAD, LoadConfig, bench_app, load_meta, load_rows
     from specserve.cluster.bench.orchestration import measure_tax
@@ -355,11 +354,13 @@ def _load(args, target_path: str, prompts: list[list[int]], meta: dict, engine: 
     def tax_of(client) -> None:
         tax.append(measure_tax(client, engine, prompts, max_new_tokens, threads, target_only.tokens_per_s))
 
+    steps = getattr(args, "num_scheduler_steps", None)  # the app's model settings beyond its defaults, then:
+    fields = {"enforce_eager": getattr(args, "enforce_eager", False)} | ({"decode_steps": steps} if steps else {})
     levels, drafting, burst = load_rows(target, draft, prompts, cfg, args.device, args.dtype, then=tax_of,
-                                        enforce_eager=getattr(args, "enforce_eager", False))  # fmt: skip
-    meta["load"] = load_meta(levels, cfg, drafting, tax[0].to_dict() if tax else None, burst)
-    meta["load"]["orchestration_line"] = tax[0].line() if tax else None
-    meta["load"]["burst_line"] = burst.line() if burst else None
+                                        fields=fields)  # fmt: skip
+    meta["load"] = load_meta(levels, cfg, drafting, tax[0].to_dict() if tax else None, burst) | {
+        "fields": fields, "orchestration_line": tax[0].line() if tax else None,
+        "burst_line": burst.line() if burst else None}  # fmt: skip
     return levels
 
 
@@ -367,8 +368,7 @@ def _load_config(args, cfg):
     """--streams and --load-fixed-k (parsed by the CLI) over the load bench's config."""
     if getattr(args, "streams", None):
         cfg = replace(cfg, levels=args.streams)
-    fixed = getattr(args, "load_fixed_k", None)
-    if fixed is not None:
+    if (fixed := getattr(args, "load_fixed_k", None)) is not None:
         cfg = replace(cfg, fixed_ks=fixed, fixed_k_levels=cfg.fixed_k_levels if fixed else ())
     return cfg
 

@@ -60,6 +60,8 @@ def add_parser(sub, common: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (vLLM's flag): in-process rows and, with --load, the served app")  # fmt: skip
+    p.add_argument("--num-scheduler-steps", type=int, metavar="N",
+                   help="with --load: the app's decode_steps (speculation off: steps a call; default 32)")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                    help="both models' weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")  # fmt: skip
     _add_extras(p)
@@ -95,8 +97,8 @@ def add_gpu_check_parser(sub, common: list[argparse.ArgumentParser]) -> None:
                    "from)")  # fmt: skip
     p.add_argument("--skip-tests", action="store_true", help="leave the tests that take a device out")
     p.add_argument("--only", metavar="STEP1,STEP2", help="only these steps (environment, model, tests, tp, "
-                   "head-profile, fp32, served, bf16, bf16-eager, hf-static; and served-eager, "
-                   "which runs only when named)")  # fmt: skip
+                   "head-profile, fp32, served, bf16, bf16-eager, hf-static; and served-eager and served-unary, "
+                   "which run only when named)")  # fmt: skip
     p.set_defaults(func=_gpu_check)
 
 

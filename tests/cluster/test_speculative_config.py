@@ -110,6 +110,8 @@ def test_serve_flags_with_vllms_names_set_the_kv_cache_and_chunked_prefill():
     off = serve_cli._model_overrides(_serve_args("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64"))
     assert off == {"prefill_chunk_tokens": None}
     assert serve_cli._model_overrides(_serve_args("--enable-chunked-prefill")) == {"prefill_chunk_tokens": 256}
+    assert serve_cli._model_overrides(_serve_args("--num-scheduler-steps", "1")) == {"decode_steps": 1}
+    assert served.decode_steps == 32  # unset: the default, plain steps streamed 32 a call
 
 
 @pytest.mark.parametrize(

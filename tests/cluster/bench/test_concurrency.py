@@ -175,6 +175,9 @@ def test_the_bench_serves_the_model_as_specserve_serve_does():
     assert model["enforce_eager"] is False
     eager = bench_app("demo", "demo", "cuda", "bfloat16", enforce_eager=True)["applications"][0]["args"]["models"][0]
     assert eager["enforce_eager"] is True  # both pools' workers run every pass eagerly (ModelPairConfig)
+    assert model["decode_steps"] == ModelPairConfig.model_fields["decode_steps"].default
+    steps = bench_app("demo", "demo", "cpu", "float32", decode_steps=1)["applications"][0]["args"]["models"][0]
+    assert steps["decode_steps"] == 1  # --num-scheduler-steps: speculation off a call a step
 
 
 @pytest.mark.slow

@@ -160,3 +160,7 @@ def test_the_served_eager_step_runs_only_when_named(tmp_path):
     argv = next(s for s in json.loads((tmp_path / "served-eager" / "gpu-check.json").read_text())["steps"]
                 if s["name"] == "served-eager")["argv"]  # fmt: skip
     assert "--enforce-eager" in argv and argv[argv.index("--streams") + 1] == "1"
+    assert "served-unary" not in names("served") and "served-unary" in names("served-unary")
+    steps = json.loads((tmp_path / "served-unary" / "gpu-check.json").read_text())["steps"]
+    unary = next(s["argv"] for s in steps if s["name"] == "served-unary")
+    assert unary[unary.index("--num-scheduler-steps") + 1] == "1" and "--enforce-eager" not in unary
