@@ -24,7 +24,7 @@ from specserve.workers.config.request import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.service.sampling_wire import sampling_to_proto
-from specserve.workers.speculation.logprobs import from_proto
+from specserve.workers.service.verify_wire import verify_from_proto
 
 MAX_CALL_S = 3600.0  # a call's bound while its worker answers: no forward pass of a served model takes an hour
 
@@ -169,7 +169,7 @@ class TargetClient(_Client):
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
     async def verify(self, call: Call, params: SamplingParams) -> VerifyResult:
-        return _verify_result(await self._invoke(self.stub.Verify, _verify_request(call, params)))
+        return verify_from_proto(await self._invoke(self.stub.Verify, _verify_request(call, params)))
 
     async def decode(self, call: Call, params: SamplingParams, steps: int,
                      ends: frozenset[int]) -> AsyncIterator[VerifyResult]:  # fmt: skip
@@ -182,7 +182,7 @@ class TargetClient(_Client):
         try:
             while (response := await self._answered(stream.read())) is not grpc.aio.EOF:
                 self.wire_bytes += response.ByteSize()
-                yield _verify_result(response)
+                yield verify_from_proto(response)
         finally:
             stream.cancel()  # a no-op once the stream ended
 
@@ -202,20 +202,4 @@ def _verify_request(call: Call, params: SamplingParams) -> pb.VerifyRequest:
         prompt_logprobs=call.prompt_logprobs,
         prefix_at_most=call.prefix_at_most,
         expected_len=call.expected_len,
-    )
-
-
-def _verify_result(response: pb.VerifyResponse) -> VerifyResult:
-    return VerifyResult(
-        accepted=response.accepted,
-        next_token=response.next_token,
-        batch_seconds=response.batch_seconds,
-        batch_rows=response.batch_rows,
-        batch_tokens=response.batch_tokens,
-        queued_seconds=response.queued_seconds,
-        batch_forward_seconds=response.batch_forward_seconds,
-        features=response.features,
-        path=list(response.path),
-        logprobs=list(from_proto(response.logprobs)) if response.HasField("logprobs") else None,
-        prompt_logprobs=from_proto(response.prompt_logprobs) if response.HasField("prompt_logprobs") else None,
     )

@@ -31,8 +31,9 @@ from specserve.workers.service.draft_worker import DraftWorker, ProposeCall
 from specserve.workers.service.results import VerifyResult
 from specserve.workers.service.sampling_wire import sampling_from_proto
 from specserve.workers.service.target_worker import TargetWorker, VerifyCall
+from specserve.workers.service.verify_wire import verify_to_proto
 from specserve.workers.speculation.codec import decode_probs
-from specserve.workers.speculation.logprobs import MAX_LOGPROBS, to_proto
+from specserve.workers.speculation.logprobs import MAX_LOGPROBS
 from specserve.workers.speculation.wire_format import decode_features
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
         prefill = not call.drafted and len(call.new_tokens) > 1  # a prompt or its chunk: a decoding round feeds one
         result = await self._batched(context, call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1,
                                      prefill)  # fmt: skip
-        return _verify_response(call, result)
+        return verify_to_proto(result, _bonus(call, result))
 
     async def Decode(self, request, context):
         """Plain steps back to back: each next step is queued for the batch after this one before this step's reply
@@ -218,7 +219,7 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
             for n in range(request.steps):
                 result = await step
                 last = n + 1 == request.steps or result.next_token in ends
-                reply = _verify_response(call, result)
+                reply = verify_to_proto(result, _bonus(call, result))
                 if not last:
                     call = _next_step(call, result.next_token)
                     step = asyncio.ensure_future(self._batched(context, call.request_id, call, 2))
@@ -257,23 +258,6 @@ def _next_step(call: VerifyCall, token: int) -> VerifyCall:
     """A decoding step's next one: it feeds the token the step sampled (the prompt's one-off fields dropped)."""
     return dataclasses.replace(call, committed_len=call.committed_len + 1, new_tokens=[token], prompt_logprobs=None,
                                prefix_at_most=None, expected_len=None)  # fmt: skip
-
-
-def _verify_response(call: VerifyCall, result: VerifyResult) -> pb.VerifyResponse:
-    return pb.VerifyResponse(
-        accepted=result.accepted,
-        next_token=result.next_token,
-        bonus=_bonus(call, result),
-        batch_seconds=result.batch_seconds,
-        batch_rows=result.batch_rows,
-        batch_tokens=result.batch_tokens,
-        queued_seconds=result.queued_seconds,
-        batch_forward_seconds=result.batch_forward_seconds,
-        features=result.features,
-        path=result.path or [],
-        logprobs=to_proto(result.logprobs) if result.logprobs is not None else None,
-        prompt_logprobs=to_proto(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
-    )
 
 
 def _prompt_logprobs(request: pb.VerifyRequest) -> int | None:

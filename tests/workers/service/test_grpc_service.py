@@ -12,16 +12,8 @@ import torch
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.config.settings import ModelConfig
-from specserve.workers.runtime.loading import load_model
 from specserve.workers.service.assembly import WorkerSpec, build_worker, start_worker_server
 from tests.helpers.workers import LocalWorkers
-
-
-@pytest.fixture(scope="module")
-def models(tiny_target, tiny_draft, device):
-    return load_model(ModelConfig(path=tiny_target, device=device)), load_model(
-        ModelConfig(path=tiny_draft, device=device)
-    )
 
 
 def call_draft(models, message):

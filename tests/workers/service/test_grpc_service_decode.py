@@ -9,18 +9,9 @@ import pytest
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from specserve.workers.config.settings import ModelConfig
-from specserve.workers.runtime.loading import load_model
 from tests.helpers.workers import LocalWorkers
 
 PROMPT = [5, 6, 7, 8, 9]
-
-
-@pytest.fixture(scope="module")
-def models(tiny_target, tiny_draft, device):
-    return load_model(ModelConfig(path=tiny_target, device=device)), load_model(
-        ModelConfig(path=tiny_draft, device=device)
-    )
 
 
 def on_target(models, body):
