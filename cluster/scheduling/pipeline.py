@@ -135,7 +135,7 @@ class Pipeline:
                 clock = RoundClock()
                 plan = self.scheduler.plan_round(req)
                 clock.planned(plan.k, plan.expected, plan.forecast_s)
-                if (steps := self.scheduler.plain_steps(req)) > 1:
+                if (steps := self.scheduler.plain_steps(req, plan)) > 1:
                     async with contextlib.aclosing(self.plain.rounds(req, plan, steps, clock)) as decoded:
                         async for committed, clock in decoded:
                             sent = time.perf_counter()

@@ -1,7 +1,11 @@
-"""Plain rounds of a request that never drafts, run by its target worker back to back in one streaming call
-(`TargetClient.decode`, vLLM V0's num_scheduler_steps): the worker queues each next step before it writes a step's
-reply, so the reply's trip to the scheduler and the scheduler's bookkeeping overlap the next forward instead of
-sitting between forwards. Each step's reply is applied as a round of its own, exactly as a one-step call's would be.
+"""Plain rounds run by a request's target worker back to back in one streaming call (`TargetClient.decode`, vLLM
+V0's num_scheduler_steps): a request that never drafts, or a head's trees backed off for plain rounds
+(`Scheduler.plain_steps`). The worker queues each next step before it writes a step's reply, so the reply's trip to
+the scheduler and the scheduler's bookkeeping overlap the next forward instead of sitting between forwards. Each
+step's reply is applied as a round of its own, exactly as a one-step call's would be, and each next round is planned
+as ever: where it drafts (a lookup's continuation matched, the backoff ended), the stream ends there and that round
+runs as its own calls. A step the worker ran past the stream's end is overwritten by the next call (its
+committed_len says where the request stands).
 """
 
 from __future__ import annotations
@@ -60,4 +64,6 @@ class PlainSteps:
                     return
                 clock = RoundClock()
                 plan = self.scheduler.plan_round(req)
+                if plan.k or plan.drafted:  # a lookup's round, or the head's tree again: the caller plans it anew
+                    return
                 clock.planned(plan.k, plan.expected, plan.forecast_s)

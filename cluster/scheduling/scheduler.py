@@ -68,7 +68,7 @@ class Scheduler(WorkerPlacement):
         """Workers may also join later (`add_worker`). head_prior: the EAGLE-3 head's measured acceptance by position,
         where planning starts; max_k: the most k='auto' drafts a round (None: the planner's caps); ngram: lookup's;
         prefill_chunk: a longer prompt prefills in calls of this many tokens (None: one call); decode_steps: the most
-        plain steps a target worker runs in one call for a request that never drafts (`plain_steps`)."""
+        plain steps a target worker runs in one call (`plain_steps`)."""
         self.decode_steps = decode_steps
         self.chunks = ChunkPacer(prefill_chunk)  # a long prompt's chunk sizes, by what they cost beside others
         self.head_acceptance = model_head_acceptance(head_prior)  # every request's, where new ones start
@@ -134,13 +134,19 @@ class Scheduler(WorkerPlacement):
             req.round = self._plan_chain(req)
         return req.round  # "none": the plain row it was given
 
-    def plain_steps(self, req: SchedRequest) -> int:
-        """Plain rounds the request runs from here whatever they commit, for one call that runs them back to back
-        (TargetClient.decode): a decoding request that never drafts (speculation off), to its length limit, at most
-        `decode_steps`; 1 for every other (its rounds are planned one by one)."""
-        if req.method.drafts or not req.state.generated or req.prompt_logprobs is not None:
+    def plain_steps(self, req: SchedRequest, plan: RoundPlan) -> int:
+        """Plain rounds the request runs from here whatever they commit, at most `decode_steps` and to its length
+        limit, for one call that runs them back to back (TargetClient.decode): a decoding request that never drafts
+        (speculation off), or a head's trees backed off for plain rounds (TreePruning: the rounds they still have);
+        1 for every other round (planned one by one)."""
+        if plan.k or plan.drafted or not req.state.generated or req.prompt_logprobs is not None:
             return 1
-        return max(1, min(self.decode_steps, req.state.remaining))
+        ahead = req.state.remaining
+        if req.method.drafts:
+            if not req.method.tree or req.pruning is None:
+                return 1
+            ahead = 1 + req.pruning.plain_rounds
+        return max(1, min(self.decode_steps, ahead, req.state.remaining))
 
     def _plan_chain(self, req: SchedRequest) -> RoundPlan:
         """This round's chain: a fixed k's, or for 'auto' the goodput planner's for the request's target worker."""

@@ -288,7 +288,7 @@ def test_cli_spec_bench_with_load_feeds_the_first_turns_to_the_load_bench(chat_t
 
     seen = {}
 
-    def load_rows(target, draft, prompts, cfg, device, dtype, then=None, enforce_eager=False):  # not started here
+    def load_rows(target, draft, prompts, cfg, device, dtype, then=None, fields=None):  # not started here
         seen.update(target=target, prompts=prompts, cfg=cfg)
         return [], "ngram", None
 

@@ -10,7 +10,9 @@ from specserve.cluster.scheduling.scheduler import NoTargetWorker, Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.planner.acceptance import PositionAcceptance
-from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts
+from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
+from specserve.workers.speculation.planner.tree import TreePruning
 from tests.helpers.cost_surfaces import cpu_surface
 
 PARAMS, SPEC = SamplingParams(max_new_tokens=8), SpecParams(method="draft", k=2)
@@ -185,20 +187,31 @@ def test_a_rounds_prediction_is_its_plans_k_expected_acceptance_and_forecast():
     assert s.plan_round(fixed).k == 3 and fixed.round.forecast_s == 0.0 and fixed.round.rate == 0.0
 
 
-def test_only_a_decoding_request_that_never_drafts_runs_several_plain_steps_a_call():
+def test_only_plain_rounds_known_ahead_run_several_steps_a_call():
+    """Speculation off (every round plain), and a head's trees backed off (TreePruning.plain_rounds); never a prompt's
+    round, a drafting round, one that asks for the prompt's logprobs, or a head not backed off."""
     s = Scheduler(["d1"], ["t1"], decode_steps=6)
     plain = s.add([1, 2], SamplingParams(max_new_tokens=10), SpecParams(method="none"), frozenset())
-    assert s.plain_steps(plain) == 1  # its prompt's round: one call (its chunks, its first token)
+    assert s.plain_steps(plain, s.plan_round(plain)) == 1  # its prompt's round: one call (chunks, its first token)
     plain.state.commit_round([], 0, 5)
-    assert s.plain_steps(plain) == 6
+    assert s.plain_steps(plain, s.plan_round(plain)) == 6
     plain.state.commit_round([], 0, 6)
     for token in range(7, 12):
         plain.state.commit_round([], 0, token)
-    assert plain.state.remaining == 3 and s.plain_steps(plain) == 3  # no step past max_new_tokens
+    assert plain.state.remaining == 3 and s.plain_steps(plain, PLAIN) == 3  # no step past max_new_tokens
     drafting = s.add([1, 2], SamplingParams(max_new_tokens=10), SPEC, frozenset())
     drafting.state.commit_round([], 0, 5)
-    assert s.plain_steps(drafting) == 1
+    assert s.plain_steps(drafting, s.plan_round(drafting)) == 1
     scored = s.add([1, 2], SamplingParams(max_new_tokens=10, prompt_logprobs=1), SpecParams(method="none"), frozenset())
     scored.state.commit_round([], 0, 5)
-    assert s.plain_steps(scored) == 1
-    assert Scheduler([], ["t1"]).plain_steps(plain) == 1  # the default: a call a step
+    assert s.plain_steps(scored, PLAIN) == 1
+    assert Scheduler([], ["t1"]).plain_steps(plain, PLAIN) == 1  # the default: a call a step
+    tree = s.add([1, 2], SamplingParams(max_new_tokens=40), SpecParams(method="eagle-tree", k="auto"), frozenset())
+    tree.state.commit_round([], 0, 5)
+    tree.pruning = TreePruning(VerifyCosts((0.01,) * 17))
+    assert s.plain_steps(tree, PLAIN) == 1  # not backed off: its next round may draft
+    tree.pruning.plain_rounds = 3
+    assert s.plain_steps(tree, PLAIN) == 4  # this round and the three the backoff holds
+    assert s.plain_steps(tree, RoundPlan(nodes=8)) == 1
+    tree.pruning.plain_rounds = 500
+    assert s.plain_steps(tree, PLAIN) == 6

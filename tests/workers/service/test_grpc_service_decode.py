@@ -93,3 +93,22 @@ def test_a_bad_decode_gets_a_status_code_naming_its_field(models, steps, first, 
     error = on_target(models, body)
     assert error is not None and error.code() == status, error
     assert text in error.details()
+
+
+def test_a_request_goes_on_with_a_drafted_round_after_its_stream_is_closed_early(models):
+    """The scheduler ends a stream where its next round drafts (a lookup matched): the step the worker had queued
+    may have run, and the next call (committed_len, the last token, the drafts) says where the request stands."""
+
+    async def body(stub):
+        unary = await unary_steps(stub, "unary", 8)
+        stream = stub.Decode(decode_request("closed", 8), timeout=30)
+        taken = [(await stream.read()).next_token for _ in range(3)]
+        stream.cancel()
+        await asyncio.sleep(0.2)  # the step queued when it closed: run or dropped
+        call = pb.VerifyRequest(request_id="closed", committed_len=len(PROMPT) + 3, new_tokens=[taken[-1]],
+                                drafted=unary[3:6])  # fmt: skip
+        return unary, taken, await stub.Verify(call, timeout=10)
+
+    unary, taken, verified = on_target(models, body)
+    assert taken == unary[:3]
+    assert verified.accepted == 3 and verified.bonus and verified.next_token == unary[6]
