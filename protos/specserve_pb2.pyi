@@ -131,6 +131,32 @@ class ReleaseResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class ProposeStreamRequest(_message.Message):
+    __slots__ = ("call_id", "request")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    request: ProposeRequest
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
+
+class ProposeStreamResponse(_message.Message):
+    __slots__ = ("call_id", "response", "status")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: ProposeResponse
+    status: CallStatus
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "committed_len", "new_tokens", "drafted", "draft_probs", "sampling", "want_features", "parents", "prompt_len", "end_token_ids", "prompt_logprobs", "prefix_at_most", "expected_len")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +264,24 @@ class DecodeRequest(_message.Message):
     steps: int
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, first: _Optional[_Union[VerifyRequest, _Mapping]] = ..., steps: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyStreamRequest(_message.Message):
+    __slots__ = ("call_id", "request")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    request: VerifyRequest
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class VerifyStreamResponse(_message.Message):
+    __slots__ = ("call_id", "response", "status")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: VerifyResponse
+    status: CallStatus
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("method", "k")

@@ -39,6 +39,11 @@ class DraftWorkerStub:
                 request_serializer=specserve_dot_protos_dot_specserve__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specserve_dot_protos_dot_specserve__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.Proposes = channel.stream_stream(
+                '/specserve.v1.DraftWorker/Proposes',
+                request_serializer=specserve_dot_protos_dot_specserve__pb2.ProposeStreamRequest.SerializeToString,
+                response_deserializer=specserve_dot_protos_dot_specserve__pb2.ProposeStreamResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.DraftWorker/Release',
                 request_serializer=specserve_dot_protos_dot_specserve__pb2.ReleaseRequest.SerializeToString,
@@ -56,6 +61,13 @@ class DraftWorkerServicer:
 
     def Propose(self, request, context):
         """Propose up to k tokens continuing the committed sequence. NOT_FOUND: the worker lost the request's cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Proposes(self, request_iterator, context):
+        """Propose calls multiplexed on one stream (CallStatus).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,6 +94,11 @@ def add_DraftWorkerServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specserve_dot_protos_dot_specserve__pb2.ProposeRequest.FromString,
                     response_serializer=specserve_dot_protos_dot_specserve__pb2.ProposeResponse.SerializeToString,
+            ),
+            'Proposes': grpc.stream_stream_rpc_method_handler(
+                    servicer.Proposes,
+                    request_deserializer=specserve_dot_protos_dot_specserve__pb2.ProposeStreamRequest.FromString,
+                    response_serializer=specserve_dot_protos_dot_specserve__pb2.ProposeStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -121,6 +138,33 @@ class DraftWorker:
             '/specserve.v1.DraftWorker/Propose',
             specserve_dot_protos_dot_specserve__pb2.ProposeRequest.SerializeToString,
             specserve_dot_protos_dot_specserve__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Proposes(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specserve.v1.DraftWorker/Proposes',
+            specserve_dot_protos_dot_specserve__pb2.ProposeStreamRequest.SerializeToString,
+            specserve_dot_protos_dot_specserve__pb2.ProposeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -200,6 +244,11 @@ class TargetWorkerStub:
                 request_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Verifies = channel.stream_stream(
+                '/specserve.v1.TargetWorker/Verifies',
+                request_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyStreamRequest.SerializeToString,
+                response_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyStreamResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/specserve.v1.TargetWorker/Decode',
                 request_serializer=specserve_dot_protos_dot_specserve__pb2.DecodeRequest.SerializeToString,
@@ -222,6 +271,13 @@ class TargetWorkerServicer:
 
     def Verify(self, request, context):
         """Verify drafted tokens for a request. NOT_FOUND: the worker lost the request's cache (re-send the prefix).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verifies(self, request_iterator, context):
+        """Verify calls multiplexed on one stream (CallStatus).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -255,6 +311,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyRequest.FromString,
                     response_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Verifies': grpc.stream_stream_rpc_method_handler(
+                    servicer.Verifies,
+                    request_deserializer=specserve_dot_protos_dot_specserve__pb2.VerifyStreamRequest.FromString,
+                    response_serializer=specserve_dot_protos_dot_specserve__pb2.VerifyStreamResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -299,6 +360,33 @@ class TargetWorker:
             '/specserve.v1.TargetWorker/Verify',
             specserve_dot_protos_dot_specserve__pb2.VerifyRequest.SerializeToString,
             specserve_dot_protos_dot_specserve__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verifies(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specserve.v1.TargetWorker/Verifies',
+            specserve_dot_protos_dot_specserve__pb2.VerifyStreamRequest.SerializeToString,
+            specserve_dot_protos_dot_specserve__pb2.VerifyStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

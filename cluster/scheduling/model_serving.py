@@ -167,8 +167,10 @@ class ModelServing:
         model.addresses.pop(worker_id)
         model.kv_capacity.pop(worker_id, None)
         model.scheduler.remove_worker(worker_id)
-        model.pipeline.drafts.pop(worker_id, None)
-        model.pipeline.targets.pop(worker_id, None)
+        for client in (model.pipeline.drafts.pop(worker_id, None), model.pipeline.targets.pop(worker_id, None)):
+            if client is not None:
+                with contextlib.suppress(RuntimeError):  # no event loop: nothing of the client's is open
+                    asyncio.ensure_future(client.close())  # its call stream's reader, its channel
         log.info("model %r: worker %s detached (it left the registry)", model.config.name, worker_id)
 
     async def wait_ready(self, model: str, timeout_s: float | None = None, costs: bool = False) -> None:

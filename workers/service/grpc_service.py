@@ -111,12 +111,53 @@ class _Servicer:
         except Exception as e:  # noqa: BLE001 - mapped to a status code below
             await self._abort(context, e)
 
-    async def _abort(self, context: grpc.aio.ServicerContext, error: Exception):
+    def _status(self, error: Exception) -> grpc.StatusCode:
+        """The status code a call's error maps to; anything unexpected is a fault: logged, UNKNOWN."""
         for kind, code in _STATUS_CODES:
             if isinstance(error, kind):
-                await context.abort(code, str(error))
+                return code
         log.error("%s (%s) failed", type(self).__name__, self.worker.model_name, exc_info=error)
-        raise error
+        return grpc.StatusCode.UNKNOWN
+
+    async def _abort(self, context: grpc.aio.ServicerContext, error: Exception):
+        code = self._status(error)
+        if code is grpc.StatusCode.UNKNOWN:
+            raise error
+        await context.abort(code, str(error))
+
+    async def _unary(self, context: grpc.aio.ServicerContext, handle, request):
+        try:
+            return await handle(request)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code
+            await self._abort(context, e)
+
+    async def _multiplexed(self, requests, context: grpc.aio.ServicerContext, handle, reply_type) -> None:
+        """Serve the calls of one stream (pb.CallStatus): each call its own task, as a unary call's handler would be,
+        so the calls of several requests batch together; each reply written as its call finishes, one write at a
+        time. The client's closing its side ends the stream once every call it made is answered; its going away
+        cancels the calls still running."""
+        writing = asyncio.Lock()
+        calls: set[asyncio.Task] = set()
+
+        async def one(envelope) -> None:
+            try:
+                reply = reply_type(call_id=envelope.call_id, response=await handle(envelope.request))
+            except Exception as e:  # noqa: BLE001 - the call's own status; the stream goes on
+                code = self._status(e)
+                reply = reply_type(call_id=envelope.call_id, status=pb.CallStatus(code=code.value[0], details=str(e)))
+            async with writing:
+                await context.write(reply)
+
+        try:
+            async for envelope in requests:
+                call = asyncio.ensure_future(one(envelope))
+                calls.add(call)
+                call.add_done_callback(calls.discard)
+            if calls:
+                await asyncio.gather(*calls)
+        finally:
+            for call in calls:
+                call.cancel()
 
     def _timed(self, fn, *args):
         start = time.perf_counter()
@@ -159,23 +200,26 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
         return self.worker.propose_batch(calls)
 
     async def Propose(self, request, context):
-        try:
-            _check_request_id(request.request_id)
-            if not 0 <= request.k <= MAX_K:  # 0: the tokens (and features) cached, nothing drafted
-                raise InvalidRequestError("k", f"must be in 0..{MAX_K}, got {request.k}")
-            call = ProposeCall(
-                request.request_id,
-                request.committed_len,
-                list(request.new_tokens),
-                request.k,
-                _with_history(self.sampling.get(request.request_id, request.sampling), request, self.worker.vocab_size),
-                decode_features(request.features, self.worker.feature_size),
-                request.tree,
-            )
-        except ValueError as e:
-            await self._abort(context, e)
+        return await self._unary(context, self._propose, request)
+
+    async def Proposes(self, requests, context):
+        await self._multiplexed(requests, context, self._propose, pb.ProposeStreamResponse)
+
+    async def _propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
+        _check_request_id(request.request_id)
+        if not 0 <= request.k <= MAX_K:  # 0: the tokens (and features) cached, nothing drafted
+            raise InvalidRequestError("k", f"must be in 0..{MAX_K}, got {request.k}")
+        call = ProposeCall(
+            request.request_id,
+            request.committed_len,
+            list(request.new_tokens),
+            request.k,
+            _with_history(self.sampling.get(request.request_id, request.sampling), request, self.worker.vocab_size),
+            decode_features(request.features, self.worker.feature_size),
+            request.tree,
+        )
         cost = len(call.new_tokens) + call.k + (call.features.rows if call.features is not None else 0)
-        proposed = await self._batched(context, call.request_id, call, cost, prefill=call.k == 0)  # a prompt's chunk
+        proposed = await self.batcher.submit(call.request_id, call, cost, prefill=call.k == 0)  # k 0: a prompt's chunk
         return pb.ProposeResponse(
             drafted=proposed.drafted,
             draft_probs=proposed.draft_probs,
@@ -192,13 +236,16 @@ class TargetWorkerServicer(_Servicer, pb_grpc.TargetWorkerServicer):
         return self.worker.verify_batch(calls)
 
     async def Verify(self, request, context):
-        try:
-            call = self._verify_call(request)
-        except ValueError as e:
-            await self._abort(context, e)
+        return await self._unary(context, self._verify, request)
+
+    async def Verifies(self, requests, context):
+        await self._multiplexed(requests, context, self._verify, pb.VerifyStreamResponse)
+
+    async def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        call = self._verify_call(request)
         prefill = not call.drafted and len(call.new_tokens) > 1  # a prompt or its chunk: a decoding round feeds one
-        result = await self._batched(context, call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1,
-                                     prefill)  # fmt: skip
+        result = await self.batcher.submit(call.request_id, call, len(call.new_tokens) + len(call.drafted) + 1,
+                                           prefill)  # fmt: skip
         return verify_to_proto(result, _bonus(call, result))
 
     async def Decode(self, request, context):
