@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
 
 import grpc
@@ -30,19 +31,25 @@ class CallStream:
         self._envelope = envelope
         self._ids = itertools.count(1)
         self._current: _Stream | None = None
+        self._carriers: weakref.WeakKeyDictionary[asyncio.Future, _Stream] = weakref.WeakKeyDictionary()
 
     def call(self, request) -> asyncio.Future:
         """The future of the call's response (a protobuf message), which fails with the grpc.aio.AioRpcError a unary
         call would raise. Cancelling it leaves the stream open: the reply, when it comes, is dropped."""
         if self._current is None or self._current.ended:
             self._current = _Stream(self._open())
-        return self._current.call(self._envelope, next(self._ids), request)
+        reply = self._current.call(self._envelope, next(self._ids), request)
+        self._carriers[reply] = self._current
+        return reply
 
-    async def close(self) -> None:
-        """Cancel the stream: the calls it carries fail (UNAVAILABLE)."""
-        if self._current is not None:
-            await self._current.close()
-            self._current = None
+    async def close(self, carrying: asyncio.Future | None = None) -> None:
+        """Cancel the stream (with `carrying`, a call's future: only the stream that carried it, if still open, so
+        that a stream another caller opened since is left alone): the calls it carries fail (UNAVAILABLE)."""
+        stream = self._current if carrying is None else self._carriers.get(carrying)
+        if stream is not None:
+            if stream is self._current:
+                self._current = None
+            await stream.close()
 
 
 class _Stream:
@@ -111,6 +118,11 @@ class _Stream:
     async def close(self) -> None:
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
+        # A reader cancelled before it first ran never reaches its `finally`: its calls are failed here.
+        self.ended = True
+        self.stream.cancel()
+        for reply in list(self.pending.values()):
+            self._fail(reply, _unavailable("the call stream was closed"))
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

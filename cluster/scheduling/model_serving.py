@@ -105,6 +105,7 @@ class ModelServing:
         self.metrics = metrics
         self.secret: str | None = None  # the workers' shared secret, sent with every worker call
         self.admission = Admission(app.scheduler.max_active_requests, app.scheduler.max_queued_requests)
+        self.closing: set[asyncio.Future] = set()  # detached workers' clients closing (the loop holds tasks weakly)
         self.models = {
             m.name: ServedModel.load(m, resolved_paths[m.name][0], app.scheduler.worker_wait_s) for m in app.models
         }
@@ -170,7 +171,8 @@ class ModelServing:
         for client in (model.pipeline.drafts.pop(worker_id, None), model.pipeline.targets.pop(worker_id, None)):
             if client is not None:
                 with contextlib.suppress(RuntimeError):  # no event loop: nothing of the client's is open
-                    asyncio.ensure_future(client.close())  # its call stream's reader, its channel
+                    self.closing.add(closed := asyncio.ensure_future(client.close()))  # its stream's reader, channel
+                    closed.add_done_callback(self.closing.discard)
         log.info("model %r: worker %s detached (it left the registry)", model.config.name, worker_id)
 
     async def wait_ready(self, model: str, timeout_s: float | None = None, costs: bool = False) -> None:

@@ -76,13 +76,14 @@ class _Client:
 
     async def _round_call(self, stream: CallStream, method, message):
         """A round's call: on the worker's call stream, bounded by `max_call_s` as a unary call's deadline would; a
-        worker found down closes the stream, failing the calls it carried at once."""
+        worker found down closes the stream that carried it, failing the calls on it at once."""
         if not self.multiplexed:
             return await self._invoke(method, message)
+        reply = stream.call(message)
         try:
-            response = await self._answered(stream.call(message), bound_s=self.max_call_s)
+            response = await self._answered(reply, bound_s=self.max_call_s)
         except WorkerUnavailable:
-            await stream.close()
+            await stream.close(carrying=reply)
             raise
         self.wire_bytes += message.ByteSize() + response.ByteSize()
         return response

@@ -6,10 +6,17 @@ are tests/cluster/scheduling/test_pipeline.py's."""
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from specserve.cluster.scheduling.calls import Call
-from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient, WorkerLostRequest, WorkerUnavailable
+from specserve.cluster.scheduling.worker_clients import (
+    DraftClient,
+    TargetClient,
+    WorkerLostRequest,
+    WorkerUnavailable,
+    _verify_request,
+)
 from specserve.workers.config.request import SamplingParams
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.service.assembly import start_worker_server
@@ -149,6 +156,46 @@ def test_calls_in_flight_fail_when_the_worker_goes_away_and_the_next_call_opens_
     failed, after, streams = asyncio.run(main())
     assert all(isinstance(e, WorkerUnavailable) for e in failed), failed
     assert after.accepted == 0 and streams == 2
+
+
+def test_closing_a_calls_stream_leaves_a_stream_opened_since(models):
+    """A caller that finds the worker down closes the stream that carried its call: if another caller has opened a
+    new stream meanwhile (the old one had ended), that one and its calls go on."""
+
+    async def main():
+        w = LocalWorkers(models[0], [models[1]])
+        opened = _streams_opened(w.servicers["target-0"], "Verifies")
+        _slow_batches(w.targets["target-0"], "verify_batch", 0.2)
+        async with w:
+            client = TargetClient(w.target_addresses["target-0"])
+            old = client.calls.call(_verify_request(_prefill("old", PROMPTS[0]), GREEDY))
+            await asyncio.sleep(0.05)
+            await client.calls.close()  # the old stream ends under its call
+            new = client.calls.call(_verify_request(_prefill("new", PROMPTS[1]), GREEDY))
+            await client.calls.close(carrying=old)  # the old call's caller, late: its stream is gone already
+            failed, answered = await asyncio.gather(old, new, return_exceptions=True)
+            await client.close()
+            return failed, answered, len(opened)
+
+    failed, answered, streams = asyncio.run(main())
+    assert isinstance(failed, Exception) and answered.next_token >= 0 and streams == 2
+
+
+def test_a_stream_closed_as_soon_as_opened_fails_its_calls(models):
+    """Closed before its reader first ran, a stream still fails the calls it carries: none is left waiting."""
+
+    async def main():
+        w = LocalWorkers(models[0], [models[1]])
+        async with w:
+            client = TargetClient(w.target_addresses["target-0"])
+            reply = client.calls.call(_verify_request(_prefill("r", PROMPTS[0]), GREEDY))
+            await client.calls.close()
+            outcome = await asyncio.wait_for(asyncio.gather(reply, return_exceptions=True), 5.0)
+            await client.close()
+            return outcome[0]
+
+    failed = asyncio.run(main())
+    assert isinstance(failed, grpc.aio.AioRpcError) and failed.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_call_is_bounded_by_max_call_s_while_its_worker_answers(models):
