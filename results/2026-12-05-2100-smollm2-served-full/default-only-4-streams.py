@@ -1,8 +1,12 @@
 """Served load, 4 streams, default vs off only (no fixed-k segments interleaved): 8 pairs of 7.5 s."""
-import json, sys
+
+import json
+import sys
 from dataclasses import asdict
+
 from transformers import AutoTokenizer
-from specserve.cluster.bench.concurrency import LoadConfig, load_rows, format_levels, levels_json
+
+from specserve.cluster.bench.concurrency import LoadConfig, format_levels, levels_json, load_rows
 from specserve.cluster.bench.rows import HELD_OUT_QUESTIONS, question_prompt_ids
 from specserve.cluster.bench.runner import TARGET_FULL
 from specserve.workers.models.catalog import resolve_model

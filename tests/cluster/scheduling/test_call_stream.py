@@ -4,6 +4,7 @@ stops waiting, a worker that goes away and comes back, the call bound, the secre
 are tests/cluster/scheduling/test_pipeline.py's."""
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -52,6 +53,17 @@ def _slow_batches(worker, method: str, seconds: float) -> None:
         return run(calls)
 
     setattr(worker, method, slow)
+
+
+@contextlib.asynccontextmanager
+async def _slow_target(models, seconds: float = 0.2):
+    """(a client of the target, the call streams opened on it so far, the workers): local workers whose target
+    verifies each batch `seconds` slower."""
+    w = LocalWorkers(models[0], [models[1]])
+    opened = _streams_opened(w.servicers["target-0"], "Verifies")
+    _slow_batches(w.targets["target-0"], "verify_batch", seconds)
+    async with w:
+        yield TargetClient(w.target_addresses["target-0"]), opened, w
 
 
 def _prefill(request_id: str, prompt: list[int]) -> Call:
@@ -113,11 +125,7 @@ def test_a_caller_that_stops_waiting_leaves_the_other_calls_and_the_stream(model
     stream stays open, and the dropped call still ran at the worker (what its scheduler told the worker holds)."""
 
     async def main():
-        w = LocalWorkers(models[0], [models[1]])
-        opened = _streams_opened(w.servicers["target-0"], "Verifies")
-        _slow_batches(w.targets["target-0"], "verify_batch", 0.2)
-        async with w:
-            client = TargetClient(w.target_addresses["target-0"])
+        async with _slow_target(models) as (client, opened, w):
             dropped = asyncio.ensure_future(client.verify(_prefill("gone", PROMPTS[0]), GREEDY))
             kept = asyncio.ensure_future(client.verify(_prefill("kept", PROMPTS[1]), GREEDY))
             await asyncio.sleep(0.05)
@@ -163,11 +171,7 @@ def test_closing_a_calls_stream_leaves_a_stream_opened_since(models):
     new stream meanwhile (the old one had ended), that one and its calls go on."""
 
     async def main():
-        w = LocalWorkers(models[0], [models[1]])
-        opened = _streams_opened(w.servicers["target-0"], "Verifies")
-        _slow_batches(w.targets["target-0"], "verify_batch", 0.2)
-        async with w:
-            client = TargetClient(w.target_addresses["target-0"])
+        async with _slow_target(models) as (client, opened, _):
             old = client.calls.call(_verify_request(_prefill("old", PROMPTS[0]), GREEDY))
             await asyncio.sleep(0.05)
             await client.calls.close()  # the old stream ends under its call
