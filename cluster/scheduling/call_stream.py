@@ -105,10 +105,14 @@ class _Stream:
             log.error("a worker's call stream failed", exc_info=e)
             error = _unavailable(f"the call stream failed: {e!r}")
         finally:
-            self.ended = True
-            self.stream.cancel()
-            for reply in list(self.pending.values()):
-                self._fail(reply, error or _unavailable("the worker ended the call stream"))
+            self._end(error or _unavailable("the worker ended the call stream"))
+
+    def _end(self, error: BaseException) -> None:
+        """The stream is over: cancelled, and every call still on it failed with `error`."""
+        self.ended = True
+        self.stream.cancel()
+        for reply in list(self.pending.values()):
+            self._fail(reply, error)
 
     @staticmethod
     def _fail(reply: asyncio.Future, error: BaseException) -> None:
@@ -119,10 +123,7 @@ class _Stream:
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
         # A reader cancelled before it first ran never reaches its `finally`: its calls are failed here.
-        self.ended = True
-        self.stream.cancel()
-        for reply in list(self.pending.values()):
-            self._fail(reply, _unavailable("the call stream was closed"))
+        self._end(_unavailable("the call stream was closed"))
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
