@@ -247,3 +247,10 @@ def test_the_bursts_queue_time_percentiles_interpolate_within_the_servers_bucket
     assert histogram_quantile(0.1, cumulative) == pytest.approx(0.25)
     assert histogram_quantile(0.99, {"1.0": 1, "inf": 2}) == 1.0  # in the +inf bucket: its last finite bound
     assert histogram_quantile(0.5, {"1.0": 0, "inf": 0}) == 0.0
+    # what none can exceed caps the bucket it falls in: 9 of 10 in (300, 600], the burst lasted 378 s
+    wide = {"300.0": 1, "600.0": 10, "inf": 10}
+    assert histogram_quantile(0.99, wide) == pytest.approx(300 + 300 * 8.9 / 9)  # past the burst, uncapped
+    assert histogram_quantile(0.99, wide, upper=378.0) == pytest.approx(300 + 78 * 8.9 / 9)  # within the burst
+    assert histogram_quantile(0.5, wide, upper=378.0) == pytest.approx(300 + 78 * 4 / 9)
+    assert histogram_quantile(0.99, {"1.0": 1, "inf": 2}, upper=0.5) == 0.5
+    assert histogram_quantile(0.1, cumulative, upper=5.0) == pytest.approx(0.25)  # a cap past the bucket: unchanged
