@@ -386,13 +386,11 @@ def test_eagle_sampling_matches_target_distribution(sampling_target, device, met
         assert marginal_tv(outputs, joint, pos, V) <= 0.03
 
 
-@pytest.mark.parametrize("budget", [1, 4, 8, 16, "auto"])
+@pytest.mark.parametrize("budget", [1, 4, 8, 16])
 def test_greedy_eagle_trees_are_identical_to_target_only(target, budget):
     """Trees of 1 node (a chain of one), 2 candidates a level, 4 a level; the head's cache and the target's stay
     consistent round after round (accepted paths kept, the rest dropped)."""
-    # k='auto' weighs verify costs; measured ones may make no tree pay on a tiny model: flat ones make all of it pay
-    flat = VerifyCosts((1.0,) * (MAX_TREE_NODES + 1)) if budget == "auto" else None
-    engine = SpecEngine(target, eagle_head=random_head(target.model.config, 64, seed=2, std=0.3), tree_costs=flat)
+    engine = SpecEngine(target, eagle_head=random_head(target.model.config, 64, seed=2, std=0.3))
     accepted = drafted = 0
     for prompt in PROMPTS:
         ids = target.tokenizer(prompt)["input_ids"]
@@ -401,21 +399,42 @@ def test_greedy_eagle_trees_are_identical_to_target_only(target, budget):
                                                                                                k=budget))  # fmt: skip
         assert result.token_ids == expected, (prompt, budget)
         accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
-        assert result.stats.drafted <= (result.stats.rounds - 1) * (MAX_TREE_NODES if budget == "auto" else budget)
+        assert result.stats.drafted <= (result.stats.rounds - 1) * budget
     assert drafted > 0 and accepted > 0
     assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
-    if budget == "auto":  # every node paid: whole trees were verified
-        assert drafted > (MAX_TREE_NODES - 1) * len(PROMPTS)
 
 
-def test_a_head_slower_than_its_trees_save_backs_off_to_plain_steps(target, monkeypatch):
-    """k='auto' compares drafting a tree with not drafting one: a head whose drafting costs more than its nodes save
-    (20 ms a tree beside a 4 ms step, as an eager bf16 head beside a graphed target on the H200) runs plain steps with
-    rare probes; the same head beside a slow step (1 s) drafts every round. Both identical to target-only."""
+def test_greedy_auto_trees_of_a_trained_head_are_identical_to_target_only(trained):
+    """k='auto' weighs verify costs; measured ones may make no tree pay on a tiny model, flat ones make all of it
+    pay: whole trees verified round after round, some of their paths accepted (a head whose trees are accepted: one
+    whose are not backs off to plain steps)."""
+    loaded, head_dir = trained
+    engine = SpecEngine(loaded, eagle_head=head_dir, tree_costs=VerifyCosts((1.0,) * (MAX_TREE_NODES + 1)))
+    g = torch.Generator().manual_seed(11)
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_at_eos=False)
+    accepted = drafted = 0
+    prompts = [torch.randint(FIRST_TOKEN, 8, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(4)]  # fmt: skip
+    for prompt in prompts:
+        result = engine.generate(prompt, params, SpecParams(method="eagle-tree", k="auto"))
+        assert result.token_ids == own_greedy_loop(loaded.model, prompt, MAX_NEW, set())
+        accepted, drafted = accepted + result.stats.accepted, drafted + result.stats.drafted
+        assert result.stats.drafted <= (result.stats.rounds - 1) * MAX_TREE_NODES
+    assert accepted > 0 and drafted > (MAX_TREE_NODES - 1) * len(prompts)  # every node paid: whole trees verified
+    assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
+
+
+def test_a_head_slower_than_its_trees_save_backs_off_to_plain_steps(trained, target, monkeypatch):
+    """k='auto' compares drafting a tree with not drafting one, by the trees as verified: a trained head whose
+    drafting costs more than its nodes save (20 ms a tree beside a 4 ms step, as an eager bf16 head beside a graphed
+    target on the H200) runs plain steps with rare probes; the same head beside a slow step (1 s) drafts every round;
+    a random head, whose trees are never accepted, backs off beside the slow step too (its drafting buys nothing).
+    All identical to target-only."""
     import time
 
     from specserve.workers.speculation.eagle.drafter import EagleDrafter
 
+    loaded, head_dir = trained
     propose = EagleDrafter.propose_tree
     trees = []
 
@@ -426,21 +445,31 @@ def test_a_head_slower_than_its_trees_save_backs_off_to_plain_steps(target, monk
         return tree
 
     monkeypatch.setattr(EagleDrafter, "propose_tree", slow)
-    head = random_head(target.model.config, 64, seed=2, std=0.3)
-    drafted = {}
-    for step_s in (0.004, 1.0):
-        engine = SpecEngine(target, eagle_head=head, tree_costs=VerifyCosts((step_s,) * (MAX_TREE_NODES + 1)))
+    g = torch.Generator().manual_seed(5)
+    tiny = [torch.randint(FIRST_TOKEN, 8, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(4)]  # fmt: skip
+    byte = [target.tokenizer(prompt)["input_ids"] for prompt in PROMPTS]  # 259 tokens: a random head's guesses miss
+    random = random_head(target.model.config, 64, seed=2, std=0.3)
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_at_eos=False)
+    drafted, accepted = {}, {}
+    for name, model, head, prompts, step_s in (("trained", loaded, head_dir, tiny, 0.004),
+                                               ("trained", loaded, head_dir, tiny, 1.0),
+                                               ("random", target, random, byte, 1.0)):  # fmt: skip
+        engine = SpecEngine(model, eagle_head=head, tree_costs=VerifyCosts((step_s,) * (MAX_TREE_NODES + 1)))
         trees.clear()
-        rounds = 0
-        for prompt in PROMPTS:
-            ids = target.tokenizer(prompt)["input_ids"]
-            result = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW),
-                                     SpecParams(method="eagle-tree", k="auto"))  # fmt: skip
-            assert result.token_ids == own_greedy_loop(target.model, ids, MAX_NEW, target.eos_token_ids)
+        rounds = tree_accepted = 0
+        for prompt in prompts:
+            result = engine.generate(prompt, params, SpecParams(method="eagle-tree", k="auto"))
+            assert result.token_ids == own_greedy_loop(model.model, prompt, MAX_NEW, set())
             rounds += result.stats.rounds
-        drafted[step_s] = sum(trees) / rounds
-    assert drafted[1.0] > 0.8  # every round but the prompt's drafts a tree
-    assert drafted[0.004] < 0.25  # each request's first tree or two, then plain steps
+            tree_accepted += result.stats.accepted
+        drafted[name, step_s], accepted[name, step_s] = sum(trees) / rounds, tree_accepted
+    assert accepted["trained", 1.0] > MAX_NEW and accepted["random", 1.0] < 4  # what each head's trees are worth
+    assert drafted["trained", 1.0] > 0.8  # every round but the prompt's drafts a tree
+    assert drafted["trained", 0.004] < 0.25  # each request's first tree or two, then plain steps
+    # Trees accepting nothing, then plain steps between probes: a probe here loses ~20 ms of a 1 s round, so one
+    # plain round keeps its loss within PROBE_SHARE (before, this head drafted every round)
+    assert drafted["random", 1.0] < 0.6
 
 
 @pytest.mark.parametrize("k", [4, "auto"])

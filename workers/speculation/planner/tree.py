@@ -44,6 +44,29 @@ MAX_PLAIN_ROUNDS = 16  # the longest run of plain steps between trees that pay f
 PROBE_SHARE = 0.05
 MAX_LOSING_ROUNDS = 512
 
+# What the next tree commits is judged from the recent trees as verified, not from the one just drafted: a tree the
+# head is unsure of says little of the next (served, one stream, 2026-12-05: backing off after each tree judged by
+# its own expected nodes made a quarter of the rounds plain, 612 rounds for what 529 took without any backoff,
+# results/2026-12-05-2137-smollm2-tree-backoff). A decayed mean over about ten trees, a pruned-to-nothing one as 0.
+RECENT_DECAY = 0.9
+
+
+@dataclass
+class RecentTrees:
+    """A decayed mean of a request's drafted trees as verified: accepted nodes and verified nodes a tree (None
+    before the first)."""
+
+    accepted: float | None = None
+    width: float = 0.0
+    decay: float = RECENT_DECAY
+
+    def observe(self, accepted: int, width: int) -> None:
+        if self.accepted is None:
+            self.accepted, self.width = float(accepted), float(width)
+            return
+        self.accepted = self.decay * self.accepted + (1.0 - self.decay) * accepted
+        self.width = self.decay * self.width + (1.0 - self.decay) * width
+
 
 @dataclass
 class TreeCalibration:
@@ -130,6 +153,8 @@ class TreePruning:
     backoff: int = 0  # plain steps after the last tree that paid for no node (doubles while trees keep failing)
     costly: bool = True  # drafting a tree costs model work (a head's); prompt lookup's trees cost nothing
     by_size: tuple[float, ...] = ()  # the last drafted tree's expected accepted nodes by size (a TreeRow to others)
+    count: int = 0  # the nodes of the tree being verified
+    recent: RecentTrees = field(default_factory=RecentTrees)
 
     def wants_tree(self) -> bool:
         """Whether to draft a tree this round: not for a few rounds after trees that paid for no node (drafting one
@@ -152,26 +177,36 @@ class TreePruning:
         scores = sorted(tree.scores, reverse=True)
         self.by_size = tuple(expected_accepted_by_size(scores, self.calibration.factor))
         count = best_node_count(scores, self.verify, self.calibration.factor, others, fixed_s, beside)
-        self.predicted = sum(math.exp(s) for s in scores[:count])
+        self.predicted, self.count = sum(math.exp(s) for s in scores[:count]), count
         # Backing off saves a head's levels; a lookup tree costs nothing to draft, and the next match may pay. Nor
         # beside a prompt's chunk: its prefill ends soon, and the trees that lose to it now pay again then.
         costly = self.costly and beside is None
         losing = self._losing_rounds(count, others, fixed_s, plain_s) if costly else 0
         if losing:
-            self.backoff = min(MAX_LOSING_ROUNDS, max(losing, 2 * self.backoff))
+            # Judged by its own expected nodes (no tree verified yet), a probe that loses again doubles the backoff;
+            # judged by the recent trees, the loss itself sets it: near break-even probes come often, far from it
+            # rarely, and a memory of losses is not counted twice.
+            doubled = 2 * self.backoff if self.recent.accepted is None else 0
+            self.backoff = min(MAX_LOSING_ROUNDS, max(losing, doubled))
         else:
             self.backoff = 0 if count or not costly else min(MAX_PLAIN_ROUNDS, max(1, 2 * self.backoff))
         self.plain_rounds = self.backoff
+        if not count and self.costly:
+            self.recent.observe(0, 0)  # its drafting spent for no node
         return tree.best(count) if count else None
 
     def _losing_rounds(self, count: int, others: Sequence[TreeRow], fixed_s: float, plain_s: float | None) -> int:
         """0 when the batch's round with this tree's `count` nodes commits at least as much a second as with a plain
         step for it (`plain_s`: a plain round's seconds beyond its forward; None: no comparison); otherwise the plain
         rounds that keep a probe's loss (its seconds less what plain rounds take for its tokens) within PROBE_SHARE
-        of their time."""
+        of their time. A tree round is judged as the recent trees were verified (this tree's own expected nodes
+        before any was)."""
         if plain_s is None:
             return 0
-        tree_tokens, tree_s = _round(count, self.by_size, self.verify, others, fixed_s, None)
+        if self.recent.accepted is None:
+            tree_tokens, tree_s = _round(count, self.by_size, self.verify, others, fixed_s, None)
+        else:
+            tree_tokens, tree_s = self._recent_round(count, others, fixed_s)
         plain_tokens, plain_round_s = _round(0, self.by_size, self.verify, others, plain_s, None)
         plain_rate = plain_tokens / plain_round_s
         if tree_tokens / tree_s >= plain_rate:
@@ -179,9 +214,20 @@ class TreePruning:
         loss_s = tree_s - tree_tokens / plain_rate
         return max(1, math.ceil(loss_s / (PROBE_SHARE * plain_round_s)))
 
+    def _recent_round(self, cap: int, others: Sequence[TreeRow], fixed_s: float) -> tuple[float, float]:
+        """(tokens committed, seconds) of the batch's round with a tree of this request's as the recent ones were
+        verified, the others' trees at `cap` nodes."""
+        drafted, committed = self.recent.width, 1.0 + self.recent.accepted
+        for row in others:
+            width, commits = row.at_cap(cap)
+            drafted, committed = drafted + width, committed + commits
+        return committed, self.verify.mean_verify(drafted / (1 + len(others))) + fixed_s
+
     def observe(self, accepted: int) -> None:
         """The verified tree's accepted nodes."""
         self.calibration.observe(self.predicted, accepted)
+        if self.costly:
+            self.recent.observe(accepted, self.count)
 
 
 @dataclass
