@@ -28,6 +28,7 @@ from specserve.cluster.app_config import (
     load_serve_config,
     serve_config,
 )
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.proxy_limits import CALLBACK_ENV, GRPC_MESSAGE_ENV, proxy_env
 from specserve.cluster.serve.serve_binds import (
     DEFAULT_HOST,
@@ -144,7 +145,7 @@ def _init_ray(host: str, metrics_port: int | None, local_only: bool) -> bool:
             init["address"] = "local"  # a Ray of its own, never one that `ray start` left running on other addresses
         if not is_wildcard(host):
             init["runtime_env"] = {"worker_process_setup_hook": SETUP_HOOK, "env_vars": {HOST_ENV: host}}
-        ray.init(**init)
+        init_ray(**init)
     node_ip = ray.util.get_node_ip_address()
     if started_ray and is_loopback(host) and not is_loopback(node_ip):
         log.warning("Ray's own ports and the workers' gRPC ports listen on the node address %s, not on %s: this Ray "

@@ -23,10 +23,11 @@ def tiny_app_info(tiny_target: str, tiny_draft: str, metrics_port: int | None = 
     import ray
 
     from specserve.cluster.app_config import serve_config
+    from specserve.cluster.serve.local_ray import init_ray
     from specserve.cluster.serve.server import start, stop
     from specserve.workers.service.local_processes import free_port
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     app = tiny_app_config(tiny_target, tiny_draft)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()),
                  metrics_port=metrics_port or free_port(), ready_timeout_s=300)  # fmt: skip

@@ -5,6 +5,7 @@ import ray
 
 from specserve.cluster.bench.rows import BenchConfig, Row
 from specserve.cluster.bench.serve import serve_rows
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
@@ -20,7 +21,7 @@ def test_serve_rows_are_lossless_and_timed(tiny_target, tiny_draft):
     base = Row("target-only greedy", "target-only", None, 0.0, tokens_per_s=100.0)
     base.outputs = [engine.generate(p, SamplingParams(max_new_tokens=12), SpecParams(method="none")).token_ids
                     for p in prompts]  # fmt: skip
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         rows, status = serve_rows(tiny_target, tiny_draft, prompts, cfg, 3, "cpu", base)
     finally:

@@ -4,6 +4,7 @@ pool, target-only and drafting, against the single-process target-only row."""
 import pytest
 
 from specserve.cluster.bench.rows import Row
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
@@ -25,7 +26,7 @@ def test_tensor_parallel_rows_are_served_by_a_sharded_target_pool_and_identical(
     base = Row("target-only greedy", "target-only", None, 0.0, tokens_per_s=100.0)
     base.outputs = [engine.generate(p, greedy, SpecParams(method="none")).token_ids for p in PROMPTS]
     target, draft = ModelConfig(path=tiny_target, device="cpu"), ModelConfig(path=tiny_draft, device="cpu")
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         rows, profile = tp_rows(target, draft, PROMPTS, NEW_TOKENS, 3, base, 2)
     finally:

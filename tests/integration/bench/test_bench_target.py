@@ -8,6 +8,7 @@ import pytest
 from specserve.cluster.bench.rows import EAGLE_KS, NGRAM_KS, PROMPT_LOOKUP_N, TREE_KS, BenchConfig, Row
 from specserve.cluster.bench.runner import format_table, run_bench
 from specserve.cluster.cli.main import main
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
@@ -164,7 +165,7 @@ def test_disaggregated_rows_without_a_draft_model_draft_by_prompt_lookup(tiny_ta
     greedy = SamplingParams(max_new_tokens=12)
     base = Row("target-only greedy", "target-only", None, 0.0, tokens_per_s=100.0)
     base.outputs = [engine.generate(p, greedy, SpecParams(method="none")).token_ids for p in PROMPTS]
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         cfg = BenchConfig(prompts=3, max_new_tokens=12, suite="target")
         ngram = Row("specserve ngram k=4 greedy", "ngram", 4, 0.0, tokens_per_s=100.0)
@@ -205,7 +206,7 @@ def test_with_a_head_the_disaggregated_eagle_rows_are_identical_and_report_featu
     measure(plan, prompts, cfg, SimpleNamespace(update=lambda n: None))
     rows, meta = [row for row, _ in plan], {}
 
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         add_eagle_distributed(rows, meta, target_cfg, head_dir, prompts, cfg)
     finally:

@@ -16,6 +16,7 @@ from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.cluster.scheduling.worker_clients import DraftClient, TargetClient
 from specserve.cluster.serve import openai_api as oai
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.prepare import RequestPreparer
 from specserve.cluster.serve.public_proto import request_from_proto
 from specserve.protos import specserve_pb2 as pb
@@ -384,7 +385,7 @@ def test_the_serve_app_serves_a_model_with_a_head(byte_pair):
                      "draft_pool": pool}],
          "scheduler": {"num_cpus": 0.5, "call_timeout_s": 30, "worker_wait_s": 60}, "auth": {"api_key_env": None}}
     )  # fmt: skip
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)
     try:
         with SpecServeClient(info["grpc"], timeout_s=120) as client:

@@ -18,6 +18,7 @@ import ray
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import serve_config
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import ModelConfig
@@ -36,7 +37,7 @@ N = 24
 def server(tiny_target, tiny_draft):
     metrics_port = free_port()
     # Metrics leave each process every second (Ray's default: 10 s), so that the metric tests wait less for them
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False,
+    init_ray(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False,
              log_to_driver=False, _system_config={"metrics_report_interval_ms": METRICS_REPORT_S * 1000})  # fmt: skip
     app = tiny_app_config(tiny_target, tiny_draft)
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())

@@ -11,6 +11,7 @@ from ray import serve
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.service.local_processes import free_port
 
@@ -34,7 +35,7 @@ def test_rising_load_adds_a_draft_replica(tiny_target, tiny_draft):
     )  # fmt: skip
     config = serve_config(app, grpc_port=free_port(), http_port=free_port())
     assert config["applications"][0]["autoscaling_policy"]["policy_kwargs"] == {"goal_busy_fraction": 0.05}
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(config, ready_timeout_s=300)
     stop_load = threading.Event()
     outputs: list[list[int]] = []

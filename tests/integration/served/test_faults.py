@@ -16,6 +16,7 @@ from ray import serve
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import ModelConfig
@@ -43,7 +44,7 @@ def server(tiny_target, tiny_draft):
                      "draft_pool": {"num_cpus": 0.25, "replicas": 2}}],
          "scheduler": {"num_cpus": 0.25, "worker_wait_s": 120}}
     )  # fmt: skip
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)
     yield info
     stop({**info, "started_ray": False})

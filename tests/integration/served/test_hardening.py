@@ -16,6 +16,7 @@ import ray
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import serve_config
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
 from specserve.cluster.serve.scheduler_replica import REJOIN_S
 from specserve.cluster.serve.server import start, stop
@@ -34,7 +35,7 @@ MB = 1024 * 1024
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_draft):
     metrics_port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False,
+    init_ray(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False,
              _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
     app = tiny_app_config(tiny_target, tiny_draft)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), metrics_port, ready_timeout_s=300)

@@ -16,6 +16,7 @@ import ray
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import ModelConfig
@@ -44,7 +45,7 @@ def server(tiny_target):
          "scheduler": {"num_cpus": 0.5, "call_timeout_s": CALL_TIMEOUT_S, "worker_wait_s": 120},
          "auth": {"api_key_env": None}}
     )  # fmt: skip
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)
     yield info
     stop({**info, "started_ray": False})

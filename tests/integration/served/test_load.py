@@ -13,6 +13,7 @@ import ray
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
 from specserve.cluster.serve.server import start, stop
 from specserve.protos import specserve_pb2 as pb
@@ -33,7 +34,7 @@ def test_load_within_capacity_then_a_burst_above_it(tiny_target, tiny_draft):
          "scheduler": {"num_cpus": 0.25, "max_active_requests": STREAMS,
                        "max_queued_requests": STREAMS // 2}}
     )  # fmt: skip
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)
     try:
         registry = ray.get_actor(registry_name("specserve"), namespace=REGISTRY_NAMESPACE)

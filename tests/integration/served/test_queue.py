@@ -18,6 +18,7 @@ import ray
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.server import start, stop
 from specserve.workers.service.local_processes import free_port
 
@@ -30,7 +31,7 @@ def _app(tiny_target: str, scheduler: dict):
                      "target_pool": {"num_cpus": 0.5}}],
          "scheduler": {"num_cpus": 0.5, **scheduler}, "auth": {"api_key_env": None}}
     )  # fmt: skip
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     return start(serve_config(app, grpc_port=free_port(), http_port=free_port()), ready_timeout_s=300)
 
 

@@ -15,6 +15,7 @@ import ray
 
 from specserve.client import SpecServeClient
 from specserve.cluster.app_config import AppConfig, serve_config
+from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
 from specserve.cluster.serve.server import start, stop
 from specserve.cluster.serve.tls_gateway import GatewayConfig, GatewayThread
@@ -40,7 +41,7 @@ def server(tiny_target, tmp_path_factory):
     ca = CertAuthority(tmp_path_factory.mktemp("tls"))
     key_file, cert_file = ca.issue("server")
     config["http_options"].update(ssl_keyfile=key_file, ssl_certfile=cert_file)
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     info = start(config, ready_timeout_s=300)
     info["tls"] = ssl.create_default_context(cafile=ca.cert_file)
     gateway = GatewayThread(GatewayConfig(listen="127.0.0.1:0", upstream=info["grpc"], certfile=cert_file,
