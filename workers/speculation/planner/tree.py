@@ -113,16 +113,22 @@ class TreeRow:
         return b, 1.0 + (self.by_size[b - 1] if b else 0.0)
 
 
-def _round(b: int, own: Sequence[float], verify: VerifyCosts, others: Sequence[TreeRow], fixed_s: float,
+def _round(cap: int, own: tuple[float, float], verify: VerifyCosts, others: Sequence[TreeRow], fixed_s: float,
            beside: ChunkBeside | None) -> tuple[float, float]:  # fmt: skip
-    """(tokens committed, seconds) of the batch's round when its trees keep at most b nodes (own: this row's
-    expected accepted nodes by size; a prompt's chunk `beside` counts its positions and seconds)."""
+    """(tokens committed, seconds) of the batch's round when its trees keep at most `cap` nodes (own: this row's
+    drafted positions and committed tokens; a prompt's chunk `beside` counts its positions and seconds)."""
     chunk, chunk_s = (beside.positions, beside.seconds) if beside is not None else (0, 0.0)
-    drafted, committed = b, 1.0 + (own[b - 1] if b else 0.0)
+    drafted, committed = own
     for row in others:
-        width, commits = row.at_cap(b)
+        width, commits = row.at_cap(cap)
         drafted, committed = drafted + width, committed + commits
     return committed + chunk, verify.mean_verify(drafted / (1 + len(others))) + fixed_s + chunk_s
+
+
+def _own_at(b: int, own: Sequence[float]) -> tuple[float, float]:
+    """(drafted positions, committed tokens expected) of a row keeping its b best nodes (own: expected accepted
+    nodes by size)."""
+    return b, 1.0 + (own[b - 1] if b else 0.0)
 
 
 def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float, others: Sequence[TreeRow] = (),
@@ -134,7 +140,7 @@ def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float,
     own = expected_accepted_by_size(scores[: verify.max_k], factor)
     best, best_rate = 0, -1.0
     for b in range(0, len(own) + 1):
-        committed, seconds = _round(b, own, verify, others, fixed_s, beside)
+        committed, seconds = _round(b, _own_at(b, own), verify, others, fixed_s, beside)
         rate = committed / seconds
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = b, rate
@@ -150,7 +156,7 @@ class TreePruning:
     calibration: TreeCalibration = field(default_factory=TreeCalibration)
     predicted: float = 0.0  # expected accepted nodes of the tree being verified
     plain_rounds: int = 0  # plain steps to take before drafting the next tree
-    backoff: int = 0  # plain steps after the last tree that paid for no node (doubles while trees keep failing)
+    backoff: int = 0  # plain steps after a losing tree (doubles if pruned to nothing, or lost before any verified)
     costly: bool = True  # drafting a tree costs model work (a head's); prompt lookup's trees cost nothing
     by_size: tuple[float, ...] = ()  # the last drafted tree's expected accepted nodes by size (a TreeRow to others)
     count: int = 0  # the nodes of the tree being verified
@@ -204,24 +210,16 @@ class TreePruning:
         if plain_s is None:
             return 0
         if self.recent.accepted is None:
-            tree_tokens, tree_s = _round(count, self.by_size, self.verify, others, fixed_s, None)
+            own = _own_at(count, self.by_size)
         else:
-            tree_tokens, tree_s = self._recent_round(count, others, fixed_s)
-        plain_tokens, plain_round_s = _round(0, self.by_size, self.verify, others, plain_s, None)
+            own = (self.recent.width, 1.0 + self.recent.accepted)
+        tree_tokens, tree_s = _round(count, own, self.verify, others, fixed_s, None)
+        plain_tokens, plain_round_s = _round(0, _own_at(0, self.by_size), self.verify, others, plain_s, None)
         plain_rate = plain_tokens / plain_round_s
         if tree_tokens / tree_s >= plain_rate:
             return 0
         loss_s = tree_s - tree_tokens / plain_rate
         return max(1, math.ceil(loss_s / (PROBE_SHARE * plain_round_s)))
-
-    def _recent_round(self, cap: int, others: Sequence[TreeRow], fixed_s: float) -> tuple[float, float]:
-        """(tokens committed, seconds) of the batch's round with a tree of this request's as the recent ones were
-        verified, the others' trees at `cap` nodes."""
-        drafted, committed = self.recent.width, 1.0 + self.recent.accepted
-        for row in others:
-            width, commits = row.at_cap(cap)
-            drafted, committed = drafted + width, committed + commits
-        return committed, self.verify.mean_verify(drafted / (1 + len(others))) + fixed_s
 
     def observe(self, accepted: int) -> None:
         """The verified tree's accepted nodes."""
