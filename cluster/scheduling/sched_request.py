@@ -59,11 +59,16 @@ class SchedRequest:
         pending = self.features.pending if self.features is not None else None
         return pending is not None and pending.end >= len(self.state.tokens) - 1
 
-    def batch_row(self) -> TreeRow:
+    def batch_row(self, drafting: bool = False) -> TreeRow:
         """The request as a row of its target worker's verify batch, for another's tree pruning: its head's last tree
-        (pruned to the batch's cap) where its round drafts one, else the width its round verifies."""
+        (pruned to the batch's cap) where its round drafts one, else the width its round verifies. `drafting`: as
+        it would be in a round where the head's trees are drafted, a request whose head trees are backed off then
+        verifying as its recent trees were."""
         if self.round.nodes and not self.round.drafted and self.pruning is not None and self.pruning.by_size:
             return TreeRow(by_size=self.pruning.by_size)
+        recent = self.pruning.recent if self.pruning is not None and self.pruning.costly else None
+        if drafting and recent is not None and recent.accepted is not None and not self.round.k:
+            return TreeRow(width=recent.width, expected=recent.accepted)
         return TreeRow(width=self.round.k, expected=self.round.expected)
 
     def observe_round(self, plan: RoundPlan, drafted: Sequence[int], accepted: int) -> None:

@@ -34,7 +34,7 @@ from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import PlannerCosts
 from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, RowChoice, choose_row
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import MAX_TREE_NODES, TreePruning
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES, RecentTrees, TreePruning
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache
 
@@ -209,7 +209,11 @@ class Scheduler(WorkerPlacement):
         if req.spec.k != "auto":
             return req.spec.k
         if req.pruning is None and self.planner_costs is not None:
-            req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, self.max_tree_nodes + 1), costly=head)
+            # A head's trees are judged by the worker's recent trees, every request's: a short request's own few
+            # (a first tree pruned to nothing counts 0) say little, and whether they pay is the batch's question.
+            recent = self.batches.setdefault(req.target_worker, BatchWidth()).head_trees
+            req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, self.max_tree_nodes + 1), costly=head,
+                                      recent=recent if head else RecentTrees())  # fmt: skip
         if req.pruning is not None and not req.pruning.wants_tree():
             return 0
         return self.max_tree_nodes
@@ -222,11 +226,20 @@ class Scheduler(WorkerPlacement):
         if req.pruning is None:
             return tree
         worker = req.target_worker
-        others = [r.batch_row() for r in self.requests.values() if r.target_worker == worker and r is not req]
+        peers = [r for r in self.requests.values() if r.target_worker == worker and r is not req]
+        others = [r.batch_row() for r in peers]
         req.pruning.verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
         batch = self.batches.setdefault(worker, BatchWidth())
-        return req.pruning.prune(tree, others, batch.tree_overhead.seconds, self.chunks.beside(worker),
-                                 plain_s=batch.plain_overhead.seconds)  # fmt: skip
+        pruned = req.pruning.prune(tree, others, batch.tree_overhead.seconds, self.chunks.beside(worker),
+                                   plain_s=batch.plain_overhead.seconds,
+                                   others_drafting=[r.batch_row(drafting=True) for r in peers])  # fmt: skip
+        if req.pruning.costly and req.pruning.plain_rounds:
+            # The batch backs off together: a plain row beside another's tree waits for its drafting all the same
+            # (the worker's batcher holds the pass for it), so it saves nothing and commits one token.
+            for r in peers:
+                if r.pruning is not None and r.pruning.costly:
+                    r.pruning.plain_rounds = max(r.pruning.plain_rounds, req.pruning.plain_rounds)
+        return pruned
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])

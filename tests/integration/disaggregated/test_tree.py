@@ -15,6 +15,7 @@ from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.speculation.codec import feature_block
 from specserve.workers.speculation.draft_tree import DraftTree
+from specserve.workers.speculation.planner.batch import BatchWidth
 from specserve.workers.speculation.planner.costs import DraftCost, PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.eagle_disaggregated import (
@@ -245,3 +246,50 @@ def test_the_scheduler_weighs_drafting_a_tree_against_its_plain_rounds():
     assert s.prune_tree(auto, _tree(8)) is not None  # drafted already: its best nodes are verified
     assert auto.pruning.backoff > 16 and [s.plan_round(auto).k for _ in range(16)] == [0] * 16
     assert batch.summary()["plain_overhead_ms"] == pytest.approx(1.0)
+
+
+def test_a_workers_head_trees_back_off_together():
+    """A tree that loses to plain rounds backs off every head tree of its target worker for as long (a plain row
+    beside another's tree would wait for its drafting all the same); a fixed k and another worker's are untouched."""
+    s = Scheduler(["d"], ["t", "u"])
+    s.planner_costs = PlannerCosts(VerifyCosts((0.004,) * (MAX_TREE_NODES + 1)), DraftCost())
+    params = SamplingParams(max_new_tokens=300)
+    reqs = [s.add([1, 2, 3], params, SpecParams(method="eagle-tree", k=k), frozenset()) for k in ("auto",) * 3 + (5,)]
+    for r in reqs:  # placed on both workers by load: all on one
+        r.target_worker = "t"
+    other_worker = s.add([1, 2, 3], params, SpecParams(method="eagle-tree", k="auto"), frozenset())
+    other_worker.target_worker = "u"
+    for r in (*reqs, other_worker):
+        s.apply_round(r, r.round, VerifyResult(0, 7, features=_features(0, 3), path=[]))
+        assert s.plan_round(r).k == (5 if r.spec.k == 5 else MAX_TREE_NODES)
+    s.batches.setdefault("t", BatchWidth()).plain_overhead.observe(0.001)
+    s.batches["t"].tree_overhead.observe(0.040)  # 40 ms of drafting beside a 4 ms step: trees lose
+    first, *rest, fixed = reqs
+    assert s.prune_tree(first, _tree(8)) is not None and first.pruning.plain_rounds > 16
+    assert all(r.pruning.plain_rounds == first.pruning.plain_rounds for r in rest)
+    assert [s.plan_round(r).k for r in rest] == [0, 0] and s.plan_round(fixed).k == 5
+    assert other_worker.pruning.plain_rounds == 0 and s.plan_round(other_worker).k == MAX_TREE_NODES
+
+
+def test_a_heads_trees_are_judged_by_every_request_of_the_worker():
+    """A request's tree record starts from its worker's recent trees (a short request's own first tree, pruned to
+    nothing, once left it judged at 0 accepted for the rest of its life); another worker's is its own."""
+    s = Scheduler(["d"], ["t", "u"])
+    s.planner_costs = PlannerCosts(VerifyCosts((0.1,) * (MAX_TREE_NODES + 1)), DraftCost())
+    params, spec = SamplingParams(max_new_tokens=300), SpecParams(method="eagle-tree", k="auto")
+    first = s.add([1, 2, 3], params, spec, frozenset())
+    s.apply_round(first, first.round, VerifyResult(0, 7, features=_features(0, 3), path=[]))
+    assert s.plan_round(first).k == MAX_TREE_NODES
+    s.drafted(first, s.plan_draft(first, MAX_TREE_NODES))
+    tree = s.prune_tree(first, _tree(MAX_TREE_NODES))
+    s.plan_verify(first, tree.tokens, b"", tree.parents)
+    s.apply_round(first, first.round, VerifyResult(3, 99, features=_features(3, 4), path=[0, 1, 2]), tree=tree)
+    assert first.pruning.recent.accepted == 3 and first.pruning.recent.width == len(tree.tokens)
+    later = s.add([4, 5, 6], params, spec, frozenset())
+    later.target_worker = first.target_worker
+    elsewhere = s.add([4, 5, 6], params, spec, frozenset())
+    elsewhere.target_worker = "u" if first.target_worker == "t" else "t"
+    for r in (later, elsewhere):
+        s.apply_round(r, r.round, VerifyResult(0, 7, features=_features(0, 3), path=[]))
+        assert s.plan_round(r).k == MAX_TREE_NODES
+    assert later.pruning.recent.accepted == 3 and elsewhere.pruning.recent.accepted is None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from specserve.workers.speculation.planner.costs import ChunkBeside, PlannerCosts
 from specserve.workers.speculation.planner.goodput import RealizedRounds, RoundForecast, RowChoice, plan_batch
-from specserve.workers.speculation.planner.tree import RoundOverhead
+from specserve.workers.speculation.planner.tree import RecentTrees, RoundOverhead
 
 # A head's features under load: after this many re-plans in a row that drafted nothing, the worker's k='auto' chains
 # stop asking for them (every verify reply carries them, and at 16 streams on the 2-core CPU that alone cost 4-5% of
@@ -38,6 +38,7 @@ class BatchWidth:
     forecast: RoundForecast | None = None  # what the current plan's rounds are expected to take
     tree_overhead: RoundOverhead = field(default_factory=RoundOverhead)  # its tree rounds' time beyond the verify
     plain_overhead: RoundOverhead = field(default_factory=RoundOverhead)  # its tree requests' plain rounds' time
+    head_trees: RecentTrees = field(default_factory=RecentTrees)  # its requests' head trees as verified
     beside: bool = False  # whether the plan counted a prompt's chunk in the pass
 
     def for_round(self, rows: Sequence[RowChoice], costs: PlannerCosts, max_width: int,

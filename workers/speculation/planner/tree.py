@@ -101,10 +101,10 @@ class TreeRow:
     chain, a fixed k, a plain step: `width` positions beyond its first, `expected` accepted)."""
 
     by_size: tuple[float, ...] = ()
-    width: int = 0
+    width: float = 0.0
     expected: float = 0.0
 
-    def at_cap(self, cap: int) -> tuple[int, float]:
+    def at_cap(self, cap: int) -> tuple[float, float]:
         """(drafted positions, committed tokens expected) of the row when the batch's trees keep at most `cap`
         nodes."""
         if not self.by_size:
@@ -171,15 +171,17 @@ class TreePruning:
         return True
 
     def prune(self, tree: DraftTree, others: Sequence[TreeRow] = (), fixed_s: float = 0.0,
-              beside: ChunkBeside | None = None, plain_s: float | None = None) -> DraftTree | None:  # fmt: skip
+              beside: ChunkBeside | None = None, plain_s: float | None = None,
+              others_drafting: Sequence[TreeRow] | None = None) -> DraftTree | None:  # fmt: skip
         """The tree's best nodes that pay for their verification in the batch (`others`: its other rows, `verify`
         its cost per width; `fixed_s`: a tree round's seconds beyond the verify forward, its drafting included;
         `beside`: a prompt's chunk in the pass), or None (a plain step) when none does.
 
         The drafting is spent by now, so it weighs on every b alike. Whether to draft the next trees is another
-        question: against `plain_s`, a plain round's seconds beyond its forward (measured; None: unknown), a tree
-        round that commits less a second than plain steps would backs the head off for as many plain rounds as keep
-        the next probe's loss small (PROBE_SHARE)."""
+        question, the batch's: against `plain_s`, a plain round's seconds beyond its forward (measured; None:
+        unknown), a round where the head's tree rows draft (`others_drafting`: the other rows then, those backed off
+        as their recent trees were; None: `others`) that commits less a second than one where none does backs the
+        head off for as many plain rounds as keep the next probe's loss small (PROBE_SHARE)."""
         scores = sorted(tree.scores, reverse=True)
         self.by_size = tuple(expected_accepted_by_size(scores, self.calibration.factor))
         count = best_node_count(scores, self.verify, self.calibration.factor, others, fixed_s, beside)
@@ -187,7 +189,8 @@ class TreePruning:
         # Backing off saves a head's levels; a lookup tree costs nothing to draft, and the next match may pay. Nor
         # beside a prompt's chunk: its prefill ends soon, and the trees that lose to it now pay again then.
         costly = self.costly and beside is None
-        losing = self._losing_rounds(count, others, fixed_s, plain_s) if costly else 0
+        drafting = others if others_drafting is None else others_drafting
+        losing = self._losing_rounds(count, drafting, others, fixed_s, plain_s) if costly else 0
         if losing:
             # Judged by its own expected nodes (no tree verified yet), a probe that loses again doubles the backoff;
             # judged by the recent trees, the loss itself sets it: near break-even probes come often, far from it
@@ -201,19 +204,20 @@ class TreePruning:
             self.recent.observe(0, 0)  # its drafting spent for no node
         return tree.best(count) if count else None
 
-    def _losing_rounds(self, count: int, others: Sequence[TreeRow], fixed_s: float, plain_s: float | None) -> int:
-        """0 when the batch's round with this tree's `count` nodes commits at least as much a second as with a plain
-        step for it (`plain_s`: a plain round's seconds beyond its forward; None: no comparison); otherwise the plain
-        rounds that keep a probe's loss (its seconds less what plain rounds take for its tokens) within PROBE_SHARE
-        of their time. A tree round is judged as the recent trees were verified (this tree's own expected nodes
-        before any was)."""
+    def _losing_rounds(self, count: int, drafting: Sequence[TreeRow], others: Sequence[TreeRow], fixed_s: float,
+                       plain_s: float | None) -> int:  # fmt: skip
+        """0 when the batch's round with this tree's `count` nodes (the other rows `drafting`) commits at least as
+        much a second as one where no head tree row drafts (the `others` at cap 0; `plain_s`: a plain round's seconds
+        beyond its forward; None: no comparison); otherwise the plain rounds that keep a probe's loss (its seconds
+        less what plain rounds take for its tokens) within PROBE_SHARE of their time. A tree round is judged as the
+        recent trees were verified (this tree's own expected nodes before any was)."""
         if plain_s is None:
             return 0
         if self.recent.accepted is None:
             own = _own_at(count, self.by_size)
         else:
             own = (self.recent.width, 1.0 + self.recent.accepted)
-        tree_tokens, tree_s = _round(count, own, self.verify, others, fixed_s, None)
+        tree_tokens, tree_s = _round(count, own, self.verify, drafting, fixed_s, None)
         plain_tokens, plain_round_s = _round(0, _own_at(0, self.by_size), self.verify, others, plain_s, None)
         plain_rate = plain_tokens / plain_round_s
         if tree_tokens / tree_s >= plain_rate:

@@ -203,3 +203,24 @@ def test_tree_rounds_measure_their_plain_rounds_apart():
     rounds.took(RoundPlan(), 0.002, steady=True)
     rounds.took(RoundPlan(nodes=16), 0.03, steady=True)
     assert rounds.plain_overhead.seconds == pytest.approx(0.002) and rounds.overhead.seconds == pytest.approx(0.03)
+
+
+def test_drafting_a_tree_is_judged_with_the_batchs_backed_off_rows_drafting_too():
+    """Whether the head's trees pay is the batch's question: beside rows that back off, a tree round pays the
+    drafting for one row's tokens; with every row drafting (those backed off as their recent trees were), for all
+    of theirs. A plain row beside another's tree waits for its drafting all the same."""
+    from specserve.workers.speculation.planner.tree import RecentTrees, TreePruning
+
+    tree = DraftTree([10, 11, 12, 13], [ROOT, 0, 1, 2], [math.log(0.5)] * 4)
+    backed_off = [TreeRow()] * 3  # plain rows now
+    drafting = [TreeRow(width=4.0, expected=1.0)] * 3  # as their recent trees were verified
+
+    def judged(others_drafting):
+        head = TreePruning(FLAT, recent=RecentTrees(accepted=1.0, width=4.0))
+        head.prune(tree, backed_off, fixed_s=0.05, plain_s=0.0, others_drafting=others_drafting)
+        return head.backoff
+
+    # one row's 2 tokens and three plain ones in 0.15 s lose to four plain rows' 4 tokens in 0.1 s
+    assert judged(None) > 0
+    # every row's 2 tokens in 0.15 s win
+    assert judged(drafting) == 0
