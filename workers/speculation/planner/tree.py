@@ -160,7 +160,7 @@ class TreePruning:
     costly: bool = True  # drafting a tree costs model work (a head's); prompt lookup's trees cost nothing
     by_size: tuple[float, ...] = ()  # the last drafted tree's expected accepted nodes by size (a TreeRow to others)
     count: int = 0  # the nodes of the tree being verified
-    recent: RecentTrees = field(default_factory=RecentTrees)
+    recent: RecentTrees = field(default_factory=RecentTrees)  # the trees it is judged by (served: its worker's, shared)
 
     def wants_tree(self) -> bool:
         """Whether to draft a tree this round: not for a few rounds after trees that paid for no node (drafting one
