@@ -20,12 +20,13 @@ from specserve.cluster.scheduling.features import FeatureRelay, FeatureTraffic
 from specserve.cluster.scheduling.placement import WorkerPlacement
 from specserve.cluster.scheduling.prefixes import PrefixRecords
 from specserve.cluster.scheduling.sched_request import SchedRequest
+from specserve.cluster.scheduling.tree_rounds import TreeRounds
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import NgramConfig
 from specserve.workers.errors import InvalidRequestError
 from specserve.workers.runtime.worker_state import common_prefix_length
 from specserve.workers.service.results import VerifyResult
-from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
+from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.methods import METHODS
 from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.acceptance import model_head_acceptance
@@ -34,7 +35,7 @@ from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import PlannerCosts
 from specserve.workers.speculation.planner.goodput import MAX_AUTO_K, RowChoice, choose_row
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import MAX_TREE_NODES, RecentTrees, TreePruning
+from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from specserve.workers.speculation.request import RequestState
 from specserve.workers.speculation.suffix import SuffixCache
 
@@ -56,7 +57,7 @@ class NoTargetWorker(RuntimeError):
     """No healthy target worker is left to run a request on."""
 
 
-class Scheduler(WorkerPlacement):
+class Scheduler(WorkerPlacement, TreeRounds):
     """One model's scheduling state machine: places requests on draft and target workers, plans each round's calls
     and applies their results. Plain data in, plain data out: `Pipeline` makes the calls. A Serve `SchedulerReplica`
     hosts one per model; it is not a scheduler itself."""
@@ -182,64 +183,6 @@ class Scheduler(WorkerPlacement):
         if req.spec.k != "auto" or req.method.tree or batch is None or not batch.quiet_below:
             return False
         return batch.features_paused(sum(r.target_worker == req.target_worker for r in self.requests.values()))
-
-    def _plan_tree(self, req: SchedRequest) -> RoundPlan:
-        """A tree round: its most nodes, prompt lookup's tree drafted here (pruned for 'auto'; none: a plain step);
-        with lookups beside a head's trees, their continuation where it is expected to accept more."""
-        nodes = self._tree_nodes(req)
-        if req.planner is not None and req.state.draft_budget(1) and req.prompt_logprobs is None:
-            limit = req.state.draft_budget(self.max_chain if req.spec.k == "auto" else req.spec.k)
-            lookup = req.planner.lookup_round(req.state.tokens, limit, req.tree_yield if nodes else None)
-            if lookup is not None:
-                return lookup
-        if not nodes or req.method.draft_worker:
-            return RoundPlan(nodes=nodes)
-        drafted = self.lookup.propose_tree(req.request_id, req.state.tokens, TreeShape.for_budget(nodes))
-        tree = self.prune_tree(req, drafted) if drafted is not None else None
-        return RoundPlan(nodes=len(tree.tokens), tree=tree) if tree is not None else PLAIN
-
-    def _tree_nodes(self, req: SchedRequest) -> int:
-        """Nodes to draft this round: k, or for 'auto' max_tree_nodes (pruned once drafted); none when the round can
-        commit one token only, for a head without a draft worker or new features, or in 'auto''s plain rounds."""
-        head = req.method.needs_head
-        if head and (req.draft_worker is None or not req.head_ready) or not req.state.draft_budget(1):
-            return 0
-        if req.prompt_logprobs is not None:  # the call that brings the prompt's logprobs is a chain's (a plain step)
-            return 0
-        if req.spec.k != "auto":
-            return req.spec.k
-        if req.pruning is None and self.planner_costs is not None:
-            # A head's trees are judged by the worker's recent trees, every request's: a short request's own few
-            # (a first tree pruned to nothing counts 0) say little, and whether they pay is the batch's question.
-            recent = self.batches.setdefault(req.target_worker, BatchWidth()).head_trees
-            req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, self.max_tree_nodes + 1), costly=head,
-                                      recent=recent if head else RecentTrees())  # fmt: skip
-        if req.pruning is not None and not req.pruning.wants_tree():
-            return 0
-        return self.max_tree_nodes
-
-    def prune_tree(self, req: SchedRequest, tree: DraftTree) -> DraftTree | None:
-        """The drafted tree as it is verified: for 'auto', its nodes that pay at the verify cost of the worker's
-        batch of trees and of a prompt's chunk that shares its pass (None: none does, a plain step)."""
-        if req.spec.k != "auto" or not tree.tokens:
-            return tree if tree.tokens else None
-        if req.pruning is None:
-            return tree
-        worker = req.target_worker
-        peers = [r for r in self.requests.values() if r.target_worker == worker and r is not req]
-        others = [r.batch_row() for r in peers]
-        req.pruning.verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
-        batch = self.batches.setdefault(worker, BatchWidth())
-        pruned = req.pruning.prune(tree, others, batch.tree_overhead.seconds, self.chunks.beside(worker),
-                                   plain_s=batch.plain_overhead.seconds,
-                                   others_drafting=[r.batch_row(drafting=True) for r in peers])  # fmt: skip
-        if req.pruning.costly and req.pruning.plain_rounds:
-            # The batch backs off together: a plain row beside another's tree waits for its drafting all the same
-            # (the worker's batcher holds the pass for it), so it saves nothing and commits one token.
-            for r in peers:
-                if r.pruning is not None and r.pruning.costly:
-                    r.pruning.plain_rounds = max(r.pruning.plain_rounds, req.pruning.plain_rounds)
-        return pruned
 
     def _call(self, req: SchedRequest, worker: str, sequence: list[int], **kw) -> Call:
         told = req.told.get(worker, [])
