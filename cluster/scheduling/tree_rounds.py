@@ -56,6 +56,8 @@ class TreeRounds:
             recent = self.batches.setdefault(req.target_worker, BatchWidth()).head_trees
             req.pruning = TreePruning(self.planner_costs.surface.for_rows(1, self.max_tree_nodes + 1), costly=head,
                                       recent=recent if head else RecentTrees())  # fmt: skip
+            if head:  # it joins its batch's backoff: its first tree would hold every backed-off row's pass
+                req.pruning.plain_rounds = max((r.pruning.plain_rounds for r in self._head_tree_peers(req)), default=0)
         if req.pruning is not None and not req.pruning.wants_tree():
             return 0
         return self.max_tree_nodes
@@ -78,7 +80,11 @@ class TreeRounds:
         if req.pruning.costly and req.pruning.plain_rounds:
             # The batch backs off together: a plain row beside another's tree waits for its drafting all the same
             # (the worker's batcher holds the pass for it), so it saves nothing and commits one token.
-            for r in peers:
-                if r.pruning is not None and r.pruning.costly:
-                    r.pruning.plain_rounds = max(r.pruning.plain_rounds, req.pruning.plain_rounds)
+            for r in self._head_tree_peers(req):
+                r.pruning.plain_rounds = max(r.pruning.plain_rounds, req.pruning.plain_rounds)
         return pruned
+
+    def _head_tree_peers(self, req: SchedRequest) -> list[SchedRequest]:
+        """The other requests on req's target worker whose head trees are pruned for 'auto'."""
+        return [r for r in self.requests.values() if r is not req and r.target_worker == req.target_worker
+                and r.pruning is not None and r.pruning.costly]  # fmt: skip

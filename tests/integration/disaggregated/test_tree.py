@@ -271,6 +271,27 @@ def test_a_workers_head_trees_back_off_together():
     assert other_worker.pruning.plain_rounds == 0 and s.plan_round(other_worker).k == MAX_TREE_NODES
 
 
+def test_a_new_request_joins_its_workers_backoff():
+    """A head-tree request that arrives while its worker's trees are backed off starts backed off too (its first
+    tree would hold every plain row's pass for its drafting); on another worker it drafts its tree."""
+    s = Scheduler(["d"], ["t", "u"])
+    s.planner_costs = PlannerCosts(VerifyCosts((0.004,) * (MAX_TREE_NODES + 1)), DraftCost())
+    params, spec = SamplingParams(max_new_tokens=300), SpecParams(method="eagle-tree", k="auto")
+    first = s.add([1, 2, 3], params, spec, frozenset())
+    first.target_worker = "t"
+    s.apply_round(first, first.round, VerifyResult(0, 7, features=_features(0, 3), path=[]))
+    assert s.plan_round(first).k == MAX_TREE_NODES
+    s.batches["t"].plain_overhead.observe(0.001)
+    s.batches["t"].tree_overhead.observe(0.040)
+    assert s.prune_tree(first, _tree(8)) is not None and first.pruning.plain_rounds > 16
+    later, elsewhere = (s.add([4, 5, 6], params, spec, frozenset()) for _ in range(2))
+    later.target_worker, elsewhere.target_worker = "t", "u"
+    for r in (later, elsewhere):
+        s.apply_round(r, r.round, VerifyResult(0, 7, features=_features(0, 3), path=[]))
+    assert s.plan_round(later).k == 0 and later.pruning.plain_rounds == first.pruning.plain_rounds - 1
+    assert s.plan_round(elsewhere).k == MAX_TREE_NODES
+
+
 def test_a_heads_trees_are_judged_by_every_request_of_the_worker():
     """A request's tree record starts from its worker's recent trees (a short request's own first tree, pruned to
     nothing, once left it judged at 0 accepted for the rest of its life); another worker's is its own."""
