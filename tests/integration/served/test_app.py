@@ -183,15 +183,21 @@ def _scrape(url: str) -> dict[str, float]:
 ROUNDS = "ray_specserve_spec_decode_draft_tokens_per_round_count"  # one observation per round, drafting or not
 
 
-def _scrape_when(url: str, health: str, timeout_s: float = 90.0, settled=lambda values: True) -> dict[str, float]:
+def _scrape_when(url: str, health: str, timeout_s: float = 90.0, settled=None) -> dict[str, float]:
     """Ray exports metrics every few seconds: scrape until the exported round count equals the scheduler's own and
-    `settled` holds (one process's metrics need not all leave in the same export)."""
-    deadline = time.time() + timeout_s
+    `settled` holds, or, without one, until every value has stayed unchanged for longer than the report period (one
+    process's metrics need not all leave in the same export: a CI run's baseline once caught the round count
+    exported but not an earlier test's drafted tokens)."""
+    deadline, quiet_s = time.time() + timeout_s, 4.0 * METRICS_REPORT_S
+    last, since = None, time.time()
     while True:
         body = json.loads(urllib.request.urlopen(health, timeout=10).read())
         rounds = body.get("models", body)["tiny"]["rounds"]  # /health: {"status", "models": {name: status}}
         values = _scrape(url)
-        if (values.get(ROUNDS, 0) == rounds and settled(values)) or time.time() > deadline:
+        if values != last:
+            last, since = values, time.time()
+        done = settled(values) if settled else time.time() - since >= quiet_s
+        if (values.get(ROUNDS, 0) == rounds and done) or time.time() > deadline:
             return values
         time.sleep(0.5)
 
