@@ -210,6 +210,7 @@ class ModelServing:
                 # The goodput planner's, per target worker: chain width, measured slowdowns, features paused or not
                 "planner": {w: b.summary() for w, b in s.scheduler.batches.items()},
                 "head_acceptance": list(s.scheduler.head_acceptance.known_rates()),  # by position, recent rounds
+                "lookup_acceptance": {n: list(a.known_rates()) for n, a in s.scheduler.lookup_acceptance.items()},
                 **s.scheduler.feature_traffic.to_dict(),
                 "kv_capacity": dict(s.kv_capacity),  # per worker, as it registered (memory_budget.py)
                 # requests placed on the worker that held their prompt's prefix (affinity.py), by kind

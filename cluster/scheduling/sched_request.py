@@ -12,7 +12,7 @@ from specserve.cluster.scheduling.features import FeatureRelay
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.service.results import ProposeResult, VerifyResult
 from specserve.workers.speculation.draft_tree import DraftTree
-from specserve.workers.speculation.methods import HEAD_CHAIN, METHODS, Method
+from specserve.workers.speculation.methods import METHODS, Method
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.goodput import NO_DRAFT
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
@@ -74,8 +74,8 @@ class SchedRequest:
     def observe_round(self, plan: RoundPlan, drafted: Sequence[int], accepted: int) -> None:
         """The round's outcome into the request's planner, by the chain drafted (a pre-draft may be shorter)."""
         drafted_by = plan.chain.source if drafted else NO_DRAFT.source
-        if drafted_by != HEAD_CHAIN and plan.row is not None:
-            self.planner.passed_over(plan.row.options)
+        if plan.row is not None:
+            self.planner.passed_over(plan.row.options, drafted_by)
         if drafted_by != NO_DRAFT.source:
             self.planner.observe(dataclasses.replace(plan.chain, k=len(drafted)), accepted)
 

@@ -29,7 +29,7 @@ from specserve.workers.service.results import VerifyResult
 from specserve.workers.speculation.draft_tree import DraftTree
 from specserve.workers.speculation.methods import METHODS
 from specserve.workers.speculation.ngram import NgramDrafter
-from specserve.workers.speculation.planner.acceptance import model_head_acceptance
+from specserve.workers.speculation.planner.acceptance import model_head_acceptance, model_lookup_acceptance
 from specserve.workers.speculation.planner.batch import BatchWidth
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import PlannerCosts
@@ -73,6 +73,7 @@ class Scheduler(WorkerPlacement, TreeRounds):
         self.decode_steps = decode_steps
         self.chunks = ChunkPacer(prefill_chunk)  # a long prompt's chunk sizes, by what they cost beside others
         self.head_acceptance = model_head_acceptance(head_prior)  # every request's, where new ones start
+        self.lookup_acceptance = model_lookup_acceptance()  # likewise, by matched suffix length
         self.max_chain = min(MAX_AUTO_K, max_k or MAX_AUTO_K)
         self.max_tree_nodes = min(MAX_TREE_NODES, max_k or MAX_TREE_NODES)
         self.ngram = ngram or NgramConfig()
@@ -113,7 +114,7 @@ class Scheduler(WorkerPlacement, TreeRounds):
         planner, plain = None, PLAIN
         if method.chain_sources:
             planner = ChainPlanner.for_method(method, self.suffix_cache, head_shared=self.head_acceptance,
-                                              ngram=self.ngram)  # fmt: skip
+                                              lookup_shared=self.lookup_acceptance, ngram=self.ngram)  # fmt: skip
         elif not method.drafts:
             plain = RoundPlan(row=RowChoice(()))  # a plain row of its target worker's batches
         params = params.for_request(len(prompt_ids), eos_token_ids)  # what penalties and min_tokens count from

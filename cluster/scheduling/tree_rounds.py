@@ -4,6 +4,9 @@ a head's trees judged by the worker's recent trees, every request's, and backed 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
+
 from specserve.cluster.scheduling.chunk_pacing import ChunkPacer
 from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
@@ -11,7 +14,7 @@ from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.batch import BatchWidth
 from specserve.workers.speculation.planner.costs import PlannerCosts
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import RecentTrees, TreePruning
+from specserve.workers.speculation.planner.tree import RecentTrees, TreePruning, best_chain_length
 
 
 class TreeRounds:
@@ -31,7 +34,8 @@ class TreeRounds:
         nodes = self._tree_nodes(req)
         if req.planner is not None and req.state.draft_budget(1) and req.prompt_logprobs is None:
             limit = req.state.draft_budget(self.max_chain if req.spec.k == "auto" else req.spec.k)
-            lookup = req.planner.lookup_round(req.state.tokens, limit, req.tree_yield if nodes else None)
+            cut = self._lookup_cut(req) if req.spec.k == "auto" else None
+            lookup = req.planner.lookup_round(req.state.tokens, limit, req.tree_yield if nodes else None, cut)
             if lookup is not None:
                 return lookup
         if not nodes or req.method.draft_worker:
@@ -83,6 +87,18 @@ class TreeRounds:
             for r in self._head_tree_peers(req):
                 r.pruning.plain_rounds = max(r.pruning.plain_rounds, req.pruning.plain_rounds)
         return pruned
+
+    def _lookup_cut(self, req: SchedRequest) -> Callable[[Sequence[float]], int] | None:
+        """How much of a lookup's continuation pays at the verify cost of req's worker's batch, its other rows as they
+        are and a prompt's chunk beside (None: no costs measured, all of it)."""
+        if self.planner_costs is None:
+            return None
+        worker = req.target_worker
+        others = [r.batch_row() for r in self.requests.values() if r.target_worker == worker and r is not req]
+        verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
+        plain_s = self.batches.setdefault(worker, BatchWidth()).plain_overhead.seconds
+        return partial(best_chain_length, verify=verify, others=others, fixed_s=plain_s,
+                       beside=self.chunks.beside(worker))  # fmt: skip
 
     def _head_tree_peers(self, req: SchedRequest) -> list[SchedRequest]:
         """The other requests on req's target worker whose head trees are pruned for 'auto'."""

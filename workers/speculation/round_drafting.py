@@ -5,6 +5,8 @@ head's or prompt lookup's (`TreeRounds`)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from specserve.workers.config.request import SamplingParams
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
@@ -14,7 +16,7 @@ from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.chain import ChainPlanner
 from specserve.workers.speculation.planner.costs import VerifyCosts
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import RoundOverhead, TreePruning, TreeYield
+from specserve.workers.speculation.planner.tree import RoundOverhead, TreePruning, TreeYield, best_chain_length
 from specserve.workers.speculation.request import RequestState
 
 
@@ -70,7 +72,7 @@ class TreeRounds:
         head = self.pruning is None or self.pruning.wants_tree()
         if self.lookups is not None:
             limit = state.draft_budget(self.max_chain)
-            lookup = self.lookups.lookup_round(state.tokens, limit, self.tree_yield if head else None)
+            lookup = self.lookups.lookup_round(state.tokens, limit, self.tree_yield if head else None, self._cut())
             if lookup is not None:
                 return lookup
         if not head:
@@ -85,6 +87,12 @@ class TreeRounds:
         if plan.drafted or not plan.nodes:
             return plan.tree
         return self._pruned(self.drafter.propose_tree(state.request_id, state.tokens, self.shape))
+
+    def _cut(self) -> Callable[[Sequence[float]], int] | None:
+        """How much of a lookup's continuation pays alone (k='auto'; None: a fixed k, all of it)."""
+        if self.pruning is None:
+            return None
+        return partial(best_chain_length, verify=self.pruning.verify, fixed_s=self.plain_overhead.seconds)
 
     def _pruned(self, tree: DraftTree | None) -> DraftTree | None:
         if tree is None or self.pruning is None:

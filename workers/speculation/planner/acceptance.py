@@ -7,7 +7,7 @@ drafting's. Pure values, torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Prior acceptance given the previous position accepted. The head's: a trained SmolLM2 head on held-out chat (its
@@ -89,3 +89,13 @@ def model_head_acceptance(recorded: Sequence[float] | None = None) -> PositionAc
     never learns its own (8 served streams of held-out chat, answers of 8-24 tokens: 0.31 accepted a drafted token,
     where the record said 0.37 at k = 3)."""
     return PositionAcceptance(tuple(recorded or HEAD_PRIOR), prior_weight=16.0, decay=0.999)
+
+
+def model_lookup_acceptance(priors: Mapping[int, float] = NGRAM_PRIOR) -> dict[int, PositionAcceptance]:
+    """Prompt lookup's acceptance by matched suffix length (then by position) over a model's recent rounds, every
+    request's: where each new request's lookups start, as the head's do (`model_head_acceptance`). A request's own
+    record starts at the prior and a short one never learns it: on held-out chat at 4 served streams the lookup's
+    4-6 token continuations accepted 0.34-0.40 tokens where the prior (0.55 a position after a 3-token match)
+    expected ~1.1, more than the head's trees had lately, so they took the head's rounds
+    (results/2026-12-06-0400-smollm2-worker-trees)."""
+    return {n: PositionAcceptance((a,), prior_weight=16.0, decay=0.999) for n, a in priors.items()}

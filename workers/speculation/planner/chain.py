@@ -10,7 +10,7 @@ far better than a 1-token one), starting from priors (a head's measured one from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from specserve.workers.config.settings import NgramConfig
 from specserve.workers.speculation.methods import HEAD_CHAIN, LOOKUP_CHAIN, MODEL_CHAIN, SUFFIX_CHAIN, Method
@@ -43,10 +43,12 @@ class ChainPlanner:
         use_draft: bool = False,
         suffix: SuffixLookup | None = None,
         head_shared: PositionAcceptance | None = None,
+        lookup_shared: Mapping[int, PositionAcceptance] | None = None,
     ):
         """suffix: the request's suffix drafting (method "suffix"), None for the other methods; head_shared: the
         model's head acceptance over every request, where this one starts and which its rounds update (instead of
-        head_prior); `for_method` builds the planner a method's registry entry names."""
+        head_prior); lookup_shared: prompt lookup's likewise, by matched suffix length; `for_method` builds the
+        planner a method's registry entry names."""
         self.use_head, self.use_ngram, self.use_draft = use_head, use_ngram, use_draft
         self.suffix = suffix
         self.by_suffix_match = {n: PositionAcceptance((a,)) for n, a in SUFFIX_PRIOR.items()}
@@ -55,7 +57,9 @@ class ChainPlanner:
         self.head_shared = head_shared
         self.head = PositionAcceptance(head_shared.known_rates() if head_shared is not None else tuple(head_prior))
         self.draft = PositionAcceptance(DRAFT_PRIOR)
-        self.by_match = {n: PositionAcceptance((a,)) for n, a in NGRAM_PRIOR.items()}
+        self.lookup_shared = lookup_shared
+        self.by_match = {n: PositionAcceptance(lookup_shared[n].known_rates() if lookup_shared else (a,))
+                         for n, a in NGRAM_PRIOR.items()}  # fmt: skip
 
     @classmethod
     def for_method(cls, entry: Method, suffix_cache: SuffixCache | None = None, **kw) -> ChainPlanner:
@@ -66,8 +70,9 @@ class ChainPlanner:
         return cls(use_head=HEAD_CHAIN in sources, use_ngram=LOOKUP_CHAIN in sources,
                    use_draft=MODEL_CHAIN in sources, suffix=suffix, **kw)  # fmt: skip
 
-    def _ngram_stats(self, match: int) -> PositionAcceptance:
-        return self.by_match[min(match, max(self.by_match))]
+    def _ngram_stats(self, match: int, record: Mapping[int, PositionAcceptance] | None = None) -> PositionAcceptance:
+        record = self.by_match if record is None else record
+        return record[min(match, max(record))]
 
     def _suffix_stats(self, match: int) -> PositionAcceptance:
         return self.by_suffix_match[max(n for n in self.by_suffix_match if n <= max(match, 2))]
@@ -114,27 +119,40 @@ class ChainPlanner:
         forecast = RoundForecast(plan.width > 0, 1, plan.seconds) if k is None else None
         return RoundPlan(plan.rows[0], row=row, forecast=forecast)
 
-    def lookup_round(self, tokens: Sequence[int], limit: int, head: TreeYield | None) -> RoundPlan | None:
+    def lookup_round(self, tokens: Sequence[int], limit: int, head: TreeYield | None,
+                     cut: Callable[[Sequence[float]], int] | None = None) -> RoundPlan | None:  # fmt: skip
         """A tree method's round from its lookups (eagle-tree+ngram): the continuation expected to accept the most,
-        whole, as a chain-shaped tree drafted with the plan, where it is expected to accept more than the head's trees
-        have lately (head: their yield; None: the head drafts no tree this round); None: the head's tree (or a plain
-        step). A comparison by committed tokens a second (each width's verify cost, the head's drafting counted) was
-        tried and measured slower: it took the lookup in more rounds, each committing less (docs/planner.md)."""
+        as a chain-shaped tree drafted with the plan, where it is expected to accept more than the head's trees have
+        lately (head: their yield; None: the head drafts no tree this round); None: the head's tree (or a plain
+        step). `cut` (k='auto'): how much of the continuation pays for its verification, from its rates (None: all
+        of it). A comparison with the head by committed tokens a second (each width's verify cost, the head's
+        drafting counted) was tried and measured slower: it took the lookup in more rounds, each committing less
+        (docs/planner.md)."""
         row = RowChoice(self.options(tokens, limit, model=False), None, limit)
         if not row.options:
             return None
         expected, best = max(((expected_accepted(o.rates, len(o.tokens)), o) for o in row.options), key=lambda p: p[0])
         if head is not None and expected <= head.mean:
+            self.passed_over(row.options)
             return None
-        chain = ChainPlan.of(best, len(best.tokens))
+        k = len(best.tokens) if cut is None else min(len(best.tokens), cut(best.rates))
+        if not k:
+            self.passed_over(row.options)
+            return None
+        chain = ChainPlan.of(best, k)
         return RoundPlan(chain, nodes=chain.k, tree=chain_tree(chain.tokens), row=row)
 
-    def passed_over(self, options: Sequence[Option]) -> None:
-        """A round that offered these options and drafted none of the head's: the model-wide head record relaxes
-        towards its prior (PositionAcceptance.relax), so that traffic the head once drafted badly for (a burst of
-        summaries) does not stop it drafting for every later request for good."""
-        if self.head_shared is not None and any(o.source == HEAD_CHAIN for o in options):
+    def passed_over(self, options: Sequence[Option], drafted: str | None = None) -> None:
+        """A round that offered these options and drafted another's (`drafted`, or none): the model-wide records of
+        the head and of prompt lookup at the match offered relax towards their priors (PositionAcceptance.relax), so
+        that traffic a drafter once drafted badly for (a burst of summaries for the head, of chat for lookups) does
+        not stop it drafting for every later request for good."""
+        if self.head_shared is not None and drafted != HEAD_CHAIN and any(o.source == HEAD_CHAIN for o in options):
             self.head_shared.relax()
+        if self.lookup_shared is not None and drafted != LOOKUP_CHAIN:
+            for o in options:
+                if o.source == LOOKUP_CHAIN:
+                    self._ngram_stats(o.match, self.lookup_shared).relax()
 
     def observe(self, plan: ChainPlan, accepted: int) -> None:
         if plan.source == HEAD_CHAIN:
@@ -145,5 +163,7 @@ class ChainPlanner:
             self.draft.observe(plan.k, accepted)
         elif plan.source == LOOKUP_CHAIN:
             self._ngram_stats(plan.match).observe(plan.k, accepted)
+            if self.lookup_shared is not None:
+                self._ngram_stats(plan.match, self.lookup_shared).observe(plan.k, accepted)
         elif plan.source == SUFFIX_CHAIN:
             self._suffix_stats(plan.match).observe(plan.k, accepted)

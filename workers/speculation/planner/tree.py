@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree
+from specserve.workers.speculation.planner.acceptance import expected_accepted
 from specserve.workers.speculation.planner.costs import ChunkBeside, VerifyCosts
 
 MAX_TREE_NODES = 16  # the tree drafted for k='auto', pruned each round
@@ -144,6 +145,21 @@ def best_node_count(scores: Sequence[float], verify: VerifyCosts, factor: float,
         rate = committed / seconds
         if rate > best_rate * (1.0 + 1e-9):
             best, best_rate = b, rate
+    return best
+
+
+def best_chain_length(rates: Sequence[float], verify: VerifyCosts, others: Sequence[TreeRow] = (),
+                      fixed_s: float = 0.0, beside: ChunkBeside | None = None) -> int:  # fmt: skip
+    """How much of a chain drafted for nothing (a lookup's continuation; rates[j]: its acceptance at position j
+    given j-1) to verify: the length (0: none) whose batch round commits the most tokens a second, the `others` as
+    they are. Beside other rows a position costs what it adds to their packed pass, so a long continuation that
+    rarely accepts pays alone and loses in a batch."""
+    best, best_rate = 0, -1.0
+    for b in range(0, min(len(rates), verify.max_k) + 1):
+        committed, seconds = _round(verify.max_k, (b, 1.0 + expected_accepted(rates, b)), verify, others, fixed_s,
+                                    beside)  # fmt: skip
+        if committed / seconds > best_rate * (1.0 + 1e-9):
+            best, best_rate = b, committed / seconds
     return best
 
 

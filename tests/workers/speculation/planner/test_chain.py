@@ -67,6 +67,8 @@ def test_a_lookup_round_beside_head_trees_weighs_accepted_nodes_at_a_fixed_k():
     assert planner.lookup_round(repeated, 3, TreeYield(mean=2.0)) is None  # the head's trees accept more
     assert planner.lookup_round(repeated, 3, None) is not None  # no head tree this round: the lookup, whatever it is
     assert planner.lookup_round([1, 2, 3, 4], 3, None) is None  # no match, nothing to verify
+    assert planner.lookup_round(repeated, 3, None, cut=lambda rates: 2).chain.tokens == (8, 9)  # what pays of it
+    assert planner.lookup_round(repeated, 3, None, cut=lambda rates: 0) is None  # none of it pays: a plain step
 
 
 def test_the_head_trees_yield_counts_a_tree_pruned_to_nothing_as_none_accepted():

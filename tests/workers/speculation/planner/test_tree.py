@@ -6,10 +6,12 @@ import pytest
 
 from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.draft_tree import DraftTree
+from specserve.workers.speculation.planner.acceptance import expected_accepted
 from specserve.workers.speculation.planner.costs import VerifyCosts
 from specserve.workers.speculation.planner.tree import (
     TreeCalibration,
     TreeRow,
+    best_chain_length,
     best_node_count,
     expected_accepted_by_size,
 )
@@ -98,6 +100,20 @@ def test_a_batchs_trees_share_one_cap_chosen_for_the_packed_forward():
     with_chain = lambda c: (2.0 + expected_accepted_by_size(modest, 1.0)[c - 1] if c else 1.0) + 1.5  # noqa: E731
     best = max(range(6), key=lambda c: with_chain(c) / steep.mean_verify((c + 3) / 2))
     assert cap == best
+
+
+def test_a_lookups_continuation_is_verified_only_as_far_as_it_pays_in_its_batch():
+    """Alone on a flat cost all of a continuation is verified; beside plain rows in a pass that costs its mean width,
+    only the length with the most committed tokens a second for the batch (none for one that never accepts)."""
+    steep = VerifyCosts(tuple(0.05 + 0.01 * w for w in range(17)))
+    modest, sure, hopeless = (0.4,) + (0.5,) * 5, (0.95,) * 6, (0.05,) * 6
+    assert best_chain_length(modest, FLAT) == 6
+    plain_rows = [TreeRow(width=0, expected=0.0)] * 3
+    rate = lambda b: (4.0 + expected_accepted(modest, b)) / steep.mean_verify(b / 4)  # noqa: E731
+    beside = best_chain_length(modest, steep, plain_rows)
+    assert beside == max(range(7), key=rate) and 0 < beside < 6
+    assert best_chain_length(sure, steep, plain_rows) == 6
+    assert best_chain_length(hopeless, steep, plain_rows) == 0
 
 
 def test_tree_rounds_weigh_their_measured_time_beyond_the_verify():
