@@ -12,9 +12,9 @@ from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.batch import BatchWidth
-from specserve.workers.speculation.planner.costs import PlannerCosts
+from specserve.workers.speculation.planner.costs import PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
-from specserve.workers.speculation.planner.tree import RecentTrees, TreePruning, best_chain_length
+from specserve.workers.speculation.planner.tree import RecentTrees, TreePruning, TreeRow, best_chain_length
 
 
 class TreeRounds:
@@ -74,9 +74,9 @@ class TreeRounds:
         if req.pruning is None:
             return tree
         worker = req.target_worker
-        peers = [r for r in self.requests.values() if r.target_worker == worker and r is not req]
+        peers = self._batch_peers(req)
         others = [r.batch_row() for r in peers]
-        req.pruning.verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
+        req.pruning.verify = self._batch_verify(others)
         batch = self.batches.setdefault(worker, BatchWidth())
         pruned = req.pruning.prune(tree, others, batch.tree_overhead.seconds, self.chunks.beside(worker),
                                    plain_s=batch.plain_overhead.seconds,
@@ -94,13 +94,19 @@ class TreeRounds:
         if self.planner_costs is None:
             return None
         worker = req.target_worker
-        others = [r.batch_row() for r in self.requests.values() if r.target_worker == worker and r is not req]
-        verify = self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
+        others = [r.batch_row() for r in self._batch_peers(req)]
         plain_s = self.batches.setdefault(worker, BatchWidth()).plain_overhead.seconds
-        return partial(best_chain_length, verify=verify, others=others, fixed_s=plain_s,
+        return partial(best_chain_length, verify=self._batch_verify(others), others=others, fixed_s=plain_s,
                        beside=self.chunks.beside(worker))  # fmt: skip
+
+    def _batch_peers(self, req: SchedRequest) -> list[SchedRequest]:
+        """The other requests of req's target worker: the rows its verify pass shares."""
+        return [r for r in self.requests.values() if r.target_worker == req.target_worker and r is not req]
+
+    def _batch_verify(self, others: Sequence[TreeRow]) -> VerifyCosts:
+        """The verify cost per width of a batch of a row and `others`, up to a whole k='auto' tree's."""
+        return self.planner_costs.surface.for_rows(1 + len(others), self.max_tree_nodes + 1)
 
     def _head_tree_peers(self, req: SchedRequest) -> list[SchedRequest]:
         """The other requests on req's target worker whose head trees are pruned for 'auto'."""
-        return [r for r in self.requests.values() if r is not req and r.target_worker == req.target_worker
-                and r.pruning is not None and r.pruning.costly]  # fmt: skip
+        return [r for r in self._batch_peers(req) if r.pruning is not None and r.pruning.costly]
