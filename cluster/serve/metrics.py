@@ -8,8 +8,9 @@ exporter prefixes them with `ray_`, and Ray 2.60 drops names with ':' (vLLM's `v
 
 Ray cannot export a counter at 0 (its `inc` takes positive values only): a counter's series appears with its first
 increment (in PromQL, `or vector(0)` where an alert needs it). The gauges are exported for every served model from
-the start, at 0. Ray 2.60 exports a histogram's `_sum` from its buckets' midpoints, so means are best taken from the
-counters (rate(num_draft_tokens) / rate(num_drafts)) and latencies from the buckets (histogram_quantile).
+the start, at 0, and set again every GAUGE_REFRESH_S (`HeldGauge`). Ray 2.60 exports a histogram's `_sum` from its
+buckets' midpoints, so means are best taken from the counters (rate(num_draft_tokens) / rate(num_drafts)) and
+latencies from the buckets (histogram_quantile).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ REQUEST_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1
 # Drafted tokens per round: le="0.5" counts the rounds that drafted nothing (Ray's bucket bounds must be positive).
 DRAFT_TOKENS_BUCKETS = [0.5, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64]
 MAX_POSITIONS = 16  # per-position counters stop here (a tree's deepest path, a chain's largest k)
+# Ray 2.60's core worker exports a gauge's value once per set (its recorder clears a gauge's observations at every
+# export: src/ray/observability/open_telemetry_metric_recorder.cc) and the metrics agent drops a value two export
+# intervals (>= 1 s each) after it arrived, so a gauge nobody sets again vanishes from /metrics: an idle replica's
+# gauges did, and a CI run's scrapes missed them for a minute. The replicas set theirs again at this period.
+GAUGE_REFRESH_S = 0.5
 ROUNDS_FLUSH_S = 1.0  # the round accounting's counters take what was summed at most this often
 WINDOW_ROUNDS = 256  # the windowed acceptance gauges: over a model's last this-many drafting rounds on a replica
 FINISH_REASONS = {"cancelled": "abort"}  # a request's status -> vLLM's finished_reason; other failures are "error"
@@ -37,7 +43,7 @@ class SchedulerMetrics:
 
     def __init__(self, models: list[str] = ()):
         """models: the served models, whose gauges are exported from the start (at 0)."""
-        from ray.util.metrics import Counter, Gauge, Histogram
+        from ray.util.metrics import Counter, Histogram
 
         m, mp = ("model_name",), ("model_name", "position")
         self.num_drafts = Counter("specserve_spec_decode_num_drafts_total", "Rounds that drafted (vLLM: drafts).", m)
@@ -56,12 +62,12 @@ class SchedulerMetrics:
             DRAFT_TOKENS_BUCKETS,
             m,
         )
-        self.acceptance_rate = Gauge(
+        self.acceptance_rate = HeldGauge(
             "specserve_spec_decode_acceptance_rate",
             f"accepted / drafted over the model's last {WINDOW_ROUNDS} drafting rounds here (0 before any).",
             m,
         )
-        self.mean_acceptance_length = Gauge(
+        self.mean_acceptance_length = HeldGauge(
             "specserve_spec_decode_mean_acceptance_length",
             f"1 + accepted / drafts over the model's last {WINDOW_ROUNDS} drafting rounds here (0 before any).",
             m,
@@ -85,12 +91,19 @@ class SchedulerMetrics:
             self.acceptance_rate.set(0.0, tags={"model_name": model})
             self.mean_acceptance_length.set(0.0, tags={"model_name": model})
 
+    def refresh(self) -> None:
+        """Every gauge's values set again (so Ray keeps exporting them) and the summed rounds handed over: the
+        replica calls it every GAUGE_REFRESH_S."""
+        for gauge in (self.running, self.waiting, self.acceptance_rate, self.mean_acceptance_length):
+            gauge.refresh()
+        self.flush_rounds()
+
     def _request_metrics(self) -> None:
-        from ray.util.metrics import Counter, Gauge, Histogram
+        from ray.util.metrics import Counter, Histogram
 
         m = ("model_name",)
-        self.running = Gauge("specserve_num_requests_running", "Requests running their rounds here.", m)
-        self.waiting = Gauge("specserve_num_requests_waiting", "Requests admitted here, waiting to run.", m)
+        self.running = HeldGauge("specserve_num_requests_running", "Requests running their rounds here.", m)
+        self.waiting = HeldGauge("specserve_num_requests_waiting", "Requests admitted here, waiting to run.", m)
         self.prompt_tokens = Counter("specserve_prompt_tokens_total", "Prompt tokens of the requests run.", m)
         self.generation_tokens = Counter("specserve_generation_tokens_total", "Tokens generated (committed).", m)
         self.request_success = Counter(
@@ -176,6 +189,25 @@ class SchedulerMetrics:
         self.mean_acceptance_length.set(1.0 + window.accepted / len(window.rounds), tags=tags)
 
 
+class HeldGauge:
+    """A Ray gauge that keeps its last value for each tag set, so `refresh` can set them all again (GAUGE_REFRESH_S
+    says why). The tag sets are the served models: bounded."""
+
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...]):
+        from ray.util.metrics import Gauge
+
+        self._gauge = Gauge(name, description, tag_keys)
+        self._values: dict[tuple[tuple[str, str], ...], float] = {}
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self._values[tuple(sorted(tags.items()))] = value
+        self._gauge.set(value, tags=tags)
+
+    def refresh(self) -> None:
+        for tags, value in self._values.items():
+            self._gauge.set(value, tags=dict(tags))
+
+
 class _Window:
     """The last `size` drafting rounds' drafted and accepted tokens, with their sums."""
 
@@ -250,7 +282,8 @@ class RequestMetrics:
 
 
 class WorkerMetrics:
-    """Worker-side metrics: the KV cache of each worker replica (`kind` target or draft), reported at its heartbeat."""
+    """Worker-side metrics: the KV cache of each worker replica (`kind` target or draft), reported every
+    GAUGE_REFRESH_S (which keeps its gauges exported)."""
 
     def __init__(self):
         from ray.util.metrics import Counter, Gauge

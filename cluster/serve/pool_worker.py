@@ -11,6 +11,7 @@ import time
 from ray import serve
 
 from specserve.cluster.app_config import ModelPairConfig
+from specserve.cluster.serve.metrics import GAUGE_REFRESH_S
 from specserve.cluster.serve.registry import registry_actor
 from specserve.cluster.serve.replica_env import app_name, every, resolve_paths
 
@@ -26,7 +27,7 @@ class PoolWorker:
     async def __init__(self, model: dict, kind: str, max_message_bytes: int | None = None):
         import ray
 
-        from specserve.cluster.serve.metrics import WorkerMetrics
+        from specserve.cluster.serve.metrics import WorkerMetrics  # Ray's metrics: made in the replica
 
         cfg = ModelPairConfig.model_validate(model)
         self.body = _worker_body(cfg, kind)
@@ -38,9 +39,11 @@ class PoolWorker:
         self.node = ray.get_runtime_context().get_node_id()
         self.metrics = WorkerMetrics()
         await self._register()
-        self._beat = asyncio.get_running_loop().create_task(
+        loop = asyncio.get_running_loop()
+        self._beat = loop.create_task(
             every(HEARTBEAT_S, self._register, f"worker {self.worker_id}'s heartbeat to the registry")
         )
+        self._gauges = loop.create_task(every(GAUGE_REFRESH_S, self._report, f"worker {self.worker_id}'s metrics"))
         log.info("%s worker %s of model %r serving at %s", kind, self.worker_id, cfg.name, self.address)
 
     async def _register(self) -> None:
@@ -48,6 +51,8 @@ class PoolWorker:
         await self.registry.register.remote(self.model, self.kind, self.worker_id, self.address,
                                             store.capacity_tokens if store is not None else 0,
                                             store.capacity_bytes if store is not None else 0)  # fmt: skip
+
+    async def _report(self) -> None:
         if self.store is not None:
             self.metrics.report(self.model, self.kind, self.worker_id, self.store)
 
@@ -80,6 +85,7 @@ class PoolWorker:
 
     async def __del__(self):
         self._beat.cancel()
+        self._gauges.cancel()
         try:
             await self.registry.unregister.remote(self.worker_id)
             await self.body.server.stop(grace=2.0)

@@ -12,6 +12,7 @@ from typing import Any
 from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.serve.health import Readiness
+from specserve.cluster.serve.metrics import GAUGE_REFRESH_S
 from specserve.cluster.serve.pool_worker import HEARTBEAT_S
 from specserve.cluster.serve.registry import registry_actor
 from specserve.cluster.serve.replica_env import app_name, every, resolve_paths, use_serve_log_files
@@ -42,6 +43,7 @@ class SchedulerReplica:
         paths = {m.name: resolve_paths(m) for m in self.config.models}
         self.serving = ModelServing(self.config, paths, metrics=SchedulerMetrics([m.name for m in self.config.models]))
         self._poller: asyncio.Task | None = None
+        self._gauges: asyncio.Task | None = None
         self._seen: tuple[str, int] | None = None  # (registry incarnation, version) last applied
         self._rows: list[dict] = []
         self.replica = uuid.uuid4().hex  # how the registry counts this replica's running requests while draining
@@ -56,6 +58,13 @@ class SchedulerReplica:
             self.serving.secret = await self.registry.secret.remote()
             await self._poll_once()
             self._poller = asyncio.get_running_loop().create_task(every(POLL_S, self._poll_once, "registry poll"))
+        if self.serving.metrics is not None and (self._gauges is None or self._gauges.done()):
+            self._gauges = asyncio.get_running_loop().create_task(
+                every(GAUGE_REFRESH_S, self._refresh_metrics, "metrics refresh")
+            )
+
+    async def _refresh_metrics(self) -> None:
+        self.serving.metrics.refresh()
 
     async def _poll_once(self) -> None:
         snap = await self.registry.snapshot.remote(self.replica, self.serving.active)

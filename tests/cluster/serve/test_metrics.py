@@ -54,6 +54,7 @@ def metrics(monkeypatch):
 
 
 def values(metric, model="a", **labels):
+    metric = getattr(metric, "_gauge", metric)  # a HeldGauge's Ray gauge
     return metric.values.get(tuple(sorted({"model_name": model, **labels}.items())), [])
 
 
@@ -80,6 +81,24 @@ def test_gauges_are_exported_for_every_model_before_any_request(metrics):
     for gauge in (metrics.running, metrics.waiting, metrics.acceptance_rate, metrics.mean_acceptance_length):
         assert last(gauge, "a") == 0.0 and last(gauge, "b") == 0.0
     assert metrics.ttft.values == {} and metrics.itl.values == {}
+
+
+def test_refresh_sets_every_gauge_again_at_its_last_value(metrics):
+    # Ray 2.60 exports a gauge's value once per set: refresh keeps an idle replica's gauges exported
+    req = metrics.request("a", prompt_tokens=3)
+    metrics.spec_round("b", drafted=4, accepted=3)
+    gauges = (metrics.running, metrics.waiting, metrics.acceptance_rate, metrics.mean_acceptance_length)
+    before = {(i, m): len(values(g, m)) for i, g in enumerate(gauges) for m in "ab"}
+    metrics.refresh()
+    for i, g in enumerate(gauges):
+        for m in "ab":
+            assert len(values(g, m)) == before[(i, m)] + 1, (i, m)
+    assert (last(metrics.waiting, "a"), last(metrics.running, "a")) == (1, 0)
+    assert last(metrics.acceptance_rate, "b") == 0.75 and last(metrics.mean_acceptance_length, "b") == 4.0
+    assert last(metrics.acceptance_rate, "a") == 0.0
+    req.scheduled()
+    metrics.refresh()
+    assert (last(metrics.waiting, "a"), last(metrics.running, "a")) == (0, 1)
 
 
 def test_a_request_from_arrival_to_its_end(metrics, clock):

@@ -52,6 +52,13 @@ def test_gauges_are_exported_before_the_first_request(server):
     gauges = ("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length", "num_requests_running")
     for name in (*gauges, "num_requests_waiting"):
         assert values[f'ray_specserve_{name}{{model_name="tiny"}}'] == 0.0
+    # and they stay exported while nothing changes them: Ray's agent drops a gauge value 2 report intervals (here
+    # 2 s) after it arrived, and the replicas set theirs again (cluster/serve/metrics.py, GAUGE_REFRESH_S)
+    for _ in range(3):
+        time.sleep(2.5)
+        values = _labelled(server["metrics"])
+        for name in (*gauges, "num_requests_waiting", "kv_cache_capacity_tokens"):
+            assert f'ray_specserve_{name}{{model_name="tiny"}}' in values, name
 
 
 def _labelled(url: str) -> dict[str, float]:
