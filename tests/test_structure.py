@@ -246,12 +246,21 @@ def _imported_names(module: str, path: Path) -> set[str]:
     return found
 
 
+def _shares_a_package_fixture(path: Path) -> bool:
+    """An __init__.py beside a conftest.py with a package-scoped fixture: pytest scopes such a fixture to a folder
+    only where the folder is a package (elsewhere it lives to the session's end)."""
+    conftest = path.parent / "conftest.py"
+    return path.name == "__init__.py" and conftest.is_file() and 'scope="package"' in conftest.read_text()
+
+
 def test_every_shared_test_module_lives_in_tests_helpers():
-    """Under tests/ there are test modules (test_*.py), conftest.py files and tests/helpers/; nothing else."""
+    """Under tests/ there are test modules (test_*.py), conftest.py files and tests/helpers/; nothing else (but the
+    __init__.py of a folder that shares a package-scoped fixture)."""
     stray = [
         str(path.relative_to(ROOT))
         for module, path in TEST_TREE.items()
         if not (path.name.startswith("test_") or path.name == "conftest.py" or module.startswith(HELPERS))
+        and not _shares_a_package_fixture(path)
     ]
     assert not stray, f"shared test code belongs in tests/helpers/ (fixtures in a conftest.py): {stray}"
 
@@ -287,7 +296,7 @@ def test_tests_take_free_ports_from_the_product():
 # A test module's folder under tests/ names the source folder whose module it tests (tests/ itself mirrors
 # src/specserve); tests across modules live only in these named folders of tests/integration/.
 MIRRORS = {"": "src/specserve", "protos": "protos", "workers": "workers", "cluster": "cluster"}
-INTEGRATION = ("served", "disaggregated", "workers", "bench", "real_model")
+INTEGRATION = ("served", "tiny_app", "disaggregated", "workers", "bench", "real_model")
 ACROSS_THE_TREE = ("test_structure.py",)  # the house rules themselves, over every folder
 
 

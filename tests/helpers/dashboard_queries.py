@@ -1,5 +1,6 @@
 """The queries of dashboards/specserve.json and the metric names they read, for the dashboard's tests (static ones in
-tests/cluster/serve/test_metrics_dashboard.py, the live scrape in tests/integration/served/test_app.py)."""
+tests/cluster/serve/test_metrics_dashboard.py, the live scrape in
+tests/integration/tiny_app/test_app_operations.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The prompts of tests/integration/served/test_app.py: its `reference` fixture holds their target-only outputs, which
-the bad-input cases (serve_bad_input_cases.py, star-imported there) compare the next valid request against."""
+"""The tiny pair's Serve app config, and the prompts of tests/integration/tiny_app/: its `reference` fixture
+holds their target-only outputs, which the bad-input cases compare the next valid request against."""
 
 PROMPTS = ["def add(a, b):", "class Stack:", "for i in range(3):", "import json"]
+N = 24  # new tokens of their reference outputs
 METRICS_REPORT_S = 1  # how often the metric tests' Ray exports each process's metrics (its metrics_report_interval_ms)
 
 

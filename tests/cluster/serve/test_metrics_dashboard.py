@@ -1,7 +1,7 @@
 """dashboards/specserve.json without a server: Grafana's variables (`datasource`, `model_name`) as vLLM's dashboards
 have them, every query filtered by model and reading metrics that cluster/serve/metrics.py defines, the panels the
-issue asks for, a grid without overlaps. tests/integration/served/test_app.py checks every query against a live
-scrape."""
+issue asks for, a grid without overlaps. tests/integration/tiny_app/test_app_operations.py checks every query
+against a live scrape."""
 
 import pytest
 

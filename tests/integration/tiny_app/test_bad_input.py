@@ -4,9 +4,8 @@ INVALID_ARGUMENT / 400 (413 for a body over the limit) with a message naming the
 a 5xx or UNKNOWN/INTERNAL, and the server answers the next valid request correctly. Odd but valid requests are
 served, and refused requests are counted.
 
-Collected through tests/integration/served/test_app.py, which star-imports these tests so that they run against its
-Serve app (its module-scoped `server`, `client` and `reference` fixtures) instead of starting another one (a Serve app
-takes ~45 s to start on 2 cores); they live here, apart from that file, because they are some 150 cases of table."""
+Runs against the package's Serve app (conftest.py: `server`, `client`, `reference`); apart from test_app.py because
+it is some 150 cases of table."""
 
 import json
 import math
@@ -20,7 +19,9 @@ import pytest
 
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
-from tests.helpers.serve_app import METRICS_REPORT_S, PROMPTS  # test_app.py: its `reference` holds their outputs
+from tests.helpers.serve_app import METRICS_REPORT_S, PROMPTS  # conftest.py's `reference` holds their outputs
+
+pytestmark = pytest.mark.slow
 
 
 def g(prompt="def f(x):", ids=None, model="", method=None, k=None, messages=None, **sampling) -> pb.GenerateRequest:

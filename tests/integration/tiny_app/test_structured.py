@@ -14,7 +14,6 @@ from specserve.client import SpecServeClient
 from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
-from tests.helpers.serve_app import tiny_app_info
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +22,6 @@ PROMPT = "def add(a, b):"
 SPEC = {"speculation": {"method": "draft", "k": 4}}
 SCHEMA = SCHEMAS["record"]
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_target, tiny_draft):
-    yield from tiny_app_info(tiny_target, tiny_draft)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The Serve app on a local Ray under hostile or unlucky conditions: gauges exported before the first request,
-oversize gRPC messages and HTTP bodies refused with the memory of Serve's proxy and the ingress bounded, and the
+"""The Serve app on a local Ray (the package's app, conftest.py) under hostile or unlucky conditions: oversize gRPC
+messages and HTTP bodies refused with the memory of Serve's proxy and the ingress bounded, and the
 registry actor killed (and restarted by Ray) mid-traffic without a failed request."""
 
 import http.client
@@ -15,61 +15,16 @@ import pytest
 import ray
 
 from specserve.client import SpecServeClient
-from specserve.cluster.app_config import serve_config
-from specserve.cluster.serve.local_ray import init_ray
 from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
 from specserve.cluster.serve.scheduler_replica import REJOIN_S
-from specserve.cluster.serve.server import start, stop
 from specserve.protos import specserve_pb2 as pb
 from specserve.protos import specserve_pb2_grpc as pb_grpc
 from specserve.workers.service.grpc_service import GRPC_OPTIONS
-from specserve.workers.service.local_processes import free_port
-from tests.helpers.serve_app import tiny_app_config
 
 pytestmark = pytest.mark.slow
 
 OVERSIZE = 64_000_000  # characters: a 64 MB prompt or body, sixteen times the 4 MiB limits
 MB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def server(tiny_target, tiny_draft):
-    metrics_port = free_port()
-    init_ray(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port, configure_logging=False,
-             _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
-    app = tiny_app_config(tiny_target, tiny_draft)
-    info = start(serve_config(app, grpc_port=free_port(), http_port=free_port()), metrics_port, ready_timeout_s=300)
-    yield info
-    stop({**info, "started_ray": False})
-    ray.shutdown()
-
-
-def test_gauges_are_exported_before_the_first_request(server):
-    deadline, values = time.time() + 60, {}
-    while time.time() < deadline and 'ray_specserve_spec_decode_acceptance_rate{model_name="tiny"}' not in values:
-        time.sleep(1)
-        values = _labelled(server["metrics"])
-    gauges = ("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length", "num_requests_running")
-    for name in (*gauges, "num_requests_waiting"):
-        assert values[f'ray_specserve_{name}{{model_name="tiny"}}'] == 0.0
-    # and they stay exported while nothing changes them: Ray's agent drops a gauge value 2 report intervals (here
-    # 2 s) after it arrived, and the replicas set theirs again (cluster/serve/metrics.py, GAUGE_REFRESH_S)
-    for _ in range(3):
-        time.sleep(2.5)
-        values = _labelled(server["metrics"])
-        for name in (*gauges, "num_requests_waiting", "kv_cache_capacity_tokens"):
-            assert f'ray_specserve_{name}{{model_name="tiny"}}' in values, name
-
-
-def _labelled(url: str) -> dict[str, float]:
-    """Samples keyed by name{model_name="..."} (the other labels dropped)."""
-    out = {}
-    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-        if line.startswith("ray_specserve_") and 'model_name="' in line:
-            name, rest = line.split("{", 1)
-            model = rest.split('model_name="', 1)[1].split('"', 1)[0]
-            out[f'{name}{{model_name="{model}"}}'] = float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def _serve_processes() -> list[psutil.Process]:

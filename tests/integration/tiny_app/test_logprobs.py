@@ -17,18 +17,12 @@ from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.logprobs import TokenLogprob
 from tests.helpers.logprobs_oracle import ATOL, assert_logprobs_match, target_logprobs
-from tests.helpers.serve_app import tiny_app_info
 
 pytestmark = pytest.mark.slow
 
 N = 16
 PROMPT = "def add(a, b):"
 SPEC = {"speculation": {"method": "draft", "k": 4}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_target, tiny_draft):
-    yield from tiny_app_info(tiny_target, tiny_draft)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,1 @@
+"""Tests that share one Serve app on the tiny pair (conftest.py)."""
