@@ -13,6 +13,8 @@ THINKING_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
 )
+# The sampling defaults of the served "compat" model (tests/integration/tiny_app/)
+COMPAT_DEFAULTS = {"temperature": 0.7, "top_k": 5, "repetition_penalty": 1.3}
 
 
 def save_with_defaults(source: str, path: str | Path, defaults: dict, chat_template: str | None = None) -> str:

@@ -130,7 +130,7 @@ def test_openai_chat_models_and_errors(oai, server):
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == chat.choices[0].message.content
-    assert [m.id for m in oai.models.list().data] == ["tiny"]
+    assert [m.id for m in oai.models.list().data] == ["tiny", "caller", "compat"]
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="tiny", prompt="x", temperature=-0.5)
     assert e.value.status_code == 400 and e.value.body["param"] == "temperature"

@@ -1,10 +1,10 @@
-"""Tool calls and gRPC `n` through the real Serve application (issue 43 items 3, 6, 8), on a tiny model whose chat
-template renders tools in Hermes' syntax and which was trained to call one (tests/helpers/tool_models.py),
-speculating with a draft model: with the `openai` package, `tool_choice` "auto" parses the call the model wrote into
-`tool_calls` (the output target-only decoding gives), streamed as `tool_calls` deltas, and the loop a client then
-sends back (the assistant's call, the tool's result) renders through the template and is answered; gRPC `n` answers
-every choice (each equal to its own request, seeded seed + index), streamed with each message's index; bad values
-400 / INVALID_ARGUMENT naming the field."""
+"""Tool calls and gRPC `n` through the real Serve application (the package's, its model "caller") (issue 43 items 3, 6,
+8), on a tiny model whose chat template renders tools in Hermes' syntax and which was trained to call one
+(tests/helpers/tool_models.py), speculating with a draft model: with the `openai` package, `tool_choice` "auto"
+parses the call the model wrote into `tool_calls` (the output target-only decoding gives), streamed as `tool_calls`
+deltas, and the loop a client then sends back (the assistant's call, the tool's result) renders through the template
+and is answered; gRPC `n` answers every choice (each equal to its own request, seeded seed + index), streamed with
+each message's index; bad values 400 / INVALID_ARGUMENT naming the field."""
 
 import json
 
@@ -12,41 +12,18 @@ import grpc
 import openai
 import pytest
 
-from specserve.client import SpecServeClient
 from specserve.cluster.serve.openai_tools import hermes_calls
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import ModelConfig
 from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
-from tests.helpers.serve_app import tiny_app_info
-from tests.helpers.tool_models import ANSWER, CALL_ARGUMENTS, CALL_TEXT, QUESTION, WEATHER, save_tool_caller
+from tests.helpers.tool_models import ANSWER, CALL_ARGUMENTS, CALL_TEXT, QUESTION, WEATHER
 
 pytestmark = pytest.mark.slow
 
 SPEC = {"speculation": {"method": "draft", "k": 3}}  # a fixed k: what a seed draws does not follow the load
 N = 16
-
-
-@pytest.fixture(scope="module")
-def caller(tmp_path_factory):
-    return save_tool_caller(tmp_path_factory.mktemp("tool_caller") / "model")
-
-
-@pytest.fixture(scope="module")
-def server(caller, tiny_draft):
-    yield from tiny_app_info(caller, tiny_draft)
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with SpecServeClient(server["grpc"], timeout_s=120) as c:
-        yield c
 
 
 def test_auto_parses_the_call_the_model_wrote_and_the_loop_sent_back_is_answered(oai, caller):
@@ -55,7 +32,7 @@ def test_auto_parses_the_call_the_model_wrote_and_the_loop_sent_back_is_answered
     alone = engine.generate(prompt, SamplingParams(max_new_tokens=100), SpecParams(method="none"))
     assert alone.text == CALL_TEXT  # target-only decoding writes the call
 
-    first = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER], temperature=0,
+    first = oai.chat.completions.create(model="caller", messages=QUESTION, tools=[WEATHER], temperature=0,
                                         max_tokens=100, extra_body=SPEC)  # fmt: skip
     (choice,) = first.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -67,7 +44,7 @@ def test_auto_parses_the_call_the_model_wrote_and_the_loop_sent_back_is_answered
     # the client's loop: its call back, with the tool's result (the openai package's own message shapes)
     loop = [*QUESTION, choice.message.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]  # fmt: skip
-    second = oai.chat.completions.create(model="tiny", messages=loop, tools=[WEATHER], temperature=0,
+    second = oai.chat.completions.create(model="caller", messages=loop, tools=[WEATHER], temperature=0,
                                          max_tokens=100, extra_body=SPEC)  # fmt: skip
     assert (second.choices[0].message.content, second.choices[0].finish_reason) == (ANSWER, "stop")
     as_object = {"name": "get_weather", "arguments": json.loads(call.function.arguments)}  # as templates take it
@@ -78,16 +55,16 @@ def test_auto_parses_the_call_the_model_wrote_and_the_loop_sent_back_is_answered
                                                            add_generation_prompt=True)  # fmt: skip
     assert second.usage.prompt_tokens == len(engine.target.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
-    plain = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER], tool_choice="none",
+    plain = oai.chat.completions.create(model="caller", messages=QUESTION, tools=[WEATHER], tool_choice="none",
                                         temperature=0, max_tokens=8)  # fmt: skip
     assert plain.choices[0].message.tool_calls is None
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+        oai.chat.completions.create(model="caller", messages=[{"role": "tool", "content": "x"}], max_tokens=4)
     assert err.value.body["param"] == "messages[0].tool_call_id"
 
 
 def test_a_streamed_auto_answer_sends_the_call_as_tool_calls_deltas(oai):
-    stream = oai.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER], temperature=0,
+    stream = oai.chat.completions.create(model="caller", messages=QUESTION, tools=[WEATHER], temperature=0,
                                          max_tokens=100, stream=True, n=2, extra_body=SPEC)  # fmt: skip
     content, calls, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
     for chunk in stream:
