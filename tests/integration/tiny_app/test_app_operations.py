@@ -30,11 +30,12 @@ def _scrape(url: str) -> dict[str, float]:
     return values
 
 
-ROUNDS = "ray_specserve_spec_decode_draft_tokens_per_round_count"  # one observation per round, drafting or not
+# The pipeline's rounds, as /health counts them (a round whose request a stop sequence ended reaches no histogram)
+ROUNDS = "ray_specserve_rounds_total"
 
 
 def _scrape_when(url: str, health: str, timeout_s: float = 90.0, settled=None) -> dict[str, float]:
-    """Ray exports metrics every few seconds: scrape until the exported round count equals the scheduler's own and
+    """Ray exports metrics every few seconds: scrape until the exported round count equals the pipeline's own and
     `settled` holds, or, without one, until every value has stayed unchanged for longer than the report period (one
     process's metrics need not all leave in the same export: a CI run's baseline once caught the round count
     exported but not an earlier test's drafted tokens)."""
