@@ -377,13 +377,10 @@ def _report(args, rows: list[Row], meta: dict, levels: list, machine: dict) -> N
     """The table (and the load bench's) on stdout; the JSON file and plots when asked for."""
     print(format_table(rows, meta))
     if levels:
-        from specserve.cluster.bench.concurrency import format_levels, request_lengths
+        from specserve.cluster.bench.load_report import format_levels, load_header
 
         load = meta["load"]
-        lengths = "-".join(map(str, request_lengths(load["config"]["new_tokens"])))
-        print(f"\nServed load bench (the Serve app over gRPC, drafting {load['drafting']!r}, its default k; greedy, "
-              f"{lengths} new tokens per request, closed-loop streams; per level: the default settles, unmeasured, "
-              "then off and each mode alternate in pairs; every ratio is to off at the same streams):")  # fmt: skip
+        print(load_header(load))
         print(format_levels(levels))
         for line in (load["orchestration_line"], load["burst_line"]):
             if line:
@@ -394,7 +391,7 @@ def _report(args, rows: list[Row], meta: dict, levels: list, machine: dict) -> N
     if args.plot:
         plot(rows, meta, args.plot)
         if levels:
-            from specserve.cluster.bench.concurrency import plot_levels
+            from specserve.cluster.bench.load_report import plot_levels
 
             root, ext = os.path.splitext(args.plot)
             plot_levels(levels, f"{root}-load{ext or '.png'}")

@@ -19,15 +19,15 @@ from specserve.cluster.bench.concurrency import (
     _segment_order,
     bench_app,
     compare,
-    format_levels,
+    judge_k,
     load_meta,
     load_rows,
     mode_speculation,
-    plot_levels,
     ratio_ci95,
     request_length,
     segment_count,
 )
+from specserve.cluster.bench.load_report import format_levels, load_header, plot_levels
 from specserve.cluster.cli.main import build_parser
 from tests.helpers.plots import error_bars, saved_figures, series
 
@@ -103,6 +103,26 @@ def test_a_mode_is_compared_with_the_off_segments_paired_with_it():
     assert fixed.identical_share == pytest.approx(0.5) and row.identical_share == 1.0  # of requests 0 and 1
 
 
+def test_the_default_is_judged_against_each_fixed_k_by_their_segments_of_the_same_round():
+    def pair(mode, tokens):  # (mode, off): off's segments differ wildly and must not enter the comparison
+        return _seg(mode, [tokens]), _seg(OFF, [tokens * (1 + 3 * len(mode) % 5)])
+
+    pairs = {DEFAULT: [pair(DEFAULT, t) for t in (40, 30, 44, 33, 50)],  # 5 rounds: the fixed k's ran in the first 3
+             "k=4": [pair("k=4", t) for t in (40, 30, 44)],
+             "k=8": [pair("k=8", t) for t in (50, 30, 40)]}  # fmt: skip
+    default = _row(1, DEFAULT, [m for m, _ in pairs[DEFAULT]])
+    judge_k(default, pairs)
+    # default / k=8 by round: 0.8, 1.0, 1.1 -> geometric mean (0.88)^(1/3); default / k=4: 1.0 each round
+    assert default.best_fixed_k == "k=8"
+    assert default.vs_best_fixed_k == pytest.approx((0.8 * 1.0 * 1.1) ** (1 / 3))
+    lo, hi = default.vs_best_fixed_k_ci95
+    assert lo < default.vs_best_fixed_k < hi
+    alone = _row(1, DEFAULT, [m for m, _ in pairs[DEFAULT]])
+    judge_k(alone, {DEFAULT: pairs[DEFAULT]})  # no fixed k at this level
+    assert alone.vs_best_fixed_k is None and alone.best_fixed_k is None
+    assert "0.96 (k=8, " in format_levels([default]) and format_levels([alone]).count(" - ") >= 1
+
+
 def _rows() -> list[LevelRow]:
     rows = []
     for streams in (1, 2):
@@ -145,6 +165,7 @@ def test_the_report_table_json_and_plot(tmp_path, monkeypatch):
     meta = load_meta(rows, LoadConfig(), "ngram", tax={"vs_same_threads": 0.9})
     assert meta["served_off_1_stream_tok_s"] == pytest.approx(41 / 4.0)
     assert meta["orchestration"] == {"vs_same_threads": 0.9}
+    assert "drafting 'ngram'" in load_header(meta) and "16-48 new tokens a request" in load_header(meta)
     levels = json.loads(json.dumps(meta))["levels"]
     assert [(r["streams"], r["speculation"]) for r in levels] == [(1, OFF), (1, DEFAULT), (2, OFF), (2, DEFAULT)]
     assert "outputs" not in levels[0] and len(levels[1]["ratio_ci95"]) == 2
@@ -228,6 +249,12 @@ def test_load_bench_on_the_demo_family(tmp_path, monkeypatch):
             assert any(ratio == pytest.approx(tok_s / o) for o in off.segment_tokens_per_s)
         assert min(r.pair_ratios) <= r.vs_off <= max(r.pair_ratios)
         assert (r.ratio_ci95 is not None) == (len(r.pair_ratios) >= 2)  # 2 default pairs, 1 fixed-k pair
+    # one round with fixed k's: the default over the k it fares worst against, from that round's segments
+    one = by[(1, DEFAULT)]
+    k = by[(1, one.best_fixed_k)]
+    assert one.vs_best_fixed_k == pytest.approx(one.segment_tokens_per_s[0] / k.segment_tokens_per_s[0])
+    assert one.vs_best_fixed_k <= one.segment_tokens_per_s[0] / by[(1, "k=1")].segment_tokens_per_s[0] + 1e-9
+    assert by[(2, DEFAULT)].vs_best_fixed_k is None  # no fixed k at 2 streams
     meta = load_meta(rows, cfg, drafting, burst=burst)
     assert meta["burst"]["answered"] == 24
     (tmp_path / "load.json").write_text(json.dumps(meta))
