@@ -8,8 +8,6 @@ import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import ray
@@ -23,6 +21,7 @@ from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.service.local_processes import free_port
 from specserve.workers.speculation.engine import SpecEngine
+from tests.helpers.serve_app import http_health
 
 pytestmark = pytest.mark.slow
 
@@ -60,14 +59,6 @@ def _target_pid() -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
 
 
-def _health(server) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(server["http"] + "/health", timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def _until(predicate, timeout_s: float, step_s: float = 0.05) -> float:
     """Seconds until `predicate()` held; fails at the timeout."""
     start = time.monotonic()
@@ -78,7 +69,7 @@ def _until(predicate, timeout_s: float, step_s: float = 0.05) -> float:
 
 
 def test_a_stopped_target_is_declared_failed_and_rejoins_after_sigcont(server, reference):
-    assert _health(server)[0] == 200
+    assert http_health(server)[0] == 200
     pid = _target_pid()
     streaming, outcome = threading.Event(), {}
 
@@ -100,15 +91,15 @@ def test_a_stopped_target_is_declared_failed_and_rejoins_after_sigcont(server, r
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
-        failed_after = _until(lambda: _health(server)[0] == 503, 30)
-        status, body = _health(server)
+        failed_after = _until(lambda: http_health(server)[0] == 503, 30)
+        status, body = http_health(server)
         assert "no healthy target worker" in json.dumps(body), body
     finally:
         os.kill(pid, signal.SIGCONT)
     resumed = time.monotonic()
     # Declared failed within call_timeout_s of the stop (a little more: /health is polled every 50 ms, through Serve)
     assert failed_after < CALL_TIMEOUT_S + 1.0, failed_after
-    rejoined_after = _until(lambda: _health(server)[0] == 200, 30)
+    rejoined_after = _until(lambda: http_health(server)[0] == 200, 30)
     thread.join(300)
     assert "error" not in outcome, outcome
     assert outcome["tokens"] == reference[0]

@@ -73,3 +73,10 @@ def client(server):
 @pytest.fixture(scope="package")
 def oai(server):
     return openai.OpenAI(base_url=server["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="package")
+def target(tiny_target):
+    """The tiny target, loaded in this process: what its target-only outputs are checked against (test_vllm_compat.py
+    overrides it with its model's)."""
+    return load_model(ModelConfig(path=tiny_target, device="cpu"))

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from tests.helpers import dashboard_queries as dq
-from tests.helpers.serve_app import METRICS_REPORT_S, PROMPTS, N
+from tests.helpers.serve_app import METRICS_REPORT_S, PROMPTS, N, http_health
 
 pytestmark = pytest.mark.slow
 
@@ -107,14 +107,6 @@ def test_every_dashboard_query_names_a_metric_the_app_exports(server, client):
     assert not missing, f"the dashboard reads metrics the app does not export: {sorted(missing)}"
 
 
-def _health(server) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(server["http"] + "/health", timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def _grpc_health(server, service: str):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -127,7 +119,7 @@ def test_health_reports_ready_and_a_draining_app_refuses_new_requests_until_it_a
 
     from specserve.cluster.serve.registry import REGISTRY_NAMESPACE, registry_name
 
-    status, body = _health(server)
+    status, body = http_health(server)
     assert status == 200 and body["status"] == "ok" and body["models"]["tiny"]["targets"]
     serving = health_pb2.HealthCheckResponse.SERVING
     assert _grpc_health(server, "").status == _grpc_health(server, "tiny").status == serving
@@ -139,9 +131,9 @@ def test_health_reports_ready_and_a_draining_app_refuses_new_requests_until_it_a
     ray.get(registry.set_draining.remote(True))
     try:
         deadline = time.time() + 30
-        while _health(server)[0] != 503 and time.time() < deadline:
+        while http_health(server)[0] != 503 and time.time() < deadline:
             time.sleep(0.25)
-        status, body = _health(server)
+        status, body = http_health(server)
         assert status == 503 and body["status"] == "draining"
         assert _grpc_health(server, "").status == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as err:
@@ -156,7 +148,7 @@ def test_health_reports_ready_and_a_draining_app_refuses_new_requests_until_it_a
     finally:
         ray.get(registry.set_draining.remote(False))
     deadline = time.time() + 30
-    while _health(server)[0] != 200 and time.time() < deadline:
+    while http_health(server)[0] != 200 and time.time() < deadline:
         time.sleep(0.25)
     assert client.generate(PROMPTS[0], max_new_tokens=4)["token_ids"]
 

@@ -11,9 +11,7 @@ import torch
 
 from specserve.client import SpecServeClient
 from specserve.workers.config.request import SamplingParams, SpecParams
-from specserve.workers.config.settings import ModelConfig
 from specserve.workers.models.chat import chat_prompt_ids, conversation
-from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.logprobs import TokenLogprob
 from tests.helpers.logprobs_oracle import ATOL, assert_logprobs_match, target_logprobs
@@ -23,16 +21,6 @@ pytestmark = pytest.mark.slow
 N = 16
 PROMPT = "def add(a, b):"
 SPEC = {"speculation": {"method": "draft", "k": 4}}
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_model(ModelConfig(path=tiny_target, device="cpu"))
 
 
 def test_grpc_logprobs_through_serves_proxy_equal_target_only(server, target):

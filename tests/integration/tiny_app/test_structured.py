@@ -11,8 +11,6 @@ import openai
 import pytest
 
 from specserve.client import SpecServeClient
-from specserve.workers.config.settings import ModelConfig
-from specserve.workers.runtime.loading import load_model
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, grammar_greedy
 
 pytestmark = pytest.mark.slow
@@ -22,16 +20,6 @@ PROMPT = "def add(a, b):"
 SPEC = {"speculation": {"method": "draft", "k": 4}}
 SCHEMA = SCHEMAS["record"]
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server["http"] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_model(ModelConfig(path=tiny_target, device="cpu"))
 
 
 def _expected(target, ids: list[int], schema: dict) -> list[int]:
@@ -48,25 +36,25 @@ def _prompt_ids(server, messages: list[dict]) -> list[int]:
         return json.loads(reply.read())["tokens"]
 
 
-def test_chat_json_schema_streamed_and_not_equals_constrained_target_only(server, client, target):
+def test_chat_json_schema_streamed_and_not_equals_constrained_target_only(server, oai, target):
     messages = [{"role": "user", "content": "Give me a record."}]
     ids = _prompt_ids(server, messages)
     expected = target.tokenizer.decode(_expected(target, list(ids), SCHEMA), skip_special_tokens=True)
     kw = {"model": "tiny", "messages": messages, "max_tokens": N, "temperature": 0, "response_format": JSON_SCHEMA,
           "extra_body": SPEC}  # fmt: skip
-    out = client.chat.completions.create(**kw)
+    out = oai.chat.completions.create(**kw)
     assert out.choices[0].message.content == expected and out.specserve["drafted"] > 0
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kw)
                        if c.choices)  # fmt: skip
     assert streamed == expected
     if out.choices[0].finish_reason == "stop":
         json.loads(expected)
 
 
-def test_completions_json_object_equals_constrained_target_only(client, target):
+def test_completions_json_object_equals_constrained_target_only(oai, target):
     ids = target.tokenizer(PROMPT)["input_ids"]
     expected = target.tokenizer.decode(_expected(target, ids, ANY_OBJECT), skip_special_tokens=True)
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0,
+    out = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0,
                                     extra_body={"response_format": {"type": "json_object"}, **SPEC})  # fmt: skip
     assert out.choices[0].text == expected
 
@@ -86,8 +74,8 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"ty
 
 @pytest.mark.parametrize(("value", "param"), [({"type": "xml"}, "response_format"),
                                               (BAD_SCHEMA, "response_format.json_schema.schema")])  # fmt: skip
-def test_bad_response_formats_are_400_naming_the_field(client, value, param):
+def test_bad_response_formats_are_400_naming_the_field(oai, value, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        response_format=value)  # fmt: skip
     assert e.value.status_code == 400 and e.value.body["param"] == param

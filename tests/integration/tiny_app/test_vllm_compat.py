@@ -20,7 +20,7 @@ SPEC = {"speculation": {"method": "draft", "k": 4}}
 
 
 @pytest.fixture(scope="module")
-def target(compat_target):
+def target(compat_target):  # this module's: the "compat" model, not the package's tiny target
     return load_model(ModelConfig(path=compat_target, device="cpu"))
 
 
