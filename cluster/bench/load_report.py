@@ -1,4 +1,5 @@
-"""The served load bench's report (cluster/bench/concurrency.py's rows): the table, the JSON rows and the plot."""
+"""The served load bench's report (cluster/bench/concurrency.py's rows): the line above its table, the table and
+the plot (the rows' JSON is concurrency.py's `levels_json`)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ def _vs_best(r: LevelRow) -> str:
 
 def format_levels(rows: list[LevelRow]) -> str:
     head = ["streams", "speculation", "requests", "agg tok/s", "vs off", "95% CI", "vs best k (95% CI)", "spread",
-            "TTFT p50 ms",
-            "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "tok/round", "identical", "round ms: work",
+            "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "tok/round", "identical", "round ms: work",
             "overhead"]  # fmt: skip
     lines = [head]
     for r in rows:

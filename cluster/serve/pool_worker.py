@@ -11,7 +11,7 @@ import time
 from ray import serve
 
 from specserve.cluster.app_config import ModelPairConfig
-from specserve.cluster.serve.metrics import GAUGE_REFRESH_S
+from specserve.cluster.serve.metrics import GAUGE_REFRESH_S, WorkerMetrics
 from specserve.cluster.serve.registry import registry_actor
 from specserve.cluster.serve.replica_env import app_name, every, resolve_paths
 
@@ -26,8 +26,6 @@ class PoolWorker:
 
     async def __init__(self, model: dict, kind: str, max_message_bytes: int | None = None):
         import ray
-
-        from specserve.cluster.serve.metrics import WorkerMetrics  # Ray's metrics: made in the replica
 
         cfg = ModelPairConfig.model_validate(model)
         self.body = _worker_body(cfg, kind)

@@ -12,7 +12,7 @@ from typing import Any
 from specserve.cluster.app_config import AppConfig, app_config
 from specserve.cluster.scheduling.prepared import Chunk, Prepared
 from specserve.cluster.serve.health import Readiness
-from specserve.cluster.serve.metrics import GAUGE_REFRESH_S
+from specserve.cluster.serve.metrics import GAUGE_REFRESH_S, SchedulerMetrics
 from specserve.cluster.serve.pool_worker import HEARTBEAT_S
 from specserve.cluster.serve.registry import registry_actor
 from specserve.cluster.serve.replica_env import app_name, every, resolve_paths, use_serve_log_files
@@ -36,7 +36,6 @@ class SchedulerReplica:
 
     def __init__(self, app_args: dict, *pools: Any):
         from specserve.cluster.scheduling.model_serving import ModelServing
-        from specserve.cluster.serve.metrics import SchedulerMetrics
 
         use_serve_log_files()
         self.config: AppConfig = app_config(app_args)
