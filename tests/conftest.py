@@ -11,6 +11,7 @@ import torch
 from specserve.workers.config.settings import KVCacheConfig
 from specserve.workers.models import packaged_heads
 from specserve.workers.speculation import engine as engine_module
+from tests.helpers.sampler_pool import close_sampler_pool
 from tests.helpers.workers import save_chatty_target, save_tiny_llama
 
 # Keep tests quiet and single-threaded per process: CI has 2 cores and Ray tests start several processes.
@@ -28,6 +29,13 @@ if torch.cuda.is_available():
     KVCacheConfig.model_fields["gpu_memory_utilization"].default = 0.02
     KVCacheConfig.model_rebuild(force=True)
     engine_module.IN_PROCESS_GPU_SHARE = 0.02
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sampler_processes():
+    """The statistical tests' sampling processes (tests/helpers/sampler_pool.py) close with the session."""
+    yield
+    close_sampler_pool()
 
 
 @pytest.fixture(scope="module", params=DEVICES)

@@ -202,49 +202,6 @@ def tensor_parallel_logits(rank: int, rendezvous, path: str, rows: list, results
         dist.destroy_process_group()
 
 
-_SAMPLER = None  # the engine of a `sample_in_processes` worker process
-
-
-def _start_sampler(target_path: str, draft_path: str | None, device: str, eagle_head: str | None = None) -> None:
-    global _SAMPLER
-    from specserve.workers.config.settings import ModelConfig
-    from specserve.workers.runtime.loading import load_model
-    from specserve.workers.speculation.engine import SpecEngine
-
-    torch.set_num_threads(1)
-    draft = load_model(ModelConfig(path=draft_path, device=device)) if draft_path else None
-    _SAMPLER = SpecEngine(load_model(ModelConfig(path=target_path, device=device)), draft, eagle_head=eagle_head)
-
-
-def _sample_seeds(job) -> tuple[list[tuple[int, ...]], int]:
-    prompt, params, spec, seeds = job
-    outputs, accepted = [], 0
-    for seed in seeds:
-        result = _SAMPLER.generate(prompt, params.model_copy(update={"seed": seed}), spec)
-        outputs.append(tuple(result.token_ids))
-        accepted += result.stats.accepted
-    return outputs, accepted
-
-
-def sample_in_processes(
-    target_path: str, draft_path: str | None, device: str, prompt: list[int], params, spec, seeds: list[int],
-    processes: int = 2, eagle_head: str | None = None,
-) -> tuple[list[tuple[int, ...]], int]:  # fmt: skip
-    """One seeded request per seed, alone, as `SpecEngine.generate` runs it, spread over `processes` spawned
-    processes with an engine each (statistical tests need thousands of samples; CI has 2 cores). Every sample is an
-    independent request, so the split changes no output. Returns the outputs in seed order and the accepted
-    draft tokens over all of them. eagle_head: an EAGLE-3 head directory, for method 'eagle'."""
-    import multiprocessing
-
-    size = -(-len(seeds) // processes)
-    chunks = [seeds[i : i + size] for i in range(0, len(seeds), size)]
-    ctx = multiprocessing.get_context("spawn")
-    initargs = (target_path, draft_path, device, eagle_head)
-    with ctx.Pool(len(chunks), initializer=_start_sampler, initargs=initargs) as pool:
-        results = pool.map(_sample_seeds, [(prompt, params, spec, chunk) for chunk in chunks])
-    return [o for outputs, _ in results for o in outputs], sum(accepted for _, accepted in results)
-
-
 def load_pair(tiny_target: str, models_dir, device: str, name: str):
     """The tiny target and a draft perturbed from it (agreeing on some tokens only), loaded: (target, draft)."""
     from specserve.workers.config.settings import ModelConfig

@@ -29,8 +29,9 @@ from specserve.workers.training.eagle_train import train_head
 from tests.helpers.eagle_data import FIRST_TOKEN, write_tiny_eagle_data
 from tests.helpers.eagle_heads import hf_features, random_head
 from tests.helpers.greedy_oracle import PROMPTS, own_greedy_loop
+from tests.helpers.sampler_pool import sample_in_processes
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
-from tests.helpers.workers import sample_in_processes, save_tiny_llama
+from tests.helpers.workers import save_tiny_llama
 
 LAYERS, HIDDEN = 8, 32  # feature layers (2, 4, 5)
 MAX_NEW = 24
@@ -376,11 +377,10 @@ def test_eagle_sampling_matches_target_distribution(sampling_target, device, met
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
     joint = exact_joint(model, params, V)
     spec = SpecParams(method=method, k=k)  # after the prefill's round, 2 of the NEW = 3 tokens are left to draft
-    outputs, accepted = sample_in_processes(
-        path, None, device, PROMPT, params, spec, list(range(samples)), eagle_head=head_dir
-    )
+    drawn = sample_in_processes(path, None, device, PROMPT, params, spec, list(range(samples)), eagle_head=head_dir)
+    outputs = drawn.outputs
     assert len(outputs) == samples
-    assert accepted > 0.2 * samples  # speculation really happened (measured: 0.35 per request)
+    assert drawn.accepted > 0.2 * samples  # speculation really happened (measured: 0.35 per request)
     assert chi2_pvalue(outputs, joint) > 1e-3
     for pos in range(NEW):
         assert marginal_tv(outputs, joint, pos, V) <= 0.03

@@ -12,8 +12,8 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.config.settings import ModelConfig
 from specserve.workers.runtime.loading import load_model
 from specserve.workers.speculation.engine import SpecEngine
+from tests.helpers.sampler_pool import sample_in_processes
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
-from tests.helpers.workers import sample_in_processes
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,10 @@ def test_speculative_sampling_matches_target_distribution(
     params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=NEW, stop_at_eos=False)
     joint = exact_joint(engine.target.model, params, V)
     spec = SpecParams(method=method, k=k)
-    outputs, accepted = sample_in_processes(
-        tiny_vocab_target, tiny_vocab_draft, device, PROMPT, params, spec, list(range(samples))
-    )
+    drawn = sample_in_processes(tiny_vocab_target, tiny_vocab_draft, device, PROMPT, params, spec, list(range(samples)))
+    outputs = drawn.outputs
     assert len(outputs) == samples
-    assert accepted > min_accepted * samples  # speculation really happened
+    assert drawn.accepted > min_accepted * samples  # speculation really happened
     assert chi2_pvalue(outputs, joint) > 1e-3
     for pos in range(NEW):
         assert marginal_tv(outputs, joint, pos, V) <= max_tv

@@ -24,6 +24,7 @@ from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, compiled_grammar, grammar_greedy
 from tests.helpers.greedy_oracle import PROMPTS
+from tests.helpers.sampler_pool import sample_in_processes
 from tests.helpers.sampling_oracle import chi2_pvalue
 from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
 
@@ -38,9 +39,15 @@ ACCEPTING = ("draft", "ngram", "ngram-tree", "suffix", "eagle+ngram")
 
 
 @pytest.fixture(scope="module")
-def engine(models_dir):
+def model_paths(models_dir) -> tuple[str, str]:
+    """The target and a draft model perturbed from it: (target's directory, draft's)."""
     path = save_tiny_llama(models_dir / "grammar_target", seed=4, layers=8, hidden=32)
-    draft_path = save_perturbed_copy(path, models_dir / "grammar_draft", 0.05, seed=7)
+    return path, save_perturbed_copy(path, models_dir / "grammar_draft", 0.05, seed=7)
+
+
+@pytest.fixture(scope="module")
+def engine(model_paths):
+    path, draft_path = model_paths
     target = load_model(ModelConfig(path=path, device="cpu"))
     head = random_head(target.model.config, 64, seed=2, std=0.3)
     flat = VerifyCosts((1.0,) * (MAX_TREE_NODES + 1))  # k='auto' trees: every node pays
@@ -169,16 +176,12 @@ def _exact_outputs(target, prompt_ids: list[int], schema: dict) -> dict[tuple[in
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("method", "k"), [("draft", 4), ("ngram-tree", 6)])
-def test_sampling_under_a_grammar_draws_from_the_constrained_distribution(engine, method, k):
+def test_sampling_under_a_grammar_draws_from_the_constrained_distribution(engine, model_paths, method, k):
     prompt = PROMPTS[0]
     ids = engine.tokenizer(prompt)["input_ids"]
     joint = _exact_outputs(engine.target, ids, ENUM)
     assert len(joint) == 4 and max(joint.values()) < 0.97  # four outputs, none (nearly) certain
     fmt = ResponseFormat(type="json_schema", json_schema=json.dumps(ENUM))
-    samples, drafted = [], 0
-    for seed in range(300):
-        params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed, response_format=fmt)
-        result = engine.generate(prompt, params, SpecParams(method=method, k=k))
-        samples.append(tuple(result.token_ids))
-        drafted += result.stats.drafted
-    assert drafted > 0 and chi2_pvalue(samples, joint) > 1e-3
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, response_format=fmt)
+    drawn = sample_in_processes(*model_paths, "cpu", prompt, params, SpecParams(method=method, k=k), list(range(300)))
+    assert drawn.drafted > 0 and chi2_pvalue(drawn.outputs, joint) > 1e-3

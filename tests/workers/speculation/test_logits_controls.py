@@ -19,8 +19,9 @@ from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.controls_oracle import controlled_logits_reference, hf_controlled_greedy
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.greedy_oracle import PROMPTS
+from tests.helpers.sampler_pool import sample_in_processes
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, marginal_tv
-from tests.helpers.workers import sample_in_processes, save_perturbed_copy, save_tiny_llama
+from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
 
 MAX_NEW = 20
 EOS = 2  # the tiny tokenizer's </s>
@@ -157,9 +158,10 @@ def test_sampling_with_penalties_draws_from_the_controlled_distribution(tiny_voc
     plain = _controlled_joint(model, params.model_copy(update={"repetition_penalty": 1.0, "presence_penalty": 0.0,
                                                                "frequency_penalty": 0.0}), {}, V)  # fmt: skip
     assert sum(abs(joint.get(c, 0.0) - plain.get(c, 0.0)) for c in set(joint) | set(plain)) > 0.2  # they matter
-    outputs, accepted = sample_in_processes(tiny_vocab_target, tiny_vocab_draft, "cpu", PROMPT, params,
-                                            SpecParams(method=method, k=k), list(range(samples)))  # fmt: skip
-    assert accepted > 0.01 * samples
+    drawn = sample_in_processes(tiny_vocab_target, tiny_vocab_draft, "cpu", PROMPT, params,
+                                SpecParams(method=method, k=k), list(range(samples)))  # fmt: skip
+    outputs = drawn.outputs
+    assert drawn.accepted > 0.01 * samples
     assert chi2_pvalue(outputs, joint) > 1e-3
     for pos in range(NEW):
         assert marginal_tv(outputs, joint, pos, V) <= 0.03

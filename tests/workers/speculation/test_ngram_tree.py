@@ -13,8 +13,9 @@ from specserve.workers.runtime.tree_rows import ROOT
 from specserve.workers.speculation.engine import SpecEngine
 from specserve.workers.speculation.ngram import MAX_MATCHES, ngram_matches, ngram_tree
 from tests.helpers.greedy_oracle import PROMPTS, own_greedy_loop
+from tests.helpers.sampler_pool import sample_in_processes
 from tests.helpers.sampling_oracle import NEW, PROMPT, assert_target_distribution
-from tests.helpers.workers import sample_in_processes, save_tiny_llama
+from tests.helpers.workers import save_tiny_llama
 
 
 def test_matches_are_the_most_recent_of_the_longest_suffixes_first():
@@ -66,7 +67,7 @@ def test_ngram_tree_sampling_matches_target_distribution(models_dir, device):
     path = save_tiny_llama(models_dir / "tv_ngram_tree", seed=10, layers=4, hidden=16, tiny_vocab=True, init_range=0.5)
     model = load_model(ModelConfig(path=path, device=device)).model
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, stop_at_eos=False)
-    outputs, accepted = sample_in_processes(path, None, device, PROMPT, params,
-                                            SpecParams(method="ngram-tree", k=4), list(range(4000)))  # fmt: skip
-    assert accepted > 0.2 * len(outputs)
-    assert_target_distribution(outputs, model, params, max_tv=0.03)
+    spec = SpecParams(method="ngram-tree", k=4)
+    drawn = sample_in_processes(path, None, device, PROMPT, params, spec, list(range(4000)))
+    assert drawn.accepted > 0.2 * len(drawn.outputs)
+    assert_target_distribution(drawn.outputs, model, params, max_tv=0.03)
