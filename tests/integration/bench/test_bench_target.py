@@ -63,6 +63,7 @@ def test_without_a_draft_rows_are_prompt_lookup_and_ngram_and_greedy_rows_match(
     assert all(r.tokens == sum(len(o) for o in r.outputs) and r.tokens_per_s > 0 for r in rows)
 
 
+@pytest.mark.slow  # 8 s
 def test_with_a_draft_the_draft_and_hf_assisted_rows_are_added(tiny_target, tmp_path):
     same_vocab_draft = save_tiny_llama(tmp_path / "draft", seed=1, layers=1, hidden=32)
     rows, _ = run_bench(_engine(tiny_target, same_vocab_draft), PROMPTS[:2], CFG, progress=False)
@@ -97,6 +98,7 @@ def test_with_a_head_the_eagle_rows_are_added_with_acceptance_by_position(tmp_pa
     assert head["path"] == "(in memory)" and head["step_ms"] >= 0 and len(head["verify_ms_by_width"]) == 9
 
 
+@pytest.mark.slow  # 4 s
 def test_hf_assisted_rows_are_skipped_with_a_reason_when_the_draft_vocabulary_is_padded(tiny_target, tiny_draft,
                                                                                         capsys):  # fmt: skip
     rows, _ = run_bench(_engine(tiny_target, tiny_draft), PROMPTS[:1], CFG, progress=False)

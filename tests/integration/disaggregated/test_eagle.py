@@ -45,6 +45,7 @@ from tests.helpers.eagle_disaggregated import (
 )
 from tests.helpers.eagle_heads import hf_features
 from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.marks import slow_unless
 from tests.helpers.pipelines import generate_all
 from tests.helpers.sampling_oracle import NEW, chi2_pvalue, exact_joint, marginal_tv
 from tests.helpers.workers import LocalWorkers
@@ -65,7 +66,7 @@ def tiny_vocab_pair(pairs):
     return pairs["tiny_vocab"]
 
 
-@pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
+@pytest.mark.parametrize("pair_name", slow_unless(["byte", "tiny_vocab"], ["tiny_vocab"]))  # byte: in CI
 def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_name, monkeypatch):
     """Prompts of different lengths, k fixed and auto, two head draft workers and two targets, and requests of other
     methods in the same target batches (rows that want features beside rows that do not). Features never pause here

@@ -39,6 +39,7 @@ from tests.helpers.eagle_disaggregated import (
 )
 from tests.helpers.eagle_heads import hf_features
 from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.marks import slow_unless
 from tests.helpers.sampling_oracle import NEW, assert_target_distribution
 
 WIDTH = 6  # feature values per position in the scheduler's unit test
@@ -64,7 +65,7 @@ def plan_sources(monkeypatch) -> list[str]:
     return sources
 
 
-@pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
+@pytest.mark.parametrize("pair_name", slow_unless(["byte", "tiny_vocab"], ["tiny_vocab"]))  # byte: in CI
 def test_concurrent_greedy_requests_are_identical_to_target_only(pairs, pair_name, plan_sources, monkeypatch):
     """k fixed and auto, two head draft workers, "eagle" requests in the same batches. Both chains win rounds; only
     the head's rounds call a draft worker; each head got every committed position's features once and in order,

@@ -13,6 +13,7 @@ from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.runtime.kv_cache import RETAIN_LESS
 from tests.helpers.eagle_disaggregated import build_pairs, prompts_of, sample_disaggregated
 from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.marks import slow_unless
 from tests.helpers.pipelines import generate_all, generate_beside, generate_in_turns
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
 from tests.helpers.workers import LocalWorkers, load_pair
@@ -112,7 +113,7 @@ def test_a_chunked_second_turn_keeps_its_whole_cached_history_and_the_heads(pair
     assert (on.rounds, on.drafted, on.accepted) == (off.rounds, off.drafted, off.accepted)
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle"])
+@pytest.mark.parametrize("method", slow_unless(["draft", "eagle"], ["eagle"]))  # draft: in CI
 def test_a_request_beside_a_running_one_with_its_prompt_copies_it_on_target_and_drafter(pairs, models_dir, tiny_target,
                                                                                        device, method):  # fmt: skip
     """Two requests with one long prompt (a system prompt, a document), the second sent while the first decodes: the

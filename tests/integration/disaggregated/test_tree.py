@@ -30,6 +30,7 @@ from tests.helpers.eagle_disaggregated import (
     until,
 )
 from tests.helpers.greedy_oracle import own_greedy_loop
+from tests.helpers.marks import slow_unless
 from tests.helpers.pipelines import generate_all
 from tests.helpers.sampling_oracle import NEW, assert_target_distribution
 from tests.helpers.workers import LocalWorkers
@@ -65,7 +66,7 @@ def _record(trees: list, calls, results):
     return results
 
 
-@pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
+@pytest.mark.parametrize("pair_name", slow_unless(["byte", "tiny_vocab"], ["tiny_vocab"]))  # byte: in CI
 def test_concurrent_greedy_tree_requests_are_identical_to_target_only(pairs, pair_name):
     """Trees of 2, 4 and 8 nodes and 'auto' (16 drafted, pruned by the workers' measured costs), beside head chains
     and target-only requests in the same draft and target batches."""
@@ -112,7 +113,7 @@ def test_forgetful_and_dead_draft_workers_change_no_output(pairs):
     assert sum(r.resent for r in results) > 0 and "draft-0" in pipeline.scheduler.unhealthy
 
 
-@pytest.mark.parametrize("pair_name", ["byte", "tiny_vocab"])
+@pytest.mark.parametrize("pair_name", slow_unless(["byte", "tiny_vocab"], ["tiny_vocab"]))  # byte: in CI
 def test_head_trees_beside_lookups_are_identical_to_target_only(pairs, pair_name):
     """eagle-tree+ngram: each round the head's tree or, where it is expected to accept more, prompt lookup's or
     suffix drafting's continuation verified as a chain-shaped tree with no draft call; prompts that repeat themselves

@@ -29,6 +29,7 @@ from specserve.workers.training.eagle_train import train_head
 from tests.helpers.eagle_data import FIRST_TOKEN, write_tiny_eagle_data
 from tests.helpers.eagle_heads import hf_features, random_head
 from tests.helpers.greedy_oracle import PROMPTS, own_greedy_loop
+from tests.helpers.marks import slow_unless
 from tests.helpers.sampler_pool import sample_in_processes
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, exact_joint, marginal_tv
 from tests.helpers.workers import save_tiny_llama
@@ -55,7 +56,7 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("draft_vocab", "method"), [(64, "eagle"), (259, "eagle"), (64, "eagle+ngram")]
+    ("draft_vocab", "method"), slow_unless([(64, "eagle"), (259, "eagle"), (64, "eagle+ngram")], [(64, "eagle")])
 )  # a reduced draft vocabulary and the whole one; the head's chain competing with prompt lookup
 def test_greedy_eagle_is_identical_to_target_only(target, draft_vocab, method):
     engine = SpecEngine(target, eagle_head=random_head(target.model.config, draft_vocab, seed=draft_vocab))
@@ -95,6 +96,7 @@ def test_eagle_and_ngram_take_turns_and_stay_identical(target):
     assert {"head", "ngram"} <= set(sources), sources
 
 
+@pytest.mark.slow  # 8 s
 def test_a_trained_head_accepts_more_than_a_random_one_and_output_stays_identical(trained):
     loaded, head_dir = trained
     engines = {
@@ -424,6 +426,7 @@ def test_greedy_auto_trees_of_a_trained_head_are_identical_to_target_only(traine
     assert engine.verifier.runner.store.used_tokens == 0 and not engine.drafters["eagle"].drafting._requests
 
 
+@pytest.mark.slow  # 12 s
 def test_a_head_slower_than_its_trees_save_backs_off_to_plain_steps(trained, target, monkeypatch):
     """k='auto' compares drafting a tree with not drafting one, by the trees as verified: a trained head whose
     drafting costs more than its nodes save (20 ms a tree beside a 4 ms step, as an eager bf16 head beside a graphed

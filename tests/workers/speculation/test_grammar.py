@@ -24,6 +24,7 @@ from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.grammar_oracle import ANY_OBJECT, SCHEMAS, compiled_grammar, grammar_greedy
 from tests.helpers.greedy_oracle import PROMPTS
+from tests.helpers.marks import slow_unless
 from tests.helpers.sampler_pool import sample_in_processes
 from tests.helpers.sampling_oracle import chi2_pvalue
 from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
@@ -66,7 +67,11 @@ def references(engine):
     return refs
 
 
-@pytest.mark.parametrize(("method", "k"), METHODS)
+# the fast loop: one of each drafting kind (the draft model's and the head's chains run in the served grammar tests)
+@pytest.mark.parametrize(
+    ("method", "k"),
+    slow_unless(METHODS, [("ngram", 3), ("eagle-tree", 6), ("ngram-tree", 6), ("suffix", 3), ("none", 1)]),
+)
 def test_greedy_under_a_grammar_is_identical_to_constrained_target_only(engine, references, method, k):
     drafted = accepted = 0
     for (name, prompt), expected in references.items():

@@ -19,6 +19,7 @@ from specserve.workers.speculation.planner.tree import MAX_TREE_NODES
 from tests.helpers.controls_oracle import controlled_logits_reference, hf_controlled_greedy
 from tests.helpers.eagle_heads import random_head
 from tests.helpers.greedy_oracle import PROMPTS
+from tests.helpers.marks import slow_unless
 from tests.helpers.sampler_pool import sample_in_processes
 from tests.helpers.sampling_oracle import NEW, PROMPT, chi2_pvalue, marginal_tv
 from tests.helpers.workers import save_perturbed_copy, save_tiny_llama
@@ -62,7 +63,14 @@ def references(engine):
     return refs
 
 
-@pytest.mark.parametrize(("method", "k"), METHODS)
+# the fast loop: one of each drafting kind (the draft model's and the head's chains run in the served controls tests)
+@pytest.mark.parametrize(
+    ("method", "k"),
+    slow_unless(
+        METHODS,
+        [("ngram", 3), ("eagle-tree", 6), ("eagle-tree", "auto"), ("ngram-tree", 6), ("suffix", 3), ("none", 1)],
+    ),
+)
 def test_greedy_with_controls_is_identical_to_transformers(engine, references, method, k):
     drafted = 0
     for name, controls in CONTROLS.items():
