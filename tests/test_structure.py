@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,32 @@ def test_no_function_is_over_the_limit():
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(ROOT)}:{node.name}"] = lines
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _only_tests_call(product: dict[str, str], tests: str) -> list[str]:
+    """Functions and methods of `product` (path -> source) whose name appears in no product source but at its own
+    definition, yet in `tests`: code kept alive by its tests alone (dunders, called by Python, aside)."""
+    named = Counter(re.findall(r"\w+", "\n".join(product.values())))
+    tested = set(re.findall(r"\w+", tests))
+    found = []
+    for path, source in product.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("__"):
+                if named[node.name] == 1 and node.name in tested:
+                    found.append(f"{path}:{node.name}")
+    return found
+
+
+def test_no_function_is_called_only_by_tests():
+    """A function that only tests call is a second way of doing what the product does another way (issue 57: the
+    planner's `best_k` and `round_rate` were): it belongs in tests/helpers/ as a test's oracle, or nowhere."""
+    product = {str(p.relative_to(ROOT)): p.read_text() for p in MODULES.values()}  # generated stubs call servicers
+    tests = "\n".join(p.read_text() for p in TESTS.rglob("*.py") if p.name != "test_structure.py")
+    found = _only_tests_call(product, tests)
+    assert not found, f"called only by tests (move to tests/helpers/ or delete): {found}"
+    # and the check sees one: a product function named only where it is defined and in a test
+    planted = {"m.py": "def used():\n    return kept()\n\ndef kept():\n    return 1\n\ndef only_tested():\n    pass\n"}
+    assert _only_tests_call(planted, "only_tested(); kept()") == ["m.py:only_tested"]
 
 
 def test_one_strict_base():

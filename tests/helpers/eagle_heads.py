@@ -23,3 +23,17 @@ def hf_features(model, sequence: list[int]) -> torch.Tensor:
     with torch.no_grad():
         hidden = model(torch.tensor([sequence], device=model.device), output_hidden_states=True).hidden_states
     return torch.cat([hidden[i][0] for i in default_feature_layers(model.config.num_hidden_layers)], dim=-1)
+
+
+def draft_greedy(drafting, rows: list[tuple[str, torch.Tensor, list[int]]], k: int) -> list[list[int]]:
+    """Through an Eagle3Drafting's cache: extend each (request id, features, tokens) row, then draft k greedy tokens
+    per row (target ids)."""
+    step = drafting.extend(rows)
+    tokens = drafting.head.draft_to_target(step.logits.argmax(-1))  # [B]
+    drafted = [tokens]
+    chain = drafting.chain([request_id for request_id, _, _ in rows], step)
+    for _ in range(k - 1):
+        step = chain.step(tokens)
+        tokens = drafting.head.draft_to_target(step.logits.argmax(-1))
+        drafted.append(tokens)
+    return torch.stack(drafted, dim=1).tolist()  # [B, k]

@@ -90,10 +90,6 @@ class KVCacheStore:
         return self._used
 
     @property
-    def used_bytes(self) -> int:
-        return self._used * self.bytes_per_token
-
-    @property
     def capacity_bytes(self) -> int:
         return self.capacity_tokens * self.bytes_per_token
 

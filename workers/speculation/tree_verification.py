@@ -37,20 +37,6 @@ class TreeVerifyOutput:
         return self.path[row, : int(self.accepted[row])].tolist()
 
 
-def check_tree(parents: torch.Tensor, valid: torch.Tensor) -> None:
-    """parents [B, N] int64, valid [B, N] bool. Raises ValueError unless every valid node's parent is the root or an
-    earlier valid node (padding may sit anywhere; its parents are ignored)."""
-    n = parents.shape[1]
-    index = torch.arange(n, device=parents.device).expand_as(parents)  # [B, N]
-    in_range = (parents >= ROOT) & (parents < index)  # [B, N]
-    parent_valid = valid.gather(1, parents.clamp(0, n - 1)) | (parents == ROOT)  # [B, N]
-    bad = valid & ~(in_range & parent_valid)
-    if bool(bad.any()):
-        row, node = (int(x) for x in bad.nonzero()[0])
-        parent = int(parents[row, node])
-        raise ValueError(f"row {row}: node {node}'s parent {parent} is not the root or an earlier node")
-
-
 def _walk(parents: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, accept_child) -> TreeVerifyOutput:
     """The shared walk: nodes in index order; a node is tried where its parent is the row's current node (and no
     sibling was accepted before it). accept_child(i, rows [R] int64) -> [R] bool decides the tried rows (and updates

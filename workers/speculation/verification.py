@@ -30,9 +30,6 @@ class VerifyOutput:
     accepted: torch.Tensor  # [B] int64 in 0..k
     next_token: torch.Tensor  # [B] int64: the recovered token (accepted < k) or the bonus token (== k)
 
-    def is_bonus(self, k: int) -> torch.Tensor:  # [B] bool
-        return self.accepted == k
-
 
 def _first_rejection(accept: torch.Tensor) -> torch.Tensor:
     """accept: [B, k] bool -> number of leading True per row: [B] int64."""

@@ -53,7 +53,7 @@ def test_capacity_is_enforced_and_release_frees(target):
     assert runner.release("a")
     assert runner.store.used_tokens == 0
     runner.logits_for("b", list(range(3, 13)), 1)
-    assert runner.store.used_bytes == 10 * target.kv_bytes_per_token
+    assert runner.store.used_tokens == 10 and runner.store.bytes_per_token == target.kv_bytes_per_token
 
 
 def test_unknown_request_is_a_distinct_error(target):

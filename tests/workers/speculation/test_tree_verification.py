@@ -5,15 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.workers.speculation.tree_verification import (
-    ROOT,
-    chain_tree,
-    check_tree,
-    greedy_tree_verify,
-    rejection_tree_verify,
-)
+from specserve.workers.runtime.tree_rows import check_parents
+from specserve.workers.speculation.tree_verification import ROOT, chain_tree, greedy_tree_verify, rejection_tree_verify
 from specserve.workers.speculation.verification import greedy_verify, rejection_verify
 from tests.helpers.sampling_oracle import chi2_pvalue
+from tests.helpers.trees import check_tree
 
 
 def random_trees(batch: int, nodes: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -43,7 +39,7 @@ def reference_greedy(parents, tokens, valid, argmax) -> tuple[list[int], int]:
 def test_greedy_equals_a_walk_by_hand_on_random_ragged_trees():
     parents, tokens, valid = random_trees(batch=400, nodes=12, vocab=3, seed=0)
     argmax = torch.randint(0, 3, (400, 13), generator=torch.Generator().manual_seed(1))
-    check_tree(parents, valid)
+    check_tree(parents, valid)  # the random trees are well formed
     out = greedy_tree_verify(parents, tokens, valid, argmax)
     depths = []
     for b in range(400):
@@ -75,15 +71,15 @@ def test_a_chain_verifies_as_the_chain_verifiers_do(seed):
     assert torch.equal(tree.accepted, chain.accepted) and torch.equal(tree.next_token, chain.next_token)
 
 
-def test_malformed_trees_are_refused_and_padding_is_ignored():
-    valid = torch.ones(1, 3, dtype=torch.bool)
-    check_tree(torch.tensor([[ROOT, 0, 0]]), valid)
-    for parents in ([[ROOT, 1, 0]], [[0, ROOT, 1]], [[ROOT, -2, 0]]):
+def test_a_tree_is_refused_unless_each_parent_is_the_root_or_an_earlier_node():
+    """What a target worker checks of a tree call before verifying it (an invalid one: INVALID_ARGUMENT naming
+    parents, tests/integration/workers/test_trees.py)."""
+    check_parents([5, 6, 7], [ROOT, 0, 0])
+    for parents in ([ROOT, 1, 0], [0, ROOT, 1], [ROOT, -2, 0]):
         with pytest.raises(ValueError, match="is not the root or an earlier node"):
-            check_tree(torch.tensor(parents), valid)
-    with pytest.raises(ValueError, match="node 2's parent 1"):
-        check_tree(torch.tensor([[ROOT, ROOT, 1]]), torch.tensor([[True, False, True]]))  # a child of padding
-    check_tree(torch.tensor([[ROOT, 7, 0]]), torch.tensor([[True, False, True]]))  # padding's own parent: ignored
+            check_parents([5, 6, 7], parents)
+    with pytest.raises(ValueError, match="3 tokens for 2 parents"):
+        check_parents([5, 6, 7], [ROOT, 0])
 
 
 def test_sampling_commits_tokens_distributed_as_the_target_samples_them():

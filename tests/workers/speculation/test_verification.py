@@ -26,7 +26,7 @@ def test_greedy_exact_cases(draft, target_argmax, accepted, next_token):
     out = greedy_verify(draft_t, _t(target_argmax))
     assert out.accepted.tolist() == [accepted]
     assert out.next_token.tolist() == [next_token]
-    assert out.is_bonus(draft_t.shape[1]).tolist() == [accepted == draft_t.shape[1]]
+    assert (out.accepted == draft_t.shape[1]).tolist() == [accepted == draft_t.shape[1]]
 
 
 def test_greedy_batch_rows_are_independent():

@@ -22,6 +22,7 @@ from specserve.workers.training.eagle_manifest import read_manifest, shard_paths
 from specserve.workers.training.eagle_shards import answer_token_counts, load_shard, make_batch
 from specserve.workers.training.eagle_train import train_head, ttt_loss
 from tests.helpers.eagle_data import write_tiny_eagle_data
+from tests.helpers.eagle_heads import draft_greedy
 from tests.helpers.workers import save_tiny_llama
 
 K = 3  # drafted tokens, and TTT steps
@@ -88,7 +89,7 @@ def test_cached_batched_drafting_equals_a_recomputation_without_cache():
 def test_greedy_drafts_are_target_ids_in_the_draft_vocabulary():
     head, embed = random_head(2), torch.randn(50, 32)
     drafting = Eagle3Drafting(head, embed)
-    drafted = drafting.draft_greedy([("r", torch.randn(5, 96), [1, 2, 3, 4, 5])], k=4)
+    drafted = draft_greedy(drafting, [("r", torch.randn(5, 96), [1, 2, 3, 4, 5])], k=4)
     assert len(drafted) == 1 and len(drafted[0]) == 4
     assert all(head.t2d[t] for t in drafted[0])
     logits = torch.randn(2, 20)
@@ -131,7 +132,7 @@ def test_chain_acceptance_is_what_drafting_through_the_cache_accepts(data):
                     continue
                 drafting = Eagle3Drafting(head, weights.embed)
                 features, tokens = shard.features[first : first + t + 1], shard.input_ids[first + 1 : first + t + 2]
-                drafted = torch.tensor(drafting.draft_greedy([("r", features, tokens.tolist())], K)[0])
+                drafted = torch.tensor(draft_greedy(drafting, [("r", features, tokens.tolist())], K)[0])
                 greedy = shard.greedy[first + t + 1 : first + t + 1 + K]  # the target's tokens at t+2 ..
                 accepted += (drafted == greedy).cumprod(0)
                 starts += 1

@@ -212,18 +212,6 @@ class Eagle3Drafting:
                 return static
         return DraftChain(self, states, first.hidden)
 
-    def draft_greedy(self, rows: Sequence[tuple[str, torch.Tensor, Sequence[int]]], k: int) -> list[list[int]]:
-        """Extend, then draft k greedy tokens per row (target ids)."""
-        step = self.extend(rows)
-        tokens = self.head.draft_to_target(step.logits.argmax(-1))  # [B]
-        drafted = [tokens]
-        chain = self.chain([request_id for request_id, _, _ in rows], step)
-        for _ in range(k - 1):
-            step = chain.step(tokens)
-            tokens = self.head.draft_to_target(step.logits.argmax(-1))
-            drafted.append(tokens)
-        return torch.stack(drafted, dim=1).tolist()
-
 
 class DraftChain:
     """Drafting steps beyond the committed entries; the requests' caches are read, never changed."""
