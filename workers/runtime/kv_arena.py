@@ -57,10 +57,6 @@ class RunAllocator:
     def free_positions(self) -> int:
         return sum(r.size for r in self._free)
 
-    @property
-    def largest_free(self) -> int:
-        return max((r.size for r in self._free), default=0)
-
     def allocate(self, size: int) -> Run | None:
         size = blocks(size)
         for i, free in enumerate(self._free):
