@@ -2,8 +2,6 @@
 
 import random
 
-import torch
-
 from specserve.workers.runtime.tree_rows import ROOT
 
 
@@ -23,17 +21,3 @@ def random_tree(truth: list[int], vocab: int, rng: random.Random) -> tuple[list[
     tokens.append(rng.randrange(vocab))  # a sibling of the first branch's second node
     parents.append(0)
     return tokens, parents
-
-
-def check_tree(parents: torch.Tensor, valid: torch.Tensor) -> None:
-    """parents [B, N] int64, valid [B, N] bool. Raises ValueError unless every valid node's parent is the root or an
-    earlier valid node (padding may sit anywhere; its parents are ignored)."""
-    n = parents.shape[1]
-    index = torch.arange(n, device=parents.device).expand_as(parents)  # [B, N]
-    in_range = (parents >= ROOT) & (parents < index)  # [B, N]
-    parent_valid = valid.gather(1, parents.clamp(0, n - 1)) | (parents == ROOT)  # [B, N]
-    bad = valid & ~(in_range & parent_valid)
-    if bool(bad.any()):
-        row, node = (int(x) for x in bad.nonzero()[0])
-        parent = int(parents[row, node])
-        raise ValueError(f"row {row}: node {node}'s parent {parent} is not the root or an earlier node")

@@ -9,7 +9,6 @@ from specserve.workers.runtime.tree_rows import check_parents
 from specserve.workers.speculation.tree_verification import ROOT, chain_tree, greedy_tree_verify, rejection_tree_verify
 from specserve.workers.speculation.verification import greedy_verify, rejection_verify
 from tests.helpers.sampling_oracle import chi2_pvalue
-from tests.helpers.trees import check_tree
 
 
 def random_trees(batch: int, nodes: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -39,10 +38,11 @@ def reference_greedy(parents, tokens, valid, argmax) -> tuple[list[int], int]:
 def test_greedy_equals_a_walk_by_hand_on_random_ragged_trees():
     parents, tokens, valid = random_trees(batch=400, nodes=12, vocab=3, seed=0)
     argmax = torch.randint(0, 3, (400, 13), generator=torch.Generator().manual_seed(1))
-    check_tree(parents, valid)  # the random trees are well formed
     out = greedy_tree_verify(parents, tokens, valid, argmax)
     depths = []
     for b in range(400):
+        n = int(valid[b].sum())  # its nodes, then padding
+        check_parents(tokens[b, :n].tolist(), parents[b, :n].tolist())  # well formed, as a target worker checks a tree
         path, next_token = reference_greedy(parents[b].tolist(), tokens[b].tolist(), valid[b].tolist(),
                                             argmax[b].tolist())  # fmt: skip
         assert out.accepted_nodes(b) == path and int(out.next_token[b]) == next_token
