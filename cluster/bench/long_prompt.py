@@ -59,8 +59,9 @@ class _Chat:
             i %= len(self.prompts)
             self.done.append((i, timed_stream(self.client, self.prompts[i], self.cfg.chat_tokens)))
 
-    def run_while(self, work) -> list[float]:
-        """Run the streams while `work()` runs (it returns when the window ends); the gaps of requests sent within."""
+    def run_while(self, work) -> list[tuple[float, float]]:
+        """Run the streams while `work()` runs (it returns when the window ends); the gaps of requests sent within:
+        (when each ended, perf_counter; its seconds)."""
         start = time.perf_counter()
         with ThreadPoolExecutor(self.cfg.streams) as pool:
             futures = [pool.submit(self._loop) for _ in range(self.cfg.streams)]
@@ -69,7 +70,8 @@ class _Chat:
             for f in futures:
                 f.result()
         self._stop.clear()
-        return [g for _, t in self.done if t.sent_at >= start for g in t.gaps()]
+        return [(t.sent_at + end, gap) for _, t in self.done if t.sent_at >= start
+                for end, gap in zip(t.arrivals[1:], t.gaps(), strict=True)]  # fmt: skip
 
 
 def _long_prompts(tokenizer, cfg: LongPromptConfig):
@@ -109,7 +111,7 @@ def _arm(target, draft, device, dtype, tokenizer, chat_prompts, cfg: LongPromptC
         chat_mixed = chat.run_while(arrivals)
     outputs: dict[int, list[int]] = {}
     identical = all(outputs.setdefault(i, t.token_ids) == t.token_ids for i, t in chat.done)
-    alone_p, mixed_p = percentiles(chat_alone), percentiles(chat_mixed)
+    alone_p, mixed_p = percentiles([g for _, g in chat_alone]), percentiles([g for _, g in chat_mixed])
     return {
         "prefill_chunk_tokens": chunk,
         "long_prompt_tokens": len(first),
@@ -120,9 +122,28 @@ def _arm(target, draft, device, dtype, tokenizer, chat_prompts, cfg: LongPromptC
         "chat_gap_alone_s": alone_p,
         "chat_gap_s": mixed_p,
         "chat_p99_vs_alone": mixed_p["p99"] / alone_p["p99"],
+        "chat_gap_by_phase_s": _by_phase(chat_mixed, longs),
         "chat_requests": len(chat.done),
         "chat_identical": identical,
     }
+
+
+def _by_phase(gaps: list[tuple[float, float]], longs: list[Timed]) -> dict[str, dict]:
+    """The streams' gaps beside the long prompts split by what the long ones were doing when each gap ended: some
+    long request decoding its answer (its rows attend over its whole prompt in every pass), else some prefilling,
+    else neither (between them): their count and percentiles. Where the tail is, the scheduler's work is."""
+
+    def phase(at: float) -> str:
+        if any(t.sent_at + t.ttft_s <= at <= t.sent_at + t.arrivals[-1] for t in longs if t.arrivals):
+            return "decoding"
+        if any(t.sent_at <= at < t.sent_at + t.ttft_s for t in longs):
+            return "prefilling"
+        return "neither"
+
+    split: dict[str, list[float]] = {"prefilling": [], "decoding": [], "neither": []}
+    for at, gap in gaps:
+        split[phase(at)].append(gap)
+    return {name: {"gaps": len(values), **percentiles(values)} for name, values in split.items()}
 
 
 def run_long_prompt(target: str, draft: str | None, device: str, dtype: str, tokenizer, chat_prompts: list[list[int]],
@@ -148,4 +169,8 @@ def format_long_prompt(entry: dict) -> str:
             f"{1e3 * a['chat_gap_s']['p50']:>6.0f} / {1e3 * a['chat_gap_s']['p99']:<6.0f} "
             f"{a['chat_p99_vs_alone']:>11.2f}x"
         )
+        phases = a.get("chat_gap_by_phase_s", {})
+        lines.append("         the gaps beside, by what the long prompts did: " + ", ".join(
+            f"{name} {p['gaps']} (p50 / p99 {1e3 * p['p50']:.0f} / {1e3 * p['p99']:.0f} ms)"
+            for name, p in phases.items() if p.get("gaps")))  # fmt: skip
     return "\n".join(lines)

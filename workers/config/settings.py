@@ -76,6 +76,14 @@ class BatchingConfig(StrictModel):
         "row or half the batch's real positions. Target workers and draft models run packed passes (no padding): a "
         "prompt's chunk joins decoding rows there.",
     )
+    max_context_padding_per_row: int = Field(
+        512,
+        ge=0,
+        description="Where a worker pads its rows (an EAGLE-3 head's drafting attends over every row's entries "
+        "right-padded to the longest row's), a call joins a batch only while the padded entries stay within this many "
+        "a row or half the batch's real entries: a long prompt's request drafts apart from short chats, whose steps "
+        "would otherwise each attend over its thousands of entries.",
+    )
     max_wait_ms: float = Field(
         50.0,
         ge=0,

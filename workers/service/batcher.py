@@ -15,7 +15,9 @@ pass, and a decoding request that misses it waits all of it out: a batch holding
 (`prefill_wait_ms`) for the decoding requests expected back, so that their rows ride in its pass (vLLM's mixed
 prefill-decode step). Without it a long prompt's chunks split the streams beside it into groups that ride in every
 other chunk's pass, each stream's round paying two. Where a worker pads its rows (a head's drafting), decoding rows
-are taken before a prefill that would not fit beside them; that prefill goes first in the next batch."""
+are taken before a prefill that would not fit beside them; that prefill goes first in the next batch. There a
+request's entries are padded too (each row attends over the longest row's): a request deep in a long prompt drafts in
+a batch of its own, not beside chat requests a few dozen entries long, whose drafting it made 5x slower."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class _Job:
     cost: int  # new positions it feeds
     future: asyncio.Future = field(repr=False)
     prefill: bool = False  # a prompt's positions, no decoding round waits on it
+    context: int = 0  # positions it holds before them (what a padded worker's attention pads to the longest)
     passed: bool = False  # left out of a batch once: first in the next
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -79,14 +82,15 @@ class Batcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    async def submit(self, key: str, item: Any, cost: int, prefill: bool = False) -> Any:
-        """prefill: the call feeds a prompt's positions (its own or a chunk), with no decoding round waiting on it."""
+    async def submit(self, key: str, item: Any, cost: int, prefill: bool = False, context: int = 0) -> Any:
+        """prefill: the call feeds a prompt's positions (its own or a chunk), with no decoding round waiting on it;
+        context: the positions its request holds before the call's (a padded worker pads them to the longest row's)."""
         served = self._served_at.get(key)
         if served is not None:
             gap = time.perf_counter() - served
             self._return_s[key] = (self._return_s.get(key, gap) + gap) / 2
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(key, item, cost, future, prefill))
+        self._queue.append(_Job(key, item, cost, future, prefill, context=context))
         if self._arrived is not None:
             self._arrived.set()
         if self._drainer is None or self._drainer.done():
@@ -142,8 +146,16 @@ class Batcher:
             return True
         return rows * widest - tokens <= max(self.config.max_padding_per_row * rows, tokens // 2)
 
+    def _context_fits(self, rows: int, longest: int, held: int) -> bool:
+        """Whether `rows` rows holding `held` entries in all, the longest `longest`, waste little attention on
+        padding where the worker pads every row's entries to the longest row's (a head's drafting)."""
+        if not self.pads_rows:
+            return True
+        return rows * longest - held <= max(self.config.max_context_padding_per_row * rows, held // 2)
+
     def _take(self) -> list[_Job]:
         batch, keys, tokens, widest, rest = [], set(), 0, 0, []
+        longest, held = 0, 0
         # Oldest first, but a prefill not yet passed over after the decoding rows (stable: arrival order kept).
         for job in sorted(self._queue, key=lambda j: j.prefill and not j.passed):
             if job.future.done():  # the caller gave up (deadline, cancellation)
@@ -152,6 +164,7 @@ class Batcher:
                 not batch
                 or tokens + job.cost <= self.config.max_batch_tokens
                 and self._padding_fits(len(batch) + 1, max(widest, job.cost), tokens + job.cost)
+                and self._context_fits(len(batch) + 1, max(longest, job.context), held + job.context)
                 # a fed chunk's rows on a padded worker (a head's) lengthen every draft beside them, while their
                 # target waits for those drafts: it runs next, while the target verifies them
                 and not (self.pads_rows and job.prefill and not job.passed)
@@ -161,6 +174,8 @@ class Batcher:
                 keys.add(job.key)
                 tokens += job.cost
                 widest = max(widest, job.cost)
+                held += job.context
+                longest = max(longest, job.context)
             else:
                 job.passed = True
                 rest.append(job)

@@ -219,7 +219,8 @@ class DraftWorkerServicer(_Servicer, pb_grpc.DraftWorkerServicer):
             request.tree,
         )
         cost = len(call.new_tokens) + call.k + (call.features.rows if call.features is not None else 0)
-        proposed = await self.batcher.submit(call.request_id, call, cost, prefill=call.k == 0)  # k 0: a prompt's chunk
+        proposed = await self.batcher.submit(call.request_id, call, cost, prefill=call.k == 0,  # k 0: a prompt's chunk
+                                             context=call.committed_len - len(call.new_tokens))  # fmt: skip
         return pb.ProposeResponse(
             drafted=proposed.drafted,
             draft_probs=proposed.draft_probs,

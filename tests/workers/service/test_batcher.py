@@ -168,6 +168,48 @@ def test_a_prefill_does_not_join_decoding_rows_it_would_pad_but_short_rows_mix()
     assert seen == [[0], list(range(1, 16)) + [200, 201, 202, 203], [100]]
 
 
+def test_a_padded_workers_deep_request_drafts_apart_from_short_ones_which_mix():
+    async def main():
+        gate = threading.Event()
+        batcher, seen = _batcher(BatchingConfig(max_batch_size=32), gate)
+        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
+        await asyncio.sleep(0.05)
+        chats = [asyncio.ensure_future(batcher.submit(f"c{i}", i, 5, context=40 + 30 * i)) for i in range(1, 5)]
+        deep = asyncio.ensure_future(batcher.submit("long", 100, 5, context=4000))  # deep in a long prompt
+        more = asyncio.ensure_future(batcher.submit("c5", 5, 5, context=600))  # within 512 a row of the chats'
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, deep, more, *chats)
+        return seen
+
+    seen = asyncio.run(main())
+    # Beside the deep request, every chat row would attend over 4,000 padded entries: 6 x 4,000 for 5,100 real ones.
+    assert seen == [[0], [1, 2, 3, 4, 5], [100]]
+
+
+def test_a_packed_workers_rows_mix_whatever_they_hold():
+    seen: list[list] = []
+
+    async def main():
+        gate = threading.Event()
+
+        def run(items):
+            gate.wait(5)
+            seen.append(list(items))
+            return items
+
+        batcher = Batcher(ThreadPoolExecutor(1), run, BatchingConfig(), pads_rows=False)
+        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
+        await asyncio.sleep(0.05)
+        rows = [asyncio.ensure_future(batcher.submit(f"r{i}", i, 5, context=c)) for i, c in ((1, 50), (2, 4000))]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, *rows)
+
+    asyncio.run(main())
+    assert seen == [[0], [1, 2]]
+
+
 def test_a_run_that_raises_fails_its_rows_is_logged_and_the_next_batch_still_runs(caplog):
     calls = []
 
