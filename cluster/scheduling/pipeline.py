@@ -80,7 +80,7 @@ class Pipeline:
         self.times = RoundTimes()
         self._releasing: set[asyncio.Task] = set()  # releases sent after the request's reply left
         self._costs_lock = asyncio.Lock()
-        # One prefill chunk in flight per target worker, as vLLM's step budget lets one chunk's tokens of prefill
+        # One prompt's chunks in flight per target worker, as vLLM's step budget lets one chunk's tokens of prefill
         # into a step however many prompts wait: the other requests' rounds get the worker between chunks.
         self._chunking: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.prefill = Prefill(scheduler, self.faults, self._verify, self._propose, self._chunking)

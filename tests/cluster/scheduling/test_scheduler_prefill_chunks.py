@@ -97,6 +97,47 @@ def test_two_long_prompts_on_one_worker_prefill_first_come_first_served():
     assert order == [a] * 3 + [b] * 3, order  # the fourth chunk of each goes with its first round
 
 
+def test_the_next_chunk_is_at_the_worker_before_the_one_ahead_is_answered_and_each_feed_follows_its_chunk():
+    """One chunk ahead: each chunk's call is made while the one before it runs, never two ahead, in order; each
+    chunk's feed to the draft worker goes once that chunk is answered, and the prefill returns with every chunk
+    answered and fed."""
+    s = Scheduler(["d1"], ["t1"], prefill_chunk=32)
+    in_flight, most, events = [0], [0], []
+    passes = None
+
+    async def verify(req, call):  # the worker runs one pass at a time
+        nonlocal passes
+        passes = passes or asyncio.Lock()
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        events.append(("sent", call.committed_len))
+        async with passes:
+            await asyncio.sleep(0.01)
+        in_flight[0] -= 1
+        events.append(("answered", call.committed_len))
+        return VerifyResult(accepted=0, next_token=5, batch_rows=1, batch_tokens=32, batch_seconds=0.01)
+
+    async def propose(req, call):
+        events.append(("fed", call.committed_len - 1))
+        return ProposeResult(drafted=[])
+
+    async def main():
+        prefill = Prefill(s, None, verify, propose, collections.defaultdict(asyncio.Lock))
+        req = s.add(list(range(3, 131)), SamplingParams(max_new_tokens=4), SpecParams(method="draft", k=3),
+                    frozenset())  # fmt: skip
+        await prefill.run(req)
+
+    asyncio.run(main())
+    assert most[0] == 2
+    sent = [n for kind, n in events if kind == "sent"]
+    assert sent == [32, 64, 96]  # the 32 left go with the first round
+    assert events.index(("sent", 64)) < events.index(("answered", 32))
+    assert events.index(("sent", 96)) < events.index(("answered", 64))
+    for n in sent:
+        assert events.index(("answered", n)) < events.index(("fed", n))
+    assert events[-1] == ("fed", 96)
+
+
 def test_decoding_rounds_beside_a_prompts_chunks_draft_only_what_beats_the_chunks_positions():
     """k='auto' chains on a worker where a long prompt prefills: their plan counts its next chunk in the pass (its
     positions as tokens, its fitted seconds), so beside a chunk whose positions cost 2 ms each they draft less than
