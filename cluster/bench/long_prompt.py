@@ -97,6 +97,7 @@ def _arm(target, draft, device, dtype, tokenizer, chat_prompts, cfg: LongPromptC
         interval = max(cfg.every_s, 1.5 * alone.ttft_s)
         chat = _Chat(client, chat_prompts, cfg)
         chat_alone = chat.run_while(lambda: time.sleep(interval * cfg.arrivals))
+        alone_requests = len(chat.done)
         longs: list[Timed] = []
 
         def arrivals() -> None:
@@ -123,9 +124,18 @@ def _arm(target, draft, device, dtype, tokenizer, chat_prompts, cfg: LongPromptC
         "chat_gap_s": mixed_p,
         "chat_p99_vs_alone": mixed_p["p99"] / alone_p["p99"],
         "chat_gap_by_phase_s": _by_phase(chat_mixed, longs),
+        # ~1.0: the streams ran plain steps; more: they drafted (k: auto's choice, which moves the figures above)
+        "chat_tokens_per_round_alone": _per_round([t for _, t in chat.done[:alone_requests]]),
+        "chat_tokens_per_round": _per_round([t for _, t in chat.done[alone_requests:]]),
         "chat_requests": len(chat.done),
         "chat_identical": identical,
     }
+
+
+def _per_round(requests: list[Timed]) -> float:
+    """Tokens the requests committed a round, all together: each round its accepted drafts and one more."""
+    rounds = sum(t.rounds for t in requests)
+    return 1 + sum(t.accepted for t in requests) / rounds if rounds else 0.0
 
 
 def _by_phase(gaps: list[tuple[float, float]], longs: list[Timed]) -> dict[str, dict]:
@@ -169,6 +179,9 @@ def format_long_prompt(entry: dict) -> str:
             f"{1e3 * a['chat_gap_s']['p50']:>6.0f} / {1e3 * a['chat_gap_s']['p99']:<6.0f} "
             f"{a['chat_p99_vs_alone']:>11.2f}x"
         )
+        if "chat_tokens_per_round" in a:
+            alone, beside = a["chat_tokens_per_round_alone"], a["chat_tokens_per_round"]
+            lines.append(f"         the streams' tokens a round alone / beside: {alone:.2f} / {beside:.2f} (1: plain)")
         phases = a.get("chat_gap_by_phase_s", {})
         lines.append("         the gaps beside, by what the long prompts did: " + ", ".join(
             f"{name} {p['gaps']} (p50 / p99 {1e3 * p['p50']:.0f} / {1e3 * p['p99']:.0f} ms)"

@@ -38,4 +38,5 @@ def test_long_prompt_on_the_demo_family(tokenizer):
     assert arm["long_prompt_tokens"] > 600 and len(arm["long_ttft_s"]) == 2 and arm["chat_identical"]
     assert arm["interval_s"] >= max(1.0, 1.5 * arm["long_ttft_alone_s"])
     assert sum(p["gaps"] for p in arm["chat_gap_by_phase_s"].values()) > 0
+    assert arm["chat_tokens_per_round_alone"] >= 1.0 and arm["chat_tokens_per_round"] >= 1.0
     assert arm["chat_gap_s"]["p99"] > 0 and arm["chat_gap_alone_s"]["p50"] > 0 and arm["chat_requests"] > 2
