@@ -10,7 +10,7 @@ from specserve.workers.config.settings import BatchingConfig
 from specserve.workers.service.batcher import Batcher
 
 
-def _batcher(config, gate=None):
+def _batcher(config, gate=None, pads_rows=True):
     seen: list[list] = []
 
     def run(items):
@@ -19,7 +19,24 @@ def _batcher(config, gate=None):
         seen.append(list(items))
         return [ValueError(f"bad {x}") if x == "bad" else x * 2 for x in items]
 
-    return Batcher(ThreadPoolExecutor(1), run, config), seen
+    return Batcher(ThreadPoolExecutor(1), run, config, pads_rows=pads_rows), seen
+
+
+def _batches_behind_a_pass(config, calls, pads_rows=True) -> list[list]:
+    """The batches run for the calls `calls(batcher)` makes (coroutines) while a first call's pass holds the worker."""
+    gate = threading.Event()
+    batcher, seen = _batcher(config, gate, pads_rows)
+
+    async def main():
+        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(call) for call in calls(batcher)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, *queued)
+
+    asyncio.run(main())
+    return seen
 
 
 def test_calls_arriving_during_a_batch_join_the_next_one_within_size_and_token_budget():
@@ -169,45 +186,20 @@ def test_a_prefill_does_not_join_decoding_rows_it_would_pad_but_short_rows_mix()
 
 
 def test_a_padded_workers_deep_request_drafts_apart_from_short_ones_which_mix():
-    async def main():
-        gate = threading.Event()
-        batcher, seen = _batcher(BatchingConfig(max_batch_size=32), gate)
-        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
-        await asyncio.sleep(0.05)
-        chats = [asyncio.ensure_future(batcher.submit(f"c{i}", i, 5, context=40 + 30 * i)) for i in range(1, 5)]
-        deep = asyncio.ensure_future(batcher.submit("long", 100, 5, context=4000))  # deep in a long prompt
-        more = asyncio.ensure_future(batcher.submit("c5", 5, 5, context=600))  # within 512 a row of the chats'
-        await asyncio.sleep(0.05)
-        gate.set()
-        await asyncio.gather(blocker, deep, more, *chats)
-        return seen
+    def calls(batcher):
+        chats = [batcher.submit(f"c{i}", i, 5, context=40 + 30 * i) for i in range(1, 5)]
+        deep = batcher.submit("long", 100, 5, context=4000)  # deep in a long prompt
+        return [*chats, deep, batcher.submit("c5", 5, 5, context=600)]  # c5: within 512 a row of the chats'
 
-    seen = asyncio.run(main())
     # Beside the deep request, every chat row would attend over 4,000 padded entries: 6 x 4,000 for 5,100 real ones.
-    assert seen == [[0], [1, 2, 3, 4, 5], [100]]
+    assert _batches_behind_a_pass(BatchingConfig(max_batch_size=32), calls) == [[0], [1, 2, 3, 4, 5], [100]]
 
 
 def test_a_packed_workers_rows_mix_whatever_they_hold():
-    seen: list[list] = []
+    def calls(batcher):
+        return [batcher.submit("r1", 1, 5, context=50), batcher.submit("r2", 2, 5, context=4000)]
 
-    async def main():
-        gate = threading.Event()
-
-        def run(items):
-            gate.wait(5)
-            seen.append(list(items))
-            return items
-
-        batcher = Batcher(ThreadPoolExecutor(1), run, BatchingConfig(), pads_rows=False)
-        blocker = asyncio.ensure_future(batcher.submit("x", 0, 1))
-        await asyncio.sleep(0.05)
-        rows = [asyncio.ensure_future(batcher.submit(f"r{i}", i, 5, context=c)) for i, c in ((1, 50), (2, 4000))]
-        await asyncio.sleep(0.05)
-        gate.set()
-        await asyncio.gather(blocker, *rows)
-
-    asyncio.run(main())
-    assert seen == [[0], [1, 2]]
+    assert _batches_behind_a_pass(BatchingConfig(), calls, pads_rows=False) == [[0], [1, 2]]
 
 
 def test_a_run_that_raises_fails_its_rows_is_logged_and_the_next_batch_still_runs(caplog):
