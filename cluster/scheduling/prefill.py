@@ -51,6 +51,7 @@ class Prefill:
         feed: asyncio.Task | None = None
         lock: asyncio.Lock | None = None
         ahead: tuple[Call, asyncio.Task] | None = None  # the chunk sent and not yet answered
+        sent: tuple[Call, asyncio.Task] | None = None  # the one sent after it, while it is awaited
         try:
             while True:
                 if lock is not self._chunking[req.target_worker]:  # the first chunk, or the request moved
@@ -70,15 +71,17 @@ class Prefill:
                 if ahead is not None:
                     feed, answered = await self._chunk(req, *ahead, feed, after=sent)
                     if not answered:  # its worker failed, and the chunk after it is dropped: plan again from there
-                        ahead = None
+                        ahead = sent = None
                         continue
-                ahead = sent
+                ahead, sent = sent, None
                 if ahead is None:
                     break
         finally:
-            if ahead is not None:  # the request was cancelled with a chunk in flight
-                ahead[1].cancel()
-                await asyncio.gather(ahead[1], return_exceptions=True)
+            # The request was cancelled or failed with chunks in flight: they are dropped, their errors taken.
+            in_flight = [pending[1] for pending in (ahead, sent) if pending is not None]
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
             if lock is not None:
                 lock.release()
             if feed is not None:  # also when the request was cancelled: its release goes after the feed

@@ -5,6 +5,8 @@ prompt's logprobs and a scheduler without chunking send the prompt with the firs
 import asyncio
 import collections
 
+import pytest
+
 from specserve.cluster.scheduling.prefill import Prefill
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
@@ -136,6 +138,37 @@ def test_the_next_chunk_is_at_the_worker_before_the_one_ahead_is_answered_and_ea
     for n in sent:
         assert events.index(("answered", n)) < events.index(("fed", n))
     assert events[-1] == ("fed", 96)
+
+
+def test_a_chunk_that_fails_fails_the_prefill_and_the_chunk_sent_after_it_is_dropped():
+    """A chunk's error that is not a lost worker (a full cache after its wait, say) ends the request's prefill with it;
+    the next chunk, already sent, is cancelled rather than left running with an error nobody reads."""
+    from specserve.workers.errors import KVCapacityError
+
+    s = Scheduler([], ["t1"], prefill_chunk=32)
+    cancelled = []
+
+    async def verify(req, call):
+        if call.committed_len == 32:
+            await asyncio.sleep(0.01)
+            raise KVCapacityError("no room")
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            cancelled.append(call.committed_len)
+            raise
+
+    async def propose(req, call):
+        return ProposeResult(drafted=[])
+
+    async def main():
+        prefill = Prefill(s, None, verify, propose, collections.defaultdict(asyncio.Lock))
+        req = s.add(list(range(3, 131)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+        with pytest.raises(KVCapacityError):
+            await asyncio.wait_for(prefill.run(req), 2)
+        assert cancelled == [64]  # by the time the prefill's error is raised
+
+    asyncio.run(main())
 
 
 def test_decoding_rounds_beside_a_prompts_chunks_draft_only_what_beats_the_chunks_positions():
