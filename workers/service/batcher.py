@@ -138,20 +138,12 @@ class Batcher:
             finally:
                 self._arrived = None
 
-    def _padding_fits(self, rows: int, widest: int, tokens: int) -> bool:
-        """Whether a batch of `rows` rows, `tokens` real positions and its widest row `widest` wastes little on
-        padding where the worker pads every row to the widest (an EAGLE-3 head's drafting); a packed forward
-        (ModelRunner's, runtime/ragged.py) pads nothing, so a prompt's chunk joins decoding rows."""
-        if not self.pads_rows:
-            return True
-        return rows * widest - tokens <= max(self.config.max_padding_per_row * rows, tokens // 2)
-
-    def _context_fits(self, rows: int, longest: int, held: int) -> bool:
-        """Whether `rows` rows holding `held` entries in all, the longest `longest`, waste little attention on
-        padding where the worker pads every row's entries to the longest row's (a head's drafting)."""
-        if not self.pads_rows:
-            return True
-        return rows * longest - held <= max(self.config.max_context_padding_per_row * rows, held // 2)
+    def _pads_little(self, rows: int, longest: int, real: int, per_row: int) -> bool:
+        """Whether `rows` rows of `real` units in all (new positions, or the entries they attend over), padded to the
+        longest row's `longest` where the worker pads every row (an EAGLE-3 head's drafting), waste at most `per_row`
+        units a row or half the real ones; a packed forward (ModelRunner's, runtime/ragged.py) pads nothing, so a
+        prompt's chunk joins decoding rows, and rows of any depth mix."""
+        return not self.pads_rows or rows * longest - real <= max(per_row * rows, real // 2)
 
     def _take(self) -> list[_Job]:
         batch, keys, tokens, widest, rest = [], set(), 0, 0, []
@@ -163,8 +155,15 @@ class Batcher:
             fits = len(batch) < self.config.max_batch_size and (
                 not batch
                 or tokens + job.cost <= self.config.max_batch_tokens
-                and self._padding_fits(len(batch) + 1, max(widest, job.cost), tokens + job.cost)
-                and self._context_fits(len(batch) + 1, max(longest, job.context), held + job.context)
+                and self._pads_little(
+                    len(batch) + 1, max(widest, job.cost), tokens + job.cost, self.config.max_padding_per_row
+                )
+                and self._pads_little(
+                    len(batch) + 1,
+                    max(longest, job.context),
+                    held + job.context,
+                    self.config.max_context_padding_per_row,
+                )
                 # a fed chunk's rows on a padded worker (a head's) lengthen every draft beside them, while their
                 # target waits for those drafts: it runs next, while the target verifies them
                 and not (self.pads_rows and job.prefill and not job.passed)
