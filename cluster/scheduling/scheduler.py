@@ -139,15 +139,16 @@ class Scheduler(WorkerPlacement, TreeRounds):
     def plain_steps(self, req: SchedRequest, plan: RoundPlan) -> int:
         """Plain rounds the request runs from here whatever they commit, at most `decode_steps` and to its length
         limit, for one call that runs them back to back (TargetClient.decode): a decoding request that never drafts
-        (speculation off), or a head's trees backed off for plain rounds (TreePruning: the rounds they still have);
-        1 for every other round (planned one by one)."""
+        (speculation off), a head's trees backed off for plain rounds (TreePruning: the rounds they still have), or
+        a head's trees that would not pay beside a prompt's chunk (until it leaves); 1 for every other round."""
         if plan.k or plan.drafted or not req.state.generated or req.prompt_logprobs is not None:
             return 1
         ahead = req.state.remaining
         if req.method.drafts:
             if not req.method.tree or req.pruning is None:
                 return 1
-            ahead = 1 + req.pruning.plain_rounds
+            # beside a prompt's chunk: plain until it leaves (each step's round is planned anew, and ends the call)
+            ahead = self.decode_steps if req.pruning.plain_beside else 1 + req.pruning.plain_rounds
         return max(1, min(self.decode_steps, ahead, req.state.remaining))
 
     def _plan_chain(self, req: SchedRequest) -> RoundPlan:

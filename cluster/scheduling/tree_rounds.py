@@ -62,9 +62,27 @@ class TreeRounds:
                                       recent=recent if head else RecentTrees())  # fmt: skip
             if head:  # it joins its batch's backoff: its first tree would hold every backed-off row's pass
                 req.pruning.plain_rounds = max((r.pruning.plain_rounds for r in self._head_tree_peers(req)), default=0)
-        if req.pruning is not None and not req.pruning.wants_tree():
-            return 0
+        if req.pruning is not None:
+            req.pruning.plain_beside = False
+            if not req.pruning.wants_tree():
+                return 0
+            if head and not self._tree_pays_beside(req):
+                req.pruning.plain_beside = True
+                return 0
         return self.max_tree_nodes
+
+    def _tree_pays_beside(self, req: SchedRequest) -> bool:
+        """False where a prompt's chunk shares the worker's passes and a tree like its recent ones would be pruned to
+        nothing there (`TreePruning.pays_beside`). Drafted every round beside a 4K prompt's chunks, such trees
+        held each of its passes ~55 ms for the streams' drafting, ~15% of the worker (results/
+        2026-12-07-1510-smollm2-long-prompt-plain-beside)."""
+        beside = self.chunks.beside(req.target_worker)
+        if beside is None:
+            return True
+        others = [r.batch_row() for r in self._batch_peers(req)]
+        req.pruning.verify = self._batch_verify(others)
+        overhead = self.batches.setdefault(req.target_worker, BatchWidth()).tree_overhead.seconds
+        return req.pruning.pays_beside(others, overhead, beside)
 
     def prune_tree(self, req: SchedRequest, tree: DraftTree) -> DraftTree | None:
         """The drafted tree as it is verified: for 'auto', its nodes that pay at the verify cost of the worker's

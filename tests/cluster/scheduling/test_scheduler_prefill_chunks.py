@@ -201,3 +201,53 @@ def test_decoding_rounds_beside_a_prompts_chunks_draft_only_what_beats_the_chunk
     long.told["t1"] = list(long.state.tokens)
     s.apply_round(long, s.plan_round(long), VerifyResult(0, 7), [], round_s=0.5)  # its first round: prefill over
     assert [s.plan_round(chat).k for chat in chats] == alone
+
+
+def test_head_trees_that_would_not_pay_beside_a_prompts_chunk_are_not_drafted_and_stream_plain_rounds():
+    """eagle-tree k='auto' chats on a worker where a long prompt prefills: a tree like their latest would be pruned to
+    nothing beside its chunk, so they draft none (the drafting would hold the chunk's pass for a plain step) and run
+    plain rounds from one Decode call (`plain_steps`), without backing off: once the prompt's first round is in they
+    draft trees again at once."""
+    import math
+
+    import torch
+
+    from specserve.workers.runtime.tree_rows import ROOT
+    from specserve.workers.speculation.codec import feature_block
+    from specserve.workers.speculation.draft_tree import DraftTree
+    from specserve.workers.speculation.planner.costs import PlannerCosts
+    from tests.helpers.cost_surfaces import cpu_surface
+
+    s = Scheduler(["d1"], ["t1"], prefill_chunk=128, decode_steps=8)
+    s.planner_costs = PlannerCosts(cpu_surface())
+    auto = SpecParams(method="eagle-tree", k="auto")
+    chats = [s.add(list(range(3, 23)), SamplingParams(max_new_tokens=200), auto, frozenset()) for _ in range(4)]
+    tree = DraftTree([10, 11, 12], [ROOT, 0, 1], [math.log(0.5), math.log(0.3), math.log(0.15)])
+    drafted = []
+
+    def round_(chat) -> int:
+        """One round as the pipeline runs it: the head's features in, the plan, a tree drafted and pruned."""
+        chat.features.received(feature_block(0, torch.zeros(len(chat.state.tokens), 6)).encode())
+        plan = s.plan_round(chat)
+        pruned = s.prune_tree(chat, tree) if plan.nodes else None
+        drafted.append(bool(plan.nodes))
+        s.apply_round(chat, plan, VerifyResult(0, 7, path=[]), tree=pruned, round_s=0.1)
+        return len(pruned.tokens) if pruned is not None else 0
+
+    for _ in range(3):  # the prompts' rounds, then trees that keep nodes
+        kept = [round_(chat) for chat in chats]
+    assert min(kept) > 0
+    long = s.add(list(range(3, 1003)), SamplingParams(max_new_tokens=4), SpecParams(method="ngram", k=3), frozenset())
+    for _ in range(3):  # chunks whose positions cost 2 ms each beside a 50 ms fixed part: cheap to displace
+        call = s.plan_prefill_chunk(long)
+        n = len(call.new_tokens)
+        s.prefilled(long, call, VerifyResult(0, 5, batch_rows=5, batch_tokens=n, batch_seconds=0.05 + 0.002 * n))
+    drafted.clear()
+    for _ in range(3):
+        assert [round_(chat) for chat in chats] == [0] * 4
+        assert [s.plain_steps(chat, chat.round) for chat in chats] == [8] * 4  # one Decode call each
+    assert not any(drafted) and all(chat.pruning.plain_rounds == 0 for chat in chats)
+    long.told["t1"] = list(long.state.tokens)
+    s.apply_round(long, s.plan_round(long), VerifyResult(0, 7), [], round_s=0.5)  # its first round: prefill over
+    assert all(s.plan_round(chat).nodes for chat in chats)
+    assert [s.plain_steps(chat, chat.round) for chat in chats] == [1] * 4

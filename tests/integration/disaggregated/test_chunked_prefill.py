@@ -19,7 +19,8 @@ CHUNK, N = 32, 16
 LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
 
 
-async def _generate(w: LocalWorkers, requests, drafted: list | None = None) -> tuple[list, list[int]]:
+async def _generate(w: LocalWorkers, requests, drafted: list | None = None, decode_steps: int = 1,
+                    new_tokens: int = N) -> tuple[list, list[int]]:  # fmt: skip
     """Every (ids, spec) at once on a pipeline that chunks prefills; returns the requests and the new tokens of each
     target call, in order; `drafted` gets each draft call's (request id, k, new tokens)."""
     fed = []
@@ -32,8 +33,9 @@ async def _generate(w: LocalWorkers, requests, drafted: list | None = None) -> t
             (c.request_id, c.k, len(c.new_tokens)) for c in calls) or p(calls)  # fmt: skip
     drafts = {n: DraftClient(a) for n, a in w.draft_addresses.items()}
     targets = {n: TargetClient(a) for n, a in w.target_addresses.items()}
-    pipeline = Pipeline(Scheduler(list(drafts), list(targets), prefill_chunk=CHUNK), drafts, targets)
-    reqs = await asyncio.gather(*(pipeline.generate(ids, SamplingParams(max_new_tokens=N), spec, frozenset())
+    scheduler = Scheduler(list(drafts), list(targets), prefill_chunk=CHUNK, decode_steps=decode_steps)
+    pipeline = Pipeline(scheduler, drafts, targets)
+    reqs = await asyncio.gather(*(pipeline.generate(ids, SamplingParams(max_new_tokens=new_tokens), spec, frozenset())
                                   for ids, spec in requests))  # fmt: skip
     await pipeline.drain_releases()
     return reqs, fed
@@ -114,3 +116,36 @@ def test_one_prefill_chunk_at_a_time_per_target_worker(models_dir, tiny_target, 
     for req in reqs:
         assert req.state.generated == own_greedy_loop(target.model, req.state.tokens[: req.state.prompt_len], N, set())
     assert sum(chunks_per_batch) >= 3 * (len(longs[0]) // CHUNK - 1) and max(chunks_per_batch) == 1
+
+
+def test_head_trees_that_would_not_pay_beside_a_chunk_stream_plain_rounds_and_decode_as_target_only(
+    tmp_path_factory, device, monkeypatch
+):
+    """eagle-tree k='auto' requests decoding while a long prompt prefills in chunks on their target: where a tree
+    would be pruned to nothing beside the chunk (forced here: `TreePruning.pays_beside`'s judgement, unit-tested in
+    tests/workers/speculation/planner/test_tree.py) they draft nothing and run plain rounds streamed from Decode
+    calls; once the prompt is in, trees again. Every output is target-only's."""
+    from specserve.cluster.scheduling.worker_clients import TargetClient
+    from specserve.workers.speculation.planner.tree import TreePruning
+
+    target, head_dir = build_pairs(tmp_path_factory.mktemp("chunked_tree_pairs"), device)["tiny_vocab"]
+    asked = []
+    monkeypatch.setattr(TreePruning, "pays_beside", lambda self, *a: asked.append(1) and False)
+    steps = []
+    decode = TargetClient.decode
+    counted = lambda c, call, params, n, ends: steps.append(n) or decode(c, call, params, n, ends)  # noqa: E731
+    monkeypatch.setattr(TargetClient, "decode", counted)
+    long = [1] + [3 + i % 5 for i in range(12 * CHUNK)]
+    chats = [[1, 3, 4, 3, 4, 3], [1, 5, 6], [1, 7, 3, 5, 4, 6, 7, 3, 4, 5, 6, 7, 5, 3]]
+
+    async def main():
+        async with LocalWorkers(target, [], eagle_head=head_dir) as w:
+            auto = SpecParams(method="eagle-tree", k="auto")
+            return await _generate(w, [(ids, auto) for ids in chats + [long]], decode_steps=8, new_tokens=48)
+
+    reqs, _ = asyncio.run(main())
+    for req in reqs:
+        prompt = req.state.tokens[: req.state.prompt_len]
+        assert req.state.generated == own_greedy_loop(target.model, prompt, 48, set())
+    assert asked and max(steps) > 1  # judged beside the chunks, and their plain rounds streamed
+    assert sum(r.state.stats.drafted for r in reqs[:3]) > 0  # trees before and after the prompt's chunks

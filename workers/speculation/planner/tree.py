@@ -60,6 +60,7 @@ class RecentTrees:
     accepted: float | None = None
     width: float = 0.0
     decay: float = RECENT_DECAY
+    scores: tuple[float, ...] = ()  # the latest tree's nodes' path log-probabilities, best first
 
     def observe(self, accepted: int, width: int) -> None:
         if self.accepted is None:
@@ -172,6 +173,7 @@ class TreePruning:
     calibration: TreeCalibration = field(default_factory=TreeCalibration)
     predicted: float = 0.0  # expected accepted nodes of the tree being verified
     plain_rounds: int = 0  # plain steps to take before drafting the next tree
+    plain_beside: bool = False  # this round is plain because its tree would not pay beside a prompt's chunk
     backoff: int = 0  # plain steps after a losing tree (doubles if pruned to nothing, or lost before any verified)
     costly: bool = True  # drafting a tree costs model work (a head's); prompt lookup's trees cost nothing
     by_size: tuple[float, ...] = ()  # the last drafted tree's expected accepted nodes by size (a TreeRow to others)
@@ -186,6 +188,15 @@ class TreePruning:
             return False
         return True
 
+    def pays_beside(self, others: Sequence[TreeRow], fixed_s: float, beside: ChunkBeside) -> bool:
+        """Before drafting, beside a prompt's chunk: whether a tree like the latest of its recent trees would keep a
+        node (`prune`'s judgement of it in this batch). One that would be pruned to nothing is not drafted: its
+        drafting would hold the chunk's pass (the worker's batcher waits for the rows expected back) for a plain
+        step. Unlike a backoff this is asked again every round, so trees resume as soon as the chunk leaves."""
+        if not self.recent.scores:
+            return True
+        return best_node_count(self.recent.scores, self.verify, self.calibration.factor, others, fixed_s, beside) > 0
+
     def prune(self, tree: DraftTree, others: Sequence[TreeRow] = (), fixed_s: float = 0.0,
               beside: ChunkBeside | None = None, plain_s: float | None = None,
               others_drafting: Sequence[TreeRow] | None = None) -> DraftTree | None:  # fmt: skip
@@ -199,6 +210,8 @@ class TreePruning:
         as their recent trees were; None: `others`) that commits less a second than one where none does backs the
         head off for as many plain rounds as keep the next probe's loss small (PROBE_SHARE)."""
         scores = sorted(tree.scores, reverse=True)
+        if self.costly:
+            self.recent.scores = tuple(scores)
         self.by_size = tuple(expected_accepted_by_size(scores, self.calibration.factor))
         count = best_node_count(scores, self.verify, self.calibration.factor, others, fixed_s, beside)
         self.predicted, self.count = sum(math.exp(s) for s in scores[:count]), count

@@ -171,6 +171,28 @@ def test_a_tree_that_loses_to_a_prompts_chunk_does_not_back_the_head_off():
     assert head.backoff == 0 and head.wants_tree()
 
 
+def test_before_drafting_beside_a_chunk_a_tree_is_judged_as_its_latest_would_be_pruned():
+    """`pays_beside` asks, before the head drafts, what `prune` would answer for a tree like the latest one beside
+    the same chunk: no node kept, no drafting. Nothing drafted yet: nothing to judge by, so it drafts."""
+    from specserve.workers.speculation.planner.costs import ChunkBeside
+    from specserve.workers.speculation.planner.tree import TreePruning
+
+    steep = VerifyCosts(tuple(0.05 + 0.003 * w for w in range(17)))
+    modest = DraftTree([10, 11], [ROOT, 0], [math.log(0.3), math.log(0.1)])
+    cheap, dear = ChunkBeside(128, 128 * 0.002), ChunkBeside(16, 16 * 0.05)
+    head = TreePruning(steep)
+    assert head.pays_beside((), 0.0, cheap)  # no tree yet
+    head.prune(modest)
+    answers = {}
+    for chunk in (cheap, dear):
+        answers[chunk] = head.pays_beside((), 0.0, chunk)
+        assert answers[chunk] == (TreePruning(steep).prune(modest, beside=chunk) is not None)
+    assert answers == {cheap: False, dear: True}
+    lookup = TreePruning(steep, costly=False)  # a lookup's trees cost nothing to draft: they are not remembered
+    lookup.prune(modest)
+    assert not lookup.recent.scores
+
+
 def test_a_head_whose_trees_lose_to_plain_steps_backs_off_for_as_long_as_keeps_a_probe_cheap():
     """The drafting is spent once a tree is drafted, so its best nodes are still verified; but a tree round that
     commits less a second than plain rounds would backs the head off, for as many plain rounds as keep the next
