@@ -72,17 +72,19 @@ class TreeRounds:
         return self.max_tree_nodes
 
     def _tree_pays_beside(self, req: SchedRequest) -> bool:
-        """False where a prompt's chunk shares the worker's passes and a tree like its recent ones would be pruned to
-        nothing there (`TreePruning.pays_beside`). Drafted every round beside a 4K prompt's chunks, such trees
-        held each of its passes ~55 ms for the streams' drafting, ~15% of the worker (results/
-        2026-12-07-1510-smollm2-long-prompt-plain-beside)."""
+        """False where a prompt's chunk shares the worker's passes and a round with a tree like its recent ones would
+        commit less a second there than a plain round (`TreePruning.pays_beside`). Drafted every round beside a 4K
+        prompt's chunks only to be pruned to nothing, such trees held each of its passes ~55 ms for the streams'
+        drafting, ~15% of the worker (results/2026-12-07-1510-smollm2-long-prompt-plain-beside)."""
         beside = self.chunks.beside(req.target_worker)
         if beside is None:
             return True
-        others = [r.batch_row() for r in self._batch_peers(req)]
+        peers = self._batch_peers(req)
+        others = [r.batch_row() for r in peers]
         req.pruning.verify = self._batch_verify(others)
-        overhead = self.batches.setdefault(req.target_worker, BatchWidth()).tree_overhead.seconds
-        return req.pruning.pays_beside(others, overhead, beside)
+        batch = self.batches.setdefault(req.target_worker, BatchWidth())
+        return req.pruning.pays_beside(others, batch.tree_overhead.seconds, beside, batch.plain_overhead.seconds,
+                                       [r.batch_row(drafting=True) for r in peers])  # fmt: skip
 
     def prune_tree(self, req: SchedRequest, tree: DraftTree) -> DraftTree | None:
         """The drafted tree as it is verified: for 'auto', its nodes that pay at the verify cost of the worker's

@@ -188,14 +188,26 @@ class TreePruning:
             return False
         return True
 
-    def pays_beside(self, others: Sequence[TreeRow], fixed_s: float, beside: ChunkBeside) -> bool:
-        """Before drafting, beside a prompt's chunk: whether a tree like the latest of its recent trees would keep a
-        node (`prune`'s judgement of it in this batch). One that would be pruned to nothing is not drafted: its
-        drafting would hold the chunk's pass (the worker's batcher waits for the rows expected back) for a plain
-        step. Unlike a backoff this is asked again every round, so trees resume as soon as the chunk leaves."""
+    def pays_beside(self, others: Sequence[TreeRow], fixed_s: float, beside: ChunkBeside, plain_s: float | None = None,
+                    others_drafting: Sequence[TreeRow] | None = None) -> bool:  # fmt: skip
+        """Before drafting, beside a prompt's chunk: whether the batch's round with a tree like the latest of its
+        recent trees, cut as `prune` would cut it there (`fixed_s`: a tree round's seconds beyond its forward, its
+        drafting included; the other rows `others_drafting` as in `prune`), commits more a second, the chunk's
+        positions counted, than a plain round (the others at cap 0; `plain_s`: a plain round's seconds beyond its
+        forward; None: unknown, only the cut is asked). One that does not is not drafted: its drafting would hold
+        the chunk's pass (the worker's batcher waits for the rows expected back) for what a plain step commits. Unlike
+        a backoff this is asked again every round, so trees resume as soon as the chunk leaves."""
         if not self.recent.scores:
             return True
-        return best_node_count(self.recent.scores, self.verify, self.calibration.factor, others, fixed_s, beside) > 0
+        factor = self.calibration.factor
+        count = best_node_count(self.recent.scores, self.verify, factor, others, fixed_s, beside)
+        if not count or plain_s is None:
+            return count > 0
+        own = expected_accepted_by_size(self.recent.scores[: self.verify.max_k], factor)
+        drafting = others if others_drafting is None else others_drafting
+        tree_tokens, tree_s = _round(count, _own_at(count, own), self.verify, drafting, fixed_s, beside)
+        plain_tokens, plain_round_s = _round(0, _own_at(0, own), self.verify, others, plain_s, beside)
+        return tree_tokens / tree_s > plain_tokens / plain_round_s
 
     def prune(self, tree: DraftTree, others: Sequence[TreeRow] = (), fixed_s: float = 0.0,
               beside: ChunkBeside | None = None, plain_s: float | None = None,

@@ -173,7 +173,8 @@ def test_a_tree_that_loses_to_a_prompts_chunk_does_not_back_the_head_off():
 
 def test_before_drafting_beside_a_chunk_a_tree_is_judged_as_its_latest_would_be_pruned():
     """`pays_beside` asks, before the head drafts, what `prune` would answer for a tree like the latest one beside
-    the same chunk: no node kept, no drafting. Nothing drafted yet: nothing to judge by, so it drafts."""
+    the same chunk (no node kept, no drafting), and whether that round beats a plain one with its drafting counted.
+    Nothing drafted yet: nothing to judge by, so it drafts."""
     from specserve.workers.speculation.planner.costs import ChunkBeside
     from specserve.workers.speculation.planner.tree import TreePruning
 
@@ -188,6 +189,11 @@ def test_before_drafting_beside_a_chunk_a_tree_is_judged_as_its_latest_would_be_
         answers[chunk] = head.pays_beside((), 0.0, chunk)
         assert answers[chunk] == (TreePruning(steep).prune(modest, beside=chunk) is not None)
     assert answers == {cheap: False, dear: True}
+    # A tree that keeps a node but whose round, its drafting counted, commits less a second than a plain round's
+    # beside the chunk is not drafted either: the drafting is not spent yet.
+    assert head.pays_beside((), 0.0, dear, plain_s=0.0)
+    assert not head.pays_beside((), 0.2, dear, plain_s=0.0)
+    assert TreePruning(steep).prune(modest, fixed_s=0.2, beside=dear) is not None  # spent, it would be verified
     lookup = TreePruning(steep, costly=False)  # a lookup's trees cost nothing to draft: they are not remembered
     lookup.prune(modest)
     assert not lookup.recent.scores
