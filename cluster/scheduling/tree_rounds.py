@@ -30,9 +30,14 @@ class TreeRounds:
 
     def _plan_tree(self, req: SchedRequest) -> RoundPlan:
         """A tree round: its most nodes, prompt lookup's tree drafted here (pruned for 'auto'; none: a plain step);
-        with lookups beside a head's trees, their continuation where it is expected to accept more."""
+        with lookups beside a head's trees, their continuation where it is expected to accept more (not while the
+        head's rounds are plain beside a prompt's chunk)."""
         nodes = self._tree_nodes(req)
-        if req.planner is not None and req.state.draft_budget(1) and req.prompt_logprobs is None:
+        # Plain beside a prompt's chunk, its plain steps stream from one call; a lookup's round would end the stream,
+        # and the step queued ahead and the new call's trip cost the request a whole pass (0.4-0.5 s beside a 4K
+        # prompt's chunks on the CPU): the streams' p99 gap, for the few tokens a continuation there commits.
+        streaming = req.pruning is not None and req.pruning.plain_beside
+        if req.planner is not None and req.state.draft_budget(1) and req.prompt_logprobs is None and not streaming:
             limit = req.state.draft_budget(self.max_chain if req.spec.k == "auto" else req.spec.k)
             cut = self._lookup_cut(req) if req.spec.k == "auto" else None
             lookup = req.planner.lookup_round(req.state.tokens, limit, req.tree_yield if nodes else None, cut)

@@ -245,9 +245,44 @@ def test_head_trees_that_would_not_pay_beside_a_prompts_chunk_are_not_drafted_an
     drafted.clear()
     for _ in range(3):
         assert [round_(chat) for chat in chats] == [0] * 4
+        assert [chat.round.k for chat in chats] == [0] * 4  # no lookup's round breaks the stream either
         assert [s.plain_steps(chat, chat.round) for chat in chats] == [8] * 4  # one Decode call each
     assert not any(drafted) and all(chat.pruning.plain_rounds == 0 for chat in chats)
     long.told["t1"] = list(long.state.tokens)
     s.apply_round(long, s.plan_round(long), VerifyResult(0, 7), [], round_s=0.5)  # its first round: prefill over
     assert all(s.plan_round(chat).nodes for chat in chats)
     assert [s.plain_steps(chat, chat.round) for chat in chats] == [1] * 4
+
+
+def test_while_a_heads_rounds_are_plain_beside_a_chunk_no_lookup_round_breaks_their_stream(monkeypatch):
+    """eagle-tree+ngram: a prompt lookup's continuation that would pay beside a dear chunk is not verified while the
+    head's trees are plain there (the judgement forced: `TreePruning.pays_beside`, tested above): ending the plain
+    steps' stream for it costs the request a whole pass. Without the chunk the lookup goes as before."""
+    import torch
+
+    from specserve.workers.speculation.codec import feature_block
+    from specserve.workers.speculation.planner.costs import PlannerCosts
+    from specserve.workers.speculation.planner.tree import TreePruning
+    from tests.helpers.cost_surfaces import cpu_surface
+
+    monkeypatch.setattr(TreePruning, "wants_tree", lambda self: True)
+    monkeypatch.setattr(TreePruning, "pays_beside", lambda self, *a: False)
+    s = Scheduler(["d1"], ["t1"], prefill_chunk=128, decode_steps=8)
+    s.planner_costs = PlannerCosts(cpu_surface())
+    auto = SpecParams(method="eagle-tree+ngram", k="auto")
+    chat = s.add([3, 4, 5, 6] * 3 + list(range(10, 20)), SamplingParams(max_new_tokens=200), auto, frozenset())
+
+    def plan():
+        chat.features.received(feature_block(0, torch.zeros(len(chat.state.tokens), 6)).encode())
+        return s.plan_round(chat)
+
+    for token in (3, 4, 5):  # its history ends "3 4 5": the prompt continues it with "6 3 4 5 ..."
+        s.apply_round(chat, plan(), VerifyResult(0, token), round_s=0.1)
+    assert plan().drafted  # alone: the lookup's round
+    long = s.add(list(range(3, 1003)), SamplingParams(max_new_tokens=4), SpecParams(method="ngram", k=3), frozenset())
+    for _ in range(3):  # chunks whose positions cost 100 ms each: a lookup's tokens would pay beside them
+        call = s.plan_prefill_chunk(long)
+        n = len(call.new_tokens)
+        s.prefilled(long, call, VerifyResult(0, 5, batch_rows=2, batch_tokens=n, batch_seconds=0.05 + 0.1 * n))
+    beside = plan()
+    assert beside.k == 0 and chat.pruning.plain_beside and s.plain_steps(chat, beside) == 8
