@@ -12,7 +12,7 @@ from specserve.cluster.scheduling.sched_request import SchedRequest
 from specserve.workers.speculation.draft_tree import DraftTree, TreeShape
 from specserve.workers.speculation.ngram import NgramDrafter
 from specserve.workers.speculation.planner.batch import BatchWidth
-from specserve.workers.speculation.planner.costs import PlannerCosts, VerifyCosts
+from specserve.workers.speculation.planner.costs import ChunkBeside, PlannerCosts, VerifyCosts
 from specserve.workers.speculation.planner.round_plan import PLAIN, RoundPlan
 from specserve.workers.speculation.planner.tree import RecentTrees, TreePruning, TreeRow, best_chain_length
 
@@ -53,6 +53,8 @@ class TreeRounds:
         """Nodes to draft this round: k, or for 'auto' max_tree_nodes (pruned once drafted); none when the round can
         commit one token only, for a head without a draft worker or new features, or in 'auto''s plain rounds."""
         head = req.method.needs_head
+        if req.pruning is not None:
+            req.pruning.plain_beside = False
         if head and (req.draft_worker is None or not req.head_ready) or not req.state.draft_budget(1):
             return 0
         if req.prompt_logprobs is not None:  # the call that brings the prompt's logprobs is a chain's (a plain step)
@@ -68,22 +70,21 @@ class TreeRounds:
             if head:  # it joins its batch's backoff: its first tree would hold every backed-off row's pass
                 req.pruning.plain_rounds = max((r.pruning.plain_rounds for r in self._head_tree_peers(req)), default=0)
         if req.pruning is not None:
-            req.pruning.plain_beside = False
+            # Beside a prompt's chunk a head's plain rounds, backed off or not paying there, stream until it leaves.
+            chunk = self.chunks.beside(req.target_worker) if head else None
             if not req.pruning.wants_tree():
+                req.pruning.plain_beside = chunk is not None
                 return 0
-            if head and not self._tree_pays_beside(req):
+            if chunk is not None and not self._tree_pays_beside(req, chunk):
                 req.pruning.plain_beside = True
                 return 0
         return self.max_tree_nodes
 
-    def _tree_pays_beside(self, req: SchedRequest) -> bool:
+    def _tree_pays_beside(self, req: SchedRequest, beside: ChunkBeside) -> bool:
         """False where a prompt's chunk shares the worker's passes and a round with a tree like its recent ones would
         commit less a second there than a plain round (`TreePruning.pays_beside`). Drafted every round beside a 4K
         prompt's chunks only to be pruned to nothing, such trees held each of its passes ~55 ms for the streams'
         drafting, ~15% of the worker (results/2026-12-07-1510-smollm2-long-prompt-plain-beside)."""
-        beside = self.chunks.beside(req.target_worker)
-        if beside is None:
-            return True
         peers = self._batch_peers(req)
         others = [r.batch_row() for r in peers]
         req.pruning.verify = self._batch_verify(others)

@@ -256,8 +256,9 @@ def test_head_trees_that_would_not_pay_beside_a_prompts_chunk_are_not_drafted_an
 
 def test_while_a_heads_rounds_are_plain_beside_a_chunk_no_lookup_round_breaks_their_stream(monkeypatch):
     """eagle-tree+ngram: a prompt lookup's continuation that would pay beside a dear chunk is not verified while the
-    head's trees are plain there (the judgement forced: `TreePruning.pays_beside`, tested above): ending the plain
-    steps' stream for it costs the request a whole pass. Without the chunk the lookup goes as before."""
+    head's trees are plain there (the judgement forced: `TreePruning.pays_beside`, tested above), or backed off:
+    ending the plain steps' stream for it costs the request a whole pass. Without the chunk the lookup goes as
+    before."""
     import torch
 
     from specserve.workers.speculation.codec import feature_block
@@ -286,3 +287,9 @@ def test_while_a_heads_rounds_are_plain_beside_a_chunk_no_lookup_round_breaks_th
         s.prefilled(long, call, VerifyResult(0, 5, batch_rows=2, batch_tokens=n, batch_seconds=0.05 + 0.1 * n))
     beside = plan()
     assert beside.k == 0 and chat.pruning.plain_beside and s.plain_steps(chat, beside) == 8
+    monkeypatch.setattr(TreePruning, "wants_tree", lambda self: False)  # backed off: the same beside the chunk
+    beside = plan()
+    assert beside.k == 0 and chat.pruning.plain_beside and s.plain_steps(chat, beside) == 8
+    long.told["t1"] = list(long.state.tokens)
+    s.apply_round(long, s.plan_round(long), VerifyResult(0, 7), [], round_s=0.5)  # its first round: prefill over
+    assert plan().drafted and not chat.pruning.plain_beside  # backed off alone: the lookup goes as before

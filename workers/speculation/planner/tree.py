@@ -173,7 +173,7 @@ class TreePruning:
     calibration: TreeCalibration = field(default_factory=TreeCalibration)
     predicted: float = 0.0  # expected accepted nodes of the tree being verified
     plain_rounds: int = 0  # plain steps to take before drafting the next tree
-    plain_beside: bool = False  # this round is plain because its tree would not pay beside a prompt's chunk
+    plain_beside: bool = False  # this round is plain beside a prompt's chunk (backed off, or its tree would not pay)
     backoff: int = 0  # plain steps after a losing tree (doubles if pruned to nothing, or lost before any verified)
     costly: bool = True  # drafting a tree costs model work (a head's); prompt lookup's trees cost nothing
     by_size: tuple[float, ...] = ()  # the last drafted tree's expected accepted nodes by size (a TreeRow to others)
