@@ -15,7 +15,12 @@ prompt's pass for them, `prefill_wait_ms`), so each stream's round is its own pl
 about CHUNK_SHARE / (CHUNK_SHARE + 1) of the worker: within 1.5x its TTFT alone when a round's own part (the pass's
 weights and rows, the draft hop) is no more than half the chunk's. What a chunk's positions cost comes from the
 worker's fit of its passes (pass_cost.py: a fixed part, a part per position, a part per key the chunk attends over),
-so a chunk shrinks as its prompt deepens, before its passes show it. Only passes beside decoding requests are fitted:
+so a chunk shrinks as its prompt deepens, before its passes show it. Each such pass comes with what its other rows
+cost without the chunk (the worker's verify surface, measured by the cost probe and every reply), a point at no chunk
+that anchors the fit's fixed part: passes of one shape (a few dozen positions, the depth creeping) barely tell a
+fixed part from a part per key, and unanchored the fit called 250-300 ms of a 550 ms pass fixed where the rows cost
+~70, so it sized chunks to 1.6x their share (results/2026-12-07-1510-smollm2-long-prompt-plain-beside, 10's trace).
+Only passes beside decoding requests are fitted:
 alone a prompt feeds whole chunks of one size, whose fixed part a fit cannot tell from their positions' (from them it
 read 0.6 s "fixed", and sized the first chunks beside streams to 860 ms passes). A chunk grows at most MAX_GROW over
 the last and shrinks at most MAX_SHRINK: too big is a long gap for every stream beside it, too small only a slightly
@@ -119,10 +124,11 @@ class ChunkPacer:
         return ChunkBeside(positions, seconds)
 
     def chunk_ran(self, worker: str, positions: int, seconds: float, prompt: str = "", batch_positions: int = 0,
-                  depth: int = 0) -> None:  # fmt: skip
+                  depth: int = 0, base_s: float | None = None) -> None:  # fmt: skip
         """The chunk in flight (of `prompt`, `depth` positions into it) fed `positions` positions in `seconds` of its
         worker's batch, which fed `batch_positions` in all (0: not known, the chunk's); one beside decoding requests
-        moves the prompt's size towards its budget."""
+        moves the prompt's size towards its budget. base_s: what the batch's other rows cost without the chunk (the
+        worker's verify surface; None: not known), which anchors the fit's fixed part."""
         w = self._at(worker)
         w.done = w.epoch
         if positions <= 0 or seconds <= 0:
@@ -131,6 +137,8 @@ class ChunkPacer:
         w.chunk_s, w.chunk_n = seconds, positions
         w.next_depth = depth + positions
         if w.beside:  # a prompt alone feeds whole chunks: passes of one size, whose fixed part the fit cannot tell
+            if base_s:  # the rows alone: a point at no chunk, so the fit cannot call the chunk's keys "fixed"
+                w.cost.add(0, 0, max(batch_positions - positions, 0), base_s)
             w.cost.add(positions, depth, max(batch_positions, positions), seconds)
         if w.beside and w.round_s is not None:
             want = w.cost.chunk_for(CHUNK_SHARE * w.round_s, w.next_depth)  # the chunk's own time

@@ -243,8 +243,11 @@ class Scheduler(WorkerPlacement, TreeRounds):
     def prefilled(self, req: SchedRequest, call: Call, reply: VerifyResult) -> None:
         """A prefill chunk's reply: its features wait for its feed (its token is not committed)."""
         chunk = len(call.new_tokens)
+        rows, base_s = reply.batch_rows - 1, None
+        if rows > 0 and self.planner_costs is not None:  # the other rows alone, as the worker's profile measured them
+            base_s = self.planner_costs.profiled(rows, max(1, round((reply.batch_tokens - chunk) / rows)))
         self.chunks.chunk_ran(call.worker, chunk, reply.batch_seconds, req.request_id, reply.batch_tokens,
-                              depth=call.committed_len - chunk)  # fmt: skip
+                              depth=call.committed_len - chunk, base_s=base_s)  # fmt: skip
         if req.features is not None and reply.features:
             req.features.received(reply.features)
 

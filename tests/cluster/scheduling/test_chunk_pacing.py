@@ -238,3 +238,47 @@ def test_a_prompt_alone_does_not_teach_the_fit_its_fixed_part():
     for _ in range(3):
         _chunk(pacer, "t1", True, lambda n: 0.05 + 0.004 * n)
     assert pacer.status()["t1"]["pass_fit_ms"] is not None
+
+
+def test_the_rows_cost_without_the_chunk_anchors_the_fits_fixed_part():
+    """Passes of one shape (a few dozen positions, the depth creeping) barely tell a fixed part from a part per key:
+    with each pass's rows measured alone (`base_s`), the fit's fixed part is theirs, and the chunks' own positions
+    settle at CHUNK_SHARE of the round while noise moves the passes."""
+    from specserve.cluster.scheduling.pass_cost import attended
+
+    pacer = ChunkPacer(256)
+    pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
+    rows_s, per_position, per_key = 0.07, 0.0015, 0.0015  # at depth 3K a position costs 6 ms, as on the CPU
+    own, depth = [], 1500
+    for i in range(60):
+        n = pacer.size("t1", True, "a")
+        pacer.started("t1", True, "a")
+        chunk_s = per_position * n + per_key * attended(n, depth)
+        noise = (0.04, -0.03, 0.01, -0.02)[i % 4]
+        pacer.chunk_ran("t1", n, rows_s + chunk_s + noise, "a", batch_positions=n + 4, depth=depth, base_s=rows_s)
+        own.append(chunk_s)
+        depth += n // 4  # creeping: the passes' shapes barely differ
+    fixed_ms = pacer.status()["t1"]["pass_fit_ms"][0]
+    assert 0.5 * 1e3 * rows_s < fixed_ms < 1.5 * 1e3 * rows_s, fixed_ms  # unanchored such fits drifted to 4x
+    assert all(abs(s - CHUNK_SHARE * 0.1) < 0.06 for s in own[20:]), [round(s, 3) for s in own]
+
+
+def test_the_scheduler_anchors_a_chunks_pass_with_its_rows_profiled_alone():
+    """The rows beside a chunk are priced by the worker's start-up profile (`PlannerCosts.profiled`), not by the
+    online correction that passes with chunks in them move."""
+    from specserve.workers.speculation.planner.costs import PlannerCosts
+    from tests.helpers.cost_surfaces import cpu_surface
+
+    s = Scheduler(["d1"], ["t1"], prefill_chunk=128)
+    s.planner_costs = PlannerCosts(cpu_surface())
+    seen = []
+    pacer_ran = s.chunks.chunk_ran
+    s.chunks.chunk_ran = lambda *a, **kw: seen.append(kw.get("base_s")) or pacer_ran(*a, **kw)
+    chat = s.add(list(range(3, 23)), SamplingParams(max_new_tokens=200), SPEC, frozenset())
+    for _ in range(3):
+        s.apply_round(chat, s.plan_round(chat), VerifyResult(0, 7), [], round_s=0.1)
+    long = s.add(list(range(3, 1003)), SamplingParams(max_new_tokens=4), SPEC, frozenset())
+    call = s.plan_prefill_chunk(long)
+    n = len(call.new_tokens)
+    s.prefilled(long, call, VerifyResult(0, 5, batch_rows=2, batch_tokens=n + 1, batch_seconds=0.5))
+    assert seen == [pytest.approx(cpu_surface().at(1, 1))]

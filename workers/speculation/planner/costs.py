@@ -205,6 +205,12 @@ class PlannerCosts:
     def surface(self) -> VerifySurface | VerifyTimings:
         return VerifySurface.single(self.verify) if isinstance(self.verify, VerifyCosts) else self.verify
 
+    def profiled(self, rows: int, width: int) -> float:
+        """A forward over `rows` rows of `width` new positions as the start-up profile measured it, without the online
+        correction (which passes that also carried a prompt's chunk move, up to 3x)."""
+        verify = self.verify.profile if isinstance(self.verify, VerifyTimings) else self.surface
+        return verify.at(rows, width)
+
     @property
     def drafters(self) -> dict[str, DraftCost]:
         return {HEAD_CHAIN: self.head, MODEL_CHAIN: self.draft}
