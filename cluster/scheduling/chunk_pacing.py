@@ -16,7 +16,7 @@ about CHUNK_SHARE / (CHUNK_SHARE + 1) of the worker: within 1.5x its TTFT alone 
 weights and rows, the draft hop) is no more than half the chunk's. What a chunk's positions cost comes from the
 worker's fit of its passes (pass_cost.py: a fixed part, a part per position, a part per key the chunk attends over),
 so a chunk shrinks as its prompt deepens, before its passes show it. Each such pass comes with what its other rows
-cost without the chunk (the worker's verify surface, measured by the cost probe and every reply), a point at no chunk
+cost without the chunk (the worker's start-up profile of that many rows, `PlannerCosts.profiled`), a point at no chunk
 that anchors the fit's fixed part: passes of one shape (a few dozen positions, the depth creeping) barely tell a
 fixed part from a part per key, and unanchored the fit called 250-300 ms of a 550 ms pass fixed where the rows cost
 ~70, so it sized chunks to 1.6x their share (results/2026-12-07-1510-smollm2-long-prompt-plain-beside, 10's trace).
@@ -128,7 +128,7 @@ class ChunkPacer:
         """The chunk in flight (of `prompt`, `depth` positions into it) fed `positions` positions in `seconds` of its
         worker's batch, which fed `batch_positions` in all (0: not known, the chunk's); one beside decoding requests
         moves the prompt's size towards its budget. base_s: what the batch's other rows cost without the chunk (the
-        worker's verify surface; None: not known), which anchors the fit's fixed part."""
+        worker's start-up profile; None: not known), which anchors the fit's fixed part."""
         w = self._at(worker)
         w.done = w.epoch
         if positions <= 0 or seconds <= 0:

@@ -140,7 +140,7 @@ class Scheduler(WorkerPlacement, TreeRounds):
         """Plain rounds the request runs from here whatever they commit, at most `decode_steps` and to its length
         limit, for one call that runs them back to back (TargetClient.decode): a decoding request that never drafts
         (speculation off), a head's trees backed off for plain rounds (TreePruning: the rounds they still have), or
-        a head's trees that would not pay beside a prompt's chunk (until it leaves); 1 for every other round."""
+        a head's plain rounds beside a prompt's chunk (`plain_beside`: until it leaves); 1 for every other round."""
         if plan.k or plan.drafted or not req.state.generated or req.prompt_logprobs is not None:
             return 1
         ahead = req.state.remaining
