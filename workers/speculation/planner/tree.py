@@ -127,6 +127,14 @@ def _round(cap: int, own: tuple[float, float], verify: VerifyCosts, others: Sequ
     return committed + chunk, verify.mean_verify(drafted / (1 + len(others))) + fixed_s + chunk_s
 
 
+def _tree_and_plain(count: int, own: tuple[float, float], verify: VerifyCosts, drafting: Sequence[TreeRow],
+                    others: Sequence[TreeRow], fixed_s: float, plain_s: float,
+                    beside: ChunkBeside | None) -> tuple[tuple[float, float], tuple[float, float]]:  # fmt: skip
+    """(tokens, seconds) of the batch's round with this row's tree at `count` nodes (`own`; the other rows as they
+    draft, `fixed_s` beyond the forward), and of one where no head tree row drafts (`plain_s` beyond it)."""
+    return _round(count, own, verify, drafting, fixed_s, beside), _round(0, (0, 1.0), verify, others, plain_s, beside)
+
+
 def _own_at(b: int, own: Sequence[float]) -> tuple[float, float]:
     """(drafted positions, committed tokens expected) of a row keeping its b best nodes (own: expected accepted
     nodes by size)."""
@@ -205,8 +213,9 @@ class TreePruning:
             return count > 0
         own = expected_accepted_by_size(self.recent.scores[: self.verify.max_k], factor)
         drafting = others if others_drafting is None else others_drafting
-        tree_tokens, tree_s = _round(count, _own_at(count, own), self.verify, drafting, fixed_s, beside)
-        plain_tokens, plain_round_s = _round(0, _own_at(0, own), self.verify, others, plain_s, beside)
+        (tree_tokens, tree_s), (plain_tokens, plain_round_s) = _tree_and_plain(
+            count, _own_at(count, own), self.verify, drafting, others, fixed_s, plain_s, beside
+        )
         return tree_tokens / tree_s > plain_tokens / plain_round_s
 
     def prune(self, tree: DraftTree, others: Sequence[TreeRow] = (), fixed_s: float = 0.0,
@@ -258,8 +267,9 @@ class TreePruning:
             own = _own_at(count, self.by_size)
         else:
             own = (self.recent.width, 1.0 + self.recent.accepted)
-        tree_tokens, tree_s = _round(count, own, self.verify, drafting, fixed_s, None)
-        plain_tokens, plain_round_s = _round(0, _own_at(0, self.by_size), self.verify, others, plain_s, None)
+        (tree_tokens, tree_s), (plain_tokens, plain_round_s) = _tree_and_plain(
+            count, own, self.verify, drafting, others, fixed_s, plain_s, None
+        )
         plain_rate = plain_tokens / plain_round_s
         if tree_tokens / tree_s >= plain_rate:
             return 0
