@@ -20,16 +20,23 @@ cost without the chunk (the worker's start-up profile of that many rows, `Planne
 that anchors the fit's fixed part: passes of one shape (a few dozen positions, the depth creeping) barely tell a
 fixed part from a part per key, and unanchored the fit called 250-300 ms of a 550 ms pass fixed where the rows cost
 ~70, so it sized chunks to 1.6x their share (results/2026-12-07-1510-smollm2-long-prompt-plain-beside, 10's trace).
-Only passes beside decoding requests are fitted:
-alone a prompt feeds whole chunks of one size, whose fixed part a fit cannot tell from their positions' (from them it
-read 0.6 s "fixed", and sized the first chunks beside streams to 860 ms passes). A chunk grows at most MAX_GROW over
-the last and shrinks at most MAX_SHRINK: too big is a long gap for every stream beside it, too small only a slightly
-later first token. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
+Only passes beside decoding requests are fitted for sizing: alone a prompt feeds whole chunks of one size, whose fixed
+part a fit cannot tell from their positions' (from them it read 0.6 s "fixed", and sized the first chunks beside
+streams to 860 ms passes); they are the floor's measure (below). A chunk grows at most MAX_GROW over the last and
+shrinks at most MAX_SHRINK: too big is a long gap for every stream beside it, too small only a slightly later first
+token. Alone on the worker, a prompt takes the setting's whole chunk: fewest calls, nobody waits.
 
-CHUNK_SHARE trades the prompt's TTFT against the streams' gaps. The quick long-prompt bench on the 2-core CPU
-(results/2026-11-29-0205-smollm2-long-prompt-moves, runs 09-13): at 3, TTFT 1.41-1.57x alone and the streams' p99 gap
-1.78-2.31x alone. Issue 54 asks <= 1.5x and <= 2x together: a smaller share would move the second towards its bound
-and the first away; on this machine the two meet only near one share, inside the runs' spread.
+CHUNK_SHARE trades the prompt's TTFT against the streams' gaps, and fast rounds starve the prompt: at 57-78 ms a round
+(the streams' plain steps on the 2-core CPU), three rounds of a chunk's own time left a pass's rest (the weights'
+pass, the rows, and what serving beside them adds: 65-103 ms a pass) a third of it, and a 4K prompt took 1.73-1.75x its
+TTFT alone (results/2026-12-07-1855-smollm2-long-prompt-floor). So a floor: the chunk's positions, counted at what they
+cost in the worker's passes of whole chunks with nothing beside (a second fit, `alone`: a whole chunk's seconds by its
+depth, all that a position's cost alone needs), are on average at least MIN_PROMPT_SHARE of the passes they ride in,
+so the prompt keeps about that share of its speed alone. The floor is one pass length for a prompt's passes (the rest's
+median over about a prompt's passes, made a chunk by the fit of the passes beside): deep, a position costs more beside
+the rows than alone (~12% a key on the CPU), and a floor judged pass by pass made the deep passes 40% longer than the
+shallow ones, the streams' worst gaps. Issue 54 asks TTFT <= 1.5x and the streams' p99 gap <= 2x together; on the CPU
+the two meet only near one share: at 0.75 (one length) 1.40x and 1.76x, at 0.7 (pass by pass) 1.42x and 1.98x.
 
 The decoding rounds planned while a prompt prefills on their worker count its next chunk in their pass (`beside`):
 its positions as tokens the pass commits and its fitted seconds, so their planners verify only the drafted positions
@@ -45,6 +52,9 @@ from specserve.cluster.scheduling.pass_cost import PassCost
 from specserve.workers.speculation.planner.costs import ChunkBeside
 
 CHUNK_SHARE = 3.0  # a chunk's own positions cost about this many of the decoding requests' rounds
+MIN_PROMPT_SHARE = 0.75  # and on average at least this share of the passes they ride in, at what they cost alone
+RESTS_KEPT = 128  # the passes (about a prompt's) whose rest (all but the chunk's positions at cost alone) sizes it
+FIT_RESTS_KEPT = 16  # the latest passes whose rest by the fit (all but the chunk's own cost beside) sizes its chunk
 MIN_CHUNK_TOKENS = 16  # fewer is mostly a call's fixed cost
 MAX_GROW = 1.25  # a chunk grows at most this factor over the last one (a chunk too big is every stream's long gap)
 MAX_SHRINK = 2.0  # and shrinks at most this factor
@@ -65,8 +75,18 @@ class _Worker:
     chunk_s: float = 0.0  # the latest chunk's seconds
     chunk_n: int = 0  # and its positions
     cost: PassCost = field(default_factory=PassCost)  # its passes with a chunk in them
+    rests: deque[float] = field(default_factory=lambda: deque(maxlen=RESTS_KEPT))  # their seconds but the chunk's own
+    fit_rests: deque[float] = field(default_factory=lambda: deque(maxlen=FIT_RESTS_KEPT))
+    alone: PassCost = field(default_factory=PassCost)  # its passes of a prompt's chunk with nothing decoding beside
     next_depth: int = 0  # where the prompt prefilling there takes its next chunk from
     prompt: str | None = None  # the prompt prefilling there now (its first chunk planned, its first round not in)
+
+    @property
+    def rest_s(self) -> float | None:
+        """What a pass beside the decoding requests costs but the chunk's positions at their cost alone (the weights'
+        pass, the rows, what serving beside them adds): the median over about a prompt's passes, deep and shallow."""
+        rests = self.rests or self.fit_rests
+        return sorted(rests)[len(rests) // 2] if rests else None
 
     @property
     def round_s(self) -> float | None:
@@ -88,14 +108,21 @@ class ChunkPacer:
     def _at(self, worker: str) -> _Worker:
         return self._workers.setdefault(worker, _Worker())
 
-    def size(self, worker: str, others_decoding: bool, prompt: str = "") -> int:
-        """The next chunk of `prompt` (a request id) on `worker`: the setting's while none decode beside it or their
-        round is not measured, else the size that costs CHUNK_SHARE of their round (for a prompt not measured yet the
-        worker's latest; a quarter of the setting until a chunk beside them was measured)."""
+    def size(self, worker: str, others_decoding: bool, prompt: str = "", depth: int = 0) -> int:
+        """The next chunk of `prompt` (a request id) on `worker`, `depth` positions into it: the setting's while none
+        decode beside it or their round is not measured, else the size that costs CHUNK_SHARE of their round (or the
+        floor's). A prompt not measured yet is sized at its depth by the worker's fit (not the latest chunk's size,
+        which deep in the prompt before was a third of a shallow one's); before a fit, the worker's latest; a quarter
+        of the setting until a chunk beside them was measured."""
         w = self._at(worker)
         if not others_decoding or w.round_s is None:
             return self.max_tokens
-        return w.sizes.get(prompt) or w.size or min(self.max_tokens, max(MIN_CHUNK_TOKENS, self.max_tokens // 4))
+        if prompt in w.sizes:
+            return w.sizes[prompt]
+        want = self._want(w, depth)
+        if want is not None:
+            return min(self.max_tokens, max(MIN_CHUNK_TOKENS, round(want)))
+        return w.size or min(self.max_tokens, max(MIN_CHUNK_TOKENS, self.max_tokens // 4))
 
     def started(self, worker: str, others_decoding: bool, prompt: str = "") -> None:
         """A chunk of `prompt` (of `size`'s answer) goes to the worker."""
@@ -117,7 +144,7 @@ class ChunkPacer:
         w = self._workers.get(worker)
         if w is None or w.prompt is None:
             return None
-        positions = self.size(worker, True, w.prompt)
+        positions = self.size(worker, True, w.prompt, w.next_depth)
         seconds = w.cost.chunk_seconds(positions, w.next_depth)
         if seconds is None:
             return ChunkBeside(positions, w.chunk_s * positions / w.chunk_n) if w.chunk_n else None
@@ -140,8 +167,15 @@ class ChunkPacer:
             if base_s:  # the rows alone: a point at no chunk, so the fit cannot call the chunk's keys "fixed"
                 w.cost.add(0, 0, max(batch_positions - positions, 0), base_s)
             w.cost.add(positions, depth, max(batch_positions, positions), seconds)
+            own, alone = w.cost.chunk_seconds(positions, depth), self._alone_seconds(w, positions, depth)
+            if own is not None:
+                w.fit_rests.append(max(seconds - own, 0.0))
+            if alone is not None:
+                w.rests.append(max(seconds - alone, 0.0))
+        else:
+            w.alone.add(positions, depth, max(batch_positions, positions), seconds)
         if w.beside and w.round_s is not None:
-            want = w.cost.chunk_for(CHUNK_SHARE * w.round_s, w.next_depth)  # the chunk's own time
+            want = self._want(w, w.next_depth)
             if want is None:  # not fitted yet: the whole pass in proportion, as if its fixed part were a round's
                 want = positions * (CHUNK_SHARE + 1) * w.round_s / seconds
             want = min(MAX_GROW * positions, max(positions / MAX_SHRINK, want))
@@ -150,6 +184,30 @@ class ChunkPacer:
             w.sizes[prompt] = w.size
         while len(w.sizes) > PROMPTS_KEPT:  # the newest prompts' (finished ones are not told apart: few chunk at once)
             w.sizes.pop(next(iter(w.sizes)))
+
+    def _alone_seconds(self, w: _Worker, positions: int, depth: int) -> float | None:
+        """What `positions` of a prompt at `depth` cost in the worker's passes of whole chunks with nothing beside
+        (None: none fitted): their share of such a pass around their middle."""
+        whole = self.max_tokens
+        middle = depth + positions / 2
+        pass_s = w.alone.seconds(whole, max(middle - whole / 2, 0.0), whole) if whole else None
+        return None if pass_s is None else positions * pass_s / whole
+
+    def _want(self, w: _Worker, depth: int) -> float | None:
+        """The chunk at `depth` whose own positions cost CHUNK_SHARE of a round, or the floor's where that is larger
+        (None: no fit yet)."""
+        want = w.cost.chunk_for(CHUNK_SHARE * (w.round_s or 0.0), depth)
+        return None if want is None else max(want, self._floor(w, depth) or 0.0)
+
+    def _floor(self, w: _Worker, depth: int) -> float | None:
+        """The chunk whose pass is as long as one where its positions, at their cost alone, are MIN_PROMPT_SHARE of it
+        beside the rest that passes have (None: none measured). One such length for a prompt's every pass, by the
+        fit of the passes beside: deep, where a position costs more beside the rows than alone, it would otherwise be
+        longer, and the streams' worst gaps with it. Without passes alone, the chunk's own cost is by that fit."""
+        if w.rest_s is None or not w.fit_rests:
+            return None
+        pass_s = w.rest_s / (1 - MIN_PROMPT_SHARE)
+        return w.cost.chunk_for(pass_s - sorted(w.fit_rests)[len(w.fit_rests) // 2], depth)
 
     def epoch(self, worker: str) -> int:
         """Read at a round's start; `round_ran` compares it. A round that starts while a prompt prefills there (from
@@ -173,5 +231,6 @@ class ChunkPacer:
         one's seconds, and the pass cost's fit (ms: fixed, a position, a thousand keys; None before one)."""
         return {name: {"round_ms": round(1e3 * w.round_s, 1) if w.round_s else None, "next_tokens": w.size,
                        "chunks": w.chunks, "last_chunk_ms": round(1e3 * w.chunk_s, 1),
+                       "pass_rest_ms": round(1e3 * w.rest_s, 1) if w.rest_s is not None else None,
                        "pass_fit_ms": [round(1e3 * c, 4) for c in w.cost.coef] if w.cost.coef else None}
                 for name, w in self._workers.items()}  # fmt: skip

@@ -93,6 +93,10 @@ class PassCost:
             return None
         return out[0], out[1], out[2]
 
+    def seconds(self, chunk: int, depth: int, positions: int) -> float | None:
+        """A whole pass's seconds (None: not fitted)."""
+        return None if self.coef is None else _dot(self.coef, (1.0, float(positions), attended(chunk, depth)))
+
     def chunk_seconds(self, chunk: int, depth: int) -> float | None:
         """What a chunk's own positions add to a pass (None: not fitted)."""
         if self.coef is None:

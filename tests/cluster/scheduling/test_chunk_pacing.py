@@ -4,7 +4,15 @@ CHUNK_SHARE of their round as measured while no chunk ran beside it; within [MIN
 
 import pytest
 
-from specserve.cluster.scheduling.chunk_pacing import CHUNK_SHARE, MAX_GROW, MAX_SHRINK, MIN_CHUNK_TOKENS, ChunkPacer
+from specserve.cluster.scheduling.chunk_pacing import (
+    CHUNK_SHARE,
+    MAX_GROW,
+    MAX_SHRINK,
+    MIN_CHUNK_TOKENS,
+    MIN_PROMPT_SHARE,
+    ChunkPacer,
+)
+from specserve.cluster.scheduling.pass_cost import attended
 from specserve.cluster.scheduling.scheduler import Scheduler
 from specserve.workers.config.request import SamplingParams, SpecParams
 from specserve.workers.service.results import VerifyResult
@@ -37,10 +45,10 @@ def test_beside_decoding_requests_the_size_converges_to_what_costs_its_share_of_
     sizes = [_chunk(pacer, "t1", True, cost) for _ in range(12)]
     assert sizes[0] == 128 and all(b <= a * MAX_GROW for a, b in zip(sizes, sizes[1:], strict=False))
     assert abs(0.002 * sizes[-1] - CHUNK_SHARE * 0.1) < 0.005  # 150 tokens: 0.3 s of their own
-    heavy = ChunkPacer(512)  # a fixed part over their round (many rows beside it): the chunk's own time the same
+    heavy = ChunkPacer(512)  # a fixed part over their round (many rows beside it): the prompt keeps 3/4 of a pass
     heavy.round_ran("t1", 0.1, heavy.epoch("t1"))
-    sizes = [_chunk(heavy, "t1", True, lambda n: 0.5 + 0.002 * n) for _ in range(12)]
-    assert abs(sizes[-1] - 150) <= 3
+    sizes = [_chunk(heavy, "t1", True, lambda n: 0.2 + 0.002 * n) for _ in range(16)]
+    assert abs(sizes[-1] - 300) <= 5  # 0.6 s of its own against the pass's 0.2: MIN_PROMPT_SHARE, not 150's 0.3
     flat = ChunkPacer(512)  # a GPU-like cost, flat to a knee: the chunk grows to the setting
     flat.round_ran("t1", 0.1, flat.epoch("t1"))
     assert [_chunk(flat, "t1", True, lambda n: 0.02) for _ in range(8)][-1] == 512
@@ -244,8 +252,6 @@ def test_the_rows_cost_without_the_chunk_anchors_the_fits_fixed_part():
     """Passes of one shape (a few dozen positions, the depth creeping) barely tell a fixed part from a part per key:
     with each pass's rows measured alone (`base_s`), the fit's fixed part is theirs, and the chunks' own positions
     settle at CHUNK_SHARE of the round while noise moves the passes."""
-    from specserve.cluster.scheduling.pass_cost import attended
-
     pacer = ChunkPacer(256)
     pacer.round_ran("t1", 0.1, pacer.epoch("t1"))
     rows_s, per_position, per_key = 0.07, 0.0015, 0.0015  # at depth 3K a position costs 6 ms, as on the CPU
@@ -282,3 +288,50 @@ def test_the_scheduler_anchors_a_chunks_pass_with_its_rows_profiled_alone():
     n = len(call.new_tokens)
     s.prefilled(long, call, VerifyResult(0, 5, batch_rows=2, batch_tokens=n + 1, batch_seconds=0.5))
     assert seen == [pytest.approx(cpu_surface().at(1, 1))]
+
+
+def _alone_s(n: int, depth: int) -> float:
+    """A CPU-like pass of a chunk alone: 50 ms of weights, 2.4 ms a position, 1.1 ms a thousand keys."""
+    return 0.05 + 0.0024 * n + 0.0011 * attended(n, depth)
+
+
+def test_beside_fast_rounds_a_prompt_keeps_its_share_of_each_pass_at_what_its_positions_cost_alone():
+    """Rounds of 20 ms would pace chunks to 60 ms of their own, against passes whose rest (the weights, the rows and
+    what serving beside them adds: 100 ms) would then be most of each pass, and the prompt would take ~2.5x its time
+    alone. Counted at their cost in the worker's passes alone (a prompt prefilled with nothing beside it), a chunk's
+    positions are MIN_PROMPT_SHARE of its passes, and the passes are of one length, shallow or deep."""
+    pacer = ChunkPacer(256)
+    for depth in range(0, 4096, 256):  # a prompt alone: whole chunks
+        pacer.started("t1", False, "alone")
+        pacer.chunk_ran("t1", 256, _alone_s(256, depth), "alone", batch_positions=256, depth=depth)
+    pacer.ended("alone")
+    pacer.round_ran("t1", 0.02, pacer.epoch("t1"))
+    shares, passes, depth = [], [], 0
+    while depth < 4096:
+        n = pacer.size("t1", True, "a")
+        pacer.started("t1", True, "a")
+        # beside: the rows and serving 100 ms, and deep a position costs a little more than alone
+        pass_s = _alone_s(n, depth) + 0.1 + 0.0002 * attended(n, depth)
+        pacer.chunk_ran("t1", n, pass_s, "a", batch_positions=n + 4, depth=depth)
+        alone_own = n * _alone_s(256, max(depth + n / 2 - 128, 0)) / 256  # their share of a whole chunk alone
+        shares.append(alone_own / pass_s)
+        passes.append(pass_s)
+        depth += n
+    steady = list(zip(shares, passes, strict=True))[14:]  # once grown (MAX_GROW a chunk) from the first chunks' sizes
+    assert abs(sum(s * p for s, p in steady) / sum(p for _, p in steady) - MIN_PROMPT_SHARE) < 0.04  # about
+    assert all(abs(s - MIN_PROMPT_SHARE) < 0.08 for s in shares[14:]), [round(s, 2) for s in shares]
+    assert max(passes[14:]) < 1.2 * min(passes[14:]), passes  # about one length, shallow or 4K deep
+    assert n > 3 * CHUNK_SHARE * 0.02 / (0.0024 + 0.0011 * 4)  # 3x what the rounds alone would pace at 4K deep
+    first = pacer.size("t1", True, "b", depth=0)  # the next prompt starts at its own depth, not at the last size
+    assert first > 1.5 * n and abs(_alone_s(first, 0) + 0.1 - passes[-1]) < 0.1 * passes[-1], (first, n)
+
+
+def test_without_passes_alone_the_floor_counts_a_chunks_own_time_by_its_passes_beside():
+    """A worker that never prefilled a prompt alone: the chunk's own positions as the fit of its passes beside prices
+    them, at least MIN_PROMPT_SHARE of the pass."""
+    pacer = ChunkPacer(512)
+    pacer.round_ran("t1", 0.02, pacer.epoch("t1"))
+    sizes = [_chunk(pacer, "t1", True, lambda n: 0.1 + 0.002 * n) for _ in range(20)]
+    own = 0.002 * sizes[-1]
+    assert abs(own / (own + 0.1) - MIN_PROMPT_SHARE) < 0.02, sizes
+    assert pacer.status()["t1"]["pass_rest_ms"] == pytest.approx(100, abs=5)
