@@ -109,21 +109,16 @@ class ChunkPacer:
     def _at(self, worker: str) -> _Worker:
         return self._workers.setdefault(worker, _Worker())
 
-    def size(self, worker: str, others_decoding: bool, prompt: str = "", depth: int = 0) -> int:
-        """The next chunk of `prompt` (a request id) on `worker`, `depth` positions into it: the setting's while none
-        decode beside it or their round is not measured, else the size that costs CHUNK_SHARE of their round (or the
-        floor's). A prompt not measured yet is sized at its depth by the worker's fit (not the latest chunk's size,
-        which deep in the prompt before was a third of a shallow one's); before a fit, the worker's latest; a quarter
-        of the setting until a chunk beside them was measured."""
+    def size(self, worker: str, others_decoding: bool, prompt: str = "") -> int:
+        """The next chunk of `prompt` (a request id) on `worker`: the setting's while none decode beside it or their
+        round is not measured, else the size that costs CHUNK_SHARE of their round, or the floor's (for a prompt not
+        measured yet the worker's latest: sized at its own depth by the fit of passes deep in the prompt before, a
+        new prompt's first chunk was 201 positions, a 0.6 s pass; a quarter of the setting until a chunk beside them
+        was measured)."""
         w = self._at(worker)
         if not others_decoding or w.round_s is None:
             return self.max_tokens
-        if prompt in w.sizes:
-            return w.sizes[prompt]
-        want = self._want(w, depth)
-        if want is not None:
-            return min(self.max_tokens, max(MIN_CHUNK_TOKENS, round(want)))
-        return w.size or min(self.max_tokens, max(MIN_CHUNK_TOKENS, self.max_tokens // 4))
+        return w.sizes.get(prompt) or w.size or min(self.max_tokens, max(MIN_CHUNK_TOKENS, self.max_tokens // 4))
 
     def started(self, worker: str, others_decoding: bool, prompt: str = "") -> None:
         """A chunk of `prompt` (of `size`'s answer) goes to the worker."""
@@ -145,7 +140,7 @@ class ChunkPacer:
         w = self._workers.get(worker)
         if w is None or w.prompt is None:
             return None
-        positions = self.size(worker, True, w.prompt, w.next_depth)
+        positions = self.size(worker, True, w.prompt)
         seconds = w.cost.chunk_seconds(positions, w.next_depth)
         if seconds is None:
             return ChunkBeside(positions, w.chunk_s * positions / w.chunk_n) if w.chunk_n else None

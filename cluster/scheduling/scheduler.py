@@ -228,7 +228,7 @@ class Scheduler(WorkerPlacement, TreeRounds):
         # moment when every chat stream is between its requests gave a whole chunk: a 2 s pass deep in a 4K prompt.
         others = any(r.target_worker == req.target_worker and r is not req and self._decodes_soon(r)
                      for r in self.requests.values())  # fmt: skip
-        size = self.chunks.size(req.target_worker, others, req.request_id, held)
+        size = self.chunks.size(req.target_worker, others, req.request_id)
         if req.state.prompt_len - held <= (size if req.told.get(req.target_worker) else self.chunks.max_tokens):
             return None  # the rest goes with the first round's call
         return _NextChunk(held, size, others, cap)
