@@ -36,8 +36,8 @@ so the prompt keeps about that share of its speed alone. The floor is one pass l
 median over about a prompt's passes, made a chunk by the fit of the passes beside): deep, a position costs more beside
 the rows than alone (~12% a key on the CPU), and a floor judged pass by pass made the deep passes 40% longer than the
 shallow ones, the streams' worst gaps. Issue 54 asks TTFT <= 1.5x and the streams' p99 gap <= 2x together; on the CPU
-the two meet only near one share: at 0.75, one length, the TTFT 1.37-1.45x in four runs and the p99 1.44-1.81x in
-three of them (2.13x in the fourth, where the streams' p99 alone was 191 ms); at 0.7, pass by pass, 1.42x and 1.98x.
+the two meet only near one share: at 0.75, one length, the TTFT 1.40-1.46x and the p99 1.76-1.82x in three runs; at
+0.7, pass by pass, 1.42x and 1.98x.
 
 The decoding rounds planned while a prompt prefills on their worker count its next chunk in their pass (`beside`):
 its positions as tokens the pass commits and its fitted seconds, so their planners verify only the drafted positions
