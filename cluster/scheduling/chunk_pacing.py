@@ -76,9 +76,10 @@ class _Worker:
     chunk_s: float = 0.0  # the latest chunk's seconds
     chunk_n: int = 0  # and its positions
     cost: PassCost = field(default_factory=PassCost)  # its passes with a chunk in them
-    rests: deque[float] = field(default_factory=lambda: deque(maxlen=RESTS_KEPT))  # their seconds but the chunk's own
-    fit_rests: deque[float] = field(default_factory=lambda: deque(maxlen=FIT_RESTS_KEPT))
+    rests: deque[float] = field(default_factory=lambda: deque(maxlen=RESTS_KEPT))  # but the chunk at its cost alone
+    fit_rests: deque[float] = field(default_factory=lambda: deque(maxlen=FIT_RESTS_KEPT))  # but its own by `cost`
     alone: PassCost = field(default_factory=PassCost)  # its passes of a prompt's chunk with nothing decoding beside
+    nothing_beside: bool = False  # whether the chunk in flight was planned with no request decoding there
     next_depth: int = 0  # where the prompt prefilling there takes its next chunk from
     prompt: str | None = None  # the prompt prefilling there now (its first chunk planned, its first round not in)
 
@@ -112,9 +113,9 @@ class ChunkPacer:
     def size(self, worker: str, others_decoding: bool, prompt: str = "") -> int:
         """The next chunk of `prompt` (a request id) on `worker`: the setting's while none decode beside it or their
         round is not measured, else the size that costs CHUNK_SHARE of their round, or the floor's (for a prompt not
-        measured yet the worker's latest: sized at its own depth by the fit of passes deep in the prompt before, a
-        new prompt's first chunk was 201 positions, a 0.6 s pass; a quarter of the setting until a chunk beside them
-        was measured)."""
+        measured yet the worker's latest, not a size at its own depth: by a fit of passes deep in the prompt before,
+        that made one prompt's first chunk 201 positions, a 0.6 s pass; a quarter of the setting until a chunk beside
+        them was measured)."""
         w = self._at(worker)
         if not others_decoding or w.round_s is None:
             return self.max_tokens
@@ -125,6 +126,7 @@ class ChunkPacer:
         w = self._at(worker)
         w.epoch += 1
         w.beside = others_decoding and w.round_s is not None
+        w.nothing_beside = not others_decoding
         w.prompt = prompt
 
     def ended(self, prompt: str) -> None:
@@ -168,7 +170,7 @@ class ChunkPacer:
                 w.fit_rests.append(max(seconds - own, 0.0))
             if alone is not None:
                 w.rests.append(max(seconds - alone, 0.0))
-        else:
+        elif w.nothing_beside:  # not a pass beside requests whose round was not measured yet
             w.alone.add(positions, depth, max(batch_positions, positions), seconds)
         if w.beside and w.round_s is not None:
             want = self._want(w, w.next_depth)
@@ -224,9 +226,11 @@ class ChunkPacer:
 
     def status(self) -> dict:
         """Per worker: the decoding round it paces against, the next chunk's size beside it, chunks run, the last
-        one's seconds, and the pass cost's fit (ms: fixed, a position, a thousand keys; None before one)."""
+        one's seconds, a pass's rest beside them (the floor's measure), and the fits of the passes beside them and of
+        those alone (ms: fixed, a position, a thousand keys; None before one)."""
         return {name: {"round_ms": round(1e3 * w.round_s, 1) if w.round_s else None, "next_tokens": w.size,
                        "chunks": w.chunks, "last_chunk_ms": round(1e3 * w.chunk_s, 1),
                        "pass_rest_ms": round(1e3 * w.rest_s, 1) if w.rest_s is not None else None,
-                       "pass_fit_ms": [round(1e3 * c, 4) for c in w.cost.coef] if w.cost.coef else None}
+                       "pass_fit_ms": [round(1e3 * c, 4) for c in w.cost.coef] if w.cost.coef else None,
+                       "alone_fit_ms": [round(1e3 * c, 4) for c in w.alone.coef] if w.alone.coef else None}
                 for name, w in self._workers.items()}  # fmt: skip

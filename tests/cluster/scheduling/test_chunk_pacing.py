@@ -333,3 +333,18 @@ def test_without_passes_alone_the_floor_counts_a_chunks_own_time_by_its_passes_b
     own = 0.002 * sizes[-1]
     assert abs(own / (own + 0.1) - MIN_PROMPT_SHARE) < 0.02, sizes
     assert pacer.status()["t1"]["pass_rest_ms"] == pytest.approx(100, abs=5)
+
+
+def test_only_passes_with_nothing_decoding_beside_measure_a_chunks_cost_alone():
+    """Passes beside requests whose round is not measured yet are not paced, yet not alone either: their rows would
+    make the positions' cost alone look dearer, and the floor's rest smaller."""
+    pacer = ChunkPacer(256)
+    for depth in range(0, 1024, 256):
+        pacer.started("t1", True, "a")  # others decode, no round of theirs measured: the setting's chunk
+        pacer.chunk_ran("t1", 256, _alone_s(256, depth) + 0.1, "a", batch_positions=260, depth=depth)
+    assert pacer.status()["t1"]["alone_fit_ms"] is None and pacer.status()["t1"]["pass_fit_ms"] is None
+    for depth in range(0, 1024, 256):
+        pacer.started("t1", False, "b")
+        pacer.chunk_ran("t1", 256, _alone_s(256, depth), "b", batch_positions=256, depth=depth)
+    fixed, _, per_key = pacer.status()["t1"]["alone_fit_ms"]
+    assert fixed == pytest.approx(1e3 * (0.05 + 0.0024 * 256), rel=0.02) and per_key == pytest.approx(1.1, rel=0.02)
