@@ -36,7 +36,7 @@ so the prompt keeps about that share of its speed alone. The floor is one pass l
 median over about a prompt's passes, made a chunk by the fit of the passes beside): deep, a position costs more beside
 the rows than alone (~12% a key on the CPU), and a floor judged pass by pass made the deep passes 40% longer than the
 shallow ones, the streams' worst gaps. Issue 54 asks TTFT <= 1.5x and the streams' p99 gap <= 2x together; on the CPU
-the two meet only near one share: at 0.75, one length, the TTFT 1.40-1.46x and the p99 1.76-1.82x in three runs; at
+the two meet only near one share: at 0.75, one length, the TTFT 1.40-1.46x and the p99 1.76-1.95x in five runs; at
 0.7, pass by pass, 1.42x and 1.98x.
 
 The decoding rounds planned while a prompt prefills on their worker count its next chunk in their pass (`beside`):
@@ -64,6 +64,11 @@ IN_FLIGHT = -1  # a round's epoch when it started beside a chunk
 PROMPTS_KEPT = 8  # prompts whose chunk fits a worker keeps (the newest)
 
 
+def _median(values: deque[float]) -> float | None:
+    """The upper median (None: none)."""
+    return sorted(values)[len(values) // 2] if values else None
+
+
 @dataclass
 class _Worker:
     rounds: deque[float] = field(default_factory=lambda: deque(maxlen=ROUNDS_KEPT))  # while no chunk ran beside them
@@ -88,14 +93,14 @@ class _Worker:
         """What a pass beside the decoding requests costs but the chunk's positions at their cost alone (the weights'
         pass, the rows, what serving beside them adds): the median over about a prompt's passes, deep and shallow."""
         rests = self.rests or self.fit_rests
-        return sorted(rests)[len(rests) // 2] if rests else None
+        return _median(rests)
 
     @property
     def round_s(self) -> float | None:
         """A decoding request's round: the median of the latest, so that the few slow ones around a prompt's first
         round (its rest, its head's catch-up over 4K positions) do not pace the next prompt (as a decayed mean they
         moved it from 91 to 227 ms, and the next prompt's passes to 0.9 s)."""
-        return sorted(self.rounds)[len(self.rounds) // 2] if self.rounds else None
+        return _median(self.rounds)
 
 
 class ChunkPacer:
@@ -205,7 +210,7 @@ class ChunkPacer:
         if w.rest_s is None or not w.fit_rests:
             return None
         pass_s = w.rest_s / (1 - MIN_PROMPT_SHARE)
-        return w.cost.chunk_for(pass_s - sorted(w.fit_rests)[len(w.fit_rests) // 2], depth)
+        return w.cost.chunk_for(pass_s - _median(w.fit_rests), depth)
 
     def epoch(self, worker: str) -> int:
         """Read at a round's start; `round_ran` compares it. A round that starts while a prompt prefills there (from
