@@ -7,22 +7,12 @@ import json
 import sys
 import time
 
-from specserve.cluster.bench.spec_bench import read_spec_bench, select_per_category
-from specserve.workers.config.request import SamplingParams, SpecParams
-from specserve.workers.config.settings import ModelConfig
-from specserve.workers.models.catalog import resolve_model
-from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
-from specserve.workers.models.packaged_heads import resolve_head
-from specserve.workers.runtime.loading import load_model
+from common import prompt_ids, questions, run, warm_up
+
 from specserve.workers.speculation import engine as eng
 from specserve.workers.speculation import round_drafting as rd
 
-path = resolve_model("smollm2-135m-instruct", progress=False)
-target = load_model(ModelConfig(path=path, device="cpu", dtype="float32"))
-engine = eng.SpecEngine(target, eagle_head=resolve_head("eagle", path))
-tok = target.tokenizer
 category = sys.argv[2]
-questions = [q for q in select_per_category(read_spec_bench(sys.argv[1]), 10) if q.category == category]
 trace, cur = [], {}
 _round, _plan, _observe = eng.SpecEngine._tree_round, rd.TreeRounds.plan, rd.TreeRounds.observe
 
@@ -50,20 +40,10 @@ def tree_round(self, state, rounds, params, generator):
 eng.SpecEngine._tree_round, rd.TreeRounds.plan, rd.TreeRounds.observe = tree_round, plan, observe
 
 
-def run(arm, prompt, n=128):
-    engine.forget_prefixes()
-    spec = SpecParams(method="none") if arm == "off" else SpecParams(method="eagle-tree+ngram", k="auto")
-    t = time.perf_counter()
-    r = engine.generate(prompt, SamplingParams(max_new_tokens=n, temperature=0.0), spec)
-    return time.perf_counter() - t, r
-
-
-hello = chat_prompt_ids(tok, [ChatMessage(role="user", content="Hello, how are you?")])
-run("off", hello, 8)
-run("default", hello, 8)
+warm_up()
 out = []
-for q in questions:
-    prompt = chat_prompt_ids(tok, [ChatMessage(role="user", content=q.turns[0])])
+for q in questions(sys.argv[1], category):
+    prompt = prompt_ids(q.turns[0])
     s0, r0 = run("off", prompt)
     trace.clear()
     s1, r1 = run("default", prompt)
