@@ -1,46 +1,17 @@
 import os
 import pickle
-import pydoc_data.topics as T
-import random
 
 import torch
+from long_prompts import head, layers, long_prompts, tgt
 
-from specserve.workers.models.catalog import resolve_model
-from specserve.workers.models.packaged_heads import resolve_head
 from specserve.workers.speculation.eagle import head as H
-from specserve.workers.speculation.eagle.checkpoint import load_head
 from specserve.workers.speculation.ngram import ngram_match
-from specserve.workers.training.eagle_target import EagleTarget
 
-torch.set_num_threads(2)
-path = resolve_model("smollm2-135m-instruct", progress=False)
-tgt = EagleTarget(path)
-head = load_head(
-    resolve_head("eagle", path), None, tgt.hidden_size, tgt.vocab_size, target_num_layers=tgt.num_hidden_layers
-)
-layers = list(head.config.feature_layers)
 cache = "/tmp/exp/answers.pkl"
 if os.path.exists(cache):
     prompts, kinds, answers = pickle.load(open(cache, "rb"))
 else:
-    keys = sorted(T.topics)
-    random.Random(0).shuffle(keys)
-    KINDS = [
-        ("Summarize the following text in a few sentences.\n\n{p}", "sum"),
-        ("{p}\n\nBased on the passage above, what is the main purpose of the feature it describes?", "rag"),
-        ("Write a short summary of this documentation:\n\n{p}", "sum"),
-    ]
-    prompts, kinds = [], []
-    for i, k in enumerate(keys):
-        ids = tgt.tokenizer(T.topics[k])["input_ids"]
-        if len(ids) < 400:
-            continue
-        p = tgt.tokenizer.decode(ids[: random.Random(i).randint(500, 1100)])
-        tmpl, kind = KINDS[len(prompts) % 3]
-        prompts.append(tgt.chat_prompt(tmpl.format(p=p)))
-        kinds.append(kind)
-        if len(prompts) >= 12:
-            break
+    prompts, kinds = long_prompts(12)
     answers = [tgt.generate([p], 64, None, 0)[0] for p in prompts]
     pickle.dump((prompts, kinds, answers), open(cache, "wb"))
 K = 4

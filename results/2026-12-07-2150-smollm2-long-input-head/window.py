@@ -1,46 +1,16 @@
 """Head acceptance on long-input prompts (own passages from pydoc topics), teacher-forced, full vs windowed
 attention."""
 
-import pydoc_data.topics as T
-import random
 import sys
 import time
 
 import torch
+from long_prompts import head, layers, long_prompts, tgt
 
-from specserve.workers.models.catalog import resolve_model
-from specserve.workers.models.packaged_heads import resolve_head
 from specserve.workers.speculation.eagle import head as H
-from specserve.workers.speculation.eagle.checkpoint import load_head
-from specserve.workers.training.eagle_target import EagleTarget
 
-torch.set_num_threads(2)
-path = resolve_model("smollm2-135m-instruct")
-tgt = EagleTarget(path)
-head = load_head(
-    resolve_head("eagle", path), None, tgt.hidden_size, tgt.vocab_size, target_num_layers=tgt.num_hidden_layers
-)
-layers = list(head.config.feature_layers)
-keys = sorted(T.topics)
-random.Random(0).shuffle(keys)
-KINDS = [
-    ("Summarize the following text in a few sentences.\n\n{p}", "sum"),
-    ("{p}\n\nBased on the passage above, what is the main purpose of the feature it describes?", "rag"),
-    ("Write a short summary of this documentation:\n\n{p}", "sum"),
-]
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 12
-prompts, kinds = [], []
-for i, k in enumerate(keys):
-    text = T.topics[k]
-    ids = tgt.tokenizer(text)["input_ids"]
-    if len(ids) < 400:
-        continue
-    p = tgt.tokenizer.decode(ids[: random.Random(i).randint(500, 1100)])
-    tmpl, kind = KINDS[len(prompts) % 3]
-    prompts.append(tgt.chat_prompt(tmpl.format(p=p)))
-    kinds.append(kind)
-    if len(prompts) >= N:
-        break
+prompts, kinds = long_prompts(N)
 t0 = time.time()
 answers = [tgt.generate([p], 64, None, 0)[0] for p in prompts]
 print("gen", time.time() - t0, [len(p) for p in prompts], flush=True)

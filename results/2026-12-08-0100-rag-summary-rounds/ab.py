@@ -8,20 +8,11 @@ import sys
 import time
 
 import variants
+from common import engine, prompt_ids
 
 from specserve.cluster.bench.spec_bench import read_spec_bench, select_per_category
 from specserve.workers.config.request import SamplingParams, SpecParams
-from specserve.workers.config.settings import ModelConfig
-from specserve.workers.models.catalog import resolve_model
-from specserve.workers.models.chat import ChatMessage, chat_prompt_ids
-from specserve.workers.models.packaged_heads import resolve_head
-from specserve.workers.runtime.loading import load_model
-from specserve.workers.speculation.engine import SpecEngine
 
-path = resolve_model("smollm2-135m-instruct", progress=False)
-target = load_model(ModelConfig(path=path, device="cpu", dtype="float32"))
-engine = SpecEngine(target, eagle_head=resolve_head("eagle", path))
-tok = target.tokenizer
 src, cats, per, maxnew = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
 questions = [q for q in select_per_category(read_spec_bench(src), per) if q.category in cats]
 arms = os.environ.get("ARMS", "off,base,new").split(",")
@@ -37,12 +28,12 @@ def run(arm, prompt):
     return time.perf_counter() - t, r
 
 
-hello = chat_prompt_ids(tok, [ChatMessage(role="user", content="Hello, how are you?")])
+hello = prompt_ids("Hello, how are you?")
 for a in arms:
     run(a, hello)
 res = {}
 for i, q in enumerate(questions):
-    prompt = chat_prompt_ids(tok, [ChatMessage(role="user", content=q.turns[0])])
+    prompt = prompt_ids(q.turns[0])
     outs = {}
     for a in arms if i % 2 == 0 else [arms[0], *arms[:0:-1]]:
         s, r = run(a, prompt)

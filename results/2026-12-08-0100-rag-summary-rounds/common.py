@@ -1,4 +1,4 @@
-"""What prefill.py and trace.py share: the engine (SmolLM2-135M-Instruct and its head, CPU, fp32), one Spec-Bench
+"""What prefill.py, trace.py and ab.py share: the engine (SmolLM2-135M-Instruct and its head, CPU, fp32), one Spec-Bench
 category's first 10 questions, and a cold greedy run of target-only ("off") or the default."""
 
 import time
